@@ -1,0 +1,83 @@
+"""cupy_poolmem: CUDA stream-ordered memory pools for CuPy.
+
+Device, NUMA-aware pinned and managed pools behind CuPy's allocator hooks, built on
+cuda.core.  Importing the package also registers multiprocessing reducers so CuPy
+arrays on IPC-enabled pools travel zero-copy through ``multiprocessing`` channels.
+
+Examples
+--------
+>>> import cupy, cupy_poolmem
+>>> cupy_poolmem.set_allocator()  # doctest: +SKIP
+>>> cupy_poolmem.set_pinned_memory_allocator()  # doctest: +SKIP
+"""
+
+from ._allocator import (
+    PoolAllocator,
+    get_pinned_pool,
+    get_pool,
+    set_allocator,
+    set_pinned_memory_allocator,
+    using,
+)
+from ._errors import (
+    CUDADriverError,
+    InvalidOptionError,
+    NoGPUError,
+    OptionTypeError,
+    OutOfPoolMemoryError,
+    PinnedOutOfMemoryError,
+    PoolClosedError,
+    PoolmemError,
+    SharingError,
+    UnsupportedError,
+    WrongDeviceError,
+)
+from ._poolstats import PoolStats
+from ._pools import (
+    DevicePool,
+    ManagedPool,
+    PinnedPool,
+    Pool,
+    all_pools,
+    device_count,
+    hotpath_implementation,
+    nearest_numa_node,
+)
+from ._sizes import format_bytes, parse_bytes
+from .managed import advise, prefetch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CUDADriverError",
+    "DevicePool",
+    "InvalidOptionError",
+    "ManagedPool",
+    "NoGPUError",
+    "OptionTypeError",
+    "OutOfPoolMemoryError",
+    "PinnedOutOfMemoryError",
+    "PinnedPool",
+    "Pool",
+    "PoolAllocator",
+    "PoolClosedError",
+    "PoolStats",
+    "PoolmemError",
+    "SharingError",
+    "UnsupportedError",
+    "WrongDeviceError",
+    "__version__",
+    "advise",
+    "all_pools",
+    "device_count",
+    "format_bytes",
+    "get_pinned_pool",
+    "get_pool",
+    "hotpath_implementation",
+    "nearest_numa_node",
+    "parse_bytes",
+    "prefetch",
+    "set_allocator",
+    "set_pinned_memory_allocator",
+    "using",
+]

@@ -1,0 +1,206 @@
+"""One-line allocators for CuPy: one pool per device, created lazily, and scoped use."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cupy
+
+from ._errors import OptionTypeError, PoolClosedError
+from ._pools import DevicePool, PinnedPool, Pool, _hp, nearest_numa_node, require_gpu
+
+__all__ = ["set_allocator", "set_pinned_memory_allocator", "using", "get_pool",
+           "get_pinned_pool", "PoolAllocator"]
+
+_lock = threading.Lock()
+_current: dict[str, PoolAllocator | None] = {"device": None, "pinned": None}
+
+
+class PoolAllocator:
+    """A ``malloc(size)`` callable that keeps one pool per device.
+
+    Created by :func:`set_allocator` and :func:`set_pinned_memory_allocator`; call it
+    like ``MemoryPool.malloc``.  The pool for a device is created the first time an
+    allocation happens with that device current, so multi-GPU code works unchanged.
+
+    Examples
+    --------
+    >>> alloc = cupy_poolmem.set_allocator(ipc=True)  # doctest: +SKIP
+    >>> alloc.pool(0).stats().n_allocs  # doctest: +SKIP
+    0
+    """
+
+    def __init__(self, factory: Callable[[int], Pool], kind: str) -> None:
+        self.kind = kind
+        self._factory = factory
+        self._pools: dict[int, Pool] = {}
+        self._plock = threading.Lock()
+        self._dispatch = _hp.Dispatch(self._create, require_gpu())
+
+    def _create(self, device: int) -> Pool:
+        with self._plock:
+            p = self._pools.get(device)
+            if p is None or p.closed:
+                p = self._pools[device] = self._factory(device)
+            return p
+
+    def __call__(self, size: int) -> Any:
+        return self._dispatch(size)
+
+    def pool(self, device: int | None = None) -> Pool:
+        """The pool serving ``device`` (default: current), created if needed."""
+        return self._create(cupy.cuda.runtime.getDevice() if device is None else device)
+
+    def pools(self) -> dict[int, Pool]:
+        """The pools created so far, by device ordinal."""
+        with self._plock:
+            return dict(self._pools)
+
+    def close(self) -> None:
+        """Close every pool this allocator created."""
+        with self._plock:
+            pools, self._pools = list(self._pools.values()), {}
+        self._dispatch._forget()
+        for p in set(pools):
+            p.close()
+
+
+def set_allocator(**pool_options: Any) -> PoolAllocator:
+    """Make CuPy allocate device memory from stream-ordered pools, one per GPU.
+
+    Parameters
+    ----------
+    **pool_options
+        Passed to :class:`DevicePool` for each device (``max_size``,
+        ``release_threshold``, ``ipc``).  ``ipc`` defaults to ``True`` so arrays can be
+        shared with other processes without a copy.
+
+    Returns
+    -------
+    PoolAllocator
+        The callable installed with :func:`cupy.cuda.set_allocator`.
+
+    Examples
+    --------
+    >>> import cupy, cupy_poolmem
+    >>> cupy_poolmem.set_allocator()  # doctest: +SKIP
+    >>> x = cupy.arange(10)  # allocated from the pool of the current device  # doctest: +SKIP
+    """
+    pool_options.setdefault("ipc", True)
+    _validate_options(DevicePool, pool_options)
+    alloc = PoolAllocator(lambda dev: DevicePool(device=dev, **pool_options), "device")
+    alloc.pool()  # create the current device's pool now: bad options fail here
+    cupy.cuda.set_allocator(alloc)
+    _replace("device", alloc)
+    return alloc
+
+
+def set_pinned_memory_allocator(**pool_options: Any) -> PoolAllocator:
+    """Make CuPy allocate pinned host memory from a pool on the GPU's nearest NUMA node.
+
+    One :class:`PinnedPool` serves all GPUs attached to the same NUMA node.
+
+    Parameters
+    ----------
+    **pool_options
+        Passed to :class:`PinnedPool` (``max_size``, ``release_threshold``, ``ipc``,
+        ``numa_node``).
+
+    Examples
+    --------
+    >>> cupy_poolmem.set_pinned_memory_allocator()  # doctest: +SKIP
+    >>> h = cupyx.empty_pinned((1 << 20,), dtype="u1")  # doctest: +SKIP
+    """
+    _validate_options(PinnedPool, pool_options)
+    by_node: dict[int, PinnedPool] = {}
+
+    def factory(dev: int) -> PinnedPool:
+        node = pool_options.get("numa_node")
+        node = nearest_numa_node(dev) if node is None else node
+        p = by_node.get(node)
+        if p is None or p.closed:
+            with cupy.cuda.Device(dev):
+                p = by_node[node] = PinnedPool(**pool_options)
+        return p
+
+    alloc = PoolAllocator(factory, "pinned")
+    alloc.pool()
+    cupy.cuda.set_pinned_memory_allocator(alloc)
+    _replace("pinned", alloc)
+    return alloc
+
+
+def _validate_options(cls: type, options: dict) -> None:
+    import inspect
+
+    allowed = set(inspect.signature(cls.__init__).parameters) - {"self", "device"}
+    bad = sorted(set(options) - allowed)
+    if bad:
+        raise OptionTypeError(f"unknown option(s) {', '.join(bad)} for {cls.__name__}; "
+                              f"valid options: {', '.join(sorted(allowed))}")
+
+
+def _replace(kind: str, alloc: PoolAllocator) -> None:
+    with _lock:
+        _current[kind] = alloc
+
+
+def get_pool(device: int | None = None) -> Pool:
+    """The :class:`DevicePool` that :func:`set_allocator` uses for ``device``.
+
+    Raises
+    ------
+    PoolClosedError
+        If :func:`set_allocator` has not been called in this process.
+
+    Examples
+    --------
+    >>> cupy_poolmem.set_allocator()  # doctest: +SKIP
+    >>> cupy_poolmem.get_pool().stats()  # doctest: +SKIP
+    """
+    alloc = _current["device"]
+    if alloc is None:
+        raise PoolClosedError("no pool: call cupy_poolmem.set_allocator() first")
+    return alloc.pool(device)
+
+
+def get_pinned_pool(device: int | None = None) -> Pool:
+    """The :class:`PinnedPool` that :func:`set_pinned_memory_allocator` uses for ``device``."""
+    alloc = _current["pinned"]
+    if alloc is None:
+        raise PoolClosedError("no pinned pool: call cupy_poolmem.set_pinned_memory_allocator()")
+    return alloc.pool(device)
+
+
+@contextlib.contextmanager
+def using(pool: Pool | Callable[[int], Any]) -> Iterator[Any]:
+    """Allocate from ``pool`` inside the ``with`` block, in this thread only.
+
+    Like :func:`cupy.cuda.using_allocator`; accepts a pool or any ``malloc``
+    callable.  Pinned pools go to CuPy's pinned allocator instead (process-wide:
+    CuPy has no thread-local pinned allocator; it is restored on exit).
+
+    Examples
+    --------
+    >>> pool = cupy_poolmem.DevicePool()  # doctest: +SKIP
+    >>> with cupy_poolmem.using(pool):  # doctest: +SKIP
+    ...     x = cupy.ones(100)
+    """
+    if isinstance(pool, PinnedPool):
+        # CuPy has no getter for the pinned allocator: restore ours, or CuPy's default.
+        prev = _current["pinned"] or cupy.get_default_pinned_memory_pool().malloc
+        cupy.cuda.set_pinned_memory_allocator(pool.malloc)
+        try:
+            yield pool
+        finally:
+            cupy.cuda.set_pinned_memory_allocator(prev)
+        return
+    malloc = pool.malloc if isinstance(pool, Pool) else pool
+    if not callable(malloc):
+        raise OptionTypeError(f"using() takes a cupy_poolmem pool or a malloc callable; "
+                              f"got {pool!r}")
+    with cupy.cuda.using_allocator(malloc):
+        yield pool

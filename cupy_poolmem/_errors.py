@@ -1,0 +1,158 @@
+"""One exception hierarchy for cupy_poolmem.
+
+Every error the package raises derives from :class:`PoolmemError`, and also from the
+builtin (or CuPy) type that existing handlers already catch, so adopting the package
+never silently changes which ``except`` clause runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cupy.cuda.memory import OutOfMemoryError as _CupyOutOfMemoryError
+from cupy_backends.cuda.api.runtime import CUDARuntimeError as _CUDARuntimeError
+
+__all__ = [
+    "PoolmemError",
+    "PoolClosedError",
+    "WrongDeviceError",
+    "InvalidOptionError",
+    "OptionTypeError",
+    "NoGPUError",
+    "UnsupportedError",
+    "CUDADriverError",
+    "OutOfPoolMemoryError",
+    "PinnedOutOfMemoryError",
+    "SharingError",
+    "check_driver",
+]
+
+_CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation, what CuPy's staging catches
+
+
+class PoolmemError(Exception):
+    """Base class of every error raised by cupy_poolmem."""
+
+
+class PoolClosedError(PoolmemError, RuntimeError):
+    """The pool was closed; create a new pool (or stop using this one)."""
+
+
+class WrongDeviceError(PoolmemError, ValueError):
+    """A pool was used while another CUDA device was current."""
+
+
+class InvalidOptionError(PoolmemError, ValueError):
+    """An option has a value of the right type but outside its valid range."""
+
+
+class OptionTypeError(PoolmemError, TypeError):
+    """An option has a value of the wrong type."""
+
+
+class NoGPUError(PoolmemError, RuntimeError):
+    """No CUDA driver or no CUDA device is available in this process."""
+
+
+class UnsupportedError(PoolmemError, RuntimeError):
+    """The driver, device or CUDA version lacks a feature (for example managed pools)."""
+
+
+class SharingError(PoolmemError, RuntimeError):
+    """An array could not be shared with, or received from, another process."""
+
+
+class CUDADriverError(PoolmemError, RuntimeError):
+    """A CUDA driver call failed.
+
+    Attributes
+    ----------
+    name : str
+        The CUDA error name, for example ``"CUDA_ERROR_INVALID_VALUE"``.
+    code : int
+        The numeric ``CUresult``.
+    call : str
+        The driver function that failed.
+    """
+
+    def __init__(self, call: str, code: int, name: str, detail: str = "") -> None:
+        self.call, self.code, self.name = call, int(code), name
+        msg = f"{call} failed: {name} ({int(code)})"
+        super().__init__(msg + (f": {detail}" if detail else ""))
+
+
+class OutOfPoolMemoryError(PoolmemError, _CupyOutOfMemoryError):
+    """A device or managed pool could not satisfy an allocation.
+
+    Subclasses :class:`cupy.cuda.memory.OutOfMemoryError`, so existing CuPy handlers
+    keep working.  Raised only after one retry that follows garbage collection, the
+    collection of blocks held for other processes, and a trim of the pool.
+
+    Attributes
+    ----------
+    pool : str
+        Description of the pool (kind, device).
+    size : int
+        Requested bytes.
+    stats : object
+        The pool's :class:`~cupy_poolmem.PoolStats` when the error was raised.
+    """
+
+    def __init__(self, pool: str, size: int, stats: Any = None) -> None:
+        self.pool, self.size, self.stats = pool, int(size), stats
+        used = getattr(stats, "used_bytes", 0)
+        reserved = getattr(stats, "reserved_bytes", 0)
+        limit = getattr(stats, "max_size", 0)
+        # OutOfMemoryError's own __init__ formats its message from (size, total, limit).
+        _CupyOutOfMemoryError.__init__(self, int(size), int(used), int(limit or 0))
+        lim = f"{limit:,} bytes" if limit else "device memory"
+        self.args = (
+            f"{pool}: out of memory allocating {int(size):,} bytes "
+            f"(used {used:,} bytes, reserved {reserved:,} bytes, limit {lim}) "
+            "after garbage collection, collecting shared blocks and trimming the pool",
+        )
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class PinnedOutOfMemoryError(PoolmemError, _CUDARuntimeError):
+    """The pinned pool could not satisfy an allocation.
+
+    Subclasses CuPy's ``CUDARuntimeError`` with ``status == cudaErrorMemoryAllocation``:
+    that is what CuPy's asynchronous host-to-device staging catches before it falls back
+    to a synchronous copy, so the fallback keeps working with a :class:`PinnedPool`.
+    """
+
+    def __init__(self, pool: str, size: int, stats: Any = None) -> None:
+        _CUDARuntimeError.__init__(self, _CUDA_ERROR_MEMORY_ALLOCATION)
+        self.pool, self.size, self.stats = pool, int(size), stats
+        self.args = (f"{pool}: out of pinned memory allocating {int(size):,} bytes "
+                     "(cudaErrorMemoryAllocation)",)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def check_driver(result: Any, call: str) -> Any:
+    """Unpack a ``cuda.bindings.driver`` result tuple; raise :class:`CUDADriverError` on failure.
+
+    Examples
+    --------
+    >>> from cuda.bindings import driver  # doctest: +SKIP
+    >>> check_driver(driver.cuDriverGetVersion(), "cuDriverGetVersion")  # doctest: +SKIP
+    13000
+    """
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    code = int(err)
+    if code != 0:
+        from cuda.bindings import driver
+
+        _, name = driver.cuGetErrorName(err)
+        name = name.decode() if isinstance(name, bytes) else str(err)
+        _, desc = driver.cuGetErrorString(err)
+        desc = desc.decode() if isinstance(desc, bytes) else ""
+        raise CUDADriverError(call, code, name, desc)
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)

@@ -1,0 +1,179 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The allocation hot path: ``malloc -> MemoryPointer`` and the stream-ordered free.
+
+Everything that happens per allocation is in :meth:`PoolCore.malloc` and
+:meth:`Block.__dealloc__`; everything else (creating pools, statistics, errors,
+sharing) lives in Python modules that call into this one.  ``_hotpath_py.py`` is the
+pure-Python twin used when this extension is not built; keep the two in step.
+
+Stream rule (documented for users): a block is allocated on CuPy's current stream
+and freed, stream-ordered, on that same stream when its last reference goes away.
+"""
+
+cimport cython
+from libc.stdint cimport uintptr_t
+from cuda.bindings cimport cydriver
+
+from cupy.cuda.memory import MemoryPointer as _MemoryPointer
+from cupy.cuda.memory import UnownedMemory as _UnownedMemory
+from cupy.cuda.pinned_memory import PinnedMemoryPointer as _PinnedMemoryPointer
+from cupy.cuda.stream import get_current_stream as _get_current_stream
+
+KIND_DEVICE = 0
+KIND_PINNED = 1
+KIND_MANAGED = 2
+IMPLEMENTATION = "cython"
+
+# Set by cupy_poolmem._sharing: called as fn(ptr, size, stream, share) for a block
+# that was exported to other processes; returns True when it kept the block (limbo).
+_shared_release = None
+
+
+def set_shared_release(fn):
+    global _shared_release
+    _shared_release = fn
+
+
+@cython.no_gc_clear
+cdef class Block:
+    """One live pool allocation; CuPy's memory object owns it through ``UnownedMemory``."""
+    cdef readonly uintptr_t ptr
+    cdef readonly size_t size
+    cdef readonly uintptr_t stream_ptr
+    cdef readonly object stream
+    cdef readonly PoolCore core
+    cdef public object share   # sharing record once exported (see _sharing.py)
+    cdef public object info    # tracking record (tag, call site) when observed
+    cdef object __weakref__
+
+    def __dealloc__(self):
+        cdef PoolCore core = self.core
+        if core is None or self.ptr == 0:
+            return
+        core.n_frees += 1
+        try:
+            if core.observer is not None:
+                core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
+            if self.share is not None and _shared_release is not None:
+                if _shared_release(self.ptr, self.size, self.stream, self.share):
+                    return
+            if core.release_hook is not None:
+                if core.release_hook(self.ptr, self.size, self.stream):
+                    return
+        except BaseException:
+            # Never free memory whose fate a hook could not decide: leaking is safe,
+            # reuse while another process reads is not.
+            core.n_free_errors += 1
+            return
+        core._free(self.ptr, self.stream_ptr)
+
+
+cdef class PoolCore:
+    """The per-pool state the hot path needs; Python pool classes subclass it."""
+    cdef cydriver.CUmemoryPool _pool
+    cdef readonly int device_id
+    cdef readonly int kind
+    cdef readonly bint closed
+    cdef public object observer      # None, or an object with on_alloc/on_free
+    cdef public object release_hook  # None, or fn(ptr, size, stream) -> bool
+    cdef public unsigned long long n_allocs
+    cdef public unsigned long long n_frees
+    cdef public unsigned long long n_free_errors
+    cdef public unsigned long long n_oom
+
+    def _attach(self, uintptr_t pool_handle, int device_id, int kind):
+        self._pool = <cydriver.CUmemoryPool>pool_handle
+        self.device_id = device_id
+        self.kind = kind
+
+    def _mark_closed(self):
+        self.closed = True
+
+    def malloc(self, size_t size):
+        """Allocate ``size`` bytes on CuPy's current stream; see the pool's docstring."""
+        cdef cydriver.CUdevice cur = -1
+        cdef cydriver.CUdeviceptr dptr = 0
+        cdef cydriver.CUresult err
+        cdef Block b
+        if self.closed:
+            self._raise_closed()
+        stream = _get_current_stream()
+        cdef uintptr_t sptr = stream.ptr
+        if self.kind != KIND_PINNED:
+            err = cydriver.cuCtxGetDevice(&cur)
+            if err != 0 or cur != self.device_id:
+                self._raise_wrong_device(int(cur))
+        if size != 0:
+            err = cydriver.cuMemAllocFromPoolAsync(&dptr, size, self._pool,
+                                                   <cydriver.CUstream>sptr)
+            if err != 0:
+                dptr = self._alloc_failed(int(err), size, stream)
+        b = Block.__new__(Block)
+        b.ptr = dptr
+        b.size = size
+        b.stream_ptr = sptr
+        b.stream = stream
+        b.core = self
+        self.n_allocs += 1
+        if self.observer is not None:
+            self.observer.on_alloc(b)
+        if self.kind == KIND_PINNED:
+            return _PinnedMemoryPointer(b, 0)
+        return _MemoryPointer(_UnownedMemory(dptr, size, b, self.device_id), 0)
+
+    def _try_alloc(self, size_t size, uintptr_t stream_ptr):
+        """One raw attempt: returns ``(CUresult, ptr)``; used by the slow paths."""
+        cdef cydriver.CUdeviceptr dptr = 0
+        cdef cydriver.CUresult err = cydriver.cuMemAllocFromPoolAsync(
+            &dptr, size, self._pool, <cydriver.CUstream>stream_ptr)
+        return int(err), int(dptr)
+
+    cdef _free(self, uintptr_t ptr, uintptr_t stream_ptr):
+        cdef cydriver.CUresult err = cydriver.cuMemFreeAsync(
+            <cydriver.CUdeviceptr>ptr, <cydriver.CUstream>stream_ptr)
+        if err != 0:
+            self.n_free_errors += 1
+
+    def _free_now(self, uintptr_t ptr, uintptr_t stream_ptr):
+        """Free a block a hook kept earlier (limbo, deferred pinned frees)."""
+        self._free(ptr, stream_ptr)
+
+    # Slow paths, overridden by the Python pool classes.
+    def _raise_closed(self):
+        raise RuntimeError("pool is closed")
+
+    def _raise_wrong_device(self, current):
+        raise RuntimeError(f"wrong device {current}")
+
+    def _alloc_failed(self, err, size, stream):
+        raise MemoryError(f"CUresult {err} allocating {size} bytes")
+
+
+cdef class Dispatch:
+    """``malloc(size)`` that forwards to the current device's pool (created on first use)."""
+    cdef list _mallocs
+    cdef object _create
+
+    def __init__(self, create, int n_devices):
+        self._mallocs = [None] * n_devices
+        self._create = create
+
+    def __call__(self, size_t size):
+        cdef cydriver.CUdevice d = 0
+        if cydriver.cuCtxGetDevice(&d) != 0 or d >= len(self._mallocs):
+            return self._slow(-1)(size)
+        m = self._mallocs[d]
+        if m is None:
+            m = self._slow(d)
+        return m(size)
+
+    def _slow(self, int d):
+        if d < 0:
+            import cupy
+            d = cupy.cuda.runtime.getDevice()
+        m = self._create(d).malloc
+        self._mallocs[d] = m
+        return m
+
+    def _forget(self):
+        self._mallocs = [None] * len(self._mallocs)

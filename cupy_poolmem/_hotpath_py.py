@@ -1,0 +1,155 @@
+"""Pure-Python twin of ``_hotpath.pyx``, used when the extension is not built.
+
+Same classes, same behaviour, roughly 1.6x slower per allocation (see
+``benchmarks/alloc.py``).  Keep the two files in step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cuda.bindings import driver as _drv
+from cupy.cuda.memory import MemoryPointer as _MemoryPointer
+from cupy.cuda.memory import UnownedMemory as _UnownedMemory
+from cupy.cuda.pinned_memory import PinnedMemoryPointer as _PinnedMemoryPointer
+from cupy.cuda.stream import get_current_stream as _get_current_stream
+
+KIND_DEVICE = 0
+KIND_PINNED = 1
+KIND_MANAGED = 2
+IMPLEMENTATION = "python"
+
+_shared_release = None
+_alloc = _drv.cuMemAllocFromPoolAsync
+_free = _drv.cuMemFreeAsync
+_ctx_device = _drv.cuCtxGetDevice
+
+
+def set_shared_release(fn: Any) -> None:
+    global _shared_release
+    _shared_release = fn
+
+
+class Block:
+    """One live pool allocation; CuPy's memory object owns it through ``UnownedMemory``."""
+
+    __slots__ = ("ptr", "size", "stream_ptr", "stream", "core", "share", "info", "__weakref__")
+
+    def __del__(self) -> None:
+        core = self.core
+        if core is None or self.ptr == 0:
+            return
+        core.n_frees += 1
+        try:
+            if core.observer is not None:
+                core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
+            if self.share is not None and _shared_release is not None:
+                if _shared_release(self.ptr, self.size, self.stream, self.share):
+                    return
+            if core.release_hook is not None:
+                if core.release_hook(self.ptr, self.size, self.stream):
+                    return
+        except BaseException:
+            core.n_free_errors += 1
+            return
+        core._free_now(self.ptr, self.stream_ptr)
+
+
+class PoolCore:
+    """The per-pool state the hot path needs; Python pool classes subclass it."""
+
+    def __init__(self) -> None:  # pragma: no cover - subclasses call _attach
+        pass
+
+    _pool: Any = None
+    device_id = -1
+    kind = KIND_DEVICE
+    closed = False
+    observer: Any = None
+    release_hook: Any = None
+    n_allocs = 0
+    n_frees = 0
+    n_free_errors = 0
+    n_oom = 0
+
+    def _attach(self, pool_handle: int, device_id: int, kind: int) -> None:
+        self._pool = _drv.CUmemoryPool(pool_handle)
+        self.device_id = device_id
+        self.kind = kind
+
+    def _mark_closed(self) -> None:
+        self.closed = True
+
+    def malloc(self, size: int) -> Any:
+        """Allocate ``size`` bytes on CuPy's current stream; see the pool's docstring."""
+        if self.closed:
+            self._raise_closed()
+        if size < 0:
+            raise OverflowError(f"can't allocate a negative size ({size})")
+        stream = _get_current_stream()
+        sptr = stream.ptr
+        if self.kind != KIND_PINNED:
+            err, cur = _ctx_device()
+            if err or int(cur) != self.device_id:
+                self._raise_wrong_device(int(cur) if not err else -1)
+        dptr = 0
+        if size:
+            err, p = _alloc(size, self._pool, sptr)
+            dptr = int(p) if not err else self._alloc_failed(int(err), size, stream)
+        b = Block()
+        b.ptr, b.size, b.stream_ptr, b.stream, b.core = dptr, size, sptr, stream, self
+        b.share = b.info = None
+        self.n_allocs += 1
+        if self.observer is not None:
+            self.observer.on_alloc(b)
+        if self.kind == KIND_PINNED:
+            return _PinnedMemoryPointer(b, 0)
+        return _MemoryPointer(_UnownedMemory(dptr, size, b, self.device_id), 0)
+
+    def _try_alloc(self, size: int, stream_ptr: int) -> tuple[int, int]:
+        err, p = _alloc(size, self._pool, stream_ptr)
+        return int(err), (int(p) if not err else 0)
+
+    def _free_now(self, ptr: int, stream_ptr: int) -> None:
+        (err,) = _free(ptr, stream_ptr)
+        if err:
+            self.n_free_errors += 1
+
+    def _raise_closed(self) -> None:
+        raise RuntimeError("pool is closed")
+
+    def _raise_wrong_device(self, current: int) -> None:
+        raise RuntimeError(f"wrong device {current}")
+
+    def _alloc_failed(self, err: int, size: int, stream: Any) -> int:
+        raise MemoryError(f"CUresult {err} allocating {size} bytes")
+
+
+class Dispatch:
+    """``malloc(size)`` that forwards to the current device's pool (created on first use)."""
+
+    def __init__(self, create: Any, n_devices: int) -> None:
+        self._mallocs: list[Any] = [None] * n_devices
+        self._create = create
+
+    def __call__(self, size: int) -> Any:
+        err, d = _ctx_device()
+        d = int(d)
+        if err or d >= len(self._mallocs):
+            return self._slow(-1)(size)
+        m = self._mallocs[d]
+        if m is None:
+            m = self._slow(d)
+        return m(size)
+
+    def _slow(self, d: int) -> Any:
+        if d < 0:
+            import cupy
+
+            d = cupy.cuda.runtime.getDevice()
+        m = self._create(d).malloc
+        self._mallocs[d] = m
+        return m
+
+    def _forget(self) -> None:
+        self._mallocs = [None] * len(self._mallocs)

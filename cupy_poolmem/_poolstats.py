@@ -1,0 +1,69 @@
+"""The :class:`PoolStats` snapshot returned by ``pool.stats()``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["PoolStats"]
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot of one pool's counters.
+
+    Byte counts come from the CUDA driver's pool attributes; allocation counts from
+    the pool's own hot path.  ``used_bytes`` drops when a free is enqueued on its
+    stream; ``reserved_bytes`` drops when the pool releases memory to the system
+    (see ``release_threshold`` and :meth:`DevicePool.trim`).
+
+    Attributes
+    ----------
+    kind : str
+        ``"device"``, ``"pinned"`` or ``"managed"``.
+    device : int
+        Device ordinal (``-1`` for a pinned pool).
+    used_bytes, peak_used_bytes : int
+        Bytes handed out to live allocations, now and at the high-water mark.
+    reserved_bytes, peak_reserved_bytes : int
+        Bytes the pool holds from the system, now and at the high-water mark.
+    n_allocs, n_frees : int
+        Allocations and frees made through ``malloc`` since the pool was created.
+    held_for_sharing_bytes : int
+        Bytes freed here but kept alive because another process still uses them.
+    max_size : int
+        Hard cap of the pool (``0``: no cap beyond the device).
+    release_threshold : int
+        Bytes the pool keeps reserved across synchronisations.
+
+    Examples
+    --------
+    >>> import cupy, cupy_poolmem  # doctest: +SKIP
+    >>> pool = cupy_poolmem.DevicePool()  # doctest: +SKIP
+    >>> with cupy_poolmem.using(pool):  # doctest: +SKIP
+    ...     x = cupy.ones(1000)
+    >>> pool.stats().used_bytes >= 8000  # doctest: +SKIP
+    True
+    """
+
+    kind: str
+    device: int
+    used_bytes: int
+    peak_used_bytes: int
+    reserved_bytes: int
+    peak_reserved_bytes: int
+    n_allocs: int
+    n_frees: int
+    held_for_sharing_bytes: int = 0
+    max_size: int = 0
+    release_threshold: int = 0
+
+    @property
+    def live_allocs(self) -> int:
+        """Allocations not yet freed (``n_allocs - n_frees``)."""
+        return self.n_allocs - self.n_frees
+
+    def to_dict(self) -> dict:
+        """Plain ``dict`` of the fields (for JSON, ``client.run``)."""
+        d = asdict(self)
+        d["live_allocs"] = self.live_allocs
+        return d
