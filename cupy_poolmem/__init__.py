@@ -32,7 +32,6 @@ from ._errors import (
     UnsupportedError,
     WrongDeviceError,
 )
-from ._poolstats import PoolStats
 from ._pools import (
     DevicePool,
     ManagedPool,
@@ -43,6 +42,7 @@ from ._pools import (
     hotpath_implementation,
     nearest_numa_node,
 )
+from ._poolstats import PoolStats
 from ._sizes import format_bytes, parse_bytes
 from .managed import advise, prefetch
 

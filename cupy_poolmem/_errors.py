@@ -148,10 +148,15 @@ def check_driver(result: Any, call: str) -> Any:
     if code != 0:
         from cuda.bindings import driver
 
-        _, name = driver.cuGetErrorName(err)
-        name = name.decode() if isinstance(name, bytes) else str(err)
-        _, desc = driver.cuGetErrorString(err)
-        desc = desc.decode() if isinstance(desc, bytes) else ""
+        try:
+            name = driver.CUresult(code).name
+        except ValueError:
+            name = f"CUresult {code}"
+        try:
+            _, desc = driver.cuGetErrorString(driver.CUresult(code))
+            desc = desc.decode() if isinstance(desc, bytes) else ""
+        except Exception:  # no libcuda: the name alone
+            desc = ""
         raise CUDADriverError(call, code, name, desc)
     if not rest:
         return None

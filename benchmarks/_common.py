@@ -1,0 +1,54 @@
+"""Helpers shared by the benchmarks: timing, version header, table printing."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def header(title: str) -> str:
+    import cupy
+
+    import cupy_poolmem
+
+    lines = [f"== {title} =="]
+    try:
+        import cuda.core
+
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        lines.append(f"device: {name} | cupy {cupy.__version__} | cuda.core {cuda.core.__version__}"
+                     f" | cupy_poolmem {cupy_poolmem.__version__} "
+                     f"(hot path: {cupy_poolmem.hotpath_implementation()})")
+    except Exception as exc:  # pragma: no cover
+        lines.append(f"(no device information: {exc})")
+    extra = []
+    for mod in ("rmm", "torch"):
+        try:
+            extra.append(f"{mod} {__import__(mod).__version__}")
+        except Exception:
+            extra.append(f"{mod} not installed")
+    lines.append("peers: " + ", ".join(extra))
+    return "\n".join(lines)
+
+
+def median_time(fn: Callable[[], object], n: int, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the mean seconds per call of ``fn`` over ``n`` calls."""
+    for _ in range(min(n, 500)):
+        fn()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        runs.append((time.perf_counter() - t0) / n)
+    return statistics.median(runs)
+
+
+def table(columns: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)), *(len(str(r[i])) for r in rows)) for i, c in enumerate(columns)]
+    out = [" | ".join(str(c).ljust(w) for c, w in zip(columns, widths)),
+           "-+-".join("-" * w for w in widths)]
+    out += [" | ".join(str(v).ljust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)

@@ -1,0 +1,185 @@
+"""``python -m cupy_poolmem`` doctor: what this machine supports, then a short self-check."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["doctor", "self_check", "time_alloc"]
+
+
+def _versions() -> list[tuple[str, str]]:
+    out = [("python", platform.python_version())]
+    for mod in ("cupy_poolmem", "cupy", "cuda.core", "cuda.bindings", "numpy"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            out.append((mod, getattr(m, "__version__", "?")))
+        except Exception as exc:
+            out.append((mod, f"not importable ({type(exc).__name__}: {exc})"))
+    try:
+        from ._pools import hotpath_implementation
+
+        out.append(("hot path", hotpath_implementation()))
+    except Exception as exc:
+        out.append(("hot path", f"unavailable ({exc})"))
+    return out
+
+
+def _driver_version() -> tuple[int | None, str]:
+    try:
+        from cuda.bindings import driver
+
+        err, v = driver.cuDriverGetVersion()
+        if int(err):
+            return None, f"cuDriverGetVersion failed ({err})"
+        return v, f"{v // 1000}.{v % 1000 // 10}"
+    except Exception as exc:
+        return None, f"no CUDA driver ({type(exc).__name__}: {exc})"
+
+
+def _gpu_rows(n: int) -> list[str]:
+    import cuda.core as cc
+    import cupy
+
+    from ._pools import nearest_numa_node
+
+    rows = []
+    for i in range(n):
+        d = cc.Device(i)
+        p = d.properties
+        free, total = cupy.cuda.Device(i).mem_info
+        feats = {
+            "device pools": p.memory_pools_supported,
+            "host NUMA pools": getattr(p, "host_numa_memory_pools_supported", False),
+            "managed": getattr(p, "concurrent_managed_access", False),
+        }
+        try:
+            from cuda.bindings import driver
+
+            err, types = driver.cuDeviceGetAttribute(
+                driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES, i)
+            feats["pool IPC (fd)"] = bool(int(types) & 1) if not int(err) else False
+        except Exception:
+            feats["pool IPC (fd)"] = False
+        f = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in feats.items())
+        rows.append(f"  GPU {i}: {d.name} | {total / 2**30:.1f} GiB ({free / 2**30:.1f} free) | "
+                    f"cc {p.compute_capability_major}.{p.compute_capability_minor} | "
+                    f"UUID {d.uuid} | PCI {d.pci_bus_id} | NUMA node {nearest_numa_node(i)}")
+        rows.append(f"         {f}")
+    return rows
+
+
+def self_check(out: Callable[[str], Any] = print) -> bool:
+    """Write a pattern through each pool kind, read it back; return ``True`` if all pass."""
+    import cupy
+    import cupyx
+    import numpy as np
+
+    from ._pools import DevicePool, ManagedPool, PinnedPool
+
+    ok = True
+    n = 1 << 20
+
+    def check(name: str, fn: Callable[[], bool]) -> None:
+        nonlocal ok
+        try:
+            good = fn()
+        except Exception as exc:
+            good = False
+            out(f"  {name:8s} FAILED ({type(exc).__name__}: {exc})")
+            ok = False
+            return
+        ok &= good
+        out(f"  {name:8s} {'ok' if good else 'WRONG DATA'}")
+
+    def dev_check(pool_cls: type) -> Callable[[], bool]:
+        def run() -> bool:
+            with pool_cls() as pool, cupy.cuda.using_allocator(pool.malloc):
+                x = cupy.arange(n, dtype=cupy.uint32) * 3 + 1
+                good = bool((x.get() == np.arange(n, dtype=np.uint32) * 3 + 1).all())
+                return good and pool.stats().n_allocs >= 1
+        return run
+
+    def pinned_check() -> bool:
+        with PinnedPool() as pool:
+            from ._allocator import using
+
+            with using(pool):
+                h = cupyx.empty_pinned((n,), dtype=np.uint32)
+                h[:] = np.arange(n, dtype=np.uint32)
+                d = cupy.asarray(h)
+                h2 = cupyx.empty_pinned((n,), dtype=np.uint32)
+                (d * 2).get(out=h2)
+                return bool((h2 == np.arange(n, dtype=np.uint32) * 2).all())
+
+    check("device", dev_check(DevicePool))
+    check("pinned", pinned_check)
+    check("managed", dev_check(ManagedPool))
+    return ok
+
+
+def time_alloc(malloc: Callable[[int], Any] | None, size: int = 1 << 20, n: int = 20000) -> float:
+    """Microseconds per ``cupy.empty(size)`` + free with ``malloc`` as CuPy's allocator."""
+    import cupy
+
+    with cupy.cuda.using_allocator(malloc):
+        for _ in range(500):
+            cupy.empty(size, dtype=cupy.uint8)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            cupy.empty(size, dtype=cupy.uint8)
+        dt = time.perf_counter() - t0
+    return dt / n * 1e6
+
+
+def doctor(out: Callable[[str], Any] = print, check: bool = True) -> int:
+    """Print versions, driver, GPUs, NUMA placement and pool features; then self-check.
+
+    Returns the process exit status: ``0`` when everything works, ``2`` without a
+    usable GPU or driver, ``1`` when a self-check fails.
+    """
+    out("cupy_poolmem doctor")
+    for k, v in _versions():
+        out(f"  {k:14s} {v}")
+    v, text = _driver_version()
+    out(f"  {'CUDA driver':14s} {text}")
+    if v is None:
+        out("\nNo usable CUDA driver: cupy_poolmem needs an NVIDIA GPU with its driver "
+            "(check `nvidia-smi`). Nothing else to check.")
+        return 2
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        out(f"\nCUDA could not be initialised ({type(exc).__name__}: {exc}).\n"
+            "Check the driver, that it is new enough for this CuPy build, and CUDA_VISIBLE_DEVICES.")
+        return 2
+    if n == 0:
+        out("\nThe driver sees no GPU (is CUDA_VISIBLE_DEVICES empty?).")
+        return 2
+    out(f"  {'GPUs':14s} {n}")
+    for row in _gpu_rows(n):
+        out(row)
+    if not check:
+        return 0
+    out("self-check (write a pattern, read it back):")
+    ok = self_check(out)
+    from ._pools import DevicePool
+
+    with DevicePool() as pool:
+        ours = time_alloc(pool.malloc)
+        mp = cupy.cuda.MemoryPool()
+        ref = time_alloc(mp.malloc)
+        mp.free_all_blocks()
+    out(f"timing: cupy.empty(1 MiB)+free  DevicePool {ours:.2f} us  vs  CuPy MemoryPool "
+        f"{ref:.2f} us  ({ours / ref:.2f}x)")
+    out("all checks passed" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(doctor())

@@ -1,0 +1,20 @@
+"""Shared test set-up: GPU tests skip, with a reason, where there is no GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+import cupy_poolmem
+
+N_GPUS = cupy_poolmem.device_count()
+
+
+def pytest_collection_modifyitems(config, items):
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU: this machine has no GPU or driver "
+                                     "(GPU tests run on the lent GPU; see README)")
+    one_gpu = pytest.mark.skip(reason=f"needs 2 GPUs; this machine has {N_GPUS}")
+    for item in items:
+        if "gpu" in item.keywords and N_GPUS == 0:
+            item.add_marker(no_gpu)
+        elif "multigpu" in item.keywords and N_GPUS < 2:
+            item.add_marker(one_gpu)

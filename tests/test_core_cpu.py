@@ -1,0 +1,162 @@
+"""CPU tests of the core: options, errors without a GPU, sizes, CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import cupy_poolmem as cpm
+from cupy_poolmem import _errors
+
+NO_GPU = cpm.device_count() == 0
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("40GB", 40 * 10**9), ("512MiB", 512 * 2**20), ("1.5 kB", 1500), (1024, 1024),
+    ("2048", 2048), (0, 0), ("1TiB", 2**40),
+])
+def test_parse_bytes_units(value, expected):
+    assert cpm.parse_bytes(value) == expected
+
+
+def test_parse_bytes_fraction_needs_total():
+    assert cpm.parse_bytes("0.9", total=1000) == 900
+    assert cpm.parse_bytes(0.25, total=1000) == 250
+    with pytest.raises(cpm.InvalidOptionError, match="fraction"):
+        cpm.parse_bytes("0.9")
+
+
+@pytest.mark.parametrize("bad", [[1], True, b"1GB", object()])
+def test_parse_bytes_type_errors_name_the_value(bad):
+    with pytest.raises(cpm.OptionTypeError, match="max_size") as ei:
+        cpm.parse_bytes(bad, name="max_size")
+    assert isinstance(ei.value, TypeError)
+    assert type(bad).__name__ in str(ei.value)
+
+
+@pytest.mark.parametrize("bad", ["lots", -5, "12 parsecs", 1.5])
+def test_parse_bytes_value_errors(bad):
+    with pytest.raises(cpm.InvalidOptionError) as ei:
+        cpm.parse_bytes(bad, name="max_size")
+    assert isinstance(ei.value, ValueError) and "max_size" in str(ei.value)
+
+
+def test_format_bytes():
+    assert cpm.format_bytes(3 * 2**30) == "3.00 GiB"
+    assert cpm.format_bytes(12) == "12 B"
+
+
+def test_error_hierarchy():
+    import cupy
+    from cupy_backends.cuda.api.runtime import CUDARuntimeError
+
+    assert issubclass(cpm.OutOfPoolMemoryError, cupy.cuda.memory.OutOfMemoryError)
+    assert issubclass(cpm.PinnedOutOfMemoryError, CUDARuntimeError)
+    for cls in (cpm.PoolClosedError, cpm.WrongDeviceError, cpm.InvalidOptionError,
+                cpm.OptionTypeError, cpm.NoGPUError, cpm.UnsupportedError, cpm.CUDADriverError,
+                cpm.OutOfPoolMemoryError, cpm.PinnedOutOfMemoryError, cpm.SharingError):
+        assert issubclass(cls, cpm.PoolmemError)
+
+
+def test_oom_error_message_names_pool_size_and_stats():
+    st = cpm.PoolStats(kind="device", device=0, used_bytes=5000, peak_used_bytes=6000,
+                       reserved_bytes=8000, peak_reserved_bytes=8000, n_allocs=3, n_frees=1,
+                       max_size=10000)
+    e = cpm.OutOfPoolMemoryError("DevicePool(device=0)", 123456, st)
+    s = str(e)
+    assert "DevicePool(device=0)" in s and "123,456" in s and "5,000" in s and "10,000" in s
+    assert e.size == 123456 and e.stats is st
+
+
+def test_pinned_oom_is_what_cupy_staging_catches():
+    e = cpm.PinnedOutOfMemoryError("PinnedPool(numa_node=0)", 99)
+    assert e.status == 2  # cudaErrorMemoryAllocation
+    assert "99" in str(e)
+
+
+def test_driver_error_keeps_cuda_error_name():
+    from cuda.bindings import driver
+
+    with pytest.raises(cpm.CUDADriverError) as ei:
+        _errors.check_driver((driver.CUresult.CUDA_ERROR_INVALID_VALUE,), "cuSomething")
+    assert ei.value.name == "CUDA_ERROR_INVALID_VALUE"
+    assert "CUDA_ERROR_INVALID_VALUE" in str(ei.value) and "cuSomething" in str(ei.value)
+
+
+def test_check_driver_unpacks_success():
+    from cuda.bindings import driver
+
+    assert _errors.check_driver((driver.CUresult.CUDA_SUCCESS, 7), "x") == 7
+    assert _errors.check_driver((driver.CUresult.CUDA_SUCCESS,), "x") is None
+
+
+def test_poolstats_derived_fields():
+    st = cpm.PoolStats(kind="device", device=0, used_bytes=1, peak_used_bytes=2,
+                       reserved_bytes=3, peak_reserved_bytes=4, n_allocs=10, n_frees=7)
+    assert st.live_allocs == 3
+    assert st.to_dict()["live_allocs"] == 3 and st.to_dict()["reserved_bytes"] == 3
+
+
+def test_hotpath_implementation_reported():
+    assert cpm.hotpath_implementation() in ("cython", "python")
+
+
+def test_public_api_is_exported_and_documented():
+    for name in cpm.__all__:
+        obj = getattr(cpm, name)
+        if callable(obj) and not isinstance(obj, type(Exception)) and name != "__version__":
+            assert obj.__doc__, f"{name} has no docstring"
+
+
+def test_py_typed_marker_shipped():
+    import os
+
+    assert os.path.exists(os.path.join(os.path.dirname(cpm.__file__), "py.typed"))
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the behaviour without a GPU")
+class TestWithoutGPU:
+    def test_device_pool_raises_no_gpu(self):
+        with pytest.raises(cpm.NoGPUError, match="GPU"):
+            cpm.DevicePool()
+
+    def test_pinned_pool_raises_no_gpu(self):
+        with pytest.raises(cpm.NoGPUError):
+            cpm.PinnedPool()
+
+    def test_set_allocator_raises_no_gpu_and_leaves_cupy_alone(self):
+        import cupy
+
+        before = cupy.cuda.get_allocator()
+        with pytest.raises(cpm.NoGPUError):
+            cpm.set_allocator()
+        assert cupy.cuda.get_allocator() is before
+
+    def test_doctor_explains_and_exits_nonzero(self):
+        r = subprocess.run([sys.executable, "-m", "cupy_poolmem"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2
+        assert "Traceback" not in r.stdout + r.stderr
+        assert "cupy_poolmem doctor" in r.stdout and "cuda.core" in r.stdout
+        assert "GPU" in r.stdout
+
+    def test_demo_without_gpu_exits_nonzero_without_traceback(self):
+        r = subprocess.run([sys.executable, "-m", "cupy_poolmem", "demo"], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+
+
+def test_cli_rejects_unknown_command():
+    r = subprocess.run([sys.executable, "-m", "cupy_poolmem", "frobnicate"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_cli_help_lists_commands():
+    r = subprocess.run([sys.executable, "-m", "cupy_poolmem", "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0
+    for cmd in ("doctor", "demo", "bench", "report"):
+        assert cmd in r.stdout
