@@ -38,44 +38,68 @@ def peers() -> list[tuple[str, object, object]]:
     alloc = cupy_poolmem.set_allocator(ipc=False)
     cupy.cuda.set_allocator(mp.malloc)
     out.append(("cupy_poolmem set_allocator() dispatch", alloc, alloc.close))
-    from cupy_poolmem import _hotpath_py
-    from cupy_poolmem._pools import DevicePool
-
-    class PyPool(_hotpath_py.PoolCore, DevicePool):  # the pure-Python twin, same pool code
-        pass
-
-    try:
-        py = PyPool()
-        out.append(("cupy_poolmem DevicePool [pure python]", py.malloc, py.close))
-    except Exception as exc:
-        print(f"(pure-python twin not measured: {exc})")
+    nocache = cupy_poolmem.DevicePool(reuse_cache=0)
+    out.append(("cupy_poolmem DevicePool reuse_cache=0", nocache.malloc, nocache.close))
     return out
 
 
-def main() -> None:
-    quick = "--quick" in sys.argv
-    n = 3000 if quick else 20000
-    print(header("allocation benchmark: microseconds per op (ratio to cupy MemoryPool)"))
-    cases = [("empty 1KiB", 1 << 10), ("empty 1MiB", 1 << 20), ("empty 64MiB", 64 << 20)]
+def _pure_python_row(n: int) -> list[str] | None:
+    """Measure the pure-Python hot path in a child process (the twin is chosen at import)."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, CUPY_POOLMEM_PURE_PYTHON="1")
+    r = subprocess.run([sys.executable, __file__, "--child", str(n)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        print(f"(pure-Python hot path not measured: {r.stderr.strip()[-300:]})")
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _child(n: int) -> None:
+    import json
+
+    pool = cupy_poolmem.DevicePool()
+    assert cupy_poolmem.hotpath_implementation() == "python"
+    print(json.dumps(measure(pool.malloc, n)))
+
+
+CASES = [("empty 1KiB", 1 << 10), ("empty 1MiB", 1 << 20), ("empty 64MiB", 64 << 20)]
+
+
+def measure(malloc, n: int) -> list[float]:
     x = cupy.arange(10000, dtype=cupy.float32)
 
     def chain():
         return ((x * 2 + 1) ** 2 - x).sum()
 
-    rows, base = [], {}
-    for name, malloc, cleanup in peers():
-        vals = []
-        with cupy.cuda.using_allocator(malloc):
-            for _label, size in cases:
-                vals.append(median_time(lambda size=size: cupy.empty(size, dtype=cupy.uint8), n))
-            vals.append(median_time(chain, n // 4))
-            cupy.cuda.get_current_stream().synchronize()
-        if not base:
-            base = dict(enumerate(vals))
-        rows.append([name] + [f"{v * 1e6:7.2f} us ({v / base[i]:.2f}x)" for i, v in enumerate(vals)])
+    vals = []
+    with cupy.cuda.using_allocator(malloc):
+        for _label, size in CASES:
+            vals.append(median_time(lambda size=size: cupy.empty(size, dtype=cupy.uint8), n))
+        vals.append(median_time(chain, n // 4))
+        cupy.cuda.get_current_stream().synchronize()
+    return vals
+
+
+def main() -> None:
+    if "--child" in sys.argv:
+        return _child(int(sys.argv[sys.argv.index("--child") + 1]))
+    quick = "--quick" in sys.argv
+    n = 3000 if quick else 20000
+    print(header("allocation benchmark: microseconds per op (ratio to cupy MemoryPool)"))
+    rows, base = [], None
+    measured = [(name, measure(malloc, n), cleanup) for name, malloc, cleanup in peers()]
+    py = _pure_python_row(n)
+    if py:
+        measured.append(("cupy_poolmem DevicePool [pure python, child process]", py, None))
+    for name, vals, cleanup in measured:
+        base = base or vals
+        rows.append([name] + [f"{v * 1e6:7.2f} us ({v / b:.2f}x)" for v, b in zip(vals, base)])
         if cleanup:
             cleanup()
-    print(table(["allocator"] + [c[0] for c in cases] + ["chain 10k f32"], rows))
+    print(table(["allocator"] + [c[0] for c in CASES] + ["chain 10k f32"], rows))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ class Block:
         if core is None or self.ptr == 0:
             return
         core.n_frees += 1
+        core.live_bytes -= self.size
         try:
             if core.observer is not None:
                 core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
@@ -52,11 +53,14 @@ class Block:
         except BaseException:
             core.n_free_errors += 1
             return
-        core._free_now(self.ptr, self.stream_ptr)
+        core._release(self.ptr, self.size, self.stream_ptr, self.stream)
 
 
 class PoolCore:
-    """The per-pool state the hot path needs; Python pool classes subclass it."""
+    """The per-pool state the hot path needs; Python pool classes subclass it.
+
+    See ``_hotpath.pyx`` for the reuse cache.
+    """
 
     def __init__(self) -> None:  # pragma: no cover - subclasses call _attach
         pass
@@ -71,14 +75,39 @@ class PoolCore:
     n_frees = 0
     n_free_errors = 0
     n_oom = 0
+    live_bytes = 0
+    peak_live_bytes = 0
+    cache_limit = 0
+    cache_max_block = 0
+    cached_bytes = 0
+    soft_limit = 0
 
     def _attach(self, pool_handle: int, device_id: int, kind: int) -> None:
         self._pool = _drv.CUmemoryPool(pool_handle)
         self.device_id = device_id
         self.kind = kind
+        self._cache: dict = {}
 
     def _mark_closed(self) -> None:
         self.closed = True
+        self.flush_cache()
+
+    def _release(self, ptr: int, size: int, stream_ptr: int, stream: Any) -> None:
+        if (size <= self.cache_max_block and self.cached_bytes + size <= self.cache_limit
+                and not self.closed):
+            self._cache.setdefault((stream_ptr, size), []).append((ptr, stream))
+            self.cached_bytes += size
+            return
+        self._free_now(ptr, stream_ptr)
+
+    def flush_cache(self) -> int:
+        """Free every block held in the reuse cache (stream-ordered); returns bytes freed."""
+        freed, cache = self.cached_bytes, self._cache
+        self._cache, self.cached_bytes = {}, 0
+        for (sptr, _size), entries in cache.items():
+            for ptr, _stream in entries:
+                self._free_now(ptr, sptr)
+        return freed
 
     def malloc(self, size: int) -> Any:
         """Allocate ``size`` bytes on CuPy's current stream; see the pool's docstring."""
@@ -86,20 +115,31 @@ class PoolCore:
             self._raise_closed()
         if size < 0:
             raise OverflowError(f"can't allocate a negative size ({size})")
-        stream = _get_current_stream()
-        sptr = stream.ptr
         if self.kind != KIND_PINNED:
             err, cur = _ctx_device()
             if err or int(cur) != self.device_id:
                 self._raise_wrong_device(int(cur) if not err else -1)
+        stream = _get_current_stream()
+        sptr = stream.ptr
         dptr = 0
         if size:
-            err, p = _alloc(size, self._pool, sptr)
-            dptr = int(p) if not err else self._alloc_failed(int(err), size, stream)
+            if self.soft_limit and self.live_bytes + size > self.soft_limit:
+                dptr = self._alloc_failed(2, size, stream)
+            elif self.cached_bytes:
+                hit = self._cache.get((sptr, size))
+                if hit:
+                    dptr, _ = hit.pop()
+                    self.cached_bytes -= size
+            if not dptr:
+                err, p = _alloc(size, self._pool, sptr)
+                dptr = int(p) if not err else self._alloc_failed(int(err), size, stream)
         b = Block()
         b.ptr, b.size, b.stream_ptr, b.stream, b.core = dptr, size, sptr, stream, self
         b.share = b.info = None
         self.n_allocs += 1
+        self.live_bytes += size
+        if self.live_bytes > self.peak_live_bytes:
+            self.peak_live_bytes = self.live_bytes
         if self.observer is not None:
             self.observer.on_alloc(b)
         if self.kind == KIND_PINNED:

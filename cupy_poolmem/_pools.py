@@ -44,6 +44,7 @@ __all__ = ["DevicePool", "PinnedPool", "ManagedPool", "Pool", "all_pools", "hotp
            "device_count", "require_gpu"]
 
 _UINT64_MAX = 2**64 - 1
+_CACHE_MAX_BLOCK = 64 << 20  # blocks above this size always go back to the CUDA pool
 _CUDA_ERROR_OUT_OF_MEMORY = 2
 _A = _drv.CUmemPool_attribute
 
@@ -151,7 +152,7 @@ class Pool(_hp.PoolCore):
     _serial_counter = 0
 
     def _setup(self, mr: Any, device: int, kind: int, release_threshold: int | None,
-               max_size: int) -> None:
+               max_size: int, reuse_cache: int = 0) -> None:
         self._mr = mr
         self._max_size = max_size
         self._lock = threading.Lock()
@@ -159,6 +160,9 @@ class Pool(_hp.PoolCore):
         self._serial = Pool._serial_counter
         self._held_for_sharing = 0
         self._attach(int(mr.handle), device, kind)
+        self.soft_limit = max_size  # enforced in the hot path too (host pools ignore maxSize)
+        self.cache_limit = reuse_cache
+        self.cache_max_block = min(reuse_cache, _CACHE_MAX_BLOCK)
         self.set_release_threshold(release_threshold)
         self.observer = _GLOBAL_OBSERVER[0]
         with _ALL_LOCK:
@@ -180,7 +184,10 @@ class Pool(_hp.PoolCore):
             check_driver((_drv.CUresult(err),), "cuMemAllocFromPoolAsync")
         self.n_oom += 1
         self._reclaim()
-        err, ptr = self._try_alloc(size, stream.ptr)
+        if self.soft_limit and self.live_bytes + size > self.soft_limit:
+            err, ptr = _CUDA_ERROR_OUT_OF_MEMORY, 0
+        else:
+            err, ptr = self._try_alloc(size, stream.ptr)
         if err == 0:
             return ptr
         if err != _CUDA_ERROR_OUT_OF_MEMORY:
@@ -191,6 +198,7 @@ class Pool(_hp.PoolCore):
     def _reclaim(self) -> None:
         """Before an out-of-memory retry: collect garbage, shared blocks, then trim."""
         gc.collect()
+        self.flush_cache()
         for cb in list(_OOM_CALLBACKS):
             try:
                 cb()
@@ -237,15 +245,16 @@ class Pool(_hp.PoolCore):
         a = self._mr.attributes
         return PoolStats(
             kind=self._kind_name, device=self.device_id,
-            used_bytes=int(a.used_mem_current), peak_used_bytes=int(a.used_mem_high),
+            used_bytes=int(self.live_bytes), peak_used_bytes=int(self.peak_live_bytes),
             reserved_bytes=int(a.reserved_mem_current),
             peak_reserved_bytes=int(a.reserved_mem_high),
             n_allocs=int(self.n_allocs), n_frees=int(self.n_frees),
             held_for_sharing_bytes=int(self._held_for_sharing), max_size=self._max_size,
-            release_threshold=self._release_threshold)
+            release_threshold=self._release_threshold, cached_bytes=int(self.cached_bytes))
 
     def reset_peak(self) -> None:
         """Reset the peak used/reserved counters to the current values."""
+        self.peak_live_bytes = self.live_bytes
         _set_attr(self._mr, _A.CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
         _set_attr(self._mr, _A.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)
 
@@ -261,6 +270,7 @@ class Pool(_hp.PoolCore):
         >>> released = pool.trim()  # doctest: +SKIP
         """
         keep_b = parse_bytes(keep, name="keep")
+        self.flush_cache()
         if sync:
             self._synchronize()
         before = int(self._mr.attributes.reserved_mem_current)
@@ -333,6 +343,12 @@ class DevicePool(Pool):
     ipc : bool
         Make the pool exportable so arrays on it can be shared with other processes
         (see :mod:`cupy_poolmem` sharing).  Default ``False``.
+    reuse_cache : int or str
+        Bytes of freed blocks (each up to 64 MiB) kept for reuse by the next
+        allocation of the same size on the same stream, skipping the driver call.
+        Same-stream reuse is what stream ordering already allows, so this changes
+        speed only.  Flushed on out-of-memory, :meth:`trim` and :meth:`close`.
+        Default ``"1GiB"``; ``0`` disables it.
 
     Notes
     -----
@@ -354,11 +370,13 @@ class DevicePool(Pool):
     _kind_name = "device"
 
     def __init__(self, device: int | Any = None, max_size: int | str | None = None,
-                 release_threshold: int | str | None = None, ipc: bool = False) -> None:
+                 release_threshold: int | str | None = None, ipc: bool = False,
+                 reuse_cache: int | str = "1GiB") -> None:
         import cuda.core as cc
 
         dev = _check_device(device)
         ipc = _check_bool(ipc, "ipc")
+        cache = parse_bytes(reuse_cache, name="reuse_cache")
         with cupy.cuda.Device(dev) as d:
             total = d.mem_info[1]
             max_b = parse_bytes(max_size, name="max_size", total=total, allow_none=True) or 0
@@ -372,7 +390,7 @@ class DevicePool(Pool):
             except Exception as exc:
                 raise _wrap(exc, "creating a device pool") from exc
             self.ipc = ipc
-            self._setup(mr, dev, _hp.KIND_DEVICE, release_threshold, max_b)
+            self._setup(mr, dev, _hp.KIND_DEVICE, release_threshold, max_b, cache)
 
 
 class PinnedPool(Pool):
@@ -507,9 +525,9 @@ class ManagedPool(Pool):
     device : int, optional
         Preferred device (and the device whose allocator this pool serves); default
         the current device.
-    release_threshold : int or str, optional
-        As for :class:`DevicePool`.  (Managed pools have no hard cap: the driver
-        offers none.)
+    max_size, release_threshold, reuse_cache
+        As for :class:`DevicePool`.  ``max_size`` caps the bytes live at once
+        (checked by the pool itself: the driver has no cap for managed pools).
 
     Examples
     --------
@@ -521,13 +539,17 @@ class ManagedPool(Pool):
 
     _kind_name = "managed"
 
-    def __init__(self, device: int | Any = None,
-                 release_threshold: int | str | None = None) -> None:
+    def __init__(self, device: int | Any = None, max_size: int | str | None = None,
+                 release_threshold: int | str | None = None,
+                 reuse_cache: int | str = "1GiB") -> None:
         import cuda.core as cc
 
         dev = _check_device(device)
+        cache = parse_bytes(reuse_cache, name="reuse_cache")
         _require_cuda13("ManagedPool")
-        with cupy.cuda.Device(dev):
+        with cupy.cuda.Device(dev) as d:
+            max_b = parse_bytes(max_size, name="max_size", total=d.mem_info[1],
+                                allow_none=True) or 0
             parse_bytes(release_threshold, name="release_threshold", allow_none=True)
             try:
                 opts = cc.ManagedMemoryResourceOptions(preferred_location=dev,
@@ -535,7 +557,7 @@ class ManagedPool(Pool):
                 mr = cc.ManagedMemoryResource(opts)
             except Exception as exc:
                 raise _wrap(exc, "creating a managed pool") from exc
-            self._setup(mr, dev, _hp.KIND_MANAGED, release_threshold, 0)
+            self._setup(mr, dev, _hp.KIND_MANAGED, release_threshold, max_b, cache)
 
 
 def _require_cuda13(what: str) -> None:

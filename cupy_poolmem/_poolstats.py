@@ -11,9 +11,9 @@ __all__ = ["PoolStats"]
 class PoolStats:
     """A snapshot of one pool's counters.
 
-    Byte counts come from the CUDA driver's pool attributes; allocation counts from
-    the pool's own hot path.  ``used_bytes`` drops when a free is enqueued on its
-    stream; ``reserved_bytes`` drops when the pool releases memory to the system
+    Used bytes and counts come from the pool's own hot path; reserved bytes from the
+    CUDA driver's pool attributes.  ``used_bytes`` drops when the last array on a
+    block goes away; ``reserved_bytes`` drops when the pool releases memory to the system
     (see ``release_threshold`` and :meth:`DevicePool.trim`).
 
     Attributes
@@ -23,7 +23,8 @@ class PoolStats:
     device : int
         Device ordinal (``-1`` for a pinned pool).
     used_bytes, peak_used_bytes : int
-        Bytes handed out to live allocations, now and at the high-water mark.
+        Bytes handed out by ``malloc`` to live allocations, now and at the high-water
+        mark (counted in the hot path, exact requested sizes).
     reserved_bytes, peak_reserved_bytes : int
         Bytes the pool holds from the system, now and at the high-water mark.
     n_allocs, n_frees : int
@@ -34,6 +35,8 @@ class PoolStats:
         Hard cap of the pool (``0``: no cap beyond the device).
     release_threshold : int
         Bytes the pool keeps reserved across synchronisations.
+    cached_bytes : int
+        Freed blocks held in the pool's reuse cache (part of ``reserved_bytes``).
 
     Examples
     --------
@@ -56,6 +59,7 @@ class PoolStats:
     held_for_sharing_bytes: int = 0
     max_size: int = 0
     release_threshold: int = 0
+    cached_bytes: int = 0
 
     @property
     def live_allocs(self) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 import cupy
 from cuda.bindings import driver as _drv
 
-from ._errors import InvalidOptionError, OptionTypeError, check_driver
+from ._errors import InvalidOptionError, OptionTypeError
 
 __all__ = ["prefetch", "advise"]
 
@@ -29,31 +29,36 @@ def _span(arr: Any) -> tuple[int, int]:
 
 
 def _location(where: Any, name: str) -> Any:
-    loc = _drv.CUmemLocation()
+    """A cuda.core ``Device`` or ``Host`` for a device ordinal, ``cupy.cuda.Device`` or "cpu"."""
+    import cuda.core as cc
+
     if isinstance(where, str) and where.lower() in ("cpu", "host"):
-        loc.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
-        loc.id = 0
-    elif isinstance(where, int) and not isinstance(where, bool):
+        return cc.Host()
+    if isinstance(where, cupy.cuda.Device):
+        where = where.id
+    if isinstance(where, int) and not isinstance(where, bool):
         n = cupy.cuda.runtime.getDeviceCount()
         if not 0 <= where < n:
             raise InvalidOptionError(f"{name}={where} is not a device ordinal (0..{n - 1}) or 'cpu'")
-        loc.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        loc.id = where
-    elif isinstance(where, cupy.cuda.Device):
-        return _location(where.id, name)
-    else:
-        raise OptionTypeError(f"{name} must be a device ordinal, a cupy.cuda.Device or 'cpu'; "
-                              f"got {where!r}")
-    return loc
+        return cc.Device(where)
+    raise OptionTypeError(f"{name} must be a device ordinal, a cupy.cuda.Device or 'cpu'; "
+                          f"got {where!r}")
 
 
-def _check_managed(ptr: int) -> None:
+def _managed_buffer(arr: Any) -> Any:
+    """A cuda.core ``ManagedBuffer`` over the bytes ``arr`` spans (``None`` if empty)."""
+    import cuda.core as cc
+
+    ptr, nbytes = _span(arr)
+    if nbytes == 0:
+        return None
     err, is_managed = _drv.cuPointerGetAttribute(
         _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr)
     if int(err) or not is_managed:
         raise InvalidOptionError(
             "the array is not on managed memory; allocate it from a cupy_poolmem.ManagedPool "
             "(cupy.cuda.set_allocator(pool.malloc)) before prefetching or advising")
+    return cc.ManagedBuffer.from_handle(ptr, nbytes, owner=arr)
 
 
 def prefetch(arr: cupy.ndarray, device: int | str = 0, *, stream: Any = None) -> None:
@@ -75,13 +80,17 @@ def prefetch(arr: cupy.ndarray, device: int | str = 0, *, stream: Any = None) ->
     >>> cupy_poolmem.prefetch(x, device="cpu")  # doctest: +SKIP
     >>> cupy_poolmem.prefetch(x[:1000], device=0)  # doctest: +SKIP
     """
-    ptr, nbytes = _span(arr)
-    if nbytes == 0:
-        return
-    _check_managed(ptr)
+    import cuda.core as cc
+
     loc = _location(device, "device")
+    buf = _managed_buffer(arr)
+    if buf is None:
+        return
     s = cupy.cuda.get_current_stream() if stream is None else stream
-    check_driver(_drv.cuMemPrefetchAsync(ptr, nbytes, loc, 0, s.ptr), "cuMemPrefetchAsync")
+    try:
+        buf.prefetch(loc, stream=cc.Stream.from_handle(s.ptr))
+    except Exception as exc:
+        raise _as_driver_error(exc, "cuMemPrefetchAsync") from exc
 
 
 def advise(arr: cupy.ndarray, *, preferred_location: int | str | None = None,
@@ -95,7 +104,8 @@ def advise(arr: cupy.ndarray, *, preferred_location: int | str | None = None,
     preferred_location : int or "cpu", optional
         Where the pages should live.
     accessed_by : list of int or "cpu", optional
-        Processors that map the pages directly (no faults on access).
+        Processors that map the pages directly (no faults on access); replaces the
+        current set.
     read_mostly : bool, optional
         ``True`` lets the driver replicate pages for reading; ``False`` undoes it.
         ``None`` leaves it unchanged.
@@ -104,23 +114,29 @@ def advise(arr: cupy.ndarray, *, preferred_location: int | str | None = None,
     --------
     >>> cupy_poolmem.advise(x, preferred_location=0, accessed_by=[0], read_mostly=False)  # doctest: +SKIP
     """
-    ptr, nbytes = _span(arr)
-    if nbytes == 0:
+    pref = None if preferred_location is None else _location(preferred_location,
+                                                              "preferred_location")
+    if accessed_by is not None and not isinstance(accessed_by, (list, tuple, set)):
+        raise OptionTypeError(f"accessed_by must be a list of devices; got {accessed_by!r}")
+    acc = None if accessed_by is None else [_location(w, "accessed_by") for w in accessed_by]
+    if read_mostly is not None and not isinstance(read_mostly, bool):
+        raise OptionTypeError(f"read_mostly must be True, False or None; got {read_mostly!r}")
+    buf = _managed_buffer(arr)
+    if buf is None:
         return
-    _check_managed(ptr)
-    A = _drv.CUmem_advise
-    if preferred_location is not None:
-        check_driver(_drv.cuMemAdvise(ptr, nbytes, A.CU_MEM_ADVISE_SET_PREFERRED_LOCATION,
-                                      _location(preferred_location, "preferred_location")),
-                     "cuMemAdvise")
-    if accessed_by is not None:
-        if not isinstance(accessed_by, (list, tuple, set)):
-            raise OptionTypeError(f"accessed_by must be a list of devices; got {accessed_by!r}")
-        for who in accessed_by:
-            check_driver(_drv.cuMemAdvise(ptr, nbytes, A.CU_MEM_ADVISE_SET_ACCESSED_BY,
-                                          _location(who, "accessed_by")), "cuMemAdvise")
-    if read_mostly is not None:
-        if not isinstance(read_mostly, bool):
-            raise OptionTypeError(f"read_mostly must be True, False or None; got {read_mostly!r}")
-        adv = A.CU_MEM_ADVISE_SET_READ_MOSTLY if read_mostly else A.CU_MEM_ADVISE_UNSET_READ_MOSTLY
-        check_driver(_drv.cuMemAdvise(ptr, nbytes, adv, _location(0, "device")), "cuMemAdvise")
+    try:
+        if pref is not None:
+            buf.preferred_location = pref
+        if acc is not None:
+            buf.accessed_by = acc
+        if read_mostly is not None:
+            buf.read_mostly = read_mostly
+    except Exception as exc:
+        raise _as_driver_error(exc, "cuMemAdvise") from exc
+
+
+def _as_driver_error(exc: Exception, call: str) -> Exception:
+    from ._pools import _wrap
+
+    wrapped = _wrap(exc, call)
+    return wrapped

@@ -148,11 +148,48 @@ def test_release_threshold_none_keeps_memory_and_trim_releases(pool):
 
 
 def test_release_threshold_zero_releases_at_sync():
-    with cpm.DevicePool(release_threshold=0) as p, cpm.using(p):
+    with cpm.DevicePool(release_threshold=0, reuse_cache=0) as p, cpm.using(p):
         x = cupy.empty(64 << 20, dtype=cupy.uint8)
         del x
         cupy.cuda.runtime.deviceSynchronize()
         assert p.stats().reserved_bytes == 0
+
+
+def test_reuse_cache_same_stream_same_size(pool):
+    s1 = cupy.cuda.Stream(non_blocking=True)
+    s2 = cupy.cuda.Stream(non_blocking=True)
+    with cpm.using(pool):
+        with s1:
+            a = cupy.empty(1 << 20, dtype=cupy.uint8)
+            pa = a.data.ptr
+            del a
+            assert pool.stats().cached_bytes == 1 << 20
+            assert pool.stats().used_bytes == 0
+            b = cupy.full(1 << 20, 5, dtype=cupy.uint8)  # same stream, same size: reused
+            assert b.data.ptr == pa and pool.stats().cached_bytes == 0
+            del b
+        with s2:
+            c = cupy.empty(1 << 20, dtype=cupy.uint8)  # other stream: never the cached block
+            assert c.data.ptr != pa
+        s1.synchronize()
+        assert pool.stats().cached_bytes == 1 << 20
+        pool.trim()
+        assert pool.stats().cached_bytes == 0
+    del c
+
+
+def test_reuse_cache_disabled_and_bounded():
+    with cpm.DevicePool(reuse_cache=0) as p, cpm.using(p):
+        a = cupy.empty(1000, dtype=cupy.uint8)
+        del a
+        assert p.stats().cached_bytes == 0
+    with cpm.DevicePool(reuse_cache="2MiB") as p, cpm.using(p):
+        xs = [cupy.empty(1 << 20, dtype=cupy.uint8) for _ in range(4)]
+        del xs
+        assert p.stats().cached_bytes == 2 << 20
+        big = cupy.empty(128 << 20, dtype=cupy.uint8)
+        del big  # above the per-block bound: straight back to the CUDA pool
+        assert p.stats().cached_bytes == 2 << 20
 
 
 def test_creating_pools_leaves_process_state_alone():
@@ -254,6 +291,7 @@ def test_chain_of_temporaries(pool):
     with cpm.using(pool):
         x = cupy.arange(10000, dtype=cupy.float32)
         r = float(((x * 2 + 1) ** 2 - x).sum())
+        del x
     xn = np.arange(10000, dtype=np.float64)
     assert r == pytest.approx(float(((xn * 2 + 1) ** 2 - xn).sum()), rel=1e-5)
     cupy.cuda.get_current_stream().synchronize()
@@ -380,6 +418,34 @@ def _free_bytes():
     return cupy.cuda.Device().mem_info[0]
 
 
+@pytest.mark.parametrize("hint", [
+    {"preferred_location": 0}, {"preferred_location": "cpu"}, {"accessed_by": [0]},
+    {"read_mostly": True}, {"read_mostly": False},
+])
+def test_managed_advise_each_hint(hint):
+    import cuda.core as cc
+
+    with cpm.ManagedPool() as p, cpm.using(p):
+        x = cupy.arange(1 << 20, dtype=cupy.float32)
+        cpm.advise(x, **hint)
+        buf = cc.ManagedBuffer.from_handle(x.data.ptr, x.nbytes, owner=x)
+        if "read_mostly" in hint:
+            assert buf.read_mostly == hint["read_mostly"]
+        if hint.get("preferred_location") == 0:
+            assert buf.preferred_location == cc.Device(0)
+        if "accessed_by" in hint:
+            assert cc.Device(0) in buf.accessed_by
+        assert float(x[777]) == 777.0
+
+
+def test_managed_pool_max_size_is_enforced():
+    with cpm.ManagedPool(max_size="8MiB") as p, cpm.using(p):
+        a = cupy.empty(6 << 20, dtype=cupy.uint8)
+        with pytest.raises(cpm.OutOfPoolMemoryError):
+            cupy.empty(6 << 20, dtype=cupy.uint8)
+        del a
+
+
 def test_managed_pool_prefetch_and_advise():
     from cuda.bindings import driver
 
@@ -390,7 +456,7 @@ def test_managed_pool_prefetch_and_advise():
         err, managed = driver.cuPointerGetAttribute(
             driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, x.data.ptr)
         assert managed
-        cpm.advise(x, preferred_location=0, accessed_by=[0], read_mostly=False)
+        cpm.advise(x, preferred_location=0, accessed_by=[0])
         cpm.prefetch(x, device="cpu")
         cupy.cuda.get_current_stream().synchronize()
         cpm.prefetch(x[1000:5000], device=0)  # a view

@@ -1,0 +1,614 @@
+"""Numba External Memory Management (EMM) plugin: Numba allocates from cupy_poolmem's pools.
+
+Enable it before Numba creates its CUDA context, in either of two ways::
+
+    NUMBA_CUDA_MEMORY_MANAGER=cupy_poolmem.numba python app.py
+
+or, in code::
+
+    from numba import cuda
+    import cupy_poolmem.numba
+    cuda.set_memory_manager(cupy_poolmem.numba.PoolmemNumbaManager)
+
+One pool, one set of statistics
+    Numba's device allocations come from the *same* :class:`~cupy_poolmem.DevicePool`
+    that CuPy uses for that device (:func:`cupy_poolmem.get_pool`).  If
+    :func:`cupy_poolmem.set_allocator` has not been called when Numba first needs
+    memory, the plugin calls it (with its defaults, ``ipc=True``), which also makes
+    CuPy allocate from the pools.  Call ``set_allocator(...)`` yourself first to
+    choose options (``max_size``, ``release_threshold``, ``ipc``).
+
+Streams
+    Numba's EMM interface has no stream argument, so Numba allocations follow the
+    package's stream rule: allocated on CuPy's current stream (by default the legacy
+    default stream, which orders against every blocking stream, the same choice
+    RMM's plugin makes) and freed, stream-ordered, on that stream.  Work on
+    non-blocking streams must be synchronised before its arrays are dropped.
+
+Pinned host memory
+    ``cuda.pinned_array`` and friends come from the :class:`~cupy_poolmem.PinnedPool`
+    on the GPU's NUMA node (:func:`cupy_poolmem.get_pinned_pool`, created lazily like
+    the device pool).  Mapped (``cuda.mapped_array``) and write-combined requests,
+    which pool memory cannot provide, fall back to Numba's own ``cuMemHostAlloc``.
+    Managed memory (``cuda.managed_array``) also stays with Numba.
+
+IPC
+    ``device_array.get_ipc_handle()`` works on pool memory, where the legacy
+    ``cuIpcGetMemHandle`` path (and so RMM's plugin) fails: the handle returned is a
+    :class:`PoolIpcHandle` that carries the pool's shareable handle (a file
+    descriptor) and a 64-byte export record of the allocation.  See
+    :class:`PoolIpcHandle` for how it travels and for the trust boundary.
+
+Examples
+--------
+>>> from numba import cuda  # doctest: +SKIP
+>>> import cupy, cupy_poolmem, cupy_poolmem.numba  # doctest: +SKIP
+>>> cuda.set_memory_manager(cupy_poolmem.numba.PoolmemNumbaManager)  # doctest: +SKIP
+>>> d = cuda.device_array(1000)  # doctest: +SKIP
+>>> cupy.asarray(d).fill(1.0)  # zero-copy view, same pool  # doctest: +SKIP
+>>> cupy_poolmem.get_pool().stats().n_allocs >= 1  # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+import threading
+import uuid as _uuid
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+try:
+    from numba.cuda import (
+        GetIpcHandleMixin,
+        HostOnlyCUDAMemoryManager,
+        IpcHandle,
+        MemoryInfo,
+        MemoryPointer,
+        PinnedMemory,
+    )
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "cupy_poolmem.numba needs Numba's CUDA target: pip install 'numba-cuda[cu13]' "
+        f"(or numba-cuda[cu12]); the import failed with: {_exc}") from _exc
+
+import cupy
+from cuda.bindings import driver as _drv
+
+from ._allocator import get_pinned_pool, get_pool, set_allocator, set_pinned_memory_allocator
+from ._errors import (
+    InvalidOptionError,
+    OptionTypeError,
+    PoolClosedError,
+    SharingError,
+    check_driver,
+)
+from ._pools import DevicePool, Pool, all_pools, device_count, require_gpu
+
+__all__ = ["PoolmemNumbaManager", "PoolIpcHandle"]
+
+_INTERFACE_VERSION = 1
+_init_lock = threading.Lock()
+
+
+# --------------------------------------------------------------------------------------
+# Pools: the same ones CuPy uses, created lazily through set_allocator() semantics.
+# --------------------------------------------------------------------------------------
+def _device_pool(device: int) -> Pool:
+    try:
+        return get_pool(device)
+    except PoolClosedError:
+        with _init_lock:
+            try:
+                return get_pool(device)
+            except PoolClosedError:
+                with cupy.cuda.Device(device):
+                    set_allocator()
+                return get_pool(device)
+
+
+def _pinned_pool(device: int) -> Pool:
+    try:
+        return get_pinned_pool(device)
+    except PoolClosedError:
+        with _init_lock:
+            try:
+                return get_pinned_pool(device)
+            except PoolClosedError:
+                with cupy.cuda.Device(device):
+                    set_pinned_memory_allocator()
+                return get_pinned_pool(device)
+
+
+def _check_size(size: Any) -> int:
+    try:
+        if isinstance(size, bool):
+            raise TypeError
+        size = operator.index(size)  # int, numpy integers
+    except TypeError:
+        raise OptionTypeError(f"allocation size must be an int number of bytes; got {size!r} "
+                              f"of type {type(size).__name__}") from None
+    if size < 0:
+        raise InvalidOptionError(f"allocation size must be >= 0 bytes; got {size}")
+    return size
+
+
+def _forget(allocations: Any, key: int) -> Callable[[], None]:
+    """Finalizer for a Numba pointer: drop the pool block it owns (freeing it)."""
+
+    def finalizer() -> None:
+        # Context.reset() may have cleared the dict already (also at interpreter exit).
+        with contextlib.suppress(Exception):
+            allocations.pop(key, None)
+
+    return finalizer
+
+
+def _drop(holder: list) -> Callable[[], None]:
+    def finalizer() -> None:
+        holder.clear()
+
+    return finalizer
+
+
+class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
+    """Numba EMM plugin backed by cupy_poolmem's device and pinned pools.
+
+    Numba constructs one instance per CUDA context; do not instantiate it yourself.
+    Register the class with :func:`numba.cuda.set_memory_manager`, or set
+    ``NUMBA_CUDA_MEMORY_MANAGER=cupy_poolmem.numba``, before Numba creates its
+    context.
+
+    * ``memalloc``: a block from the device's :class:`~cupy_poolmem.DevicePool`
+      (the pool :func:`cupy_poolmem.get_pool` returns; :func:`cupy_poolmem.set_allocator`
+      is called on first use if nobody has called it).
+    * ``memhostalloc``: a block from the :class:`~cupy_poolmem.PinnedPool` on the
+      device's NUMA node; mapped or write-combined requests use ``cuMemHostAlloc``.
+    * ``get_ipc_handle``: a :class:`PoolIpcHandle` (pool IPC) for pool memory; memory
+      that is not from a CUDA pool keeps Numba's legacy ``cuIpcGetMemHandle`` path.
+    * ``get_memory_info``: the pool's view, see :meth:`get_memory_info`.
+
+    Examples
+    --------
+    >>> from numba import cuda  # doctest: +SKIP
+    >>> from cupy_poolmem.numba import PoolmemNumbaManager  # doctest: +SKIP
+    >>> cuda.set_memory_manager(PoolmemNumbaManager)  # doctest: +SKIP
+    >>> x = cuda.to_device(numpy.arange(10))  # from the CuPy pool of device 0  # doctest: +SKIP
+    """
+
+    def initialize(self) -> None:
+        """Nothing to do: pools are resolved lazily (Numba calls this on every push)."""
+
+    def _device_id(self) -> int:
+        if self.context is None:
+            raise RuntimeError("PoolmemNumbaManager has no CUDA context: Numba creates "
+                               "instances itself; register the class with "
+                               "numba.cuda.set_memory_manager(PoolmemNumbaManager)")
+        return int(self.context.device.id)
+
+    def memalloc(self, size: int) -> MemoryPointer:
+        """Allocate ``size`` bytes from the device's pool; freed when Numba drops the pointer."""
+        size = _check_size(size)
+        dev = self._device_id()
+        ctx = weakref.proxy(self.context)
+        if size == 0:
+            return MemoryPointer(ctx, _drv.CUdeviceptr(0), 0)
+        mem = _device_pool(dev).malloc(size)  # raises OutOfPoolMemoryError when full
+        ptr = int(mem.ptr)
+        self.allocations[ptr] = mem
+        return MemoryPointer(ctx, _drv.CUdeviceptr(ptr), size,
+                             finalizer=_forget(self.allocations, ptr))
+
+    def memhostalloc(self, size: int, mapped: bool = False, portable: bool = False,
+                     wc: bool = False) -> Any:
+        """Pinned host memory from the :class:`~cupy_poolmem.PinnedPool`.
+
+        ``mapped=True`` or ``wc=True`` fall back to Numba's ``cuMemHostAlloc`` (pool
+        memory cannot be write-combined, nor mapped through
+        ``cuMemHostGetDevicePointer``).  ``portable`` is always satisfied: every visible
+        GPU has access to the pinned pool.
+        """
+        size = _check_size(size)
+        if mapped or wc:
+            return super().memhostalloc(size, mapped, portable, wc)
+        dev = self._device_id()
+        mem = _pinned_pool(dev).malloc(size)
+        return PinnedMemory(weakref.proxy(self.context), int(mem.ptr), size,
+                            finalizer=_drop([mem]))
+
+    def get_memory_info(self) -> MemoryInfo:
+        """``(free, total)`` as seen by the pool.
+
+        ``free`` is the device's free memory plus what the pool holds reserved but
+        unused (both can be handed out without a ``cudaMalloc``), capped by the
+        pool's ``max_size`` headroom when it has one.  ``total`` is the device's
+        memory, or the pool's ``max_size`` when that is smaller.
+        """
+        dev = self._device_id()
+        pool = _device_pool(dev)
+        st = pool.stats()
+        with cupy.cuda.Device(dev):
+            free, total = cupy.cuda.runtime.memGetInfo()
+        avail = free + max(0, st.reserved_bytes - st.used_bytes)
+        if pool.max_size:
+            total = min(total, pool.max_size)
+            avail = min(avail, max(0, pool.max_size - st.used_bytes))
+        return MemoryInfo(free=min(avail, total), total=total)
+
+    def get_ipc_handle(self, memory: Any) -> IpcHandle:
+        """Export ``memory`` for another process.
+
+        Pool memory gets a :class:`PoolIpcHandle`; the device is synchronised first,
+        so the allocation and the work enqueued so far are complete before the handle
+        exists.  Memory not from a CUDA pool (``cudaMalloc``) uses Numba's legacy
+        handle.
+
+        Raises
+        ------
+        SharingError
+            The memory is from a pool that is not IPC-enabled (``set_allocator(ipc=False)``)
+            or from a CUDA pool that cupy_poolmem does not own.
+        """
+        base, alloc_size = self._find_allocation(memory)
+        pool_handle = _pointer_pool(base)
+        if pool_handle == 0:
+            return GetIpcHandleMixin.get_ipc_handle(self, memory)
+        pool = next((p for p in all_pools() if p.handle == pool_handle and not p.closed), None)
+        if pool is None:
+            raise SharingError(
+                f"cannot export pointer 0x{base:x}: it comes from a CUDA memory pool that "
+                "cupy_poolmem does not own (only cupy_poolmem pools and cudaMalloc memory "
+                "can be shared from Numba)")
+        check_driver(_drv.cuCtxSynchronize(), "cuCtxSynchronize")
+        source_info = self.context.device.get_device_identity()
+        return PoolIpcHandle._export(pool, memory, base, alloc_size,
+                                     int(memory.handle) - base, source_info)
+
+    def _find_allocation(self, memory: Any) -> tuple[int, int]:
+        """Base pointer and size of the allocation that ``memory`` (maybe a view) is in."""
+        owner = getattr(memory, "owner", None)
+        ptr = getattr(owner, "device_pointer_value", None)
+        if ptr is not None and int(ptr) in self.allocations:
+            return int(ptr), int(owner.size)
+        err, base, size = _drv.cuMemGetAddressRange(_drv.CUdeviceptr(int(memory.handle)))
+        check_driver((err,), "cuMemGetAddressRange")
+        return int(base), int(size)
+
+    def reset(self) -> None:
+        """Free every allocation Numba made in this context (Numba's ``reset`` semantics)."""
+        super().reset()
+
+    @property
+    def interface_version(self) -> int:
+        """The EMM interface version implemented (1)."""
+        return _INTERFACE_VERSION
+
+
+def _pointer_pool(ptr: int) -> int:
+    """The ``CUmemoryPool`` of a device pointer as an int, ``0`` when not from a pool."""
+    err, pool = _drv.cuPointerGetAttribute(
+        _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr)
+    if int(err) != 0:
+        return 0
+    return int(pool) if pool is not None else 0
+
+
+# --------------------------------------------------------------------------------------
+# Pool IPC for Numba handles
+# --------------------------------------------------------------------------------------
+# Per receiving process: one import of each exporter pool (by pool UUID) and one import
+# of each allocation (by export record): importing one allocation twice in a process
+# breaks the first import.
+_ipc_lock = threading.RLock()
+_imported_pools: dict[_uuid.UUID, Any] = {}
+_imported_allocs: dict[tuple[_uuid.UUID, bytes], _Import] = {}
+
+
+class _Import:
+    """One imported allocation, shared by every open handle that names it."""
+
+    __slots__ = ("key", "ptr", "size", "device", "refs", "__weakref__")
+
+    def __init__(self, key: tuple[_uuid.UUID, bytes], ptr: int, size: int, device: int) -> None:
+        self.key, self.ptr, self.size, self.device, self.refs = key, ptr, size, device, 0
+
+
+def _close_fd(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _local_device(device_uuid: str) -> int:
+    """This process's ordinal of the GPU with ``device_uuid``."""
+    import cuda.core as cc
+
+    n = device_count()
+    for i in range(n):
+        try:
+            if str(cc.Device(i).uuid) == device_uuid:
+                return i
+        except Exception:
+            continue
+    raise SharingError(
+        f"the exporting GPU (uuid {device_uuid}) is not visible in this process "
+        f"(it sees {n} device(s); check CUDA_VISIBLE_DEVICES)")
+
+
+def _import_pool(pool_uuid: _uuid.UUID, fd: int | None, device: int) -> Any:
+    """The imported pool for ``pool_uuid`` (import it from ``fd`` the first time)."""
+    import cuda.core as cc
+
+    mr = _imported_pools.get(pool_uuid)
+    if mr is not None:
+        return mr
+    with contextlib.suppress(Exception):  # imported already by cuda.core's own sharing
+        mr = cc.DeviceMemoryResource.from_registry(pool_uuid)
+    if mr is None:
+        if fd is None:
+            raise SharingError("the pool's file descriptor was already used or closed; "
+                               "send the handle again from the exporting process")
+        try:
+            mr = cc.DeviceMemoryResource.from_allocation_handle(device, fd)
+        except Exception as exc:
+            raise SharingError(f"importing the exporter's memory pool failed: {exc}") from exc
+        mr = mr.register(pool_uuid)
+    _imported_pools[pool_uuid] = mr
+    return mr
+
+
+class PoolIpcHandle(IpcHandle):
+    """A Numba IPC handle for memory in an IPC-enabled cupy_poolmem pool.
+
+    Created by ``device_array.get_ipc_handle()`` under :class:`PoolmemNumbaManager`
+    (wrapped in Numba's ``IpcArrayHandle``).  Send it to another process on the same
+    host, then ``open()``/``close()`` it there, or use it as a context manager::
+
+        with handle as array:   # in the receiving process
+            ...
+
+    How it travels
+        Pickling duplicates the pool's shareable handle (a file descriptor) through
+        :func:`multiprocessing.reduction.DupFd`: inside ``multiprocessing`` (``Queue``,
+        ``Pipe``, ``Pool``, ``Process`` arguments) the descriptor is passed over a Unix
+        socket (``SCM_RIGHTS``).  The receiver must be a process of the same
+        ``multiprocessing`` family (same authentication key), and the sender must be
+        alive when the receiver unpickles.  The allocation itself travels as a 64-byte
+        export record plus an offset.
+
+    In the receiving process
+        The exporter's pool is imported once per process (cached by pool UUID) and
+        each allocation once (cached by export record, reference-counted across
+        handles): importing one allocation twice would break the first import.
+        ``open()`` returns a Numba device pointer on the exporter's GPU (found by
+        UUID, so ``CUDA_VISIBLE_DEVICES`` may differ between processes); ``close()``
+        frees the import, stream-ordered on the legacy default stream, and waits for
+        it, so once ``close()`` returns the exporter may free the memory.
+
+    Lifetime rule (CUDA's)
+        Every importer must ``close()`` before the exporter frees the allocation.
+        The exporting process's handle keeps the array alive (like Numba's own
+        handles); keep it until the consumers are done.  Synchronise before telling
+        the other side that data is ready.
+
+    Trust boundary
+        Unpickling a handle runs ``pickle`` (which can execute code) and makes this
+        process import memory described by the sender.  Only unpickle handles from
+        trusted, cooperating processes on the same host.
+
+    Examples
+    --------
+    >>> h = device_array.get_ipc_handle()  # exporter  # doctest: +SKIP
+    >>> queue.put(h)  # doctest: +SKIP
+    >>> h = queue.get()  # receiver  # doctest: +SKIP
+    >>> with h as arr:  # doctest: +SKIP
+    ...     host = arr.copy_to_host()
+    """
+
+    def __init__(self, base: Any, *, pool_uuid: _uuid.UUID, device_uuid: str, payload: bytes,
+                 alloc_size: int, size: int, offset: int = 0, base_ptr: int = 0,
+                 source_info: dict | None = None, export_fd: int | None = None,
+                 received_fd: int | None = None, pid: int | None = None,
+                 keepalive: Any = None) -> None:
+        super().__init__(base, payload, size, source_info, offset=offset)
+        self.pool_uuid = pool_uuid
+        self.device_uuid = device_uuid
+        self.payload = bytes(payload)
+        self.alloc_size = int(alloc_size)
+        self.base_ptr = int(base_ptr)
+        self.pid = os.getpid() if pid is None else int(pid)
+        self._export_fd = export_fd      # exporter: the pool's fd (owned by the pool)
+        self._keepalive = keepalive      # exporter: the cuda.core allocation handle
+        self._fd = received_fd           # receiver: our duplicate, until the pool is imported
+        self._fd_finalizer = (weakref.finalize(self, _close_fd, received_fd)
+                              if received_fd is not None else None)
+        self._rec: _Import | None = None
+        self._local = False
+
+    # -- exporting -------------------------------------------------------------------
+    @classmethod
+    def _export(cls, pool: Pool, base: Any, base_ptr: int, alloc_size: int, offset: int,
+                source_info: dict | None) -> PoolIpcHandle:
+        import cuda.core as cc
+
+        if not isinstance(pool, DevicePool):
+            raise SharingError(f"{pool!r}: only device pools can be shared through Numba")
+        if not getattr(pool, "ipc", False):
+            raise SharingError(
+                f"{pool!r} is not IPC-enabled, so its memory cannot be shared with other "
+                "processes; create it with ipc=True (cupy_poolmem.set_allocator() does by "
+                "default) before Numba allocates")
+        mr = pool.memory_resource
+        try:
+            ah = mr.allocation_handle
+            ah = ah() if callable(ah) else ah
+            pool_uuid = ah.uuid if getattr(ah, "uuid", None) is not None else mr.uuid
+            fd = int(ah)
+        except Exception as exc:
+            raise SharingError(f"{pool!r}: could not get the pool's shareable handle: {exc}") \
+                from exc
+        data = check_driver(_drv.cuMemPoolExportPointer(_drv.CUdeviceptr(base_ptr)),
+                            "cuMemPoolExportPointer")
+        return cls(base, pool_uuid=pool_uuid, device_uuid=str(cc.Device(pool.device_id).uuid),
+                   payload=bytes(data.reserved), alloc_size=alloc_size,
+                   size=int(base.size), offset=offset, base_ptr=base_ptr,
+                   source_info=source_info, export_fd=fd, keepalive=ah)
+
+    def __reduce__(self) -> tuple:
+        if self._export_fd is None:
+            raise SharingError(
+                "this PoolIpcHandle was received from another process and cannot be "
+                "forwarded; send a handle made in the exporting process")
+        from multiprocessing.reduction import DupFd
+
+        try:
+            dup = DupFd(self._export_fd)
+        except OSError as exc:
+            raise SharingError(f"the exporting pool's file descriptor is unusable (was the "
+                               f"pool closed?): {exc}") from exc
+        return (_rebuild_pool_ipc_handle,
+                (dup, str(self.pool_uuid), self.device_uuid, self.payload, self.alloc_size,
+                 self.size, self.offset, self.base_ptr, self.source_info, self.pid))
+
+    # -- importing -------------------------------------------------------------------
+    def open(self, context: Any) -> MemoryPointer:
+        """Import the memory into ``context`` (a Numba context) and return a device pointer.
+
+        Raises
+        ------
+        ValueError
+            In the exporting process's own handle, or when already open.
+        SharingError
+            The exporter's GPU is not visible here, or the import failed.
+        """
+        if self.base is not None:
+            raise ValueError("opening a PoolIpcHandle in the process that exported it; "
+                             "use the original array")
+        if self._rec is not None or self._local:
+            raise ValueError("PoolIpcHandle is already opened")
+        require_gpu("PoolIpcHandle.open")
+        ctx_dev = int(context.device.id)
+        if self.pid == os.getpid():
+            local = next((p for p in all_pools() if getattr(p, "ipc", False) and not p.closed
+                          and _pool_uuid(p) == self.pool_uuid), None)
+            if local is not None:  # unpickled in the exporting process: no import needed
+                self._release_fd()
+                self._local = True
+                return MemoryPointer(weakref.proxy(context),
+                                     _drv.CUdeviceptr(self.base_ptr + self.offset), self.size)
+        dev = _local_device(self.device_uuid)
+        with _ipc_lock:
+            mr = _import_pool(self.pool_uuid, self._fd, dev)
+            self._release_fd()
+            key = (self.pool_uuid, self.payload)
+            rec = _imported_allocs.get(key)
+            if rec is None:
+                data = _drv.CUmemPoolPtrExportData()
+                data.reserved = self.payload
+                with cupy.cuda.Device(dev):
+                    ptr = check_driver(
+                        _drv.cuMemPoolImportPointer(_drv.CUmemoryPool(int(mr.handle)), data),
+                        "cuMemPoolImportPointer")
+                rec = _imported_allocs[key] = _Import(key, int(ptr), self.alloc_size, dev)
+            rec.refs += 1
+            self._rec = rec
+        if ctx_dev != dev:
+            _grant_access(mr, ctx_dev)
+        mp = MemoryPointer(weakref.proxy(context), _drv.CUdeviceptr(rec.ptr + self.offset),
+                           self.size)
+        mp._cupy_poolmem_import = rec  # informative; the import ends at close()
+        return mp
+
+    def open_direct(self, context: Any) -> MemoryPointer:
+        return self.open(context)
+
+    def open_staged(self, context: Any) -> MemoryPointer:
+        return self.open(context)
+
+    def close(self) -> None:
+        """Release this handle's import; the memory is freed when no open handle names it.
+
+        The free is enqueued on the legacy default stream and waited for, so when
+        ``close()`` returns the exporter may free the allocation.
+        """
+        if self._local:
+            self._local = False
+            return
+        rec = self._rec
+        if rec is None:
+            raise ValueError("PoolIpcHandle is not opened")
+        self._rec = None
+        with _ipc_lock:
+            rec.refs -= 1
+            if rec.refs > 0:
+                return
+            _imported_allocs.pop(rec.key, None)
+            with cupy.cuda.Device(rec.device):
+                check_driver(_drv.cuMemFreeAsync(_drv.CUdeviceptr(rec.ptr), _drv.CUstream(0)),
+                             "cuMemFreeAsync")
+                check_driver(_drv.cuStreamSynchronize(_drv.CUstream(0)), "cuStreamSynchronize")
+
+    def _release_fd(self) -> None:
+        if self._fd_finalizer is not None:
+            self._fd_finalizer()  # closes our duplicate of the pool's descriptor
+            self._fd_finalizer = None
+        self._fd = None
+
+    def __repr__(self) -> str:
+        state = "open" if (self._rec is not None or self._local) else "closed"
+        side = "exporter" if self.base is not None else "receiver"
+        return (f"<PoolIpcHandle {side} pool={self.pool_uuid} size={self.size} "
+                f"offset={self.offset} {state}>")
+
+
+def _pool_uuid(pool: Pool) -> _uuid.UUID | None:
+    with contextlib.suppress(Exception):
+        return pool.memory_resource.uuid
+    return None
+
+
+_granted: set[tuple[int, int]] = set()
+
+
+def _grant_access(mr: Any, device: int) -> None:
+    """Let ``device`` read and write an imported pool (peer access), once per pair."""
+    key = (int(mr.handle), device)
+    if key in _granted:
+        return
+    desc = _drv.CUmemAccessDesc()
+    desc.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = device
+    desc.flags = _drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    try:
+        check_driver(_drv.cuMemPoolSetAccess(_drv.CUmemoryPool(int(mr.handle)), [desc], 1),
+                     "cuMemPoolSetAccess")
+    except Exception as exc:
+        raise SharingError(f"device {device} cannot access the exporter's pool (no peer "
+                           f"access?): {exc}; open the handle with the exporter's GPU "
+                           "current") from exc
+    _granted.add(key)
+
+
+def _rebuild_pool_ipc_handle(dup: Any, pool_uuid: str, device_uuid: str, payload: bytes,
+                             alloc_size: int, size: int, offset: int, base_ptr: int,
+                             source_info: dict | None, pid: int) -> PoolIpcHandle:
+    try:
+        fd = dup.detach()
+    except Exception as exc:
+        raise SharingError(
+            "could not receive the exporting pool's file descriptor; a PoolIpcHandle must "
+            "travel between processes of one multiprocessing family on the same host "
+            f"(Queue, Pipe, Pool, Process arguments) while the sender is alive: {exc}") from exc
+    u = _uuid.UUID(pool_uuid)
+    if u in _imported_pools:  # this process has the pool already: the duplicate is spare
+        _close_fd(fd)
+        fd = None
+    return PoolIpcHandle(None, pool_uuid=u, device_uuid=device_uuid, payload=payload,
+                         alloc_size=alloc_size, size=size, offset=offset, base_ptr=base_ptr,
+                         source_info=source_info, received_fd=fd, pid=pid)
+
+
+# NUMBA_CUDA_MEMORY_MANAGER=cupy_poolmem.numba looks this name up.
+_numba_memory_manager = PoolmemNumbaManager

@@ -1,0 +1,729 @@
+"""Read allocation logs written by :func:`cupy_poolmem.start_log`: summary and plot.
+
+Works without a GPU (it only reads CSV files)::
+
+    python -m cupy_poolmem report alloc-*.csv --plot usage.png
+
+Logs of several processes (one file each, or appended to one file) are merged in time
+order.  Allocations and frees are matched by (pid, device, pointer) in time order,
+since the pools reuse addresses: an allocation with no later free is a *leak at the
+end of the log*; a free with no earlier allocation belongs to memory allocated before
+the log started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import heapq
+import json
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+from ._sizes import format_bytes
+from .stats import LOG_COLUMNS
+
+__all__ = ["LogEvent", "Summary", "SeriesSummary", "TagSummary", "CallsiteSummary", "Leak",
+           "read_log", "load", "summarize", "plot", "main"]
+
+UNTAGGED = "(untagged)"
+BEFORE_LOG = "(allocated before the log)"
+OTHER_TAGS = "(other tags)"
+
+
+class LogEvent(NamedTuple):
+    """One line of an allocation log (see :data:`cupy_poolmem.stats.LOG_COLUMNS`)."""
+
+    time: float
+    pid: int
+    thread: str
+    device: int
+    stream: int
+    op: str
+    ptr: int
+    size: int
+    tag: str
+    callsite: str
+    used: int | None
+    reserved: int | None
+
+
+# ----------------------------------------------------------------------------------------
+# Reading
+# ----------------------------------------------------------------------------------------
+def _opt_int(s: str) -> int | None:
+    s = s.strip()
+    return int(s) if s else None
+
+
+def read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
+    """Parse one log file.
+
+    Lines that cannot be parsed (a line cut short by a crash, for example) are skipped
+    and counted; repeated header lines (several processes appending to one file) are
+    ignored.
+
+    Parameters
+    ----------
+    path : str or path-like
+        A CSV file written by :func:`cupy_poolmem.start_log`.
+
+    Returns
+    -------
+    events : list of LogEvent
+        In file order.
+    n_bad : int
+        Lines skipped because they could not be parsed.
+
+    Raises
+    ------
+    ValueError
+        The file does not start with the log's header.
+
+    Examples
+    --------
+    >>> events, n_bad = read_log("alloc.csv")  # doctest: +SKIP
+    """
+    events: list[LogEvent] = []
+    n_bad = 0
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None:
+            return events, 0
+        missing = [c for c in LOG_COLUMNS if c not in header]
+        if missing:
+            raise ValueError(f"{os.fspath(path)} is not a cupy_poolmem allocation log: its first "
+                             f"line {','.join(header)[:120]!r} lacks column(s) "
+                             f"{', '.join(missing)} (expected {','.join(LOG_COLUMNS)})")
+        idx = [header.index(c) for c in LOG_COLUMNS]
+        ncol = len(header)
+        for row in reader:
+            if len(row) != ncol:
+                if row:
+                    n_bad += 1
+                continue
+            if row == header:
+                continue
+            try:
+                (t, pid, thread, dev, stream, op, ptr, size, tag, site, used, res) = (
+                    row[i] for i in idx)
+                if op not in ("alloc", "free"):
+                    raise ValueError(op)
+                events.append(LogEvent(float(t), int(pid), thread, int(dev), int(stream, 0),
+                                       op, int(ptr, 0), int(size), tag, site,
+                                       _opt_int(used), _opt_int(res)))
+            except ValueError:
+                n_bad += 1
+    return events, n_bad
+
+
+def _expand(paths: Iterable[str | os.PathLike]) -> list[str]:
+    out: list[str] = []
+    for p in paths:
+        p = os.fspath(p)
+        if os.path.isdir(p):
+            out.extend(sorted(os.path.join(p, n) for n in os.listdir(p) if n.endswith(".csv")))
+        else:
+            out.append(p)
+    if not out:
+        raise ValueError("no log files given")
+    return out
+
+
+@dataclass
+class _Loaded:
+    files: list[str]
+    events: list[LogEvent]
+    n_bad: int
+
+
+def load(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> _Loaded:
+    """Read several logs (files or directories of ``*.csv``) and merge them by time.
+
+    Each file's own order is kept (a k-way merge on ``time``), so events of one process
+    never swap places even when their timestamps are equal.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files = _expand(paths)
+    per_file = []
+    n_bad = 0
+    for p in files:
+        ev, bad = read_log(p)
+        per_file.append(ev)
+        n_bad += bad
+    events = list(heapq.merge(*per_file, key=lambda e: e.time))
+    return _Loaded(files, events, n_bad)
+
+
+def _tag_key(tag: str, depth: int | None) -> str:
+    if depth is not None and tag:
+        tag = "/".join(tag.split("/")[:depth])
+    return tag
+
+
+# ----------------------------------------------------------------------------------------
+# Summary
+# ----------------------------------------------------------------------------------------
+@dataclass
+class SeriesSummary:
+    """Usage of one (process, device): ``device == -1`` is pinned host memory.
+
+    ``peak_used_bytes`` comes from the log's ``used`` column (which includes memory
+    allocated before the log started) or, when that column is blank, from the matched
+    allocations.  ``at_peak`` is the live bytes per tag at that moment.
+    """
+
+    pid: int
+    device: int
+    n_allocs: int = 0
+    n_frees: int = 0
+    peak_used_bytes: int = 0
+    peak_time: float = 0.0
+    peak_reserved_bytes: int | None = None
+    final_used_bytes: int = 0
+    at_peak: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class TagSummary:
+    """Bytes per tag, over all processes and devices."""
+
+    tag: str
+    n_allocs: int = 0
+    total_bytes: int = 0
+    peak_live_bytes: int = 0
+    leaked_bytes: int = 0
+    n_leaks: int = 0
+    live_bytes: int = 0
+
+
+@dataclass
+class CallsiteSummary:
+    """Allocations made from one call site (logs written with tracking on)."""
+
+    callsite: str
+    n_allocs: int = 0
+    total_bytes: int = 0
+
+
+@dataclass
+class Leak:
+    """An allocation with no matching free by the end of the log."""
+
+    pid: int
+    device: int
+    ptr: int
+    size: int
+    tag: str
+    callsite: str
+    time: float  # seconds after the first event of all logs
+
+
+@dataclass
+class Summary:
+    """What :func:`summarize` finds in a set of logs.
+
+    Attributes
+    ----------
+    files : list of str
+    n_events, n_allocs, n_frees : int
+    n_unmatched_frees, unmatched_free_bytes : int
+        Frees of memory allocated before the log started.
+    n_bad_lines : int
+        Lines that could not be parsed (skipped).
+    start_time, end_time : float
+        ``time.time()`` of the first and last events.
+    pids : list of int
+    series : list of SeriesSummary
+        One per (pid, device), biggest peak first.
+    tags : list of TagSummary
+        Biggest total first.
+    top_callsites : list of CallsiteSummary
+        Biggest total first, at most ``top``.
+    leaks : list of Leak
+        Biggest first (all of them).
+    """
+
+    files: list[str]
+    n_events: int = 0
+    n_allocs: int = 0
+    n_frees: int = 0
+    n_unmatched_frees: int = 0
+    unmatched_free_bytes: int = 0
+    n_bad_lines: int = 0
+    start_time: float = 0.0
+    end_time: float = 0.0
+    pids: list[int] = field(default_factory=list)
+    series: list[SeriesSummary] = field(default_factory=list)
+    tags: list[TagSummary] = field(default_factory=list)
+    top_callsites: list[CallsiteSummary] = field(default_factory=list)
+    leaks: list[Leak] = field(default_factory=list)
+
+    @property
+    def duration(self) -> float:
+        """Seconds from the first to the last event."""
+        return self.end_time - self.start_time
+
+    @property
+    def peaks(self) -> dict[tuple[int, int], int]:
+        """Peak used bytes per ``(pid, device)``."""
+        return {(s.pid, s.device): s.peak_used_bytes for s in self.series}
+
+    @property
+    def per_tag(self) -> dict[str, TagSummary]:
+        """:class:`TagSummary` by tag (``""``: untagged)."""
+        return {t.tag: t for t in self.tags}
+
+    @property
+    def leaked_bytes(self) -> int:
+        """Bytes allocated and never freed by the end of the log."""
+        return sum(lk.size for lk in self.leaks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly ``dict``."""
+        d = asdict(self)
+        d["duration"] = self.duration
+        d["leaked_bytes"] = self.leaked_bytes
+        return d
+
+    def format(self, top: int = 10) -> str:
+        """The text report that ``python -m cupy_poolmem report`` prints."""
+        out = [f"cupy_poolmem allocation log: {len(self.files)} file(s), {self.n_events} "
+               f"events, {len(self.pids)} process(es), {self.duration:.3f} s",
+               f"  allocations {self.n_allocs}, frees {self.n_frees}"]
+        if self.n_unmatched_frees:
+            out.append(f"  {self.n_unmatched_frees} frees ({format_bytes(self.unmatched_free_bytes)})"
+                       " of memory allocated before the log started")
+        if self.n_bad_lines:
+            out.append(f"  {self.n_bad_lines} unreadable line(s) skipped")
+        if not self.n_events:
+            out.append("  (no events)")
+            return "\n".join(out)
+        out += ["", "Peak used memory per process and device",
+                f"  {'pid':>8} {'device':>8} {'peak used':>12} {'at (s)':>9} "
+                f"{'peak reserved':>14} {'allocs':>9} {'frees':>9}"]
+        for s in self.series:
+            res = format_bytes(s.peak_reserved_bytes) if s.peak_reserved_bytes is not None else "-"
+            dev = "pinned" if s.device < 0 else str(s.device)
+            out.append(f"  {s.pid:>8} {dev:>8} {format_bytes(s.peak_used_bytes):>12} "
+                       f"{s.peak_time:>9.3f} {res:>14} {s.n_allocs:>9} {s.n_frees:>9}")
+            if s.at_peak:
+                parts = sorted(s.at_peak.items(), key=lambda kv: -kv[1])
+                out.append("           at the peak: " + ", ".join(
+                    f"{k or UNTAGGED} {format_bytes(v)}" for k, v in parts[:6]))
+        out += ["", "Bytes by tag",
+                f"  {'tag':<32} {'allocs':>9} {'total':>12} {'peak live':>12} {'leaked':>12}"]
+        for t in self.tags:
+            out.append(f"  {(t.tag or UNTAGGED)[:32]:<32} {t.n_allocs:>9} "
+                       f"{format_bytes(t.total_bytes):>12} {format_bytes(t.peak_live_bytes):>12} "
+                       f"{format_bytes(t.leaked_bytes):>12}")
+        out += ["", "Top call sites by bytes allocated"]
+        if self.top_callsites:
+            for c in self.top_callsites[:top]:
+                out.append(f"  {format_bytes(c.total_bytes):>12} {c.n_allocs:>8} x  {c.callsite}")
+        else:
+            out.append("  (no call sites: log written without tracking; use "
+                       "start_log(path, track=True) or CUPY_POOLMEM_TRACK=1)")
+        out += ["", f"Leaks at end of log (allocated, never freed): {len(self.leaks)} "
+                f"allocation(s), {format_bytes(self.leaked_bytes)}"]
+        for lk in self.leaks[:top]:
+            dev = "pinned" if lk.device < 0 else f"device {lk.device}"
+            out.append(f"  {format_bytes(lk.size):>12}  pid {lk.pid} {dev}  "
+                       f"{lk.tag or UNTAGGED}  {lk.callsite or '-'}  at {lk.time:.3f} s  "
+                       f"0x{lk.ptr:x}")
+        if len(self.leaks) > top:
+            out.append(f"  ... {len(self.leaks) - top} more")
+        return "\n".join(out)
+
+
+def _summarize(loaded: _Loaded, top: int, tag_depth: int | None) -> Summary:
+    events = loaded.events
+    summ = Summary(files=list(loaded.files), n_events=len(events), n_bad_lines=loaded.n_bad)
+    if not events:
+        return summ
+    t0 = summ.start_time = events[0].time
+    summ.end_time = events[-1].time
+    live: dict[tuple[int, int, int], tuple[int, str, str, float]] = {}
+    series: dict[tuple[int, int], SeriesSummary] = {}
+    s_matched: dict[tuple[int, int], int] = {}        # live bytes of matched allocs
+    s_tags: dict[tuple[int, int], dict[str, int]] = {}
+    tags: dict[str, TagSummary] = {}
+    sites: dict[str, CallsiteSummary] = {}
+    pids = set()
+    for e in events:
+        key = (e.pid, e.device)
+        s = series.get(key)
+        if s is None:
+            s = series[key] = SeriesSummary(e.pid, e.device)
+            s_matched[key] = 0
+            s_tags[key] = {}
+            pids.add(e.pid)
+        tl = s_tags[key]
+        if e.op == "alloc":
+            summ.n_allocs += 1
+            s.n_allocs += 1
+            tg = _tag_key(e.tag, tag_depth)
+            ts = tags.get(tg)
+            if ts is None:
+                ts = tags[tg] = TagSummary(tg)
+            ts.n_allocs += 1
+            ts.total_bytes += e.size
+            if e.callsite:
+                cs = sites.get(e.callsite)
+                if cs is None:
+                    cs = sites[e.callsite] = CallsiteSummary(e.callsite)
+                cs.n_allocs += 1
+                cs.total_bytes += e.size
+            if e.ptr and e.size:
+                lkey = (e.pid, e.device, e.ptr)
+                prev = live.pop(lkey, None)
+                if prev is not None:  # its free was not logged: stop counting it
+                    _drop(prev, s_matched, key, tl, tags)
+                live[lkey] = (e.size, tg, e.callsite, e.time)
+                s_matched[key] += e.size
+                tl[tg] = tl.get(tg, 0) + e.size
+                ts.live_bytes += e.size
+                if ts.live_bytes > ts.peak_live_bytes:
+                    ts.peak_live_bytes = ts.live_bytes
+        else:
+            summ.n_frees += 1
+            s.n_frees += 1
+            prev = live.pop((e.pid, e.device, e.ptr), None)
+            if prev is None:
+                summ.n_unmatched_frees += 1
+                summ.unmatched_free_bytes += e.size
+            else:
+                _drop(prev, s_matched, key, tl, tags)
+        used = e.used if e.used is not None else s_matched[key]
+        s.final_used_bytes = used
+        if used > s.peak_used_bytes or (s.n_allocs + s.n_frees == 1):
+            s.peak_used_bytes = used
+            s.peak_time = e.time - t0
+            at = {k: v for k, v in tl.items() if v > 0}
+            rest = used - sum(at.values())
+            if rest > 0:
+                at[BEFORE_LOG] = rest
+            s.at_peak = at
+        if e.reserved is not None and (s.peak_reserved_bytes is None
+                                       or e.reserved > s.peak_reserved_bytes):
+            s.peak_reserved_bytes = e.reserved
+    for (pid, dev, ptr), (size, tg, site, t) in live.items():
+        summ.leaks.append(Leak(pid, dev, ptr, size, tg, site, t - t0))
+        ts = tags[tg]
+        ts.leaked_bytes += size
+        ts.n_leaks += 1
+    summ.leaks.sort(key=lambda lk: (-lk.size, lk.time))
+    summ.pids = sorted(pids)
+    summ.series = sorted(series.values(), key=lambda s: (-s.peak_used_bytes, s.pid, s.device))
+    summ.tags = sorted(tags.values(), key=lambda t: (-t.total_bytes, t.tag))
+    summ.top_callsites = sorted(sites.values(), key=lambda c: (-c.total_bytes, c.callsite))[:top]
+    return summ
+
+
+def _drop(prev: tuple, s_matched: dict, key: tuple, tl: dict, tags: dict) -> None:
+    size, tg = prev[0], prev[1]
+    s_matched[key] -= size
+    tl[tg] = tl.get(tg, 0) - size
+    tags[tg].live_bytes -= size
+
+
+def summarize(paths: str | os.PathLike | Sequence[str | os.PathLike], *, top: int = 10,
+              tag_depth: int | None = None) -> Summary:
+    """Summarise one or more allocation logs.
+
+    Parameters
+    ----------
+    paths : path or sequence of paths
+        Log files (or directories of ``*.csv`` logs), from one or several processes.
+    top : int
+        How many call sites to keep in ``top_callsites``.
+    tag_depth : int, optional
+        Group nested tags by their first ``tag_depth`` components
+        (``"model/attention"`` counts as ``"model"`` with ``tag_depth=1``).
+
+    Returns
+    -------
+    Summary
+
+    Examples
+    --------
+    >>> s = summarize(["alloc-101.csv", "alloc-102.csv"])  # doctest: +SKIP
+    >>> s.peaks[(101, 0)], s.leaked_bytes  # doctest: +SKIP
+    (2147483648, 0)
+    >>> print(s.format())  # doctest: +SKIP
+    """
+    return _summarize(load(paths), top, tag_depth)
+
+
+# ----------------------------------------------------------------------------------------
+# Plot
+# ----------------------------------------------------------------------------------------
+def _need_matplotlib() -> Any:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise ImportError("plotting an allocation log needs matplotlib, which is not "
+                          "installed: pip install matplotlib (or cupy_poolmem[plot])") from exc
+    return Figure
+
+
+def _series_arrays(events: list[LogEvent], tag_depth: int | None) -> dict[tuple[int, int], dict]:
+    """Per (pid, device): times, used, reserved and per-tag deltas of matched allocations."""
+    import numpy as np
+
+    raw: dict[tuple[int, int], dict[str, list]] = {}
+    live: dict[tuple[int, int, int], tuple[int, str]] = {}
+    for e in events:
+        key = (e.pid, e.device)
+        r = raw.get(key)
+        if r is None:
+            r = raw[key] = {"t": [], "used": [], "res": [], "delta": [], "tag": []}
+        lkey = (e.pid, e.device, e.ptr)
+        if e.op == "alloc":
+            tg = _tag_key(e.tag, tag_depth)
+            if e.ptr and e.size:
+                prev = live.pop(lkey, None)
+                if prev is not None:  # an unlogged free: take it out of its tag now
+                    r["t"].append(e.time)
+                    r["used"].append(np.nan)
+                    r["res"].append(np.nan)
+                    r["delta"].append(-prev[0])
+                    r["tag"].append(prev[1])
+                live[lkey] = (e.size, tg)
+            delta = e.size
+        else:
+            prev = live.pop(lkey, None)
+            tg, delta = (prev[1], -prev[0]) if prev is not None else ("", 0)
+        r["t"].append(e.time)
+        r["used"].append(np.nan if e.used is None else e.used)
+        r["res"].append(np.nan if e.reserved is None else e.reserved)
+        r["delta"].append(delta)
+        r["tag"].append(tg)
+    out = {}
+    for key, r in raw.items():
+        out[key] = {"t": np.asarray(r["t"], dtype=float), "used": np.asarray(r["used"], float),
+                    "res": np.asarray(r["res"], float), "delta": np.asarray(r["delta"], float),
+                    "tag": r["tag"]}
+    return out
+
+
+def _ffill(a: Any) -> Any:
+    import numpy as np
+
+    ok = ~np.isnan(a)
+    if not ok.any():
+        return a
+    idx = np.where(ok, np.arange(len(a)), 0)
+    np.maximum.accumulate(idx, out=idx)
+    filled = a[idx]
+    filled[: int(np.argmax(ok))] = np.nan
+    return filled
+
+
+def _pick(used: Any, max_points: int) -> Any:
+    """Indices to draw: everything, or per bin the point of highest use (peaks survive)."""
+    import numpy as np
+
+    n = len(used)
+    if n <= max_points:
+        return np.arange(n)
+    edges = np.linspace(0, n, max_points // 2 + 1).astype(int)
+    keep = [a + int(np.argmax(used[a:b])) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+    keep += list(edges[:-1])
+    keep.append(n - 1)
+    return np.unique(np.asarray(keep))
+
+
+def plot(paths: str | os.PathLike | Sequence[str | os.PathLike], out_png: str | os.PathLike,
+         *, tag_depth: int | None = None, max_tags: int = 8, max_panels: int = 8,
+         max_points: int = 20000, title: str | None = None) -> str:
+    """Draw used memory over time, stacked by tag, with reserved memory as a line.
+
+    One panel per (process, device), biggest peak first; time is in seconds since the
+    first event of all logs.  The stacked areas are the live bytes per tag (the
+    ``max_tags`` biggest; the rest as "other tags"); memory that was already allocated
+    when the log started shows as its own grey band, so the top of the stack follows the
+    ``used`` column.  Needs matplotlib (the Agg renderer, no display); no GPU.
+
+    Parameters
+    ----------
+    paths : path or sequence of paths
+        Log files or directories, as for :func:`summarize`.
+    out_png : path
+        PNG file to write.
+    tag_depth : int, optional
+        Group nested tags by their first components, as in :func:`summarize`.
+    max_tags, max_panels, max_points : int
+        Limits that keep the picture readable and quick to draw; long logs are thinned
+        to ``max_points`` points per panel, keeping each stretch's highest point.
+    title : str, optional
+        Figure title.
+
+    Returns
+    -------
+    str
+        ``out_png``.
+
+    Raises
+    ------
+    ImportError
+        matplotlib is not installed.
+    ValueError
+        The logs hold no events.
+
+    Examples
+    --------
+    >>> plot(["alloc-101.csv", "alloc-102.csv"], "usage.png")  # doctest: +SKIP
+    'usage.png'
+    """
+    return _plot(load(paths), out_png, tag_depth=tag_depth, max_tags=max_tags,
+                 max_panels=max_panels, max_points=max_points, title=title)
+
+
+def _plot(loaded: _Loaded, out_png: str | os.PathLike, *, tag_depth: int | None = None,
+          max_tags: int = 8, max_panels: int = 8, max_points: int = 20000,
+          title: str | None = None) -> str:
+    Figure = _need_matplotlib()
+    import numpy as np
+
+    if not loaded.events:
+        raise ValueError(f"no events to plot in {', '.join(loaded.files)}")
+    t0 = loaded.events[0].time
+    arrays = _series_arrays(loaded.events, tag_depth)
+
+    # Live bytes per tag per series, and each tag's biggest peak anywhere.
+    tag_peak: dict[str, float] = {}
+    for a in arrays.values():
+        tags = np.asarray(a["tag"], dtype=object)
+        a["by_tag"] = {}
+        for tg in set(a["tag"]):
+            d = np.where(tags == tg, a["delta"], 0.0)
+            if not d.any():
+                continue
+            cum = np.cumsum(d)
+            a["by_tag"][tg] = cum
+            tag_peak[tg] = max(tag_peak.get(tg, 0.0), float(cum.max()))
+        matched = sum(a["by_tag"].values()) if a["by_tag"] else np.zeros(len(a["t"]))
+        a["matched"] = matched
+        used = a["used"]
+        a["used_f"] = np.where(np.isnan(used), np.nan, used)
+        a["used_f"] = _ffill(a["used_f"])
+        a["used_f"] = np.where(np.isnan(a["used_f"]), matched, a["used_f"])
+        a["res_f"] = _ffill(a["res"])
+    shown = [tg for tg, _ in sorted(tag_peak.items(), key=lambda kv: -kv[1])][:max_tags]
+    has_other = len(tag_peak) > len(shown)
+
+    order = sorted(arrays, key=lambda k: -float(np.max(arrays[k]["used_f"])))
+    hidden = max(0, len(order) - max_panels)
+    order = order[:max_panels]
+    peak_all = max(float(np.nanmax(np.concatenate([arrays[k]["used_f"], arrays[k]["res_f"]])))
+                   for k in order)
+    unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+                        if peak_all >= s), ("B", 1))
+
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10" if len(shown) <= 10 else "tab20"]
+    colors = {tg: cmap(i % cmap.N) for i, tg in enumerate(shown)}
+    colors[OTHER_TAGS] = (0.55, 0.55, 0.55, 1.0)
+    colors[BEFORE_LOG] = (0.82, 0.82, 0.82, 1.0)
+
+    fig = Figure(figsize=(11, 1.2 + 2.8 * len(order)), layout="constrained")
+    axes = fig.subplots(len(order), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, key in zip(axes, order):
+        a = arrays[key]
+        idx = _pick(a["used_f"], max_points)
+        x = a["t"][idx] - t0
+        layers, labels = [], []
+        for tg in shown:
+            if tg in a["by_tag"]:
+                layers.append(a["by_tag"][tg][idx])
+                labels.append(tg or UNTAGGED)
+        if has_other:
+            other = sum((c for tg, c in a["by_tag"].items() if tg not in shown),
+                        np.zeros(len(a["t"])))
+            if other.any():
+                layers.append(other[idx])
+                labels.append(OTHER_TAGS)
+        before = np.clip(a["used_f"] - a["matched"], 0, None)
+        if before.any():
+            layers.append(before[idx])
+            labels.append(BEFORE_LOG)
+        if layers:
+            ax.stackplot(x, *[np.clip(y, 0, None) / scale for y in layers], labels=labels,
+                         colors=[colors.get(lb if lb != UNTAGGED else "", colors[OTHER_TAGS])
+                                 for lb in labels], step="post", linewidth=0)
+        ax.step(x, a["used_f"][idx] / scale, where="post", color="black", linewidth=0.8,
+                label="used")
+        if not np.isnan(a["res_f"]).all():
+            ax.step(x, a["res_f"][idx] / scale, where="post", color="tab:red", linewidth=1.2,
+                    linestyle="--", label="reserved")
+        pid, dev = key
+        where = "pinned host memory" if dev < 0 else f"device {dev}"
+        ax.set_title(f"pid {pid}, {where}", fontsize=10, loc="left")
+        ax.set_ylabel(unit)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8, ncol=2, framealpha=0.8)
+    axes[-1].set_xlabel("time since the first event (s)")
+    head = title or "cupy_poolmem: used memory by tag"
+    if hidden:
+        head += f" ({hidden} more process/device panel(s) not shown)"
+    fig.suptitle(head)
+    out = os.fspath(out_png)
+    d = os.path.dirname(os.path.abspath(out))
+    os.makedirs(d, exist_ok=True)
+    fig.savefig(out, format="png", dpi=100)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m cupy_poolmem report LOG [LOG ...] [--plot PNG]``; returns the exit code.
+
+    Examples
+    --------
+    >>> main(["alloc-101.csv", "alloc-102.csv", "--plot", "usage.png"])  # doctest: +SKIP
+    0
+    """
+    ap = argparse.ArgumentParser(
+        prog="python -m cupy_poolmem report",
+        description="Summarise cupy_poolmem allocation logs (peaks, bytes per tag, top call "
+                    "sites, leaks at the end of the log) and optionally plot memory over time.")
+    ap.add_argument("logs", nargs="+", help="log files (CSV) or directories of them")
+    ap.add_argument("--plot", metavar="PNG", help="draw used/reserved memory by tag to PNG")
+    ap.add_argument("--top", type=int, default=10, help="call sites and leaks listed (10)")
+    ap.add_argument("--tag-depth", type=int, default=None,
+                    help="group nested tags by their first N components")
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    try:
+        loaded = load(args.logs)
+        summ = _summarize(loaded, args.top, args.tag_depth)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summ.to_dict(), indent=1))
+    else:
+        print(summ.format(top=args.top))
+    if args.plot:
+        try:
+            out = _plot(loaded, args.plot, tag_depth=args.tag_depth)
+        except (ImportError, OSError, ValueError) as exc:
+            print(f"error: cannot plot: {exc}", file=sys.stderr)
+            return 1
+        if not args.json:
+            print(f"\nplot written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
