@@ -43,6 +43,8 @@ from ._pools import (
     nearest_numa_node,
 )
 from ._poolstats import PoolStats
+from ._sharing import collect, sharing_stats
+from ._sharing import settings as sharing
 from ._sizes import format_bytes, parse_bytes
 from .managed import advise, prefetch
 
@@ -68,6 +70,9 @@ __all__ = [
     "WrongDeviceError",
     "__version__",
     "advise",
+    "collect",
+    "sharing",
+    "sharing_stats",
     "all_pools",
     "device_count",
     "format_bytes",

@@ -125,6 +125,10 @@ cdef class PoolCore:
         self.closed = True
         self.flush_cache()
 
+    def _poison(self):
+        """Refuse allocations without touching CUDA (after a fork)."""
+        self.closed = True
+
     def malloc(self, size_t size):
         """Allocate ``size`` bytes on CuPy's current stream; see the pool's docstring."""
         cdef cydriver.CUdevice cur = -1

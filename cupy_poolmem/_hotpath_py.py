@@ -92,6 +92,10 @@ class PoolCore:
         self.closed = True
         self.flush_cache()
 
+    def _poison(self) -> None:
+        """Refuse allocations without touching CUDA (after a fork)."""
+        self.closed = True
+
     def _release(self, ptr: int, size: int, stream_ptr: int, stream: Any) -> None:
         if (size <= self.cache_max_block and self.cached_bytes + size <= self.cache_limit
                 and not self.closed):

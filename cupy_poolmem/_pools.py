@@ -170,6 +170,11 @@ class Pool(_hp.PoolCore):
 
     # -- hot-path slow paths -------------------------------------------------------
     def _raise_closed(self) -> None:
+        if getattr(self, "_forked", False):
+            raise PoolClosedError(
+                f"{self._describe()} belongs to the parent process: this process was forked "
+                "after CUDA was initialised, and CUDA cannot be used in it. Start workers with "
+                "multiprocessing.get_context('spawn') or 'forkserver'.")
         raise PoolClosedError(f"{self!r} is closed; create a new pool or stop allocating "
                               "from this one (cupy.cuda.set_allocator(None) restores CuPy's)")
 

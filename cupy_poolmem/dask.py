@@ -1,0 +1,431 @@
+"""Dask integration: a worker plugin and preload hooks that put each worker on cupy_poolmem pools.
+
+Three ways to use it (all per worker process, one GPU per worker as dask-cuda runs them):
+
+1. A plugin, registered from the client; the scheduler re-runs it on every worker
+   that joins later, restarted workers included::
+
+       from cupy_poolmem.dask import PoolmemPlugin
+       client.register_plugin(PoolmemPlugin(pool_size="0.5", maximum_pool_size="0.9"))
+
+2. A preload module, configured through Dask's config (``cupy-poolmem.*`` keys, or
+   ``DASK_CUPY_POOLMEM__POOL_SIZE`` style environment variables)::
+
+       dask cuda worker tcp://scheduler:8786 --preload cupy_poolmem.dask
+       LocalCUDACluster(preload=["cupy_poolmem.dask"])
+
+3. :func:`gather_stats` collects every worker's pool statistics.
+
+On each worker the plugin creates (through :func:`cupy_poolmem.set_allocator`) the
+device pool of the worker's GPU, which is device 0 of the process when
+``CUDA_VISIBLE_DEVICES`` lists it first, as dask-cuda arranges; with ``pinned=True``
+it also makes CuPy's pinned allocator a :class:`~cupy_poolmem.PinnedPool` on that
+GPU's NUMA node.  Teardown (worker close, or plugin removal) closes the pools and
+restores CuPy's default allocators.
+
+Config keys and their defaults::
+
+    cupy-poolmem:
+      pool-size: null            # bytes reserved up front ("20GB", 0.5 = half the GPU)
+      maximum-pool-size: null    # hard cap of the pool (bytes, string or fraction)
+      release-threshold: null    # null: keep reserved memory; 0: release at every sync
+      pinned: true               # pinned host pool on the GPU's NUMA node
+      ipc: true                  # pool memory can be shared with other processes
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+try:
+    import dask.config
+    from distributed.diagnostics.plugin import WorkerPlugin
+except ImportError as _exc:  # pragma: no cover - depends on the environment
+    raise ImportError("cupy_poolmem.dask needs dask and distributed: "
+                      f"pip install 'cupy_poolmem[dask]' ({_exc})") from _exc
+
+from ._errors import InvalidOptionError, NoGPUError, OptionTypeError, PoolClosedError
+from ._pools import require_gpu
+from ._sizes import format_bytes, parse_bytes
+
+__all__ = ["PoolmemPlugin", "dask_setup", "dask_teardown", "gather_stats", "CONFIG_DEFAULTS"]
+
+logger = logging.getLogger("cupy_poolmem.dask")
+
+#: Defaults of the ``cupy-poolmem`` Dask config section (shipped with this module).
+CONFIG_DEFAULTS: dict[str, Any] = {
+    "pool-size": None,
+    "maximum-pool-size": None,
+    "release-threshold": None,
+    "pinned": True,
+    "ipc": True,
+}
+dask.config.update_defaults({"cupy-poolmem": dict(CONFIG_DEFAULTS)})
+
+_SIZE_OPTIONS = ("pool_size", "maximum_pool_size", "release_threshold")
+# What fractions are validated against before the device's real size is known.
+_PROBE_TOTAL = 2**60
+
+
+def _size_kind(value: Any, name: str) -> str:
+    """``"none"``, ``"bytes"`` or ``"fraction"``; raises for values that are neither."""
+    if value is None:
+        return "none"
+    parse_bytes(value, name=name, total=_PROBE_TOTAL)  # type and syntax errors raise here
+    try:
+        parse_bytes(value, name=name)
+    except InvalidOptionError:
+        return "fraction"
+    return "bytes"
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise OptionTypeError(f"{name} must be True or False; got {value!r} of type "
+                              f"{type(value).__name__}")
+    return value
+
+
+def _config_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "off"):
+        return False
+    raise OptionTypeError(f"dask config {key}={value!r} must be true or false")
+
+
+class PoolmemPlugin(WorkerPlugin):
+    """Worker plugin: each worker allocates CuPy memory from cupy_poolmem pools on its GPU.
+
+    Parameters
+    ----------
+    pool_size : int, str or float, optional
+        Memory reserved up front: bytes, a string (``"20GB"``) or a fraction of the
+        GPU's memory (``0.5`` or ``"0.5"``), like dask-cuda's ``rmm_pool_size``.  The
+        pools here have no built-in initial size, so the plugin allocates this much
+        once and frees it; the pool keeps it reserved as long as the release
+        threshold allows (the default keeps everything).  ``None``: grow on demand.
+    maximum_pool_size : int, str or float, optional
+        Hard cap of the device pool (the pool's ``max_size``), in the same forms.
+        ``None``: limited by the GPU only.
+    release_threshold : int, str or float, optional
+        Reserved bytes the pool keeps across synchronisations.  ``None`` (default)
+        keeps all; ``0`` releases unused memory at every synchronisation.  Must not
+        be below ``pool_size`` (the reservation would be released at once).
+    pinned : bool
+        Also make CuPy's pinned host allocator a :class:`~cupy_poolmem.PinnedPool`
+        on the GPU's NUMA node.  Default ``True``.
+    ipc : bool
+        Create the device pool IPC-enabled, so arrays can be shared with other
+        processes without a copy.  Default ``True``.
+
+    Raises
+    ------
+    OptionTypeError, InvalidOptionError
+        At construction, for values of a wrong type, unparsable sizes, or
+        inconsistent sizes given in the same form (both bytes or both fractions).
+        Sizes that mix bytes and fractions are checked on the worker, where the
+        GPU's size is known.
+    NoGPUError
+        From ``setup`` on a worker without a usable GPU; ``client.register_plugin``
+        re-raises it in the client.
+
+    Notes
+    -----
+    * Device: the current CUDA device of the worker process (device 0, which is the
+      first GPU of the worker's ``CUDA_VISIBLE_DEVICES``; dask-cuda gives every worker
+      its own list).  Run one GPU worker per process: the allocator is process-wide.
+    * Plugins registered with ``client.register_plugin`` are kept by the scheduler and
+      run on workers that connect later (distributed's ``Worker`` runs the
+      ``worker-plugins`` the scheduler sends when it registers), so restarted workers
+      get their pools again.  The plugin is named ``"cupy-poolmem"``: registering it
+      again replaces the previous one (teardown, then setup).
+    * Teardown closes the pools (live arrays stay valid until freed) and restores
+      ``cupy.get_default_memory_pool().malloc`` and the default pinned pool.
+
+    Examples
+    --------
+    >>> from dask_cuda import LocalCUDACluster  # doctest: +SKIP
+    >>> from distributed import Client  # doctest: +SKIP
+    >>> from cupy_poolmem.dask import PoolmemPlugin, gather_stats  # doctest: +SKIP
+    >>> client = Client(LocalCUDACluster())  # doctest: +SKIP
+    >>> client.register_plugin(PoolmemPlugin(pool_size="0.5", maximum_pool_size="0.9"))  # doctest: +SKIP
+    >>> gather_stats(client)  # doctest: +SKIP
+    {'tcp://127.0.0.1:40123': {'kind': 'device', 'used_bytes': 0, ...}}
+    """
+
+    name = "cupy-poolmem"
+    idempotent = False
+
+    def __init__(self, pool_size: int | str | float | None = None,
+                 maximum_pool_size: int | str | float | None = None,
+                 release_threshold: int | str | float | None = None,
+                 pinned: bool = True, ipc: bool = True) -> None:
+        self.pool_size = pool_size
+        self.maximum_pool_size = maximum_pool_size
+        self.release_threshold = release_threshold
+        self.pinned = _check_bool(pinned, "pinned")
+        self.ipc = _check_bool(ipc, "ipc")
+        kinds = {n: _size_kind(getattr(self, n), n) for n in _SIZE_OPTIONS}
+        # Consistency checks that need no GPU: both values in the same form.
+        for a, b in (("pool_size", "maximum_pool_size"), ("release_threshold", "pool_size")):
+            if kinds[a] == kinds[b] != "none":
+                self._check_order(a, b, _PROBE_TOTAL)
+        self._device_alloc: Any = None
+        self._pinned_alloc: Any = None
+        self.device: int | None = None
+
+    @classmethod
+    def from_config(cls) -> PoolmemPlugin:
+        """A plugin configured from Dask's ``cupy-poolmem.*`` config keys.
+
+        Examples
+        --------
+        >>> import dask
+        >>> with dask.config.set({"cupy-poolmem.pool-size": "1GB"}):  # doctest: +SKIP
+        ...     plugin = PoolmemPlugin.from_config()
+        """
+        cfg = {k: dask.config.get(f"cupy-poolmem.{k}", default=v)
+               for k, v in CONFIG_DEFAULTS.items()}
+        return cls(pool_size=cfg["pool-size"], maximum_pool_size=cfg["maximum-pool-size"],
+                   release_threshold=cfg["release-threshold"],
+                   pinned=_config_bool(cfg["pinned"], "cupy-poolmem.pinned"),
+                   ipc=_config_bool(cfg["ipc"], "cupy-poolmem.ipc"))
+
+    # -- sizes -------------------------------------------------------------------------
+    def resolve(self, total: int) -> dict[str, int | None]:
+        """The three sizes in bytes for a GPU of ``total`` bytes (``None`` where unset).
+
+        Raises
+        ------
+        InvalidOptionError
+            A size exceeds the GPU, ``pool_size > maximum_pool_size``, or
+            ``release_threshold < pool_size``.
+
+        Examples
+        --------
+        >>> PoolmemPlugin(pool_size="0.25", maximum_pool_size="30GB").resolve(80 * 10**9)
+        {'pool_size': 20000000000, 'maximum_pool_size': 30000000000, 'release_threshold': None}
+        """
+        out = {n: parse_bytes(getattr(self, n), name=n, total=total, allow_none=True)
+               for n in _SIZE_OPTIONS}
+        for n in ("pool_size", "maximum_pool_size"):
+            if out[n] is not None and out[n] > total:
+                raise InvalidOptionError(
+                    f"{n}={getattr(self, n)!r} ({format_bytes(out[n])}) is more than the GPU "
+                    f"has ({format_bytes(total)})")
+        if out["maximum_pool_size"] is not None and out["pool_size"] is not None \
+                and out["pool_size"] > out["maximum_pool_size"]:
+            self._raise_order("pool_size", "maximum_pool_size", out)
+        if out["release_threshold"] is not None and out["pool_size"] is not None \
+                and out["release_threshold"] < out["pool_size"]:
+            self._raise_order("release_threshold", "pool_size", out)
+        return out
+
+    def _check_order(self, a: str, b: str, total: int) -> None:
+        va = parse_bytes(getattr(self, a), name=a, total=total)
+        vb = parse_bytes(getattr(self, b), name=b, total=total)
+        if (a, b) == ("pool_size", "maximum_pool_size") and va > vb:
+            self._raise_order(a, b, {a: va, b: vb})
+        if (a, b) == ("release_threshold", "pool_size") and va < vb:
+            self._raise_order(a, b, {a: va, b: vb})
+
+    def _raise_order(self, a: str, b: str, values: dict) -> None:
+        if a == "pool_size":
+            why = "the pool cannot reserve more than its cap"
+            rel = "more than"
+        else:
+            why = ("the reservation would be released at the first synchronisation; leave "
+                   "release_threshold unset to keep it")
+            rel = "less than"
+        detail = ""
+        if values.get(a, 0) < _PROBE_TOTAL // 2 and values.get(b, 0) < _PROBE_TOTAL // 2:
+            detail = f" ({format_bytes(values[a])} vs {format_bytes(values[b])})"
+        raise InvalidOptionError(f"{a}={getattr(self, a)!r} is {rel} {b}={getattr(self, b)!r}"
+                                 f"{detail}: {why}")
+
+    # -- worker lifecycle --------------------------------------------------------------
+    def setup(self, worker: Any = None) -> None:
+        """Create the pools on the worker's GPU and make CuPy allocate from them."""
+        import cupy
+
+        import cupy_poolmem
+
+        addr = getattr(worker, "address", None)
+        where = f"worker {addr}" if addr else f"process {os.getpid()}"
+        try:
+            require_gpu(f"PoolmemPlugin on {where}")
+        except NoGPUError as exc:
+            raise NoGPUError(f"{exc} (CUDA_VISIBLE_DEVICES="
+                             f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})") from None
+        dev = cupy.cuda.runtime.getDevice()
+        try:
+            with cupy.cuda.Device(dev) as d:
+                total = int(d.mem_info[1])
+                sizes = self.resolve(total)
+                self._device_alloc = cupy_poolmem.set_allocator(
+                    max_size=sizes["maximum_pool_size"],
+                    release_threshold=sizes["release_threshold"], ipc=self.ipc)
+                pool = self._device_alloc.pool(dev)
+                if sizes["pool_size"]:
+                    _prereserve(pool, sizes["pool_size"])
+                if self.pinned:
+                    self._pinned_alloc = cupy_poolmem.set_pinned_memory_allocator()
+                    self._pinned_alloc.pool(dev)
+        except BaseException:
+            self._restore()
+            raise
+        self.device = dev
+        logger.info(
+            "cupy_poolmem on %s: device %d (%s, CUDA_VISIBLE_DEVICES=%s), pool_size=%s, "
+            "maximum_pool_size=%s, release_threshold=%s, pinned=%s, ipc=%s", where, dev,
+            _device_name(dev), os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"),
+            _fmt(sizes["pool_size"]), _fmt(sizes["maximum_pool_size"]),
+            _fmt(sizes["release_threshold"]), self.pinned, self.ipc)
+
+    def teardown(self, worker: Any = None) -> None:
+        """Close the pools and restore CuPy's default device and pinned allocators."""
+        self._restore()
+
+    def _restore(self) -> None:
+        from . import _allocator
+
+        dev_alloc, pin_alloc = self._device_alloc, self._pinned_alloc
+        self._device_alloc = self._pinned_alloc = None
+        if dev_alloc is None and pin_alloc is None:
+            return
+        import cupy
+
+        if dev_alloc is not None:
+            if _allocator._current.get("device") is dev_alloc:
+                cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
+                _allocator._current["device"] = None
+            dev_alloc.close()
+        if pin_alloc is not None:
+            if _allocator._current.get("pinned") is pin_alloc:
+                cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
+                _allocator._current["pinned"] = None
+            pin_alloc.close()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_device_alloc"] = state["_pinned_alloc"] = None
+        state["device"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return (f"PoolmemPlugin(pool_size={self.pool_size!r}, "
+                f"maximum_pool_size={self.maximum_pool_size!r}, "
+                f"release_threshold={self.release_threshold!r}, pinned={self.pinned!r}, "
+                f"ipc={self.ipc!r})")
+
+
+def _prereserve(pool: Any, nbytes: int) -> None:
+    """Allocate ``nbytes`` once and free it: the pool keeps the memory reserved."""
+    import cupy
+
+    try:
+        mem = pool.malloc(nbytes)
+    except MemoryError as exc:
+        raise InvalidOptionError(
+            f"pool_size: could not reserve {format_bytes(nbytes)} on device {pool.device_id} "
+            f"({exc}); lower pool_size") from exc
+    del mem
+    cupy.cuda.get_current_stream().synchronize()
+
+
+def _fmt(n: int | None) -> str:
+    return "unset" if n is None else format_bytes(n)
+
+
+def _device_name(dev: int) -> str:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceProperties(dev)["name"].decode()
+    except Exception:
+        return "?"
+
+
+# -- preload hooks -----------------------------------------------------------------------
+async def dask_setup(worker: Any) -> None:
+    """Preload hook: install :class:`PoolmemPlugin` configured from Dask's config.
+
+    Used by ``dask worker ... --preload cupy_poolmem.dask``, ``dask cuda worker ...
+    --preload cupy_poolmem.dask``, ``LocalCUDACluster(preload=["cupy_poolmem.dask"])``
+    or the ``distributed.worker.preload`` config key.  Options come from the
+    ``cupy-poolmem.*`` keys (``DASK_CUPY_POOLMEM__POOL_SIZE=0.5`` and so on).  The
+    plugin is added to the worker under the name ``"cupy-poolmem"``, so the worker's
+    close tears it down.  Anything but a worker (a nanny, a scheduler) is left alone.
+
+    Examples
+    --------
+    >>> # DASK_CUPY_POOLMEM__POOL_SIZE=0.5 dask cuda worker tcp://sched:8786 \\
+    >>> #     --preload cupy_poolmem.dask
+    """
+    from distributed import Worker
+
+    if not isinstance(worker, Worker):
+        logger.info("cupy_poolmem.dask preload ignored on %s (only workers get pools)",
+                    type(worker).__name__)
+        return
+    plugin = PoolmemPlugin.from_config()
+    await worker.plugin_add(plugin=plugin, name=plugin.name, catch_errors=False)
+
+
+async def dask_teardown(worker: Any) -> None:
+    """Preload hook: nothing to do (the worker tears its plugins down when it closes)."""
+
+
+# -- statistics --------------------------------------------------------------------------
+def _worker_stats(kind: str) -> dict:
+    import cupy_poolmem
+
+    try:
+        pool = cupy_poolmem.get_pool() if kind == "device" else cupy_poolmem.get_pinned_pool()
+    except PoolClosedError:
+        raise PoolClosedError(
+            f"this worker has no cupy_poolmem {kind} pool: register "
+            "cupy_poolmem.dask.PoolmemPlugin (client.register_plugin) or preload "
+            "cupy_poolmem.dask") from None
+    return pool.stats().to_dict()
+
+
+def gather_stats(client: Any, *, kind: str = "device",
+                 workers: list[str] | None = None) -> dict[str, dict]:
+    """Every worker's pool statistics, through ``client.run``.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    kind : {"device", "pinned"}
+        Which pool: the device pool (:func:`cupy_poolmem.get_pool`) or the pinned
+        one (:func:`cupy_poolmem.get_pinned_pool`).
+    workers : list of str, optional
+        Worker addresses; default all.
+
+    Returns
+    -------
+    dict
+        ``{worker_address: PoolStats.to_dict()}``.
+
+    Raises
+    ------
+    PoolClosedError
+        A worker has no pool (the plugin is not installed there).
+
+    Examples
+    --------
+    >>> stats = gather_stats(client)  # doctest: +SKIP
+    >>> {w: s["n_allocs"] for w, s in stats.items()}  # doctest: +SKIP
+    {'tcp://127.0.0.1:40123': 1024}
+    """
+    if kind not in ("device", "pinned"):
+        raise InvalidOptionError(f"kind must be 'device' or 'pinned'; got {kind!r}")
+    return client.run(_worker_stats, kind, workers=workers)

@@ -1,0 +1,140 @@
+"""GPU tests of the Dask integration: LocalCUDACluster workers allocate from the plugin's pools."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cupy_poolmem as cpm
+
+pytestmark = pytest.mark.gpu
+
+if cpm.device_count() == 0:
+    pytest.skip("needs a CUDA GPU: this machine has no GPU or driver", allow_module_level=True)
+
+cupy = pytest.importorskip("cupy")
+dask = pytest.importorskip("dask", reason="dask is not installed")
+da = pytest.importorskip("dask.array", reason="dask.array is not installed")
+pytest.importorskip("distributed", reason="distributed is not installed")
+dask_cuda = pytest.importorskip("dask_cuda", reason="dask-cuda is not installed")
+
+from distributed import Client  # noqa: E402
+
+from cupy_poolmem.dask import PoolmemPlugin, gather_stats  # noqa: E402
+
+MiB = 1 << 20
+N = 2000
+
+
+def _workload(client, n=N, chunk=500) -> float:
+    x = da.arange(n * n, chunks=chunk * chunk, dtype="f8").reshape(n, n)
+    x = x.rechunk((chunk, chunk)).map_blocks(cupy.asarray, dtype="f8")
+    return float(((x + x.T) * 2 - 1).mean(0).sum().compute())
+
+
+def _expected(n=N) -> float:
+    x = np.arange(n * n, dtype="f8").reshape(n, n)
+    return float(((x + x.T) * 2 - 1).mean(0).sum())
+
+
+def _worker_allocator_state() -> dict:
+    import os
+
+    import cupy
+
+    from cupy_poolmem import _allocator
+
+    alloc = _allocator._current["device"]
+    dev = cupy.cuda.runtime.getDevice()
+    return {
+        "plugin_allocator": alloc is not None,
+        "default_pool_bytes": int(cupy.get_default_memory_pool().total_bytes()),
+        "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "device": dev,
+        "pci": cupy.cuda.Device(dev).pci_bus_id,
+        "pool_ipc": bool(alloc.pool(dev).ipc) if alloc is not None else None,
+    }
+
+
+def _cluster(**kw):
+    kw.setdefault("n_workers", 1)
+    kw.setdefault("threads_per_worker", 4)
+    kw.setdefault("CUDA_VISIBLE_DEVICES", "0")
+    kw.setdefault("dashboard_address", None)
+    return dask_cuda.LocalCUDACluster(**kw)
+
+
+def test_dask_array_workload_allocates_from_the_plugin_pool():
+    with _cluster() as cluster, Client(cluster) as client:
+        client.register_plugin(PoolmemPlugin(pool_size=256 * MiB, maximum_pool_size="0.5"))
+        (addr, s0), = gather_stats(client).items()
+        assert s0["kind"] == "device" and s0["device"] == 0
+        assert s0["reserved_bytes"] >= 256 * MiB  # pool_size was reserved up front
+        assert s0["max_size"] > 0
+
+        assert _workload(client) == pytest.approx(_expected(), rel=1e-9)
+
+        s1 = gather_stats(client)[addr]
+        assert s1["n_allocs"] > s0["n_allocs"] + 16  # every chunk came from the pool
+        assert s1["peak_used_bytes"] >= 500 * 500 * 8
+        state = client.run(_worker_allocator_state)[addr]
+        assert state["plugin_allocator"] and state["pool_ipc"]
+        assert state["default_pool_bytes"] == 0  # CuPy's own pool never used
+        assert state["cvd"].split(",")[0] == "0"
+        pinned = gather_stats(client, kind="pinned")[addr]
+        assert pinned["kind"] == "pinned"
+
+        # Restarted workers get their pools again (the scheduler re-sends the plugin).
+        client.restart()
+        (addr2, s2), = gather_stats(client).items()
+        assert s2["reserved_bytes"] >= 256 * MiB
+        assert _workload(client) == pytest.approx(_expected(), rel=1e-9)
+        assert gather_stats(client)[addr2]["n_allocs"] > s2["n_allocs"]
+
+        # Removing the plugin tears it down: CuPy's default allocator is back.
+        client.unregister_worker_plugin("cupy-poolmem")
+        state = client.run(_worker_allocator_state)[addr2]
+        assert not state["plugin_allocator"]
+        with pytest.raises(cpm.PoolClosedError, match="no cupy_poolmem device pool"):
+            gather_stats(client)
+
+
+def test_bad_fraction_against_the_real_gpu_is_reported_by_the_worker():
+    with _cluster() as cluster, Client(cluster) as client:
+        with pytest.raises(cpm.InvalidOptionError, match="more than maximum_pool_size"):
+            client.register_plugin(PoolmemPlugin(pool_size="0.9", maximum_pool_size="1MiB"))
+        # The failed setup left CuPy's allocator alone.
+        (state,) = client.run(_worker_allocator_state).values()
+        assert not state["plugin_allocator"]
+
+
+def test_preload_module_configured_through_dask_config():
+    with dask.config.set({"cupy-poolmem.pool-size": "128MiB",
+                          "cupy-poolmem.maximum-pool-size": "0.5",
+                          "cupy-poolmem.pinned": False}), \
+            _cluster(preload=["cupy_poolmem.dask"]) as cluster, Client(cluster) as client:
+        (addr, s0), = gather_stats(client).items()
+        assert s0["reserved_bytes"] >= 128 * MiB
+        assert _workload(client) == pytest.approx(_expected(), rel=1e-9)
+        assert gather_stats(client)[addr]["n_allocs"] > s0["n_allocs"]
+        with pytest.raises(cpm.PoolClosedError, match="pinned pool"):
+            gather_stats(client, kind="pinned")
+
+
+@pytest.mark.multigpu
+def test_two_workers_each_on_their_own_gpu():
+    if cpm.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs; this machine has {cpm.device_count()}")
+    with _cluster(n_workers=2, threads_per_worker=2, CUDA_VISIBLE_DEVICES="0,1") as cluster, \
+            Client(cluster) as client:
+        client.register_plugin(PoolmemPlugin(pool_size=64 * MiB))
+        states = client.run(_worker_allocator_state)
+        assert len(states) == 2
+        assert len({s["pci"] for s in states.values()}) == 2  # two different GPUs
+        assert {s["cvd"].split(",")[0] for s in states.values()} == {"0", "1"}
+        assert all(s["device"] == 0 and s["plugin_allocator"] for s in states.values())
+        s0 = gather_stats(client)
+        assert _workload(client) == pytest.approx(_expected(), rel=1e-9)
+        s1 = gather_stats(client)
+        assert set(s1) == set(states)
+        assert sum(s1[w]["n_allocs"] - s0[w]["n_allocs"] for w in s1) > 16
