@@ -86,6 +86,8 @@ cdef class Block:
             core.n_free_errors += 1
             return
         core._release(self.ptr, self.size, self.stream_ptr, self.stream)
+        if core.closed and core.n_frees == core.n_allocs:
+            core._drained()
 
 
 cdef class PoolCore:
@@ -228,6 +230,9 @@ cdef class PoolCore:
 
     def _alloc_failed(self, err, size, stream):
         raise MemoryError(f"CUresult {err} allocating {size} bytes")
+
+    def _drained(self):
+        pass
 
 
 cdef class Dispatch:

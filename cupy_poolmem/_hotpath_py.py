@@ -54,6 +54,8 @@ class Block:
             core.n_free_errors += 1
             return
         core._release(self.ptr, self.size, self.stream_ptr, self.stream)
+        if core.closed and core.n_frees == core.n_allocs:
+            core._drained()
 
 
 class PoolCore:
@@ -167,6 +169,9 @@ class PoolCore:
 
     def _alloc_failed(self, err: int, size: int, stream: Any) -> int:
         raise MemoryError(f"CUresult {err} allocating {size} bytes")
+
+    def _drained(self) -> None:
+        pass
 
 
 class Dispatch:

@@ -296,16 +296,23 @@ class Pool(_hp.PoolCore):
             cupy.cuda.runtime.deviceSynchronize()
 
     def close(self) -> None:
-        """Stop allocating from this pool and drop its reference to the CUDA pool.
+        """Stop allocating from this pool; release the CUDA pool once nothing uses it.
 
-        Live allocations stay valid and are freed normally; the driver releases the
-        pool once the last one is gone.  Closing twice is harmless.
+        Live allocations stay valid and are freed normally; the CUDA pool is
+        destroyed when the last one is gone (never under live allocations).
+        Closing twice is harmless.
         """
         if self.closed:
             return
         self._mark_closed()
         with _ALL_LOCK:
             _ALL_POOLS.discard(self)
+        if self.n_allocs == self.n_frees:
+            self._drained()
+        # else: the hot path calls _drained() when the last live block is freed.
+
+    def _drained(self) -> None:
+        """Closed and no live block left: release the CUDA pool."""
         try:
             self._mr.close()
         except Exception:

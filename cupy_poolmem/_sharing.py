@@ -179,11 +179,14 @@ def _drop_ticket(exp: _Export, ticket: int, event: Any = None) -> None:
     _free_exported(exp, event)
 
 
-def _free_exported(exp: _Export, event: Any) -> None:
-    dev = exp.core.device_id
-    with cupy.cuda.Device(max(dev, 0)):
+def _free_exported(exp: _Export, event: bytes | None) -> None:
+    dev = max(exp.core.device_id, exp.stream.device_id, 0)
+    with cupy.cuda.Device(dev):
         if event is not None:
-            _cc_stream(exp.stream.ptr).wait(event)
+            try:
+                _wait_event(event, dev, exp.stream.ptr)
+            except Exception:  # the releasing process died: its work died with it
+                pass
         exp.core._free_now(exp.ptr, exp.stream.ptr)
 
 
@@ -237,9 +240,8 @@ class _Server:
                 elif op == "release":
                     exp = _exports.get(msg[1])
                     if exp is not None:
-                        ev = _open_event(msg[3]) if msg[3] is not None else None
                         for t in msg[2]:
-                            _drop_ticket(exp, t, ev)
+                            _drop_ticket(exp, t, msg[3])
                 elif op == "pool":
                     pool = self.pools.get(msg[1])
                     if pool is None:
@@ -273,8 +275,8 @@ def _get_server() -> _Server:
 
 # ---------------------------------------------------------------- events and devices
 _uuid_cache: dict[int, str] = {}
-_events: dict[tuple[int, int], Any] = {}
-_opened_events: dict[bytes, Any] = {}
+_events: dict[tuple[int, int], Any] = {}   # (device, stream) -> (CUevent, handle bytes)
+_opened_events: dict[bytes, Any] = {}      # peer handle -> opened CUevent
 
 
 def _device_uuid(dev: int) -> str:
@@ -298,45 +300,40 @@ def _local_device(uuid: str) -> int:
                        "CUDA_VISIBLE_DEVICES of the receiver must include that GPU")
 
 
-def _record_event(dev: int, stream_ptr: int) -> Any:
-    """Record this process's IPC event for ``stream`` (one event per stream, re-recorded)."""
-    import cuda.core as cc
-
-    key = (dev, stream_ptr)
-    ev = _events.get(key)
-    if ev is None:
-        ev = _events[key] = cc.Device(dev).create_event(cc.EventOptions(ipc_enabled=True))
-    _cc_stream(stream_ptr).record(ev)
-    return ev
+_EVENT_FLAGS = (_drv.CUevent_flags.CU_EVENT_INTERPROCESS
+                | _drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
 
 
-_cc_streams: dict[int, Any] = {}
+def _record_event(dev: int) -> bytes:
+    """Record this process's IPC event on ``dev``'s current stream; return its handle.
+
+    One event per (device, stream), re-recorded for every message: a receiver that
+    waits after a later re-record waits for more work, never for less.
+    """
+    with cupy.cuda.Device(dev):
+        sptr = cupy.cuda.get_current_stream().ptr
+        key = (dev, sptr)
+        ent = _events.get(key)
+        if ent is None:
+            ev = check_driver(_drv.cuEventCreate(_EVENT_FLAGS), "cuEventCreate")
+            h = check_driver(_drv.cuIpcGetEventHandle(ev), "cuIpcGetEventHandle")
+            ent = _events[key] = (ev, bytes(h.reserved))
+        check_driver(_drv.cuEventRecord(ent[0], sptr), "cuEventRecord")
+    return ent[1]
 
 
-def _cc_stream(ptr: int) -> Any:
-    """A cuda.core view of a CuPy stream handle (0: legacy default, 2: per-thread default)."""
-    st = _cc_streams.get(ptr)
-    if st is None:
-        import cuda.core as cc
-
-        if ptr == 0:
-            st = cc.LEGACY_DEFAULT_STREAM
-        elif ptr == 2:
-            st = cc.PER_THREAD_DEFAULT_STREAM
-        else:
-            st = cc.Stream.from_handle(ptr)
-        _cc_streams[ptr] = st
-    return st
-
-
-def _open_event(desc: Any) -> Any:
-    import cuda.core as cc
-
-    key = desc.__reduce__()[1]
-    ev = _opened_events.get(key)
-    if ev is None:
-        ev = _opened_events[key] = cc.Event.from_ipc_descriptor(desc)
-    return ev
+def _wait_event(handle: bytes, dev: int, stream_ptr: int | None = None) -> None:
+    """Make ``stream_ptr`` (default: ``dev``'s current stream) wait for a peer's event."""
+    with cupy.cuda.Device(dev):
+        ev = _opened_events.get(handle)
+        if ev is None:
+            h = _drv.CUipcEventHandle()
+            h.reserved = handle
+            ev = _opened_events[handle] = check_driver(_drv.cuIpcOpenEventHandle(h),
+                                                       "cuIpcOpenEventHandle")
+        if stream_ptr is None:
+            stream_ptr = cupy.cuda.get_current_stream().ptr
+        check_driver(_drv.cuStreamWaitEvent(stream_ptr, ev, 0), "cuStreamWaitEvent")
 
 
 # ---------------------------------------------------------------- importer side
@@ -438,10 +435,10 @@ class _Imported:
             with cupy.cuda.Device(max(self.dev, 0)):
                 s = cupy.cuda.get_current_stream()
                 _drv.cuMemFreeAsync(self.ptr, s.ptr)  # importers free first (driver rule)
-                ev = _record_event(max(self.dev, 0), s.ptr)
+                ev = _record_event(max(self.dev, 0))
             # Never send from __del__ (it may run inside another send): the outbox
             # thread does, in order, after the sends already made by this process.
-            _post(self.address, ("release", self.export_id, self.tickets, ev.ipc_descriptor))
+            _post(self.address, ("release", self.export_id, self.tickets, ev))
         except Exception:
             pass  # exporter gone: nothing to give back
         with _lock:
@@ -496,9 +493,8 @@ def _export_message(owner: Any, kind_tag: str, offset: int, shape: tuple, stride
         dev = owner.dev
         head = (owner.address, owner.pool_uuid, owner.dev_uuid, owner.kind, owner.export_id,
                 owner.data, owner.size, ticket)
-    s = cupy.cuda.get_current_stream()
-    ev = _record_event(dev if dev >= 0 else cupy.cuda.runtime.getDevice(), s.ptr)
-    return (1, kind_tag) + head + (ev.ipc_descriptor, offset, shape, strides, dtype)
+    ev = _record_event(dev if dev >= 0 else cupy.cuda.runtime.getDevice())
+    return (1, kind_tag) + head + (ev, offset, shape, strides, dtype)
 
 
 def _forward_local(holder: _LocalHolder, *rest: Any) -> tuple:
@@ -507,12 +503,11 @@ def _forward_local(holder: _LocalHolder, *rest: Any) -> tuple:
         ticket = next(_tickets)
         _register(exp, ticket, "inflight")
     server = _get_server()
-    s = cupy.cuda.get_current_stream()
     dev = exp.core.device_id
-    ev = _record_event(dev if dev >= 0 else cupy.cuda.runtime.getDevice(), s.ptr)
+    ev = _record_event(dev if dev >= 0 else cupy.cuda.runtime.getDevice())
     kind_tag, offset, shape, strides, dtype = rest
     return (1, kind_tag, server.address, str(exp.core.memory_resource.uuid), exp.dev_uuid,
-            exp.core.kind, exp.export_id, exp.data, exp.size, ticket, ev.ipc_descriptor,
+            exp.core.kind, exp.export_id, exp.data, exp.size, ticket, ev,
             offset, shape, strides, dtype)
 
 
@@ -533,8 +528,7 @@ def _rebuild(version: int, kind_tag: str, address: str, pool_uuid: str, dev_uuid
                         ticket)
         ptr = owner.ptr
     if event_desc is not None:
-        with cupy.cuda.Device(dev):
-            _cc_stream(cupy.cuda.get_current_stream().ptr).wait(_open_event(event_desc))
+        _wait_event(event_desc, dev)
     dt = np.dtype(dtype)
     if kind_tag == "numpy":
         if event_desc is not None:

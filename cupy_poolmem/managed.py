@@ -7,7 +7,7 @@ from typing import Any
 import cupy
 from cuda.bindings import driver as _drv
 
-from ._errors import InvalidOptionError, OptionTypeError
+from ._errors import InvalidOptionError, OptionTypeError, UnsupportedError
 
 __all__ = ["prefetch", "advise"]
 
@@ -110,6 +110,12 @@ def advise(arr: cupy.ndarray, *, preferred_location: int | str | None = None,
         ``True`` lets the driver replicate pages for reading; ``False`` undoes it.
         ``None`` leaves it unchanged.
 
+    Raises
+    ------
+    UnsupportedError
+        The driver rejects advice on this memory (CUDA 13.0 drivers reject it on
+        memory from managed memory pools; prefetch still works there).
+
     Examples
     --------
     >>> cupy_poolmem.advise(x, preferred_location=0, accessed_by=[0], read_mostly=False)  # doctest: +SKIP
@@ -132,11 +138,17 @@ def advise(arr: cupy.ndarray, *, preferred_location: int | str | None = None,
         if read_mostly is not None:
             buf.read_mostly = read_mostly
     except Exception as exc:
-        raise _as_driver_error(exc, "cuMemAdvise") from exc
+        err = _as_driver_error(exc, "cuMemAdvise")
+        if getattr(err, "name", "") == "CUDA_ERROR_NOT_SUPPORTED":
+            raise UnsupportedError(
+                "cuMemAdvise failed: CUDA_ERROR_NOT_SUPPORTED: this driver does not accept "
+                "placement advice on memory from a managed memory *pool* (seen with driver "
+                "580 / CUDA 13.0). prefetch() works on it; for advice, allocate with "
+                "cupy.cuda.malloc_managed instead.") from exc
+        raise err from exc
 
 
 def _as_driver_error(exc: Exception, call: str) -> Exception:
     from ._pools import _wrap
 
-    wrapped = _wrap(exc, call)
-    return wrapped
+    return _wrap(exc, call)

@@ -290,7 +290,7 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
 def _pointer_pool(ptr: int) -> int:
     """The ``CUmemoryPool`` of a device pointer as an int, ``0`` when not from a pool."""
     err, pool = _drv.cuPointerGetAttribute(
-        _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr)
+        _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, _drv.CUdeviceptr(ptr))
     if int(err) != 0:
         return 0
     return int(pool) if pool is not None else 0
@@ -337,15 +337,33 @@ def _local_device(device_uuid: str) -> int:
         f"(it sees {n} device(s); check CUDA_VISIBLE_DEVICES)")
 
 
+def _core_pool_cache() -> dict | None:
+    """The pools imported by cupy_poolmem's array sharing (keyed by UUID string), if any."""
+    try:
+        from . import _sharing
+    except ImportError:  # pragma: no cover - older core
+        return None
+    cache = getattr(_sharing, "_imported_pools", None)
+    return cache if isinstance(cache, dict) else None
+
+
 def _import_pool(pool_uuid: _uuid.UUID, fd: int | None, device: int) -> Any:
-    """The imported pool for ``pool_uuid`` (import it from ``fd`` the first time)."""
+    """The imported pool for ``pool_uuid`` (import it from ``fd`` the first time).
+
+    A pool is imported once per process, whoever asks: this module, the package's
+    array sharing (its cache is consulted and filled) or cuda.core's own registry.
+    """
     import cuda.core as cc
 
     mr = _imported_pools.get(pool_uuid)
     if mr is not None:
         return mr
-    with contextlib.suppress(Exception):  # imported already by cuda.core's own sharing
-        mr = cc.DeviceMemoryResource.from_registry(pool_uuid)
+    core = _core_pool_cache()
+    if core is not None:
+        mr = core.get(str(pool_uuid))
+    if mr is None:
+        with contextlib.suppress(Exception):  # imported by cuda.core's multiprocessing
+            mr = cc.DeviceMemoryResource.from_registry(pool_uuid)
     if mr is None:
         if fd is None:
             raise SharingError("the pool's file descriptor was already used or closed; "
@@ -356,6 +374,8 @@ def _import_pool(pool_uuid: _uuid.UUID, fd: int | None, device: int) -> Any:
             raise SharingError(f"importing the exporter's memory pool failed: {exc}") from exc
         mr = mr.register(pool_uuid)
     _imported_pools[pool_uuid] = mr
+    if core is not None:
+        core.setdefault(str(pool_uuid), mr)
     return mr
 
 
@@ -602,7 +622,9 @@ def _rebuild_pool_ipc_handle(dup: Any, pool_uuid: str, device_uuid: str, payload
             "travel between processes of one multiprocessing family on the same host "
             f"(Queue, Pipe, Pool, Process arguments) while the sender is alive: {exc}") from exc
     u = _uuid.UUID(pool_uuid)
-    if u in _imported_pools:  # this process has the pool already: the duplicate is spare
+    core = _core_pool_cache()
+    if u in _imported_pools or (core is not None and str(u) in core):
+        # This process has the pool already: the duplicate descriptor is spare.
         _close_fd(fd)
         fd = None
     return PoolIpcHandle(None, pool_uuid=u, device_uuid=device_uuid, payload=payload,

@@ -610,17 +610,16 @@ def _plot(loaded: _Loaded, out_png: str | os.PathLike, *, tag_depth: int | None 
             tag_peak[tg] = max(tag_peak.get(tg, 0.0), float(cum.max()))
         matched = sum(a["by_tag"].values()) if a["by_tag"] else np.zeros(len(a["t"]))
         a["matched"] = matched
-        used = a["used"]
-        a["used_f"] = np.where(np.isnan(used), np.nan, used)
-        a["used_f"] = _ffill(a["used_f"])
-        a["used_f"] = np.where(np.isnan(a["used_f"]), matched, a["used_f"])
+        used = _ffill(a["used"])  # blank used column: the matched allocations
+        a["used_f"] = np.where(np.isnan(used), matched, used)
         a["res_f"] = _ffill(a["res"])
     shown = [tg for tg, _ in sorted(tag_peak.items(), key=lambda kv: -kv[1])][:max_tags]
     has_other = len(tag_peak) > len(shown)
 
     order = sorted(arrays, key=lambda k: -float(np.max(arrays[k]["used_f"])))
     hidden = max(0, len(order) - max_panels)
-    order = order[:max_panels]
+    order = sorted(order[:max_panels])          # the biggest peaks, shown by (pid, device)
+    t_end = loaded.events[-1].time
     peak_all = max(float(np.nanmax(np.concatenate([arrays[k]["used_f"], arrays[k]["res_f"]])))
                    for k in order)
     unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
@@ -638,7 +637,10 @@ def _plot(loaded: _Loaded, out_png: str | os.PathLike, *, tag_depth: int | None 
     for ax, key in zip(axes, order):
         a = arrays[key]
         idx = _pick(a["used_f"], max_points)
-        x = a["t"][idx] - t0
+        # Hold each series' last state until the end of all logs (step plots draw
+        # nothing after their last point).
+        idx = np.append(idx, idx[-1])
+        x = np.append(a["t"][idx[:-1]], t_end) - t0
         layers, labels = [], []
         for tg in shown:
             if tg in a["by_tag"]:
@@ -661,7 +663,7 @@ def _plot(loaded: _Loaded, out_png: str | os.PathLike, *, tag_depth: int | None 
         ax.step(x, a["used_f"][idx] / scale, where="post", color="black", linewidth=0.8,
                 label="used")
         if not np.isnan(a["res_f"]).all():
-            ax.step(x, a["res_f"][idx] / scale, where="post", color="tab:red", linewidth=1.2,
+            ax.step(x, a["res_f"][idx] / scale, where="post", color="black", linewidth=1.2,
                     linestyle="--", label="reserved")
         pid, dev = key
         where = "pinned host memory" if dev < 0 else f"device {dev}"

@@ -5,17 +5,18 @@ allocation (``on_alloc``) and when each block is freed (``on_free``).  The obser
 installed on the pools only while something needs it: an active :func:`statistics`
 scope, an open log (:func:`start_log`), or tracking (:func:`track`).  When all of those
 are off, ``pool.observer`` is ``None`` and the hot path pays nothing.  :func:`tag` never
-installs anything: it is a thread-local push/pop that costs a few hundred nanoseconds.
+installs anything: it is a thread-local push/pop (about a microsecond per ``with``).
 
 Concurrency design
 ------------------
-``on_free`` runs inside ``Block.__dealloc__``, which may be triggered by the garbage
-collector at almost any point, including while the same thread is inside ``on_alloc``.
-Both hooks therefore only build an event tuple and append it to a queue; the thread that
-holds the observer lock drains the queue and applies events in order.  A hook re-entered
-in the thread that is already draining leaves its event in the queue for the outer loop.
-This keeps the counters and the log consistent without a re-entrant critical section,
-and the order of log lines equals the order in which the counters changed.
+Counters, live-allocation tables and log lines change under one lock, so the order of
+log lines is the order in which the counters changed.  ``on_free`` runs inside
+``Block.__dealloc__``, which the garbage collector may trigger at almost any point,
+including while the same thread holds that lock inside ``on_alloc``.  A hook that finds
+its own thread already holding the lock therefore only queues its event; the outer call
+applies the queue before releasing the lock.  No re-entrant critical section, no
+deadlock, and no hook ever raises (errors are counted in ``_OBSERVER.n_errors``, the
+first one warned about).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,7 +216,8 @@ class Statistics:
     kind: str | None = None
     start_time: float = 0.0
     end_time: float | None = None
-    _start_serial: int = field(default=0, repr=False, compare=False)
+    _start_serial: int = field(default=0, init=False, repr=False, compare=False)
+    _all: bool = field(default=True, init=False, repr=False, compare=False)
 
     @property
     def active(self) -> bool:
@@ -287,9 +289,9 @@ def statistics(*, device: int | None = None, kind: str | None = None) -> Iterato
     counted by a scope only for an allocation made inside that scope, so memory that
     was live before the scope began never makes ``current_bytes`` negative.
 
-    While at least one scope is open the pools carry an observer (about a microsecond
-    per allocation and free); once the last one closes, the hot path is back to zero
-    cost.
+    While at least one scope is open the pools carry an observer (a microsecond or two
+    per allocation and per free); once the last one closes, the hot path is back to
+    zero cost.
 
     Parameters
     ----------
@@ -315,6 +317,7 @@ def statistics(*, device: int | None = None, kind: str | None = None) -> Iterato
     if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
         raise TypeError(f"device must be an int ordinal or None; got {device!r}")
     st = Statistics(device=device, kind=kind, start_time=_time())
+    st._all = device is None and kind is None
     st._start_serial = next(_serials)
     _OBSERVER._add_scope(st)
     try:
@@ -520,7 +523,17 @@ class _PoolState:
             self.ref = lambda c=core: c
 
 
+def _live_bytes(core: Any) -> int | None:
+    """Bytes live in ``core`` now: the pool's own counter (no driver call)."""
+    try:
+        v = getattr(core, "live_bytes", None)
+        return int(v) if v is not None else int(core.stats().used_bytes)
+    except Exception:
+        return None
+
+
 def _query(core: Any, attr: str, stats_field: str) -> int | None:
+    """A memory-pool attribute from the driver (through cuda.core), else ``core.stats()``."""
     try:
         mr = getattr(core, "_mr", None)
         if mr is not None:
@@ -557,14 +570,15 @@ class _Observer:
         self.depth = 32
         self._lock = threading.Lock()
         self._owner: int | None = None
-        self._q: deque[tuple] = deque()
+        self._q: deque[tuple[Any, tuple]] = deque()
         self._scopes: tuple[Statistics, ...] = ()
         self._writer: _LogWriter | None = None
         self._pid = os.getpid()
         self._states: dict[int, _PoolState] = {}
         self._dev_used: dict[int, int] = {}
         self._dev_reserved: dict[int, int] = {}
-        self._skip: tuple[str, ...] = ()
+        self._skip: tuple[str, ...] | None = None   # computed on first use
+        self._skip_extra: tuple[str, ...] = ()
         self._skip_cache: dict[Any, bool] = {}
         self._site_cache: dict[tuple[Any, int], str] = {}
         self.n_errors = 0
@@ -577,12 +591,11 @@ class _Observer:
             if not self.active:
                 return
             t = _time()
-            callsite = self._callsite() if self.tracking else None
-            info = (next(_serials), _tls.tag, callsite, t)
+            info = (next(_serials), _tls.tag, self._callsite() if self.tracking else None, t)
             block.info = info
             thread = _current_thread().name if self._writer is not None else None
-            self._submit(("a", block.core, block.ptr, block.size, block.stream_ptr, info, t,
-                          thread))
+            self._run(self._apply_alloc, (block.core, block.ptr, block.size, block.stream_ptr,
+                                          info, t, thread))
         except Exception as exc:
             self._error(exc)
 
@@ -592,39 +605,42 @@ class _Observer:
             if not self.active:
                 return
             thread = _current_thread().name if self._writer is not None else None
-            self._submit(("f", core, ptr, size, stream_ptr, info, _time(), thread))
+            self._run(self._apply_free, (core, ptr, size, stream_ptr, info, _time(), thread))
         except BaseException as exc:
             with contextlib.suppress(BaseException):
                 self._error(exc)
 
     # -- serialisation -----------------------------------------------------------------
-    def _submit(self, ev: tuple | None) -> None:
-        """Queue ``ev`` and apply every queued event, unless this thread is applying."""
-        if ev is not None:
-            self._q.append(ev)
-        if self._owner == _get_ident():
-            return  # re-entered from the garbage collector: the outer loop applies it
+    def _run(self, fn: Any, args: tuple) -> None:
+        """Apply ``fn(*args)`` under the lock; queue it if this thread is already applying.
+
+        A hook re-entered from the garbage collector while this thread holds the lock
+        leaves its event in the queue; the outer call applies it before releasing.
+        """
+        ident = _get_ident()
+        if self._owner == ident:
+            self._q.append((fn, args))
+            return
         with self._lock:
-            self._owner = _get_ident()
+            self._owner = ident
             try:
+                try:
+                    fn(*args)
+                except Exception as exc:
+                    self._error(exc)
                 q = self._q
                 while q:
-                    e = q.popleft()
+                    f, a = q.popleft()
                     try:
-                        if e[0] == "a":
-                            self._apply_alloc(*e[1:])
-                        elif e[0] == "f":
-                            self._apply_free(*e[1:])
-                        else:
-                            e[1]()
+                        f(*a)
                     except Exception as exc:
                         self._error(exc)
             finally:
                 self._owner = None
 
     def _locked(self, fn: Any) -> None:
-        """Run ``fn()`` in event order, with the lock held."""
-        self._submit(("call", fn))
+        """Run ``fn()`` with the lock held, in order with the events."""
+        self._run(fn, ())
 
     def _error(self, exc: BaseException) -> None:
         """Count an error in a hook; warn about the first one.  Never raises."""
@@ -653,7 +669,7 @@ class _Observer:
             st.live[ptr] = (size, sptr, info)
         tag_ = info[1]
         for s in self._scopes:
-            if info[0] > s._start_serial and s._matches(dev, st.kind):
+            if info[0] > s._start_serial and (s._all or s._matches(dev, st.kind)):
                 s._alloc(size, tag_)
         w = self._writer
         if w is not None:
@@ -673,7 +689,7 @@ class _Observer:
         if info is not None:
             serial, tag_, callsite = info[0], info[1], info[2] or ""
             for s in self._scopes:
-                if serial > s._start_serial and s._matches(dev, st.kind):
+                if serial > s._start_serial and (s._all or s._matches(dev, st.kind)):
                     s._free(size, tag_)
         w = self._writer
         if w is not None:
@@ -720,7 +736,7 @@ class _Observer:
         self.active = True
         _pools._set_global_observer(self)
         for p in _pools.all_pools():
-            used = _query(p, "used_mem_current", "used_bytes")
+            used = _live_bytes(p)
             reserved = _query(p, "reserved_mem_current", "reserved_bytes")
             self._locked(lambda p=p, u=used, r=reserved: self._baseline(p, u, r))
 
@@ -764,22 +780,29 @@ class _Observer:
         return old[0]
 
     def set_skip(self, extra: tuple[str, ...]) -> None:
+        self._skip_extra = tuple(extra)
+        self._skip = None
+        self._skip_cache = {}
+        self._site_cache = {}
+
+    def _skip_prefixes(self) -> tuple[str, ...]:
+        """Path prefixes of the packages whose frames are not call sites (cached)."""
         prefixes = []
-        for name in (*_DEFAULT_SKIP, *extra):
-            if os.sep in name or name.endswith((".py", os.sep)):
+        for name in (*_DEFAULT_SKIP, *self._skip_extra):
+            if os.sep in name or name.endswith(".py"):
                 prefixes.append(name)
                 continue
             d = _package_dir(name)
             if d:
                 prefixes.append(d)
         self._skip = tuple(prefixes)
-        self._skip_cache = {}
-        self._site_cache = {}
+        return self._skip
 
     # -- call sites --------------------------------------------------------------------
     def _callsite(self) -> str | None:
         f: Any = sys._getframe(1)
         skip_cache = self._skip_cache
+        skip = self._skip if self._skip is not None else self._skip_prefixes()
         for _ in range(self.depth):
             if f is None:
                 return None
@@ -788,7 +811,7 @@ class _Observer:
             if skipped is None:
                 if len(skip_cache) > _CALLSITE_CACHE_MAX:
                     skip_cache.clear()
-                skipped = skip_cache[code] = code.co_filename.startswith(self._skip)
+                skipped = skip_cache[code] = code.co_filename.startswith(skip)
             if not skipped:
                 key = (code, f.f_lineno)
                 site = self._site_cache.get(key)
@@ -805,6 +828,7 @@ class _Observer:
     def _after_fork_child(self) -> None:
         self._lock = threading.Lock()
         self._owner = None
+        self._q.clear()
         self._pid = os.getpid()
         w = self._writer
         if w is not None:
@@ -840,24 +864,27 @@ if hasattr(os, "register_at_fork"):
 # ----------------------------------------------------------------------------------------
 # Public switches
 # ----------------------------------------------------------------------------------------
-def track(enabled: bool = True, *, depth: int = 32, skip: tuple[str, ...] | list[str] = ()) -> bool:
+def track(enabled: bool = True, *, depth: int | None = None,
+          skip: Sequence[str] | None = None) -> bool:
     """Record the call site of every allocation (for :func:`outstanding` and the log).
 
     The call site is the first Python frame outside cupy_poolmem, CuPy (``cupy``,
     ``cupyx``, ``cupy_backends``) and Numba, found by walking at most ``depth`` frames
     with ``sys._getframe`` (no ``traceback``/``inspect``; formatted strings are cached
-    per code line), so the cost per allocation is bounded: about a microsecond for
-    typical stacks.  Tracking keeps the observer installed while it is on.
+    per code line), so the cost per allocation is bounded: well under a microsecond
+    more than observing without tracking.  Tracking keeps the observer installed while
+    it is on.
 
     Parameters
     ----------
     enabled : bool
         Turn tracking on (default) or off.
-    depth : int
-        Most frames to walk; beyond that the call site is left blank.
-    skip : sequence of str
-        More packages (module names) or path prefixes whose frames are skipped, for
-        example your own allocation helpers.
+    depth : int, optional
+        Most frames to walk (32 unless changed); beyond that the call site is left blank.
+    skip : sequence of str, optional
+        More packages (module names) or path prefixes (directories ending with a
+        separator, or ``.py`` files) whose frames are skipped, for example your own
+        allocation helpers.  Replaces the list given before; ``None`` keeps it.
 
     Returns
     -------
@@ -875,14 +902,17 @@ def track(enabled: bool = True, *, depth: int = 32, skip: tuple[str, ...] | list
     global _track_user
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True or False; got {enabled!r}")
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)
+                              or depth < 1):
         raise ValueError(f"depth must be a positive int; got {depth!r}")
     if isinstance(skip, str):
         skip = (skip,)
     with _CTL:
         before = _track_user
-        _OBSERVER.depth = depth
-        _OBSERVER.set_skip(tuple(skip))
+        if depth is not None:
+            _OBSERVER.depth = depth
+        if skip is not None:
+            _OBSERVER.set_skip(tuple(skip))
         _track_user = enabled
         _update()
         return before

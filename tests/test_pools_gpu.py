@@ -422,20 +422,47 @@ def _free_bytes():
     {"preferred_location": 0}, {"preferred_location": "cpu"}, {"accessed_by": [0]},
     {"read_mostly": True}, {"read_mostly": False},
 ])
-def test_managed_advise_each_hint(hint):
+def test_advise_applies_each_hint_on_managed_memory(hint):
+    """Advice is applied and reads back (on cudaMallocManaged memory, which takes advice)."""
+    import cuda.core as cc
+
+    with cupy.cuda.using_allocator(cupy.cuda.malloc_managed):
+        x = cupy.arange(1 << 20, dtype=cupy.float32)
+    cpm.advise(x, **hint)
+    buf = cc.ManagedBuffer.from_handle(x.data.ptr, x.nbytes, owner=x)
+    if "read_mostly" in hint:
+        assert buf.read_mostly == hint["read_mostly"]
+    if hint.get("preferred_location") == 0:
+        assert buf.preferred_location == cc.Device(0)
+    if hint.get("preferred_location") == "cpu":
+        assert isinstance(buf.preferred_location, cc.Host)
+    if "accessed_by" in hint:
+        assert cc.Device(0) in buf.accessed_by
+    assert float(x[777]) == 777.0
+
+
+def test_advise_on_managed_pool_memory_applies_or_says_unsupported():
     import cuda.core as cc
 
     with cpm.ManagedPool() as p, cpm.using(p):
         x = cupy.arange(1 << 20, dtype=cupy.float32)
-        cpm.advise(x, **hint)
-        buf = cc.ManagedBuffer.from_handle(x.data.ptr, x.nbytes, owner=x)
-        if "read_mostly" in hint:
-            assert buf.read_mostly == hint["read_mostly"]
-        if hint.get("preferred_location") == 0:
-            assert buf.preferred_location == cc.Device(0)
-        if "accessed_by" in hint:
-            assert cc.Device(0) in buf.accessed_by
-        assert float(x[777]) == 777.0
+        try:
+            cpm.advise(x, read_mostly=True)
+        except cpm.UnsupportedError as e:
+            assert "CUDA_ERROR_NOT_SUPPORTED" in str(e) and "prefetch" in str(e)
+        else:
+            assert cc.ManagedBuffer.from_handle(x.data.ptr, x.nbytes, owner=x).read_mostly
+        del x
+
+
+def test_closing_a_pool_with_live_arrays_keeps_them_valid():
+    p = cpm.ManagedPool()
+    with cpm.using(p):
+        x = cupy.arange(1000, dtype=cupy.int64)
+    p.close()
+    assert int(x.sum()) == 499500
+    del x  # the last block: the CUDA pool is released now
+    cupy.cuda.runtime.deviceSynchronize()
 
 
 def test_managed_pool_max_size_is_enforced():
@@ -456,14 +483,12 @@ def test_managed_pool_prefetch_and_advise():
         err, managed = driver.cuPointerGetAttribute(
             driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, x.data.ptr)
         assert managed
-        cpm.advise(x, preferred_location=0, accessed_by=[0])
         cpm.prefetch(x, device="cpu")
         cupy.cuda.get_current_stream().synchronize()
         cpm.prefetch(x[1000:5000], device=0)  # a view
         cpm.prefetch(x[::2], device=0, stream=cupy.cuda.Stream())
         y = x * 2
         assert float(y[12345]) == 24690.0
-        cpm.advise(x, read_mostly=True)
         assert float(x.sum()) == float(np.arange(n, dtype=np.float64).sum())
         assert p.stats().n_allocs >= 2
 

@@ -1,0 +1,388 @@
+"""GPU tests of zero-copy sharing: data checked in the other process, lifetimes, ordering."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import numpy as np
+import pytest
+
+import cupy_poolmem as cpm
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy")
+
+import _mp_workers as W  # noqa: E402
+
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ipc_allocator():
+    before = cupy.cuda.get_allocator()
+    alloc = cpm.set_allocator()
+    yield alloc
+    cupy.cuda.set_allocator(before)
+
+
+def _join(*procs):
+    for p in procs:
+        p.join(TIMEOUT)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+            pytest.fail(f"child {p.name} did not finish")
+
+
+def _wait_for(pred, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_queue_zero_copy_both_directions(method):
+    ctx = mp.get_context(method)
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=W.echo_check, args=(q_in, q_out))
+    p.start()
+    try:
+        x = cupy.arange(1 << 20, dtype=cupy.float32)
+        view = x[3::2]  # offset and stride
+        q_in.put(("check", view))
+        tag, ok, ptr, res = q_out.get(timeout=TIMEOUT)
+        assert tag == "checked" and ok
+        cupy.cuda.get_current_stream().synchronize()
+        # the consumer's writes are visible here: same memory
+        assert bool((x[3::2] == -cupy.arange(3, 3 + 2 * view.size, 2, dtype=cupy.float32)).all())
+        assert bool((x[::2] == cupy.arange(0, 1 << 20, 2, dtype=cupy.float32)).all())
+        # a result allocated by the worker arrives here zero-copy too
+        assert isinstance(res, cupy.ndarray)
+        assert bool((res == cupy.arange(view.size, dtype=cupy.float32) + 0.5).all())
+    finally:
+        q_in.put(None)
+        _join(p)
+
+
+def test_pipe_every_dtype_and_shape():
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=W.pipe_worker, args=(b,))
+    p.start()
+    try:
+        cases = {}
+        for dt in ["b1", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8",
+                   "c8", "c16"]:
+            base = (np.arange(60) % 7).astype(dt)
+            cases[f"dtype-{dt}"] = cupy.asarray(base).reshape(3, 4, 5)
+        m = cupy.arange(1000, dtype=cupy.int64).reshape(20, 50)
+        cases["transposed"] = m.T
+        cases["strided"] = m[1::3, ::-2]
+        cases["0-d"] = cupy.asarray(np.float64(3.25))
+        cases["size-0"] = cupy.empty((0, 3), dtype=cupy.float32)
+        cases["fortran"] = cupy.asfortranarray(m)
+        for name, arr in cases.items():
+            a.send((name, arr))
+            r = a.recv()
+            assert r[0] == name, r
+            _, kind, shape, strides, dtype, host = r
+            assert kind == "ndarray" and shape == arr.shape and dtype == str(arr.dtype)
+            np.testing.assert_array_equal(host, cupy.asnumpy(arr), err_msg=name)
+            if arr.size:
+                assert strides == arr.strides, name
+    finally:
+        a.send(None)
+        _join(p)
+
+
+def test_pool_map_arguments_and_results():
+    ctx = mp.get_context("spawn")
+    arrays = [cupy.full(1000, i, dtype=cupy.float32) for i in range(6)]
+    with ctx.Pool(2) as pool:
+        out = pool.map(W.pool_square, arrays)
+        for i, (s, sq) in enumerate(out):  # checked while the workers (exporters) live
+            assert s == 1000.0 * i
+            assert isinstance(sq, cupy.ndarray) and bool((sq == i * i).all())
+        del out, sq
+
+
+def test_process_pool_executor():
+    ctx = mp.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as ex:
+        x = cupy.arange(5000, dtype=cupy.float64)
+        s, sq = ex.submit(W.pool_square, x).result(timeout=TIMEOUT)
+        assert s == float(np.arange(5000).sum())
+        assert bool((sq == x * x).all())
+        del sq
+
+
+def test_early_drop_under_allocation_pressure_1000_in_flight():
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    n = 1000
+    p = ctx.Process(target=W.pressure_consumer, args=(q_in, q_out, n))
+    p.start()
+    try:
+        for i in range(n):
+            a = cupy.full(16384, i, dtype=cupy.int32)  # 64 KiB
+            q_in.put((i, a))
+            del a  # dropped at once: the memory must not be reused while in flight
+            junk = cupy.full(16384, -7, dtype=cupy.int32)  # same size, same stream
+            del junk
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # keep allocating and writing patterns
+            g = [cupy.full(16384, -9, dtype=cupy.int32) for _ in range(50)]
+            del g
+        tag, bad = q_out.get(timeout=300)
+        assert tag == "done" and bad == [], bad[:10]
+    finally:
+        _join(p)
+    assert _wait_for(lambda: cpm.sharing_stats()["limbo_bytes"] == 0)
+
+
+def test_consumer_sigkill_reclaims_memory():
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    pool = cpm.get_pool()
+    base_held = pool.stats().held_for_sharing_bytes
+    p = ctx.Process(target=W.hold_and_wait, args=(q_in, q_out))
+    p.start()
+    try:
+        for i in range(5):
+            a = cupy.full(4 << 20, i, dtype=cupy.int32)
+            q_in.put(a)
+            assert q_out.get(timeout=TIMEOUT)[0] == "got"
+            del a
+        q_in.put(None)
+        held = pool.stats().held_for_sharing_bytes
+        assert held - base_held == 5 * (16 << 20)  # kept alive for the consumer
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+        assert _wait_for(lambda: pool.stats().held_for_sharing_bytes == base_held, 10.0)
+        assert cpm.sharing_stats()["limbo_bytes"] == 0
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
+def test_consumer_sees_writes_enqueued_before_put_without_sync():
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=W.ordered_reader, args=(q_in, q_out))
+    p.start()
+    time.sleep(3)  # let the child start CUDA first
+    try:
+        from test_pools_gpu import spin
+
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:
+            x = cupy.zeros(1 << 22, dtype=cupy.int32)
+            spin(500, s)  # long-running kernel, then the write
+            x.fill(7)
+            q_in.put(x)  # no synchronisation
+        assert q_out.get(timeout=TIMEOUT) is True
+    finally:
+        _join(p)
+
+
+def test_round_trip_resolves_to_own_memory():
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=W.echo_check, args=(q_in, q_out))
+    p.start()
+    try:
+        x = cupy.arange(100000, dtype=cupy.float64)
+        q_in.put(("back", x[10:]))
+        tag, y = q_out.get(timeout=TIMEOUT)
+        assert tag == "back"
+        assert y.data.ptr == x[10:].data.ptr
+        assert bool((y == x[10:]).all())
+        del x  # the round-tripped view keeps the memory valid
+        assert float(y[0]) == 10.0
+    finally:
+        q_in.put(None)
+        _join(p)
+
+
+def test_forward_to_a_third_process():
+    ctx = mp.get_context("spawn")
+    q1, q2, q_out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    mid = ctx.Process(target=W.forwarder, args=(q1, q2, q_out))
+    last = ctx.Process(target=W.last_reader, args=(q2, q_out))
+    mid.start()
+    last.start()
+    try:
+        x = cupy.full(1 << 20, 5, dtype=cupy.int16)
+        q1.put(x)
+        got = {}
+        for _ in range(2):
+            tag, val = q_out.get(timeout=TIMEOUT)
+            assert tag != "error", val
+            got[tag] = val
+        assert got == {"mid": True, "last": True}
+        cupy.cuda.get_current_stream().synchronize()
+        assert bool((x == 6).all())  # the third process wrote into the producer's memory
+        q1.put("bye")
+        assert q_out.get(timeout=TIMEOUT) == ("mid-done", "bye")
+    finally:
+        _join(mid, last)
+
+
+def test_same_allocation_twice_is_deduplicated():
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=W.echo_check, args=(q_in, q_out))
+    p.start()
+    try:
+        x = cupy.arange(3, 3 + 2 * 1000, 2, dtype=cupy.float32)
+        q_in.put(("check", x))
+        q_in.put(("check", x))
+        r1 = q_out.get(timeout=TIMEOUT)
+        r2 = q_out.get(timeout=TIMEOUT)
+        assert r1[1] and r2[1] is False  # second check sees the first one's negation
+        assert r1[2] == r2[2]  # one mapping, same pointer in the consumer
+    finally:
+        q_in.put(None)
+        _join(p)
+
+
+def test_fallback_device_copy_host_and_error():
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=W.pipe_worker, args=(b,))
+    p.start()
+    mp_pool = cupy.cuda.MemoryPool()
+    try:
+        with cupy.cuda.using_allocator(mp_pool.malloc):
+            x = cupy.arange(1000, dtype=cupy.int32)
+        for mode in ("device-copy", "host"):
+            cpm.sharing.fallback = mode
+            a.send((mode, x))
+            r = a.recv()
+            np.testing.assert_array_equal(r[-1], np.arange(1000, dtype=np.int32))
+        cpm.sharing.fallback = "error"
+        with pytest.raises(cpm.SharingError, match="set_allocator"):
+            a.send(("error", x))
+        with pytest.raises(cpm.InvalidOptionError):
+            cpm.sharing.fallback = "teleport"
+    finally:
+        cpm.sharing.fallback = "device-copy"
+        a.send(None)
+        _join(p)
+
+
+def test_plain_pickle_keeps_cupy_behaviour():
+    x = cupy.arange(10, dtype=cupy.float32)
+    y = pickle.loads(pickle.dumps(x))
+    assert isinstance(y, cupy.ndarray) and y.data.ptr != x.data.ptr
+    assert bool((y == x).all())
+
+
+def test_receiver_without_gpu_gets_clear_error():
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        p = ctx.Process(target=W.no_gpu_receiver, args=(b,))
+        p.start()
+    finally:
+        if old is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+    try:
+        a.send(cupy.arange(10))
+        name, text = a.recv()
+        assert name == "NoGPUError" and "no GPU" in text
+    finally:
+        _join(p)
+
+
+def test_fork_after_cuda_init_raises_clear_error():
+    ctx = mp.get_context("fork")
+    a, b = ctx.Pipe()
+    pool = cpm.get_pool()
+    p = ctx.Process(target=W.fork_child, args=(pool, b))
+    p.start()
+    try:
+        name, text = a.recv()
+        assert name == "PoolClosedError" and "forked" in text and "spawn" in text
+    finally:
+        _join(p)
+
+
+def test_producer_exits_first():
+    """What a receiver sees when the exporter exits while it still holds an array."""
+    ctx = mp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=W.exiting_producer, args=(q, done))
+    p.start()
+    x = q.get(timeout=TIMEOUT)
+    assert int(x[:100].sum()) == 900
+    done.set()
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+    try:
+        host = cupy.asnumpy(x)
+        outcome = "valid" if (host == 9).all() else "garbage"
+    except Exception as exc:
+        outcome = f"error: {type(exc).__name__}"
+    print(f"\nproducer-exits-first outcome: {outcome}")
+    assert outcome == "valid", outcome
+    del x
+
+
+def test_pinned_numpy_zero_copy():
+    import cupyx
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=W.pinned_numpy_worker, args=(b,))
+    p.start()
+    try:
+        with cpm.PinnedPool(ipc=True) as pool, cpm.using(pool):
+            h = cupyx.empty_pinned((4096,), dtype=np.int32)
+            h[:] = np.arange(4096, dtype=np.int32)
+            a.send(h)
+            ok, kind = a.recv()
+            assert ok and kind == "ndarray"
+            assert (h == -1).all()  # the receiver wrote into the same host memory
+            a.send("bye")
+        plain = np.arange(10)
+        assert pickle.loads(pickle.dumps(plain)).tolist() == list(range(10))
+    finally:
+        _join(p)
+
+
+@pytest.mark.multigpu
+def test_different_visible_device_order_matches_by_uuid():
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = "1,0"
+    try:
+        p = ctx.Process(target=W.visible_devices_reader, args=(q_in, q_out))
+        p.start()
+    finally:
+        if old is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+    try:
+        with cupy.cuda.Device(1):
+            x = cupy.full(1000, 3, dtype=cupy.int8)
+            q_in.put(x)
+        dev, ok, n = q_out.get(timeout=TIMEOUT)
+        assert ok and n == 2 and dev == 0  # physical GPU 1 is ordinal 0 over there
+    finally:
+        _join(p)

@@ -1,0 +1,526 @@
+"""CPU tests of cupy_poolmem.stats: the observer is driven by fake blocks, no GPU needed.
+
+See ``_observer_fakes.py`` for how the fakes mimic the hot path.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, alloc, free, observer
+
+from cupy_poolmem import _pools, stats
+from cupy_poolmem.stats import LOG_COLUMNS
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    """Every test starts and ends with nothing observed."""
+    stats.stop_log()
+    stats.track(False, depth=32, skip=[FAKES_FILE])
+    assert stats._OBSERVER._scopes == ()
+    assert observer() is None
+    yield
+    stats.stop_log()
+    stats.track(False)
+    assert stats._OBSERVER._scopes == (), "a test left a statistics() scope open"
+    assert observer() is None
+    assert stats._OBSERVER.n_errors == 0, "the observer swallowed an error"
+
+
+def _lineno() -> int:
+    return sys._getframe(1).f_lineno
+
+
+# ------------------------------------------------------------------------------------------
+# Installing and removing the observer
+# ------------------------------------------------------------------------------------------
+def test_observer_installed_only_while_needed():
+    core = FakeCore()
+    with _pools._ALL_LOCK:
+        _pools._ALL_POOLS.add(core)
+    try:
+        with stats.tag("x"):            # tags alone install nothing
+            assert observer() is None
+            assert core.observer is None
+        with stats.statistics():
+            assert observer() is stats._OBSERVER
+            assert core.observer is stats._OBSERVER   # live pools get it
+        assert observer() is None and core.observer is None
+        assert stats.track(True) is False
+        assert observer() is stats._OBSERVER and stats.is_tracking()
+        assert stats.track(False) is True
+        assert observer() is None and not stats.is_tracking()
+    finally:
+        with _pools._ALL_LOCK:
+            _pools._ALL_POOLS.discard(core)
+
+
+def test_log_installs_and_stop_removes(tmp_path):
+    path = stats.start_log(tmp_path / "a.csv")
+    assert observer() is stats._OBSERVER and stats.log_path() == path
+    assert not stats.is_tracking()
+    with stats.statistics():
+        pass
+    assert observer() is stats._OBSERVER   # still needed by the log
+    assert stats.stop_log() == path
+    assert observer() is None and stats.log_path() is None
+    assert stats.stop_log() is None
+
+
+def test_inactive_observer_ignores_calls():
+    core = FakeCore()
+    b = FakeBlock(core, 0x10, 8)
+    stats._OBSERVER.on_alloc(b)          # a closed pool may keep a stale observer
+    assert b.info is None
+    stats._OBSERVER.on_free(core, 0x10, 8, 0, None)
+    with stats.statistics() as st:
+        pass
+    assert st.n_allocs == 0 and st.n_frees == 0
+
+
+# ------------------------------------------------------------------------------------------
+# statistics()
+# ------------------------------------------------------------------------------------------
+def test_statistics_counts_and_peak():
+    core = FakeCore()
+    with stats.statistics() as st:
+        assert st.active
+        a = alloc(core, 0x1000, 100)
+        b = alloc(core, 0x2000, 200)
+        free(a)
+        c = alloc(core, 0x3000, 50)
+    assert not st.active and st.end_time is not None
+    assert (st.n_allocs, st.n_frees) == (3, 1)
+    assert st.current_bytes == 250
+    assert st.peak_used_bytes == 300
+    assert st.total_bytes == 350
+    # Frozen after the scope: later frees are not counted.
+    free(b)
+    free(c)
+    assert (st.n_frees, st.current_bytes) == (1, 250)
+    d = st.to_dict()
+    assert d["peak_used_bytes"] == 300 and d["per_tag"][""]["total_bytes"] == 350
+    assert "3 allocs" in str(st)
+
+
+def test_nested_scopes_each_see_their_own_numbers():
+    core = FakeCore()
+    assert stats.get_statistics() is None
+    with stats.statistics() as outer:
+        a = alloc(core, 0x1000, 100)
+        with stats.statistics() as inner:
+            assert stats.get_statistics() is inner
+            b = alloc(core, 0x2000, 10)
+            free(a)     # allocated before `inner`: not inner's business
+            free(b)
+        assert stats.get_statistics() is outer
+        c = alloc(core, 0x3000, 1)
+    assert stats.get_statistics() is None
+    assert (inner.n_allocs, inner.n_frees, inner.current_bytes) == (1, 1, 0)
+    assert inner.peak_used_bytes == 10 and inner.total_bytes == 10
+    assert (outer.n_allocs, outer.n_frees, outer.current_bytes) == (3, 2, 1)
+    assert outer.peak_used_bytes == 110 and outer.total_bytes == 111
+    free(c)
+
+
+def test_free_of_memory_from_before_the_scope_is_not_counted():
+    core = FakeCore()
+    stats.track(True)
+    old = alloc(core, 0x1000, 4096)
+    with stats.statistics() as st:
+        free(old)
+        x = alloc(core, 0x2000, 16)
+    assert (st.n_allocs, st.n_frees, st.current_bytes, st.peak_used_bytes) == (1, 0, 16, 16)
+    free(x)
+
+
+def test_statistics_filters_by_device_and_kind():
+    d0, d1, pinned = FakeCore(0), FakeCore(1), FakeCore(-1, kind=1)
+    with stats.statistics(device=1) as s_dev1, stats.statistics(kind="pinned") as s_pin, \
+            stats.statistics() as s_all:
+        blocks = [alloc(d0, 0x10, 1), alloc(d1, 0x20, 2), alloc(pinned, 0x30, 4)]
+        for b in blocks:
+            free(b)
+    assert (s_dev1.n_allocs, s_dev1.total_bytes, s_dev1.n_frees) == (1, 2, 1)
+    assert (s_pin.n_allocs, s_pin.total_bytes, s_pin.n_frees) == (1, 4, 1)
+    assert (s_all.n_allocs, s_all.total_bytes, s_all.peak_used_bytes) == (3, 7, 7)
+    with pytest.raises(ValueError):
+        with stats.statistics(kind="gpu"):
+            pass
+
+
+def test_size_zero_allocations_count_like_the_pool_counters():
+    core = FakeCore()
+    with stats.statistics() as st:
+        z = alloc(core, 0, 0)   # the hot path never calls on_free for ptr 0
+        assert stats.outstanding(core) == []
+    assert (st.n_allocs, st.n_frees, st.total_bytes) == (1, 0, 0)
+    del z
+
+
+def test_statistics_thread_safe():
+    core = FakeCore()
+    n_threads, n_iter, size = 8, 2000, 64
+
+    def work(k: int) -> None:
+        base = (k + 1) << 32
+        for i in range(n_iter):
+            b = alloc(core, base + i * 4096, size)
+            free(b)
+
+    with stats.statistics() as st:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert st.n_allocs == n_threads * n_iter
+    assert st.n_frees == n_threads * n_iter
+    assert st.current_bytes == 0
+    assert size <= st.peak_used_bytes <= n_threads * size
+    assert st.total_bytes == n_threads * n_iter * size
+
+
+# ------------------------------------------------------------------------------------------
+# tag()
+# ------------------------------------------------------------------------------------------
+def test_tags_nest_as_paths_and_reach_statistics():
+    core = FakeCore()
+    assert stats.current_tag() is None
+    with stats.statistics() as st:
+        with stats.tag("model") as t1:
+            assert t1 == "model" and stats.current_tag() == "model"
+            a = alloc(core, 0x10, 10)
+            with stats.tag("attention"):
+                assert stats.current_tag() == "model/attention"
+                b = alloc(core, 0x20, 20)
+            assert stats.current_tag() == "model"
+        c = alloc(core, 0x30, 30)
+        free(b)
+    assert stats.current_tag() is None
+    assert set(st.per_tag) == {"model", "model/attention", ""}
+    assert st.per_tag["model"].total_bytes == 10
+    at = st.per_tag["model/attention"]
+    assert (at.n_allocs, at.n_frees, at.total_bytes, at.current_bytes, at.peak_bytes) == \
+        (1, 1, 20, 0, 20)
+    assert st.per_tag[""].current_bytes == 30
+    free(a)
+    free(c)
+
+
+def test_tag_is_a_decorator_and_restores_after_exceptions():
+    @stats.tag("loss")
+    def f() -> str | None:
+        return stats.current_tag()
+
+    assert f() == "loss" and f() == "loss"
+    with pytest.raises(RuntimeError):
+        with stats.tag("boom"):
+            raise RuntimeError
+    assert stats.current_tag() is None
+    with pytest.raises(TypeError):
+        stats.tag("")
+
+
+def test_tags_are_thread_local():
+    core = FakeCore()
+    seen: dict[str, str | None] = {}
+    go = threading.Barrier(2, timeout=30)
+
+    def worker(name: str, n: int) -> None:
+        with stats.tag(name):
+            go.wait()                        # both threads inside their tags at once
+            for i in range(n):
+                free(alloc(core, (hash(name) & 0xFFFF) << 24 | (i + 1) << 8, 1))
+            seen[name] = stats.current_tag()
+            go.wait()
+
+    with stats.statistics() as st, stats.tag("main"):
+        t = threading.Thread(target=lambda: seen.setdefault("plain", stats.current_tag()))
+        t.start()
+        t.join(timeout=30)
+        ws = [threading.Thread(target=worker, args=(nm, 300)) for nm in ("left", "right")]
+        for w in ws:
+            w.start()
+        for w in ws:
+            w.join(timeout=60)
+        assert stats.current_tag() == "main"
+        m = alloc(core, 0x99, 5)
+    assert seen == {"plain": None, "left": "left", "right": "right"}
+    assert st.per_tag["left"].n_allocs == 300 and st.per_tag["right"].n_allocs == 300
+    assert st.per_tag["main"].n_allocs == 1
+    assert "main/left" not in st.per_tag and "left/right" not in st.per_tag
+    free(m)
+
+
+# ------------------------------------------------------------------------------------------
+# outstanding() and tracking
+# ------------------------------------------------------------------------------------------
+def test_outstanding_biggest_first_with_call_sites():
+    core, other = FakeCore(), FakeCore(device=1)
+    stats.track(True)
+    small = alloc(core, 0x1000, 10); small_line = _lineno()  # noqa: E702
+    with stats.tag("big"):
+        big = alloc(core, 0x2000, 1000); big_line = _lineno()  # noqa: E702
+    mid = alloc(core, 0x3000, 100)
+    gone = alloc(core, 0x4000, 5000)
+    free(gone)
+    elsewhere = alloc(other, 0x5000, 7)
+    recs = stats.outstanding(core, limit=2)
+    assert recs.observed
+    assert [r.size for r in recs] == [1000, 100]
+    assert recs[0].ptr == 0x2000 and recs[0].tag == "big" and recs[0].device == 0
+    assert recs[0].callsite == f"{__file__}:{big_line} in test_outstanding_biggest_first_with_call_sites"
+    assert 0 <= recs[0].age < 60
+    everything = stats.outstanding(core, limit=None)
+    assert [r.size for r in everything] == [1000, 100, 10]
+    assert everything[2].callsite.startswith(f"{__file__}:{small_line} ")
+    assert everything[2].tag is None
+    assert [r.size for r in stats.outstanding(None, limit=None)] == [1000, 100, 10, 7]
+    assert "big" in str(recs)
+    for b in (small, big, mid, elsewhere):
+        free(b)
+    assert stats.outstanding(core) == []
+
+
+def test_outstanding_without_tracking_lists_allocations_without_call_sites():
+    core = FakeCore()
+    with stats.statistics():
+        b = alloc(core, 0x1000, 64)
+        recs = stats.outstanding(core)
+        assert [(r.size, r.callsite) for r in recs] == [(64, None)]
+        free(b)
+
+
+def test_outstanding_without_observer_says_so():
+    with pytest.warns(UserWarning, match="no allocations are being observed"):
+        recs = stats.outstanding(FakeCore())
+    assert recs == [] and recs.observed is False and "track(True)" in str(recs)
+
+
+def test_call_site_skips_listed_packages(tmp_path, monkeypatch):
+    helper = tmp_path / "myalloc_helper.py"
+    helper.write_text(textwrap.dedent("""
+        def make(alloc, core):
+            return alloc(core, 0x1000, 8)   # line 3
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import myalloc_helper
+
+    stats.track(True)
+    b = myalloc_helper.make(alloc, FakeCore())
+    assert b.info[2].startswith(f"{helper}:3 in make")
+    free(b)
+    stats.track(True, skip=[str(tmp_path) + os.sep, FAKES_FILE])
+    b = myalloc_helper.make(alloc, FakeCore()); line = _lineno()  # noqa: E702
+    assert b.info[2] == f"{__file__}:{line} in test_call_site_skips_listed_packages"
+    free(b)
+
+
+def test_call_site_walk_is_bounded():
+    stats.track(True, depth=1)   # only on_alloc's own frame (inside cupy_poolmem): no site
+    b = alloc(FakeCore(), 0x1000, 8)
+    assert b.info is not None and b.info[2] is None
+    free(b)
+    with pytest.raises(ValueError):
+        stats.track(True, depth=0)
+
+
+# ------------------------------------------------------------------------------------------
+# The hooks never raise, and survive re-entry from the garbage collector
+# ------------------------------------------------------------------------------------------
+def test_on_free_never_raises():
+    with stats.statistics():
+        before = stats._OBSERVER.n_errors
+        with pytest.warns(RuntimeWarning):
+            stats._OBSERVER.on_free(object(), 0x10, 8, 0, None)  # a core without attributes
+        stats._OBSERVER.on_free(None, "x", None, None, ("bad",))
+        assert stats._OBSERVER.n_errors == before + 2
+    stats._OBSERVER.n_errors = 0
+    stats._OBSERVER._warned = False
+
+
+def test_free_reentering_during_an_alloc_is_applied_not_deadlocked():
+    victim_core = FakeCore()
+    holder: dict[str, FakeBlock] = {}
+
+    class ReentrantCore(FakeCore):
+        """Frees another block in the middle of the observer's work (as a GC would)."""
+
+        fired = False
+
+        @property
+        def device_id(self) -> int:
+            if not ReentrantCore.fired and "victim" in holder:
+                ReentrantCore.fired = True
+                free(holder.pop("victim"))
+            return 0
+
+        @device_id.setter
+        def device_id(self, v: int) -> None:
+            pass
+
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        with stats.statistics() as st:
+            holder["victim"] = alloc(victim_core, 0x1000, 100)
+            b = alloc(ReentrantCore(), 0x2000, 5)
+            result["st"] = st
+            free(b)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "observer deadlocked on a re-entrant free"
+    st = result["st"]
+    assert ReentrantCore.fired
+    assert (st.n_allocs, st.n_frees, st.current_bytes, st.peak_used_bytes) == (2, 2, 0, 105)
+
+
+# ------------------------------------------------------------------------------------------
+# The log
+# ------------------------------------------------------------------------------------------
+def _read(path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    assert tuple(rows[0]) == LOG_COLUMNS
+    return [dict(zip(rows[0], r)) for r in rows[1:]]
+
+
+def test_log_lines(tmp_path):
+    core = FakeCore(device=0, reserved=1 << 20, used=1000)   # 1000 bytes live before the log
+    pinned = FakeCore(device=-1, kind=1, reserved=4096)
+    with _pools._ALL_LOCK:
+        _pools._ALL_POOLS.add(core)   # a live pool: its counters seed `used`
+    try:
+        t_start = time.time()
+        path = stats.start_log(tmp_path / "sub" / "alloc.csv", track=True)
+        assert stats.is_tracking()
+        with stats.tag("attn"):
+            a = alloc(core, 0xABC000, 300, stream_ptr=77); line = _lineno()  # noqa: E702
+        b = alloc(pinned, 0x5000, 16)
+        free(a)
+        free(b)
+        stats.stop_log()
+        assert not stats.is_tracking()
+        c = alloc(core, 0x1, 1)        # after stop: not logged
+        assert c.info is None
+    finally:
+        with _pools._ALL_LOCK:
+            _pools._ALL_POOLS.discard(core)
+    rows = _read(path)
+    assert [(r["op"], r["pointer"], r["size"]) for r in rows] == [
+        ("alloc", "0xabc000", "300"), ("alloc", "0x5000", "16"),
+        ("free", "0xabc000", "300"), ("free", "0x5000", "16")]
+    r0, r1, r2, r3 = rows
+    assert r0["pid"] == str(os.getpid()) and r0["thread"] == threading.current_thread().name
+    assert r0["device"] == "0" and r0["stream"] == "77" and r1["device"] == "-1"
+    assert t_start <= float(r0["time"]) <= float(r3["time"]) <= time.time() + 1
+    assert r0["tag"] == "attn" and r2["tag"] == "attn"          # frees carry the alloc's tag
+    assert r0["callsite"] == f"{__file__}:{line} in test_log_lines" == r2["callsite"]
+    assert [r["used"] for r in rows] == ["1300", "16", "1000", "0"]  # per device, seeded
+    assert r0["reserved"] == str(1 << 20) and r1["reserved"] == "4096"
+
+
+def test_log_from_several_threads_keeps_every_line(tmp_path):
+    path = stats.start_log(tmp_path / "t.csv")
+    core = FakeCore()
+
+    def work(k: int) -> None:
+        for i in range(500):
+            free(alloc(core, (k + 1) << 32 | (i + 1) << 12, 8))
+
+    ts = [threading.Thread(target=work, args=(k,), name=f"w{k}") for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    stats.stop_log()
+    rows = _read(path)
+    assert len(rows) == 4 * 500 * 2
+    assert {r["thread"] for r in rows} == {"w0", "w1", "w2", "w3"}
+    assert rows[-1]["used"] == "0"
+    assert all(r["callsite"] == "" for r in rows)   # no tracking
+
+
+def test_log_append_writes_one_header(tmp_path):
+    p = tmp_path / "a.csv"
+    core = FakeCore()
+    for _ in range(2):
+        stats.start_log(p, append=True)
+        free(alloc(core, 0x10, 1))
+        stats.stop_log()
+    text = p.read_text().splitlines()
+    assert text[0] == ",".join(LOG_COLUMNS) and text.count(text[0]) == 1 and len(text) == 5
+    stats.start_log(p)          # default: truncate
+    stats.stop_log()
+    assert p.read_text().splitlines() == [",".join(LOG_COLUMNS)]
+
+
+def test_env_variable_starts_a_log_per_pid(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPY_POOLMEM_LOG", str(tmp_path / "alloc-{pid}.csv"))
+    monkeypatch.setenv("CUPY_POOLMEM_TRACK", "1")
+    stats._init_from_env()
+    try:
+        assert stats.log_path() == str(tmp_path / f"alloc-{os.getpid()}.csv")
+        assert stats.is_tracking()
+        free(alloc(FakeCore(), 0x10, 1))
+    finally:
+        stats.stop_log()
+    assert len(_read(tmp_path / f"alloc-{os.getpid()}.csv")) == 2
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("CUPY_POOLMEM_LOG", str(tmp_path / "a_file" / "alloc.csv"))
+    monkeypatch.delenv("CUPY_POOLMEM_TRACK")
+    with pytest.warns(RuntimeWarning, match="cannot write the allocation log"):
+        stats._init_from_env()
+    assert stats.log_path() is None
+
+
+_CHILD = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from cupy_poolmem import stats
+from _observer_fakes import FakeCore, alloc
+stats.start_log({path!r})
+blocks = [alloc(FakeCore(), 0x1000 * (i + 1), 10) for i in range(3)]
+{tail}
+"""
+
+
+def test_log_lines_survive_a_hard_exit(tmp_path):
+    path = str(tmp_path / "crash.csv")
+    code = _CHILD.format(tests=os.path.dirname(__file__), path=path, tail="os._exit(3)")
+    proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True)
+    assert proc.returncode == 3, proc.stderr.decode()
+    assert [r["op"] for r in _read(path)] == ["alloc"] * 3
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_writes_its_own_pid_file(tmp_path):
+    template = str(tmp_path / "f-{pid}.csv")
+    tail = textwrap.dedent("""
+        pid = os.fork()
+        if pid == 0:
+            alloc(FakeCore(), 0xF000, 1)
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print(os.getpid(), pid)
+    """)
+    code = _CHILD.format(tests=os.path.dirname(__file__), path=template, tail=tail)
+    proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    parent, child = map(int, proc.stdout.split()[-2:])
+    parent_rows = _read(template.replace("{pid}", str(parent)))
+    assert [r["pid"] for r in parent_rows] == [str(parent)] * 3
+    child_rows = _read(template.replace("{pid}", str(child)))
+    assert [(r["pid"], r["pointer"]) for r in child_rows] == [(str(child), "0xf000")]
