@@ -11,6 +11,7 @@ Examples
 >>> cupy_poolmem.set_pinned_memory_allocator()  # doctest: +SKIP
 """
 
+from . import stats
 from ._allocator import (
     PoolAllocator,
     get_pinned_pool,
@@ -47,6 +48,17 @@ from ._sharing import collect, sharing_stats
 from ._sharing import settings as sharing
 from ._sizes import format_bytes, parse_bytes
 from .managed import advise, prefetch
+from .stats import (
+    current_tag,
+    get_statistics,
+    is_tracking,
+    outstanding,
+    start_log,
+    statistics,
+    stop_log,
+    tag,
+    track,
+)
 
 __version__ = "0.1.0"
 
@@ -71,6 +83,16 @@ __all__ = [
     "__version__",
     "advise",
     "collect",
+    "current_tag",
+    "get_statistics",
+    "is_tracking",
+    "outstanding",
+    "start_log",
+    "statistics",
+    "stats",
+    "stop_log",
+    "tag",
+    "track",
     "sharing",
     "sharing_stats",
     "all_pools",
@@ -86,3 +108,5 @@ __all__ = [
     "set_pinned_memory_allocator",
     "using",
 ]
+
+stats._init_from_env()

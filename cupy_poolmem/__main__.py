@@ -78,6 +78,10 @@ def _bench(args: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m cupy_poolmem`` and the ``cupy-poolmem`` script."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "report":
+        from . import report
+
+        return report.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m cupy_poolmem", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="doctor",

@@ -181,7 +181,7 @@ def _drop_ticket(exp: _Export, ticket: int, event: Any = None) -> None:
 
 def _free_exported(exp: _Export, event: bytes | None) -> None:
     dev = max(exp.core.device_id, exp.stream.device_id, 0)
-    with cupy.cuda.Device(dev):
+    with _on_device(dev):
         if event is not None:
             try:
                 _wait_event(event, dev, exp.stream.ptr)
@@ -300,6 +300,30 @@ def _local_device(uuid: str) -> int:
                        "CUDA_VISIBLE_DEVICES of the receiver must include that GPU")
 
 
+class _on_device:
+    """``with cupy.cuda.Device(dev)`` that also binds the primary context to this thread.
+
+    Threads the user never touched CUDA in (multiprocessing's feeder, our server and
+    outbox threads) have no current context until a runtime call makes one.
+    """
+
+    __slots__ = ("dev", "cm")
+
+    def __init__(self, dev: int) -> None:
+        self.dev = dev
+        self.cm = cupy.cuda.Device(dev)
+
+    def __enter__(self) -> None:
+        self.cm.__enter__()
+        err, ctx = _drv.cuCtxGetCurrent()
+        if int(err) or not int(ctx):
+            cupy.cuda.runtime.setDevice(self.dev)
+            cupy.cuda.runtime.free(0)  # makes the primary context current
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cm.__exit__(*exc)
+
+
 _EVENT_FLAGS = (_drv.CUevent_flags.CU_EVENT_INTERPROCESS
                 | _drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
 
@@ -310,7 +334,7 @@ def _record_event(dev: int) -> bytes:
     One event per (device, stream), re-recorded for every message: a receiver that
     waits after a later re-record waits for more work, never for less.
     """
-    with cupy.cuda.Device(dev):
+    with _on_device(dev):
         sptr = cupy.cuda.get_current_stream().ptr
         key = (dev, sptr)
         ent = _events.get(key)
@@ -324,7 +348,7 @@ def _record_event(dev: int) -> bytes:
 
 def _wait_event(handle: bytes, dev: int, stream_ptr: int | None = None) -> None:
     """Make ``stream_ptr`` (default: ``dev``'s current stream) wait for a peer's event."""
-    with cupy.cuda.Device(dev):
+    with _on_device(dev):
         ev = _opened_events.get(handle)
         if ev is None:
             h = _drv.CUipcEventHandle()
@@ -432,7 +456,7 @@ class _Imported:
 
     def __del__(self) -> None:
         try:
-            with cupy.cuda.Device(max(self.dev, 0)):
+            with _on_device(max(self.dev, 0)):
                 s = cupy.cuda.get_current_stream()
                 _drv.cuMemFreeAsync(self.ptr, s.ptr)  # importers free first (driver rule)
                 ev = _record_event(max(self.dev, 0))
@@ -535,7 +559,7 @@ def _rebuild(version: int, kind_tag: str, address: str, pool_uuid: str, dev_uuid
             cupy.cuda.get_current_stream().synchronize()  # the host reads at once
         pmem = cupy.cuda.PinnedMemoryPointer(owner, 0)
         return np.ndarray(shape, dt, buffer=pmem, offset=offset, strides=strides)
-    with cupy.cuda.Device(dev):
+    with _on_device(dev):
         mem = cupy.cuda.UnownedMemory(ptr, size, owner, dev)
         return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, offset), strides)
 
@@ -562,7 +586,7 @@ def _import(address: str, pool_uuid: str, pool_kind: int, dev: int, dev_uuid: st
             imp.tickets.append(ticket)
             client.send(("acquire", export_id, ticket))
             return imp
-    with cupy.cuda.Device(dev):
+    with _on_device(dev):
         mr = _imported_pool(address, pool_uuid, pool_kind, dev)
         share = _drv.CUmemPoolPtrExportData()
         share.reserved = data
@@ -598,7 +622,7 @@ def reduce_cupy(arr: cupy.ndarray) -> tuple:
                 "this array's memory cannot be shared zero-copy (it is not from an IPC-enabled "
                 "cupy_poolmem pool); call cupy_poolmem.set_allocator() before creating it, or "
                 "set cupy_poolmem.sharing.fallback to 'device-copy' or 'host'")
-        with cupy.cuda.Device(arr.device.id):
+        with _on_device(arr.device.id):
             pool = _sharing_pool(arr.device.id)
             with cupy.cuda.using_allocator(pool.malloc):
                 arr = cupy.array(arr, copy=True, order="K")
