@@ -74,7 +74,10 @@ class SharingSettings:
     warn_bytes : int
         Warn once when more than this many bytes wait in limbo for other processes.
     exit_timeout : float
-        Seconds an exporting process waits at exit for receivers to let go.
+        Seconds an exporting process waits at exit for receivers to let go (default
+        ``0``: no wait; arrays a receiver already holds stay valid after the exporter
+        exits, as the driver keeps imported memory alive, while messages not yet
+        received raise :class:`SharingError`).
     inflight_timeout : float or None
         Give back tickets nobody claimed after this many seconds (a message lost in a
         queue nobody reads); ``None`` keeps them until the process exits.
@@ -87,7 +90,7 @@ class SharingSettings:
     def __init__(self) -> None:
         self._fallback = "device-copy"
         self.warn_bytes = 8 << 30
-        self.exit_timeout = float(os.environ.get("CUPY_POOLMEM_EXIT_TIMEOUT", "10"))
+        self.exit_timeout = float(os.environ.get("CUPY_POOLMEM_EXIT_TIMEOUT", "0"))
         self.inflight_timeout: float | None = None
 
     @property
@@ -717,7 +720,7 @@ def sharing_stats() -> dict:
 
 
 def _at_exit() -> None:
-    """An exporter waits (bounded) for receivers to let go before its memory disappears."""
+    """Optionally wait (``settings.exit_timeout``) for receivers, then stop serving."""
     deadline = time.monotonic() + settings.exit_timeout
     while time.monotonic() < deadline:
         with _lock:
@@ -726,9 +729,6 @@ def _at_exit() -> None:
         if not held:
             break
         time.sleep(0.01)
-    else:
-        warnings.warn("cupy_poolmem: exiting while other processes still hold shared arrays; "
-                      "their memory becomes invalid", RuntimeWarning, stacklevel=1)
     _flush_outbox()
     _server_closed[0] = True
 

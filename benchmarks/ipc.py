@@ -1,0 +1,128 @@
+"""Sharing arrays between processes: cupy_poolmem vs CuPy pickling vs torch.multiprocessing.
+
+One run, one table: milliseconds per message for a steady stream of put + ack (the
+consumer acknowledges on a second queue and drops the array), and the first send to a
+fresh worker measured after that worker has started CUDA.  The floor is the same queue
+round trip for a tiny numpy array.  ``python benchmarks/ipc.py [--quick]``
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def consumer(kind: str, q_in, q_out) -> None:
+    t0 = time.perf_counter()
+    if kind == "torch":
+        import torch
+
+        torch.zeros(1, device="cuda")
+    else:
+        import cupy
+
+        import cupy_poolmem  # noqa: F401  (registers the rebuild functions)
+
+        cupy.zeros(1)
+    q_out.put(("ready", time.perf_counter() - t0))
+    while True:
+        obj = q_in.get()
+        if obj is None:
+            break
+        q_out.put(1)
+        del obj
+
+
+def run_method(kind: str, sizes: list[int], n_steady: dict[int, int]) -> list[tuple]:
+    import cupy
+
+    import cupy_poolmem
+
+    if kind == "torch":
+        import torch
+        import torch.multiprocessing as tmp
+
+        ctx = tmp.get_context("spawn")
+    else:
+        ctx = mp.get_context("spawn")
+    rows = []
+    for size in sizes:
+        q_in, q_out = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=consumer, args=(kind, q_in, q_out))
+        p.start()
+        tag, cuda_start = q_out.get(timeout=300)
+        if kind == "torch":
+            obj = torch.ones(size // 4, device="cuda")
+        elif kind == "cupy_poolmem":
+            cupy_poolmem.sharing.fallback = "device-copy"
+            with cupy_poolmem.using(cupy_poolmem.get_pool()):
+                obj = cupy.ones(size // 4, dtype=cupy.float32)
+        else:  # CuPy's own pickling: an array from CuPy's default pool, host fallback
+            cupy_poolmem.sharing.fallback = "host"
+            with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+                obj = cupy.ones(size // 4, dtype=cupy.float32)
+        cupy.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        q_in.put(obj)
+        q_out.get(timeout=300)
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(n_steady[size]):
+            t0 = time.perf_counter()
+            q_in.put(obj)
+            q_out.get(timeout=300)
+            times.append(time.perf_counter() - t0)
+        floor = []
+        import numpy as np
+
+        tiny = np.zeros(4, dtype=np.float32)
+        for _ in range(50):
+            t0 = time.perf_counter()
+            q_in.put(tiny)
+            q_out.get(timeout=60)
+            floor.append(time.perf_counter() - t0)
+        q_in.put(None)
+        p.join(60)
+        rows.append((kind, size, statistics.median(times), first, cuda_start,
+                     statistics.median(floor)))
+        cupy_poolmem.sharing.fallback = "device-copy"
+    return rows
+
+
+def main() -> None:
+    import cupy
+    from _common import header, table
+
+    import cupy_poolmem
+
+    quick = "--quick" in sys.argv
+    print(header("IPC benchmark: ms per message (steady put+ack) and first send"))
+    cupy_poolmem.set_allocator()
+    sizes = [1 << 20, 256 << 20]
+    rows = []
+    for kind in ("cupy_poolmem", "torch", "cupy pickling"):
+        n = {1 << 20: 50 if quick else 300, 256 << 20: 20 if quick else 100}
+        if kind == "cupy pickling":
+            n = {1 << 20: 20 if quick else 50, 256 << 20: 3 if quick else 5}
+        try:
+            rows += run_method(kind, sizes, n)
+        except Exception as exc:
+            print(f"({kind} not measured: {type(exc).__name__}: {exc})")
+    ref = {r[1]: r[2] for r in rows if r[0] == "torch"}
+    out = []
+    for kind, size, steady, first, cuda_start, floor in rows:
+        ratio = f"{steady / ref[size]:.2f}x" if size in ref else "-"
+        out.append([kind, f"{size >> 20} MiB", f"{steady * 1e3:8.3f}", ratio,
+                    f"{first * 1e3:8.1f}", f"{cuda_start * 1e3:7.0f}", f"{floor * 1e3:6.3f}"])
+    print(table(["method", "size", "steady ms/msg", "vs torch", "first send ms",
+                 "worker CUDA start ms", "floor ms (tiny numpy)"], out))
+    del cupy
+
+
+if __name__ == "__main__":
+    main()
