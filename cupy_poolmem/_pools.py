@@ -179,6 +179,13 @@ class Pool(_hp.PoolCore):
                               "from this one (cupy.cuda.set_allocator(None) restores CuPy's)")
 
     def _raise_wrong_device(self, current: int) -> None:
+        if current < 0:
+            # No context bound to this thread yet (a fresh thread: dask workers, executors).
+            # CuPy's current device decides; bind its primary context and carry on.
+            current = cupy.cuda.runtime.getDevice()
+            if current == self.device_id or self.kind == _hp.KIND_PINNED:
+                cupy.cuda.runtime.free(0)  # makes the primary context current
+                return
         raise WrongDeviceError(
             f"{self._describe()} was asked to allocate while device {current} is current. "
             f"Allocate inside `with cupy.cuda.Device({self.device_id}):`, or use "

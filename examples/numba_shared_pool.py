@@ -37,6 +37,9 @@ def consumer(inbox, outbox) -> None:
 def main() -> int:
     try:
         import numpy as np
+
+        if not hasattr(np, "row_stack"):  # numba-cuda <= 0.30 still names it; NumPy 2.5 dropped it
+            np.row_stack = np.vstack
         from numba import cuda
     except ImportError as exc:
         print(f"this example needs numba-cuda: {exc}", file=sys.stderr)

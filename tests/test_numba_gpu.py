@@ -45,7 +45,17 @@ def _in_fresh_process(fn, *args):
     return value
 
 
+def _numpy_shim():
+    """numba-cuda (<= 0.30) registers an overload for np.row_stack, removed in NumPy 2.5;
+    kernel compilation fails there before reaching any memory manager. Alias it."""
+    import numpy as np
+
+    if not hasattr(np, "row_stack"):
+        np.row_stack = np.vstack
+
+
 def _trampoline(q, fn, args):
+    _numpy_shim()
     try:
         q.put(("ok", fn(*args)))
     except BaseException:
