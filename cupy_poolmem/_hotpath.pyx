@@ -133,6 +133,9 @@ cdef class PoolCore:
 
     def malloc(self, size_t size):
         """Allocate ``size`` bytes on CuPy's current stream; see the pool's docstring."""
+        return self._malloc(size)
+
+    cdef object _malloc(self, size_t size):
         cdef cydriver.CUdevice cur = -1
         cdef cydriver.CUdeviceptr dptr = 0
         cdef cydriver.CUresult err
@@ -247,19 +250,19 @@ cdef class Dispatch:
     def __call__(self, size_t size):
         cdef cydriver.CUdevice d = 0
         if cydriver.cuCtxGetDevice(&d) != 0 or d >= len(self._mallocs):
-            return self._slow(-1)(size)
-        m = self._mallocs[d]
-        if m is None:
-            m = self._slow(d)
-        return m(size)
+            return self._slow(-1).malloc(size)
+        p = self._mallocs[d]
+        if p is None:
+            p = self._slow(d)
+        return (<PoolCore>p)._malloc(size)
 
     def _slow(self, int d):
         if d < 0:
             import cupy
             d = cupy.cuda.runtime.getDevice()
-        m = self._create(d).malloc
-        self._mallocs[d] = m
-        return m
+        p = self._create(d)
+        self._mallocs[d] = p
+        return p
 
     def _forget(self):
         self._mallocs = [None] * len(self._mallocs)

@@ -185,20 +185,20 @@ class Dispatch:
         err, d = _ctx_device()
         d = int(d)
         if err or d >= len(self._mallocs):
-            return self._slow(-1)(size)
-        m = self._mallocs[d]
-        if m is None:
-            m = self._slow(d)
-        return m(size)
+            return self._slow(-1).malloc(size)
+        p = self._mallocs[d]
+        if p is None:
+            p = self._slow(d)
+        return p.malloc(size)
 
     def _slow(self, d: int) -> Any:
         if d < 0:
             import cupy
 
             d = cupy.cuda.runtime.getDevice()
-        m = self._create(d).malloc
-        self._mallocs[d] = m
-        return m
+        p = self._create(d)
+        self._mallocs[d] = p
+        return p
 
     def _forget(self) -> None:
         self._mallocs = [None] * len(self._mallocs)

@@ -14,6 +14,7 @@ import weakref
 from collections import deque
 from typing import Any
 
+import cuda.core as cc
 import cupy
 from cuda.bindings import driver as _drv
 
@@ -165,6 +166,11 @@ class Pool(_hp.PoolCore):
         self.cache_max_block = min(reuse_cache, _CACHE_MAX_BLOCK)
         self.set_release_threshold(release_threshold)
         self.observer = _GLOBAL_OBSERVER[0]
+        self._pool_uuid = ""
+        if getattr(mr, "is_ipc_enabled", False):
+            # Export the pool's handle now, not in the middle of a first send.
+            mr.allocation_handle  # noqa: B018
+            self._pool_uuid = str(mr.uuid)
         with _ALL_LOCK:
             _ALL_POOLS.add(self)
 
@@ -391,8 +397,6 @@ class DevicePool(Pool):
     def __init__(self, device: int | Any = None, max_size: int | str | None = None,
                  release_threshold: int | str | None = None, ipc: bool = False,
                  reuse_cache: int | str = "1GiB") -> None:
-        import cuda.core as cc
-
         dev = _check_device(device)
         ipc = _check_bool(ipc, "ipc")
         cache = parse_bytes(reuse_cache, name="reuse_cache")
@@ -455,8 +459,6 @@ class PinnedPool(Pool):
     def __init__(self, numa_node: int | None = None, max_size: int | str | None = None,
                  release_threshold: int | str | None = None, devices: list[int] | None = None,
                  ipc: bool = False) -> None:
-        import cuda.core as cc
-
         n = require_gpu("PinnedPool")
         ipc = _check_bool(ipc, "ipc")
         if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int)):
@@ -561,8 +563,6 @@ class ManagedPool(Pool):
     def __init__(self, device: int | Any = None, max_size: int | str | None = None,
                  release_threshold: int | str | None = None,
                  reuse_cache: int | str = "1GiB") -> None:
-        import cuda.core as cc
-
         dev = _check_device(device)
         cache = parse_bytes(reuse_cache, name="reuse_cache")
         _require_cuda13("ManagedPool")
@@ -601,8 +601,6 @@ def nearest_numa_node(device: int | None = None) -> int:
     >>> cupy_poolmem.nearest_numa_node(0)  # doctest: +SKIP
     0
     """
-    import cuda.core as cc
-
     dev = cupy.cuda.runtime.getDevice() if device is None else device
     try:
         node = int(cc.Device(dev).properties.host_numa_id)

@@ -285,9 +285,11 @@ _opened_events: dict[bytes, Any] = {}      # peer handle -> opened CUevent
 def _device_uuid(dev: int) -> str:
     u = _uuid_cache.get(dev)
     if u is None:
-        import cuda.core as cc
+        import uuid
 
-        u = _uuid_cache[dev] = str(cc.Device(dev).uuid)
+        handle = check_driver(_drv.cuDeviceGet(dev), "cuDeviceGet")
+        raw = check_driver(_drv.cuDeviceGetUuid(handle), "cuDeviceGetUuid")
+        u = _uuid_cache[dev] = str(uuid.UUID(bytes=bytes(raw.bytes)))
     return u
 
 
@@ -505,7 +507,7 @@ def _export_message(owner: Any, kind_tag: str, offset: int, shape: tuple, stride
             ticket = next(_tickets)
             _register(exp, ticket, "inflight")
         server = _get_server()
-        pool_uuid = str(core.memory_resource.uuid)
+        pool_uuid = core._pool_uuid
         server.pools[pool_uuid] = core
         dev = core.device_id
         head = (server.address, pool_uuid, exp.dev_uuid, core.kind, exp.export_id, exp.data,
@@ -533,7 +535,7 @@ def _forward_local(holder: _LocalHolder, *rest: Any) -> tuple:
     dev = exp.core.device_id
     ev = _record_event(dev if dev >= 0 else cupy.cuda.runtime.getDevice())
     kind_tag, offset, shape, strides, dtype = rest
-    return (1, kind_tag, server.address, str(exp.core.memory_resource.uuid), exp.dev_uuid,
+    return (1, kind_tag, server.address, exp.core._pool_uuid, exp.dev_uuid,
             exp.core.kind, exp.export_id, exp.data, exp.size, ticket, ev,
             offset, shape, strides, dtype)
 
@@ -581,13 +583,12 @@ def _local_owner(export_id: int, ticket: int) -> _LocalHolder:
 def _import(address: str, pool_uuid: str, pool_kind: int, dev: int, dev_uuid: str,
             export_id: int, data: bytes, size: int, ticket: int) -> _Imported:
     key = (address, export_id)
-    client = _client(address)
     with _lock:
         r = _imports.get(key)
         imp = r() if r is not None else None
         if imp is not None:  # de-duplicate: one mapping per allocation per process
             imp.tickets.append(ticket)
-            client.send(("acquire", export_id, ticket))
+            _post(address, ("acquire", export_id, ticket))
             return imp
     with _on_device(dev):
         mr = _imported_pool(address, pool_uuid, pool_kind, dev)
@@ -601,7 +602,8 @@ def _import(address: str, pool_uuid: str, pool_kind: int, dev: int, dev_uuid: st
     imp.pool_uuid, imp.dev_uuid, imp.data = pool_uuid, dev_uuid, data
     with _lock:
         _imports[key] = weakref.ref(imp)
-    client.send(("acquire", export_id, ticket))
+    # Claim the ticket without waiting: the outbox keeps acquire before release.
+    _post(address, ("acquire", export_id, ticket))
     return imp
 
 
