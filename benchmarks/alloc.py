@@ -1,7 +1,8 @@
 """Allocation speed: cupy.empty(n)+free and a temporaries-heavy chain, pools side by side.
 
 Prints one table: microseconds per operation and the ratio to CuPy's MemoryPool,
-all measured in this process and run.  ``python benchmarks/alloc.py [--quick]``
+all measured in this process and run.  The DevicePool rows run with observability
+off (the default: no cost); the last rows switch statistics and a tracked log on.  ``python benchmarks/alloc.py [--quick]``
 """
 
 from __future__ import annotations
@@ -40,7 +41,27 @@ def peers() -> list[tuple[str, object, object]]:
     out.append(("cupy_poolmem set_allocator() dispatch", alloc, alloc.close))
     nocache = cupy_poolmem.DevicePool(reuse_cache=0)
     out.append(("cupy_poolmem DevicePool reuse_cache=0", nocache.malloc, nocache.close))
+    # Observability switched on: what statistics() and a tracked log cost per allocation.
+    spool = cupy_poolmem.DevicePool()
+    out.append(("DevicePool inside statistics()", spool.malloc, spool.close,
+                cupy_poolmem.statistics))
+    lpool = cupy_poolmem.DevicePool()
+    out.append(("DevicePool with start_log(track=True)", lpool.malloc, lpool.close, _logging))
     return out
+
+
+class _logging:
+    """Context manager: an allocation log with call sites, in a temporary file."""
+
+    def __enter__(self):
+        import tempfile
+
+        self._dir = tempfile.TemporaryDirectory()
+        cupy_poolmem.start_log(os.path.join(self._dir.name, "alloc.csv"), track=True)
+
+    def __exit__(self, *exc):
+        cupy_poolmem.stop_log()
+        self._dir.cleanup()
 
 
 def _pure_python_row(n: int) -> list[str] | None:
@@ -90,7 +111,13 @@ def main() -> None:
     n = 3000 if quick else 20000
     print(header("allocation benchmark: microseconds per op (ratio to cupy MemoryPool)"))
     rows, base = [], None
-    measured = [(name, measure(malloc, n), cleanup) for name, malloc, cleanup in peers()]
+    measured = []
+    for name, malloc, cleanup, *ctx in peers():
+        if ctx:
+            with ctx[0]():
+                measured.append((name, measure(malloc, n), cleanup))
+        else:
+            measured.append((name, measure(malloc, n), cleanup))
     py = _pure_python_row(n)
     if py:
         measured.append(("cupy_poolmem DevicePool [pure python, child process]", py, None))
