@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import sys
 
 _BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
@@ -46,33 +45,29 @@ def _demo() -> int:
 
 
 def _bench(args: list[str]) -> int:
-    scripts = ["alloc.py", "pinned_bandwidth.py", "ipc.py"]
-    progress = None
+    """Run each benchmark script in its own process (they spawn workers), with progress."""
+    import subprocess
+
+    scripts = [n for n in ("alloc.py", "pinned_bandwidth.py", "ipc.py")
+               if os.path.exists(os.path.join(_BENCH_DIR, n))]
+    if not scripts:
+        print("benchmarks/ is not next to the package: run `bench` from a source checkout")
+        return 2
     try:
         from tqdm import tqdm
 
-        progress = tqdm(scripts, desc="benchmarks", unit="bench", file=sys.stderr)
+        progress = tqdm(scripts, desc="benchmarks", unit="script", file=sys.stderr)
     except ImportError:
         progress = scripts
-    for name in progress:
-        path = os.path.join(_BENCH_DIR, name)
-        if not os.path.exists(path):
-            print(f"(skipping {name}: benchmarks/ is not next to the package; run from a checkout)")
-            continue
-        if not isinstance(progress, list):
+    rc = 0
+    for i, name in enumerate(progress):
+        if hasattr(progress, "set_postfix_str"):
             progress.set_postfix_str(name)
         else:
-            print(f"[{scripts.index(name) + 1}/{len(scripts)}] {name}", file=sys.stderr)
-        saved = sys.argv
-        sys.argv = [path, *args]
-        try:
-            runpy.run_path(path, run_name="__main__")
-        except SystemExit as e:
-            if e.code:
-                return int(e.code) if isinstance(e.code, int) else 1
-        finally:
-            sys.argv = saved
-    return 0
+            print(f"[{i + 1}/{len(scripts)}] {name}", file=sys.stderr)
+        r = subprocess.run([sys.executable, os.path.join(_BENCH_DIR, name), *args])
+        rc = rc or r.returncode
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:
