@@ -17,7 +17,7 @@ import cupy_poolmem  # noqa: E402  (importing works without a GPU)
 
 project = "cupy_poolmem"
 author = "cupy_poolmem contributors"
-copyright = "cupy_poolmem contributors"  # noqa: A001
+copyright = "cupy_poolmem contributors"
 release = cupy_poolmem.__version__
 version = ".".join(release.split(".")[:2])
 
@@ -38,7 +38,7 @@ root_doc = "index"
 # -- autodoc -------------------------------------------------------------------------
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"          # the numpydoc "Parameters" sections say it all
-autodoc_default_options = {"show-inheritance": False}
+autodoc_default_options: dict[str, object] = {}
 autoclass_content = "class"
 
 # -- numpydoc ------------------------------------------------------------------------
