@@ -627,8 +627,11 @@ def _plot(loaded: _Loaded, out_png: str | os.PathLike, *, tag_depth: int | None 
 
     from matplotlib import colormaps
 
-    cmap = colormaps["tab10" if len(shown) <= 10 else "tab20"]
-    colors = {tg: cmap(i % cmap.N) for i, tg in enumerate(shown)}
+    # The qualitative palettes without their greys: grey means "other tags" here.
+    small = len(shown) <= 9
+    cmap = colormaps["tab10" if small else "tab20"]
+    palette = [cmap(i) for i in range(cmap.N) if i not in ((7,) if small else (14, 15))]
+    colors = {tg: palette[i % len(palette)] for i, tg in enumerate(shown)}
     colors[OTHER_TAGS] = (0.55, 0.55, 0.55, 1.0)
     colors[BEFORE_LOG] = (0.82, 0.82, 0.82, 1.0)
 
