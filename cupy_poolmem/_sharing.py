@@ -190,7 +190,9 @@ def _free_exported(exp: _Export, event: bytes | None) -> None:
                 _wait_event(event, dev, exp.stream.ptr)
             except Exception:  # the releasing process died: its work died with it
                 pass
-        exp.core._free_now(exp.ptr, exp.stream.ptr)
+        hook = exp.core.release_hook  # pinned pools hold blocks until their stream is done
+        if hook is None or not hook(exp.ptr, exp.size, exp.stream):
+            exp.core._free_now(exp.ptr, exp.stream.ptr)
 
 
 def _register(exp: _Export, ticket: int, owner: Any) -> None:
