@@ -19,7 +19,7 @@ _lock = threading.Lock()
 _current: dict[str, PoolAllocator | None] = {"device": None, "pinned": None}
 
 
-class PoolAllocator:
+class PoolAllocator(_hp.Dispatch):
     """A ``malloc(size)`` callable that keeps one pool per device.
 
     Created by :func:`set_allocator` and :func:`set_pinned_memory_allocator`; call it
@@ -38,7 +38,9 @@ class PoolAllocator:
         self._factory = factory
         self._pools: dict[int, Pool] = {}
         self._plock = threading.Lock()
-        self._dispatch = _hp.Dispatch(self._create, require_gpu())
+        # Calling the allocator runs Dispatch.__call__ (C level in the Cython build):
+        # no Python frame between CuPy and the pool.
+        super().__init__(self._create, require_gpu())
 
     def _create(self, device: int) -> Pool:
         with self._plock:
@@ -46,9 +48,6 @@ class PoolAllocator:
             if p is None or p.closed:
                 p = self._pools[device] = self._factory(device)
             return p
-
-    def __call__(self, size: int) -> Any:
-        return self._dispatch(size)
 
     def pool(self, device: int | None = None) -> Pool:
         """The pool serving ``device`` (default: current), created if needed."""
@@ -63,7 +62,7 @@ class PoolAllocator:
         """Close every pool this allocator created."""
         with self._plock:
             pools, self._pools = list(self._pools.values()), {}
-        self._dispatch._forget()
+        self._forget()
         for p in set(pools):
             p.close()
 

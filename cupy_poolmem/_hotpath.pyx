@@ -133,9 +133,9 @@ cdef class PoolCore:
 
     def malloc(self, size_t size):
         """Allocate ``size`` bytes on CuPy's current stream; see the pool's docstring."""
-        return self._malloc(size)
+        return self._malloc(size, False)
 
-    cdef object _malloc(self, size_t size):
+    cdef object _malloc(self, size_t size, bint device_checked):
         cdef cydriver.CUdevice cur = -1
         cdef cydriver.CUdeviceptr dptr = 0
         cdef cydriver.CUresult err
@@ -144,7 +144,7 @@ cdef class PoolCore:
         cdef list hit
         if self.closed:
             self._raise_closed()
-        if self.kind != KIND_PINNED:
+        if self.kind != KIND_PINNED and not device_checked:
             err = cydriver.cuCtxGetDevice(&cur)
             if err != 0 or cur != self.device_id:
                 self._raise_wrong_device(int(cur))
@@ -254,7 +254,7 @@ cdef class Dispatch:
         p = self._mallocs[d]
         if p is None:
             p = self._slow(d)
-        return (<PoolCore>p)._malloc(size)
+        return (<PoolCore>p)._malloc(size, (<PoolCore>p).device_id == d)
 
     def _slow(self, int d):
         if d < 0:
