@@ -1,7 +1,8 @@
 """Allocation speed: cupy.empty(n)+free and a temporaries-heavy chain, pools side by side.
 
 Prints one table: microseconds per operation and the ratio to CuPy's MemoryPool,
-all measured in this process and run.  The DevicePool rows run with observability
+all measured in this process and run, round-robin (each allocator's best of four
+rounds, so drift hits every row alike).  The DevicePool rows run with observability
 off (the default: no cost); the last rows switch statistics and a tracked log on.  ``python benchmarks/alloc.py [--quick]``
 """
 
@@ -83,41 +84,60 @@ def _child(n: int) -> None:
 
     pool = cupy_poolmem.DevicePool()
     assert cupy_poolmem.hotpath_implementation() == "python"
-    print(json.dumps(measure(pool.malloc, n)))
+    print(json.dumps(measure(pool.malloc, n, rounds=4)))
 
 
 CASES = [("empty 1KiB", 1 << 10), ("empty 1MiB", 1 << 20), ("empty 64MiB", 64 << 20)]
 
 
-def measure(malloc, n: int) -> list[float]:
+def _cases(n: int) -> list[tuple[object, int]]:
     x = cupy.arange(10000, dtype=cupy.float32)
 
     def chain():
         return ((x * 2 + 1) ** 2 - x).sum()
 
+    fns = [(lambda size=size: cupy.empty(size, dtype=cupy.uint8), n) for _l, size in CASES]
+    return fns + [(chain, n // 4)]
+
+
+def measure(malloc, n: int, rounds: int = 1) -> list[float]:
+    """Seconds per operation for each case with ``malloc`` as CuPy's allocator."""
     vals = []
     with cupy.cuda.using_allocator(malloc):
-        for _label, size in CASES:
-            vals.append(median_time(lambda size=size: cupy.empty(size, dtype=cupy.uint8), n))
-        vals.append(median_time(chain, n // 4))
+        for fn, reps in _cases(n):
+            vals.append(min(median_time(fn, reps, repeats=3) for _ in range(rounds)))
         cupy.cuda.get_current_stream().synchronize()
     return vals
+
+
+def measure_interleaved(entries: list, n: int, rounds: int = 4) -> list[list[float]]:
+    """Round-robin over the allocators, keeping each one's best round.
+
+    Interleaving spreads clock and load drift over every allocator alike, so the
+    ratios stay stable from run to run.
+    """
+    best = [[float("inf")] * (len(CASES) + 1) for _ in entries]
+    for _ in range(rounds):
+        for i, (_name, malloc, _cleanup, *ctx) in enumerate(entries):
+            if ctx:
+                with ctx[0]():
+                    vals = measure(malloc, n)
+            else:
+                vals = measure(malloc, n)
+            best[i] = [min(a, b) for a, b in zip(best[i], vals)]
+    return best
 
 
 def main() -> None:
     if "--child" in sys.argv:
         return _child(int(sys.argv[sys.argv.index("--child") + 1]))
     quick = "--quick" in sys.argv
-    n = 3000 if quick else 20000
+    n = 2000 if quick else 6000
     print(header("allocation benchmark: microseconds per op (ratio to cupy MemoryPool)"))
     rows, base = [], None
-    measured = []
-    for name, malloc, cleanup, *ctx in peers():
-        if ctx:
-            with ctx[0]():
-                measured.append((name, measure(malloc, n), cleanup))
-        else:
-            measured.append((name, measure(malloc, n), cleanup))
+    entries = peers()
+    results = measure_interleaved(entries, n)
+    measured = [(e[0], vals, e[2]) for e, vals in zip(entries, results)]
     py = _pure_python_row(n)
     if py:
         measured.append(("cupy_poolmem DevicePool [pure python, child process]", py, None))
