@@ -53,6 +53,7 @@ def set_shared_release(fn):
     _shared_release = fn
 
 
+@cython.freelist(256)
 @cython.no_gc_clear
 cdef class Block:
     """One live pool allocation; CuPy's memory object owns it through ``UnownedMemory``."""
