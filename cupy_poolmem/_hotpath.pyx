@@ -11,16 +11,50 @@ and freed, stream-ordered, on that same stream when its last reference goes away
 """
 
 cimport cython
+from cpython.pycapsule cimport PyCapsule_GetName, PyCapsule_GetPointer
 from libc.stdint cimport intptr_t, uintptr_t
-from cuda.bindings cimport cydriver
+from libc.string cimport strcmp
 
+import cupy.cuda.stream as _cupy_stream
 from cupy.cuda.memory import MemoryPointer as _MemoryPointer
 from cupy.cuda.memory import UnownedMemory as _UnownedMemory
 from cupy.cuda.pinned_memory import PinnedMemoryPointer as _PinnedMemoryPointer
 from cupy.cuda.stream import get_current_stream as _get_current_stream
-from cpython.pycapsule cimport PyCapsule_GetPointer
 
-import cupy.cuda.stream as _cupy_stream
+import cuda.bindings.cydriver as _cydriver
+
+# The three driver calls of the hot path, taken from cuda.bindings' compiled
+# ``cydriver`` module (its exported C functions, which load libcuda themselves).
+# Resolving them at import time, with their signatures checked, means this module
+# needs no CUDA header to build and works with any cuda-bindings release that
+# exports these signatures; on a mismatch the import fails and the package uses
+# the pure-Python twin.  The types are the driver ABI's on 64-bit Linux.
+ctypedef int CUresult
+ctypedef int CUdevice
+ctypedef unsigned long long CUdeviceptr
+ctypedef void* CUmemoryPool
+ctypedef void* CUstream
+ctypedef CUresult (*_alloc_fn)(CUdeviceptr*, size_t, CUmemoryPool, CUstream) except ?500 nogil
+ctypedef CUresult (*_free_fn)(CUdeviceptr, CUstream) except ?500 nogil
+ctypedef CUresult (*_ctxdev_fn)(CUdevice*) except ?500 nogil
+
+
+cdef void* _driver_fn(str name, bytes signature) except NULL:
+    capsule = _cydriver.__pyx_capi__.get(name)
+    if capsule is None:
+        raise ImportError(f"cuda.bindings.cydriver exports no {name}")
+    if strcmp(PyCapsule_GetName(capsule), signature) != 0:
+        raise ImportError(f"cuda.bindings.{name} has signature "
+                          f"{PyCapsule_GetName(capsule)!r}, expected {signature!r}")
+    return PyCapsule_GetPointer(capsule, signature)
+
+
+cdef _alloc_fn cuMemAllocFromPoolAsync = <_alloc_fn>_driver_fn(
+    "cuMemAllocFromPoolAsync", b"CUresult (CUdeviceptr *, size_t, CUmemoryPool, CUstream)")
+cdef _free_fn cuMemFreeAsync = <_free_fn>_driver_fn(
+    "cuMemFreeAsync", b"CUresult (CUdeviceptr, CUstream)")
+cdef _ctxdev_fn cuCtxGetDevice = <_ctxdev_fn>_driver_fn(
+    "cuCtxGetDevice", b"CUresult (CUdevice *)")
 
 # CuPy exports its C function for the current stream's handle; calling it directly
 # costs nanoseconds where get_current_stream() costs a Python call.
@@ -37,6 +71,7 @@ cdef inline uintptr_t _current_stream_ptr() except? 0:
     if _c_current_stream_ptr != NULL:
         return <uintptr_t>_c_current_stream_ptr()
     return _get_current_stream().ptr
+
 
 KIND_DEVICE = 0
 KIND_PINNED = 1
@@ -100,7 +135,7 @@ cdef class PoolCore:
     the same stream is exactly the guarantee stream-ordered allocation gives, so the
     cache changes speed, not semantics.  Out-of-memory, ``trim`` and ``close`` flush it.
     """
-    cdef cydriver.CUmemoryPool _pool
+    cdef CUmemoryPool _pool
     cdef readonly int device_id
     cdef readonly int kind
     cdef readonly bint closed
@@ -119,7 +154,7 @@ cdef class PoolCore:
     cdef public size_t soft_limit    # 0, or max live bytes (checked before the driver)
 
     def _attach(self, uintptr_t pool_handle, int device_id, int kind):
-        self._pool = <cydriver.CUmemoryPool>pool_handle
+        self._pool = <CUmemoryPool>pool_handle
         self.device_id = device_id
         self.kind = kind
         self._cache = {}
@@ -137,16 +172,16 @@ cdef class PoolCore:
         return self._malloc(size, False)
 
     cdef object _malloc(self, size_t size, bint device_checked):
-        cdef cydriver.CUdevice cur = -1
-        cdef cydriver.CUdeviceptr dptr = 0
-        cdef cydriver.CUresult err
+        cdef CUdevice cur = -1
+        cdef CUdeviceptr dptr = 0
+        cdef CUresult err
         cdef Block b
         cdef uintptr_t sptr
         cdef list hit
         if self.closed:
             self._raise_closed()
         if self.kind != KIND_PINNED and not device_checked:
-            err = cydriver.cuCtxGetDevice(&cur)
+            err = cuCtxGetDevice(&cur)
             if err != 0 or cur != self.device_id:
                 self._raise_wrong_device(int(cur))
         sptr = _current_stream_ptr()
@@ -163,8 +198,8 @@ cdef class PoolCore:
             if dptr == 0:
                 stream = _get_current_stream()
                 sptr = stream.ptr
-                err = cydriver.cuMemAllocFromPoolAsync(&dptr, size, self._pool,
-                                                       <cydriver.CUstream>sptr)
+                err = cuMemAllocFromPoolAsync(&dptr, size, self._pool,
+                                                       <CUstream>sptr)
                 if err != 0:
                     dptr = self._alloc_failed(int(err), size, stream)
         else:
@@ -210,14 +245,14 @@ cdef class PoolCore:
 
     def _try_alloc(self, size_t size, uintptr_t stream_ptr):
         """One raw attempt: returns ``(CUresult, ptr)``; used by the slow paths."""
-        cdef cydriver.CUdeviceptr dptr = 0
-        cdef cydriver.CUresult err = cydriver.cuMemAllocFromPoolAsync(
-            &dptr, size, self._pool, <cydriver.CUstream>stream_ptr)
+        cdef CUdeviceptr dptr = 0
+        cdef CUresult err = cuMemAllocFromPoolAsync(
+            &dptr, size, self._pool, <CUstream>stream_ptr)
         return int(err), int(dptr)
 
     cdef _free(self, uintptr_t ptr, uintptr_t stream_ptr):
-        cdef cydriver.CUresult err = cydriver.cuMemFreeAsync(
-            <cydriver.CUdeviceptr>ptr, <cydriver.CUstream>stream_ptr)
+        cdef CUresult err = cuMemFreeAsync(
+            <CUdeviceptr>ptr, <CUstream>stream_ptr)
         if err != 0:
             self.n_free_errors += 1
 
@@ -249,8 +284,8 @@ cdef class Dispatch:
         self._create = create
 
     def __call__(self, size_t size):
-        cdef cydriver.CUdevice d = 0
-        if cydriver.cuCtxGetDevice(&d) != 0 or d >= len(self._mallocs):
+        cdef CUdevice d = 0
+        if cuCtxGetDevice(&d) != 0 or d >= len(self._mallocs):
             return self._slow(-1).malloc(size)
         p = self._mallocs[d]
         if p is None:

@@ -38,7 +38,7 @@ if os.environ.get("CUPY_POOLMEM_PURE_PYTHON"):
 else:
     try:
         from . import _hotpath as _hp  # type: ignore[no-redef]
-    except ImportError:  # extension not built: pure-Python twin
+    except (ImportError, TypeError, ValueError):  # not built, or built against other ABIs
         from . import _hotpath_py as _hp  # type: ignore[no-redef]
 
 __all__ = ["DevicePool", "PinnedPool", "ManagedPool", "Pool", "all_pools", "hotpath_implementation",

@@ -33,6 +33,11 @@ def main() -> int:
     ap.add_argument("--n-workers", type=int, default=None, help="default: one per GPU")
     args = ap.parse_args()
 
+    import cupy_poolmem
+
+    if cupy_poolmem.device_count() == 0:
+        print("this example needs an NVIDIA GPU (CUDA sees none here)", file=sys.stderr)
+        return 1
     try:
         import cupy
         import dask.array as da
@@ -41,12 +46,7 @@ def main() -> int:
     except ImportError as exc:
         print(f"this example needs dask, distributed and dask-cuda: {exc}", file=sys.stderr)
         return 1
-    import cupy_poolmem
     from cupy_poolmem.dask import PoolmemPlugin, gather_stats
-
-    if cupy_poolmem.device_count() == 0:
-        print("this example needs an NVIDIA GPU", file=sys.stderr)
-        return 1
 
     plugin = PoolmemPlugin(pool_size=args.pool_size, maximum_pool_size=args.maximum_pool_size)
     with LocalCUDACluster(n_workers=args.n_workers, threads_per_worker=4) as cluster, \
