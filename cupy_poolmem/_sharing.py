@@ -187,7 +187,7 @@ def _free_exported(exp: _Export, event: bytes | None) -> None:
     with _on_device(dev):
         if event is not None:
             try:
-                _wait_event(event, dev, exp.stream.ptr)
+                _wait_event_bound(event, exp.stream.ptr)
             except Exception:  # the releasing process died: its work died with it
                 pass
         hook = exp.core.release_hook  # pinned pools hold blocks until their stream is done
@@ -233,27 +233,11 @@ class _Server:
         try:
             while True:
                 msg = conn.recv()
-                op = msg[0]
-                if op == "acquire":
-                    exp = _exports.get(msg[1])
-                    if exp is not None:
-                        _register(exp, msg[2], cid)
-                elif op == "inflight":
-                    exp = _exports.get(msg[1])
-                    if exp is not None:
-                        _register(exp, msg[2], "inflight")
-                elif op == "release":
-                    exp = _exports.get(msg[1])
-                    if exp is not None:
-                        for t in msg[2]:
-                            _drop_ticket(exp, t, msg[3])
-                elif op == "pool":
-                    pool = self.pools.get(msg[1])
-                    if pool is None:
-                        conn.send(("error", f"no exported pool {msg[1]}"))
-                        continue
-                    conn.send(("ok",))
-                    send_handle(conn, int(pool.memory_resource.allocation_handle), msg[2])
+                if msg[0] == "batch":  # the importer's outbox sends what piled up at once
+                    for m in msg[1]:
+                        self._handle(conn, cid, m)
+                else:
+                    self._handle(conn, cid, msg)
         except (EOFError, OSError):
             pass
         finally:
@@ -264,6 +248,29 @@ class _Server:
             for exp, t in dead:
                 _drop_ticket(exp, t)
             conn.close()
+
+    def _handle(self, conn: Any, cid: int, msg: tuple) -> None:
+        op = msg[0]
+        if op == "acquire":
+            exp = _exports.get(msg[1])
+            if exp is not None:
+                _register(exp, msg[2], cid)
+        elif op == "inflight":
+            exp = _exports.get(msg[1])
+            if exp is not None:
+                _register(exp, msg[2], "inflight")
+        elif op == "release":
+            exp = _exports.get(msg[1])
+            if exp is not None:
+                for t in msg[2]:
+                    _drop_ticket(exp, t, msg[3])
+        elif op == "pool":
+            pool = self.pools.get(msg[1])
+            if pool is None:
+                conn.send(("error", f"no exported pool {msg[1]}"))
+                return
+            conn.send(("ok",))
+            send_handle(conn, int(pool.memory_resource.allocation_handle), msg[2])
 
 
 _server: list[_Server | None] = [None]
@@ -295,40 +302,55 @@ def _device_uuid(dev: int) -> str:
     return u
 
 
+_ordinal_by_uuid: dict[str, int] = {}
+
+
 def _local_device(uuid: str) -> int:
+    d = _ordinal_by_uuid.get(uuid)
+    if d is not None:
+        return d
     n = device_count()
     if n == 0:
         raise NoGPUError("received a CuPy array from another process, but this process has "
                          "no GPU (check CUDA_VISIBLE_DEVICES in the receiver)")
     for d in range(n):
-        if _device_uuid(d) == uuid:
-            return d
+        _ordinal_by_uuid[_device_uuid(d)] = d
+    if uuid in _ordinal_by_uuid:
+        return _ordinal_by_uuid[uuid]
     raise SharingError(f"received an array on GPU {uuid}, which this process cannot see; "
                        "CUDA_VISIBLE_DEVICES of the receiver must include that GPU")
 
 
+_runtime = cupy.cuda.runtime
+
+
 class _on_device:
-    """``with cupy.cuda.Device(dev)`` that also binds the primary context to this thread.
+    """Make ``dev`` current, with its primary context bound to this thread, for a block.
 
     Threads the user never touched CUDA in (multiprocessing's feeder, our server and
-    outbox threads) have no current context until a runtime call makes one.
+    outbox threads) have no current context until a runtime call makes one.  When
+    ``dev`` is already current (the common case) this costs one runtime and one driver
+    query; each sharing operation enters it once.
     """
 
-    __slots__ = ("dev", "cm")
+    __slots__ = ("dev", "prev")
 
     def __init__(self, dev: int) -> None:
         self.dev = dev
-        self.cm = cupy.cuda.Device(dev)
 
     def __enter__(self) -> None:
-        self.cm.__enter__()
+        self.prev = _runtime.getDevice()
+        if self.prev != self.dev:
+            _runtime.setDevice(self.dev)  # binds the device's primary context
+            return
         err, ctx = _drv.cuCtxGetCurrent()
         if int(err) or not int(ctx):
-            cupy.cuda.runtime.setDevice(self.dev)
-            cupy.cuda.runtime.free(0)  # makes the primary context current
+            _runtime.setDevice(self.dev)
+            _runtime.free(0)  # makes the primary context current
 
     def __exit__(self, *exc: Any) -> None:
-        self.cm.__exit__(*exc)
+        if self.prev != self.dev:
+            _runtime.setDevice(self.prev)
 
 
 _EVENT_FLAGS = (_drv.CUevent_flags.CU_EVENT_INTERPROCESS
@@ -342,29 +364,34 @@ def _record_event(dev: int) -> bytes:
     waits after a later re-record waits for more work, never for less.
     """
     with _on_device(dev):
-        sptr = cupy.cuda.get_current_stream().ptr
-        key = (dev, sptr)
-        ent = _events.get(key)
-        if ent is None:
-            ev = check_driver(_drv.cuEventCreate(_EVENT_FLAGS), "cuEventCreate")
-            h = check_driver(_drv.cuIpcGetEventHandle(ev), "cuIpcGetEventHandle")
-            ent = _events[key] = (ev, bytes(h.reserved))
-        check_driver(_drv.cuEventRecord(ent[0], sptr), "cuEventRecord")
+        return _record_event_bound(dev, cupy.cuda.get_current_stream().ptr)
+
+
+def _record_event_bound(dev: int, sptr: int) -> bytes:
+    """:func:`_record_event` on stream ``sptr``, with ``dev`` already current."""
+    key = (dev, sptr)
+    ent = _events.get(key)
+    if ent is None:
+        ev = check_driver(_drv.cuEventCreate(_EVENT_FLAGS), "cuEventCreate")
+        h = check_driver(_drv.cuIpcGetEventHandle(ev), "cuIpcGetEventHandle")
+        ent = _events[key] = (ev, bytes(h.reserved))
+    err, = _drv.cuEventRecord(ent[0], sptr)
+    if err:
+        check_driver((err,), "cuEventRecord")
     return ent[1]
 
 
-def _wait_event(handle: bytes, dev: int, stream_ptr: int | None = None) -> None:
-    """Make ``stream_ptr`` (default: ``dev``'s current stream) wait for a peer's event."""
-    with _on_device(dev):
-        ev = _opened_events.get(handle)
-        if ev is None:
-            h = _drv.CUipcEventHandle()
-            h.reserved = handle
-            ev = _opened_events[handle] = check_driver(_drv.cuIpcOpenEventHandle(h),
-                                                       "cuIpcOpenEventHandle")
-        if stream_ptr is None:
-            stream_ptr = cupy.cuda.get_current_stream().ptr
-        check_driver(_drv.cuStreamWaitEvent(stream_ptr, ev, 0), "cuStreamWaitEvent")
+def _wait_event_bound(handle: bytes, stream_ptr: int) -> None:
+    """Make stream ``stream_ptr`` wait for a peer's IPC event (its device is current)."""
+    ev = _opened_events.get(handle)
+    if ev is None:
+        h = _drv.CUipcEventHandle()
+        h.reserved = handle
+        ev = _opened_events[handle] = check_driver(_drv.cuIpcOpenEventHandle(h),
+                                                   "cuIpcOpenEventHandle")
+    err, = _drv.cuStreamWaitEvent(stream_ptr, ev, 0)
+    if err:
+        check_driver((err,), "cuStreamWaitEvent")
 
 
 # ---------------------------------------------------------------- importer side
@@ -409,16 +436,44 @@ def _post(address: str, msg: tuple) -> None:
 def _drain_outbox() -> None:
     while True:
         address, msg = _outbox.get()
+        batch = {address: [msg]}
+        while True:  # send what piled up meanwhile in one message per exporter
+            try:
+                address, msg = _outbox.get_nowait()
+            except queue.Empty:
+                break
+            batch.setdefault(address, []).append(msg)
+        for address, msgs in batch.items():
+            try:
+                _client(address).send(msgs[0] if len(msgs) == 1 else ("batch", msgs))
+            except Exception:
+                pass  # the exporter exited: its memory is gone anyway
+
+
+def _claim(address: str, export_id: int, ticket: int) -> None:
+    """Tell the exporter this process holds ``ticket`` (invariant 2).
+
+    Sent at once when the connection is free (no thread hand-off on the receive
+    path), else through the outbox; either way before this ticket's ``release``.
+    """
+    c = _client(address)
+    if c.lock.acquire(blocking=False):
         try:
-            _client(address).send(msg)
+            c.conn.send(("acquire", export_id, ticket))
+            return
         except Exception:
-            pass  # the exporter exited: its memory is gone anyway
+            pass
+        finally:
+            c.lock.release()
+    _post(address, ("acquire", export_id, ticket))
 
 
 def _flush_outbox(timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not _outbox.empty() and time.monotonic() < deadline:
         time.sleep(0.001)
+
+
 _imported_pools: dict[str, Any] = {}
 _imports: dict[tuple[str, int], weakref.ref] = {}
 
@@ -438,21 +493,33 @@ def _client(address: str) -> _Client:
     return c
 
 
-def _imported_pool(address: str, pool_uuid: str, kind: int, dev: int) -> Any:
-    mr = _imported_pools.get(pool_uuid)
-    if mr is None:
-        import cuda.core as cc
+_pool_import_lock = threading.Lock()
+_pool_handles: dict[str, Any] = {}  # pool uuid -> CUmemoryPool of the imported pool
 
-        fd = _client(address).fetch_pool_fd(pool_uuid)
-        try:
-            if kind == _hp.KIND_PINNED:
-                mr = cc.PinnedMemoryResource.from_allocation_handle(fd)
-            else:
-                mr = cc.DeviceMemoryResource.from_allocation_handle(dev, fd)
-        finally:
-            os.close(fd)
-        _imported_pools[pool_uuid] = mr
-    return mr
+
+def _imported_pool(address: str, pool_uuid: str, kind: int, dev: int) -> Any:
+    """The exporter's pool as a ``CUmemoryPool``, imported once per process.
+
+    ``_imported_pools`` (shared with the Numba plugin) keeps the cuda.core resource.
+    """
+    h = _pool_handles.get(pool_uuid)
+    if h is None:
+        with _pool_import_lock:
+            mr = _imported_pools.get(pool_uuid)
+            if mr is None:
+                import cuda.core as cc
+
+                fd = _client(address).fetch_pool_fd(pool_uuid)
+                try:
+                    if kind == _hp.KIND_PINNED:
+                        mr = cc.PinnedMemoryResource.from_allocation_handle(fd)
+                    else:
+                        mr = cc.DeviceMemoryResource.from_allocation_handle(dev, fd)
+                finally:
+                    os.close(fd)
+                _imported_pools[pool_uuid] = mr
+            h = _pool_handles[pool_uuid] = _drv.CUmemoryPool(int(mr.handle))
+    return h
 
 
 class _Imported:
@@ -463,10 +530,11 @@ class _Imported:
 
     def __del__(self) -> None:
         try:
-            with _on_device(max(self.dev, 0)):
-                s = cupy.cuda.get_current_stream()
-                _drv.cuMemFreeAsync(self.ptr, s.ptr)  # importers free first (driver rule)
-                ev = _record_event(max(self.dev, 0))
+            dev = max(self.dev, 0)
+            with _on_device(dev):
+                sptr = cupy.cuda.get_current_stream().ptr
+                _drv.cuMemFreeAsync(self.ptr, sptr)  # importers free first (driver rule)
+                ev = _record_event_bound(dev, sptr)
             # Never send from __del__ (it may run inside another send): the outbox
             # thread does, in order, after the sends already made by this process.
             _post(self.address, ("release", self.export_id, self.tickets, ev))
@@ -549,25 +617,24 @@ def _rebuild(version: int, kind_tag: str, address: str, pool_uuid: str, dev_uuid
     _check_not_forked()
     if version != 1:
         raise SharingError(f"message format {version} from a different cupy_poolmem version")
-    dev = _local_device(dev_uuid) if dev_uuid else cupy.cuda.runtime.getDevice()
+    dev = _local_device(dev_uuid) if dev_uuid else _runtime.getDevice()
     srv = _server[0]
-    if srv is not None and srv.address == address:
-        owner = _local_owner(export_id, ticket)
-        ptr = owner.ptr
-    else:
-        owner = _import(address, pool_uuid, pool_kind, dev, dev_uuid, export_id, data, size,
-                        ticket)
-        ptr = owner.ptr
-    if event_desc is not None:
-        _wait_event(event_desc, dev)
-    dt = np.dtype(dtype)
-    if kind_tag == "numpy":
-        if event_desc is not None:
-            cupy.cuda.get_current_stream().synchronize()  # the host reads at once
-        pmem = cupy.cuda.PinnedMemoryPointer(owner, 0)
-        return np.ndarray(shape, dt, buffer=pmem, offset=offset, strides=strides)
     with _on_device(dev):
-        mem = cupy.cuda.UnownedMemory(ptr, size, owner, dev)
+        if srv is not None and srv.address == address:
+            owner = _local_owner(export_id, ticket)
+        else:
+            owner = _import(address, pool_uuid, pool_kind, dev, dev_uuid, export_id, data,
+                            size, ticket)
+        stream = cupy.cuda.get_current_stream()
+        if event_desc is not None:
+            _wait_event_bound(event_desc, stream.ptr)
+        dt = np.dtype(dtype)
+        if kind_tag == "numpy":
+            if event_desc is not None:
+                stream.synchronize()  # the host reads at once
+            pmem = cupy.cuda.PinnedMemoryPointer(owner, 0)
+            return np.ndarray(shape, dt, buffer=pmem, offset=offset, strides=strides)
+        mem = cupy.cuda.UnownedMemory(owner.ptr, size, owner, dev)
         return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, offset), strides)
 
 
@@ -584,28 +651,25 @@ def _local_owner(export_id: int, ticket: int) -> _LocalHolder:
 
 def _import(address: str, pool_uuid: str, pool_kind: int, dev: int, dev_uuid: str,
             export_id: int, data: bytes, size: int, ticket: int) -> _Imported:
+    """Map one exported block in this process (``dev`` current), or reuse the live mapping."""
     key = (address, export_id)
-    with _lock:
+    handle = _imported_pool(address, pool_uuid, pool_kind, dev)
+    with _lock:  # look-up and import together: two threads never import one block twice
         r = _imports.get(key)
         imp = r() if r is not None else None
         if imp is not None:  # de-duplicate: one mapping per allocation per process
             imp.tickets.append(ticket)
-            _post(address, ("acquire", export_id, ticket))
-            return imp
-    with _on_device(dev):
-        mr = _imported_pool(address, pool_uuid, pool_kind, dev)
-        share = _drv.CUmemPoolPtrExportData()
-        share.reserved = data
-        ptr = int(check_driver(_drv.cuMemPoolImportPointer(_drv.CUmemoryPool(int(mr.handle)),
-                                                           share), "cuMemPoolImportPointer"))
-    imp = _Imported()
-    imp.ptr, imp.size, imp.key, imp.tickets = ptr, size, key, [ticket]
-    imp.address, imp.export_id, imp.dev, imp.kind = address, export_id, dev, pool_kind
-    imp.pool_uuid, imp.dev_uuid, imp.data = pool_uuid, dev_uuid, data
-    with _lock:
-        _imports[key] = weakref.ref(imp)
-    # Claim the ticket without waiting: the outbox keeps acquire before release.
-    _post(address, ("acquire", export_id, ticket))
+        else:
+            share = _drv.CUmemPoolPtrExportData()
+            share.reserved = data
+            ptr = int(check_driver(_drv.cuMemPoolImportPointer(handle, share),
+                                   "cuMemPoolImportPointer"))
+            imp = _Imported()
+            imp.ptr, imp.size, imp.key, imp.tickets = ptr, size, key, [ticket]
+            imp.address, imp.export_id, imp.dev, imp.kind = address, export_id, dev, pool_kind
+            imp.pool_uuid, imp.dev_uuid, imp.data = pool_uuid, dev_uuid, data
+            _imports[key] = weakref.ref(imp)
+    _claim(address, export_id, ticket)
     return imp
 
 
