@@ -31,6 +31,17 @@ def layer(cupy, cpm, x, w, name: str):
         return h
 
 
+def model_step(cupy, cpm, rng, weights):
+    """One training-like step, tagged "step": returns the output and the loss."""
+    with cpm.tag("step"):
+        x = rng.standard_normal((2048, 1024), dtype=cupy.float32)
+        for k, w in enumerate(weights):
+            x = layer(cupy, cpm, x, w, f"layer{k}")
+        with cpm.tag("loss"):
+            loss = float((x * x).mean())
+    return x, loss
+
+
 def main() -> int:
     png = sys.argv[1] if len(sys.argv) > 1 else "usage.png"
     try:
@@ -49,21 +60,19 @@ def main() -> int:
 
     log = os.path.splitext(png)[0] + ".csv"
     alloc = cupy_poolmem.set_allocator()
+    rng = cupy.random.default_rng(0)
+    # One unlogged step first: kernel compilation and library start-up would otherwise
+    # fill most of the plot's time axis.
+    model_step(cupy, cupy_poolmem, rng, [rng.standard_normal((1024, 1024), dtype=cupy.float32)])
+
     path = cupy_poolmem.start_log(log, track=True)     # track=True: call sites too
     print(f"logging allocations to {path}")
-
-    rng = cupy.random.default_rng(0)
     with cupy_poolmem.statistics() as st:
         with cupy_poolmem.tag("weights"):
             weights = [rng.standard_normal((1024, 1024), dtype=cupy.float32) * 0.03
                        for _ in range(4)]
         for step in range(5):
-            with cupy_poolmem.tag("step"):
-                x = rng.standard_normal((2048, 1024), dtype=cupy.float32)
-                for k, w in enumerate(weights):
-                    x = layer(cupy, cupy_poolmem, x, w, f"layer{k}")
-                with cupy_poolmem.tag("loss"):
-                    loss = float((x * x).mean())
+            x, loss = model_step(cupy, cupy_poolmem, rng, weights)
             if step == 2:
                 with cupy_poolmem.tag("cache"):
                     kept = x.copy()                 # still alive at the end: a "leak"
