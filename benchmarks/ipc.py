@@ -3,7 +3,10 @@
 One run, one table: milliseconds per message for a steady stream of put + ack (the
 consumer acknowledges on a second queue and drops the array), and the first send to a
 fresh worker measured after that worker has started CUDA.  The floor is the same queue
-round trip for a tiny numpy array.  ``python benchmarks/ipc.py [--quick]``
+round trip for a tiny numpy array.  "same array" re-sends one array; "fresh arrays"
+sends a newly allocated array each time (made before the clock starts), the usual
+producer pattern, where the receiver maps new memory for every message: the driver's
+cost for that grows with the size.  ``python benchmarks/ipc.py [--quick]``
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ def consumer(kind: str, q_in, q_out) -> None:
         del obj
 
 
-def run_method(kind: str, sizes: list[int], n_steady: dict[int, int]) -> list[tuple]:
+def run_method(kind: str, sizes: list[int], n_steady: dict[int, int],
+               fresh: bool = False) -> list[tuple]:
     import cupy
 
     import cupy_poolmem
@@ -56,16 +60,19 @@ def run_method(kind: str, sizes: list[int], n_steady: dict[int, int]) -> list[tu
         p = ctx.Process(target=consumer, args=(kind, q_in, q_out))
         p.start()
         tag, cuda_start = q_out.get(timeout=300)
-        if kind == "torch":
-            obj = torch.ones(size // 4, device="cuda")
-        elif kind == "cupy_poolmem":
-            cupy_poolmem.sharing.fallback = "device-copy"
-            with cupy_poolmem.using(cupy_poolmem.get_pool()):
-                obj = cupy.ones(size // 4, dtype=cupy.float32)
-        else:  # CuPy's own pickling: an array from CuPy's default pool, host fallback
+        def make(size: int = size):
+            if kind == "torch":
+                return torch.ones(size // 4, device="cuda")
+            if kind == "cupy_poolmem":
+                cupy_poolmem.sharing.fallback = "device-copy"
+                with cupy_poolmem.using(cupy_poolmem.get_pool()):
+                    return cupy.ones(size // 4, dtype=cupy.float32)
+            # CuPy's own pickling: an array from CuPy's default pool, host fallback
             cupy_poolmem.sharing.fallback = "host"
             with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
-                obj = cupy.ones(size // 4, dtype=cupy.float32)
+                return cupy.ones(size // 4, dtype=cupy.float32)
+
+        obj = make()
         cupy.cuda.runtime.deviceSynchronize()
         t0 = time.perf_counter()
         q_in.put(obj)
@@ -73,6 +80,8 @@ def run_method(kind: str, sizes: list[int], n_steady: dict[int, int]) -> list[tu
         first = time.perf_counter() - t0
         times = []
         for _ in range(n_steady[size]):
+            if fresh:
+                obj = make()
             t0 = time.perf_counter()
             q_in.put(obj)
             q_out.get(timeout=300)
@@ -88,7 +97,8 @@ def run_method(kind: str, sizes: list[int], n_steady: dict[int, int]) -> list[tu
             floor.append(time.perf_counter() - t0)
         q_in.put(None)
         p.join(60)
-        rows.append((kind, size, statistics.median(times), first, cuda_start,
+        label = f"{kind} (fresh arrays)" if fresh else kind
+        rows.append((label, size, statistics.median(times), first, cuda_start,
                      statistics.median(floor)))
         cupy_poolmem.sharing.fallback = "device-copy"
     return rows
@@ -105,18 +115,22 @@ def main() -> None:
     cupy_poolmem.set_allocator()
     sizes = [1 << 20, 256 << 20]
     rows = []
-    for kind in ("cupy_poolmem", "torch", "cupy pickling"):
+    runs = [("cupy_poolmem", False), ("torch", False), ("cupy pickling", False),
+            ("cupy_poolmem", True), ("torch", True)]
+    for kind, fresh in runs:
         n = {1 << 20: 50 if quick else 300, 256 << 20: 20 if quick else 100}
         if kind == "cupy pickling":
             n = {1 << 20: 20 if quick else 50, 256 << 20: 3 if quick else 5}
         try:
-            rows += run_method(kind, sizes, n)
+            rows += run_method(kind, sizes, n, fresh)
         except Exception as exc:
             print(f"({kind} not measured: {type(exc).__name__}: {exc})")
-    ref = {r[1]: r[2] for r in rows if r[0] == "torch"}
+    ref = {(r[0].endswith("(fresh arrays)"), r[1]): r[2] for r in rows
+           if r[0].startswith("torch")}
     out = []
     for kind, size, steady, first, cuda_start, floor in rows:
-        ratio = f"{steady / ref[size]:.2f}x" if size in ref else "-"
+        key = (kind.endswith("(fresh arrays)"), size)
+        ratio = f"{steady / ref[key]:.2f}x" if key in ref else "-"
         out.append([kind, f"{size >> 20} MiB", f"{steady * 1e3:8.3f}", ratio,
                     f"{first * 1e3:8.1f}", f"{cuda_start * 1e3:7.0f}", f"{floor * 1e3:6.3f}"])
     print(table(["method", "size", "steady ms/msg", "vs torch", "first send ms",
