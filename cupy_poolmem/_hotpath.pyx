@@ -198,8 +198,7 @@ cdef class PoolCore:
             if dptr == 0:
                 stream = _get_current_stream()
                 sptr = stream.ptr
-                err = cuMemAllocFromPoolAsync(&dptr, size, self._pool,
-                                                       <CUstream>sptr)
+                err = cuMemAllocFromPoolAsync(&dptr, size, self._pool, <CUstream>sptr)
                 if err != 0:
                     dptr = self._alloc_failed(int(err), size, stream)
         else:
@@ -251,8 +250,7 @@ cdef class PoolCore:
         return int(err), int(dptr)
 
     cdef _free(self, uintptr_t ptr, uintptr_t stream_ptr):
-        cdef CUresult err = cuMemFreeAsync(
-            <CUdeviceptr>ptr, <CUstream>stream_ptr)
+        cdef CUresult err = cuMemFreeAsync(<CUdeviceptr>ptr, <CUstream>stream_ptr)
         if err != 0:
             self.n_free_errors += 1
 

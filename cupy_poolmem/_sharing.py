@@ -375,9 +375,7 @@ def _record_event_bound(dev: int, sptr: int) -> bytes:
         ev = check_driver(_drv.cuEventCreate(_EVENT_FLAGS), "cuEventCreate")
         h = check_driver(_drv.cuIpcGetEventHandle(ev), "cuIpcGetEventHandle")
         ent = _events[key] = (ev, bytes(h.reserved))
-    err, = _drv.cuEventRecord(ent[0], sptr)
-    if err:
-        check_driver((err,), "cuEventRecord")
+    check_driver(_drv.cuEventRecord(ent[0], sptr), "cuEventRecord")
     return ent[1]
 
 
@@ -389,9 +387,7 @@ def _wait_event_bound(handle: bytes, stream_ptr: int) -> None:
         h.reserved = handle
         ev = _opened_events[handle] = check_driver(_drv.cuIpcOpenEventHandle(h),
                                                    "cuIpcOpenEventHandle")
-    err, = _drv.cuStreamWaitEvent(stream_ptr, ev, 0)
-    if err:
-        check_driver((err,), "cuStreamWaitEvent")
+    check_driver(_drv.cuStreamWaitEvent(stream_ptr, ev, 0), "cuStreamWaitEvent")
 
 
 # ---------------------------------------------------------------- importer side
