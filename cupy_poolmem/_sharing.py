@@ -4,27 +4,42 @@ Invariants (every change to this module must keep them):
 
 1. Ownership.  The process that allocated a block (the *exporter*) is the only one
    that frees it.  A block it has exported is freed only when (a) its own last local
-   reference is gone and (b) it holds no *ticket* for the block.  Until then the block
-   sits in *limbo* (``held_for_sharing_bytes``), never in the reuse cache.
-2. Tickets.  Every pickled reference is one ticket, registered with the exporter
-   *before* the message can reach anyone: at reduce time in the exporter, or by an
-   ``inflight`` message on the forwarder's (ordered) connection.  A receiver claims
-   its ticket (``acquire``) and gives it back (``release``) over its connection to the
-   exporter; an ``acquire`` that overtakes its ``inflight`` is remembered, so the two
-   may arrive in either order.  A connection that closes (the peer exited or was
-   SIGKILLed) gives back every ticket it claimed.
-3. Driver rule.  An importer frees its mapping (stream-ordered) and records an IPC
-   event *before* it sends ``release``; the exporter's free waits on that event, so
-   importers always free before the exporter.
-4. Ordering.  Each message carries an IPC event recorded on the sender's current
+   reference is gone, (b) it holds no *ticket* and (c) no *lease* for the block.
+   Until then the block sits in *limbo* (``held_for_sharing_bytes``), never in the
+   reuse cache.
+2. Tickets cover messages.  Every pickled reference is one ticket, registered with
+   the exporter *before* the message can reach anyone: at reduce time in the
+   exporter, or by an ``inflight`` message on the forwarder's (ordered) connection.
+   A receiver resolves its ticket as it unpickles: ``map`` turns it into a lease (the
+   block is not mapped in that process yet), ``hit`` drops it (the process already
+   holds a lease).  A resolution that overtakes its ``inflight`` is remembered
+   (``early``), so the two may arrive in either order.
+3. Leases cover mappings.  A receiver holds one lease per mapping, from ``map`` to
+   ``unmap``, while arrays use the mapping and while it idles in the receiver's
+   cache.  Leases are counted per connection, so the map and unmap of successive
+   mappings of one block commute; a mapping's ``unmap`` always follows its own
+   ``map`` on the receiver's connection.  A connection that closes (the peer exited
+   or was SIGKILLed) gives back every lease it held.
+4. Eviction.  A receiver keeps the mapping of a block it received more than once
+   after its arrays are gone (at most ``keep_mappings``, least recently used out
+   first); it says so in ``map`` (received before) or by a ``hit``.  When a block in
+   limbo is held by leases only, the exporter asks each holder that may keep it to
+   ``evict`` (again after each ``unmap`` while leases remain): an idle mapping is
+   unmapped at once, a used one when its last array goes.  Other holders unmap when
+   their arrays go, unasked.  Receivers unmap the idle mappings of an exporter whose
+   connection closed.
+5. Driver rule.  An importer frees its mapping (stream-ordered, after its last use)
+   and records an IPC event *before* it sends ``unmap``; the exporter's free waits on
+   every such event, so importers always free before the exporter.
+6. Ordering.  Each message carries an IPC event recorded on the sender's current
    stream after the writes it enqueued; the receiver's current stream waits on it
    before the array is returned.  Nobody synchronises a whole device.
-5. One import per allocation per process.  Receiving the same block again reuses the
-   live mapping (a second import of one pointer breaks the first); the pool itself
-   is imported once per process, its file descriptor fetched over the connection
-   the first time only, never re-sent with each message.
-6. Same GPU.  Devices are matched by UUID, so CUDA_VISIBLE_DEVICES orders may differ.
-7. Trust.  Connections are authenticated with the multiprocessing authkey of the
+7. One import per allocation per process.  Receiving a block that is mapped (in use
+   or idle) reuses the mapping (a second import of one pointer breaks the first);
+   the pool itself is imported once per process, its file descriptor fetched over
+   the connection the first time only, never re-sent with each message.
+8. Same GPU.  Devices are matched by UUID, so CUDA_VISIBLE_DEVICES orders may differ.
+9. Trust.  Connections are authenticated with the multiprocessing authkey of the
    process family; unpickling a message from an untrusted peer is unsafe (as for any
    pickle).  Pool handles only travel over these connections.
 """
@@ -33,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 import queue
 import random
 import threading
@@ -59,6 +75,13 @@ _lock = threading.RLock()
 _ids = itertools.count(1)
 _tickets = itertools.count(random.getrandbits(40) << 20)
 _forked = False
+_PROTOCOL = 2  # message format; also names the exporter <-> receiver messages used
+
+
+def _dumps(msg: tuple) -> bytes:
+    """Protocol messages hold only ints, strings and bytes: plain pickle is enough (and
+    cheaper than ForkingPickler, which copies its reducer table per message)."""
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class SharingSettings:
@@ -81,6 +104,11 @@ class SharingSettings:
     inflight_timeout : float or None
         Give back tickets nobody claimed after this many seconds (a message lost in a
         queue nobody reads); ``None`` keeps them until the process exits.
+    keep_mappings : int
+        How many mappings of blocks received more than once a receiver keeps after
+        their arrays are dropped (default 64), so re-sending a block costs no new
+        mapping; ``0`` unmaps at once.  The exporter can still reuse such a block: it
+        asks the receiver to unmap it as soon as it frees the block itself.
 
     Examples
     --------
@@ -92,6 +120,7 @@ class SharingSettings:
         self.warn_bytes = 8 << 30
         self.exit_timeout = float(os.environ.get("CUPY_POOLMEM_EXIT_TIMEOUT", "0"))
         self.inflight_timeout: float | None = None
+        self._keep = 64
 
     @property
     def fallback(self) -> str:
@@ -102,6 +131,18 @@ class SharingSettings:
         if value not in _FALLBACKS:
             raise InvalidOptionError(f"sharing.fallback={value!r}; choose one of {_FALLBACKS}")
         self._fallback = value
+
+    @property
+    def keep_mappings(self) -> int:
+        return self._keep
+
+    @keep_mappings.setter
+    def keep_mappings(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidOptionError(f"sharing.keep_mappings={value!r}; give an int >= 0 "
+                                     "(0 unmaps received blocks as soon as they are dropped)")
+        self._keep = value
+        _trim_idle()
 
     def collect(self) -> int:
         """See :func:`collect`."""
@@ -128,15 +169,20 @@ class _Export:
     """One exported block, as its exporter sees it."""
 
     __slots__ = ("export_id", "ptr", "size", "data", "core", "stream", "refs", "early",
-                 "in_limbo", "block_ref", "born", "dev_uuid")
+                 "leases", "keepers", "asked", "events", "in_limbo", "block_ref", "born",
+                 "dev_uuid")
 
     def __init__(self, block: Any) -> None:
         self.export_id = next(_ids)
         self.ptr, self.size, self.core, self.stream = block.ptr, block.size, block.core, block.stream
         self.data = bytes(check_driver(_drv.cuMemPoolExportPointer(block.ptr),
                                        "cuMemPoolExportPointer").reserved)
-        self.refs: dict[int, Any] = {}   # ticket -> "inflight" | connection id | "local"
-        self.early: set[int] = set()     # tickets claimed before their inflight arrived
+        self.refs: dict[int, str] = {}   # ticket -> "inflight" | "local" (a round trip)
+        self.early: set[int] = set()     # tickets resolved before their inflight arrived
+        self.leases: dict[int, int] = {}  # connection id -> mappings it holds (invariant 3)
+        self.keepers: set[int] = set()   # connections that may keep a mapping idle
+        self.asked: set[int] = set()     # connections asked to evict since their last unmap
+        self.events: dict[bytes, None] = {}  # unmap events the final free waits on
         self.in_limbo = False
         self.block_ref = weakref.ref(block)
         self.born: dict[int, float] = {}
@@ -151,7 +197,7 @@ _warned = [False]
 def _shared_release(ptr: int, size: int, stream: Any, share: _Export) -> bool:
     """Hot-path hook: the exporter's last local reference to a shared block is gone."""
     with _lock:
-        if not share.refs:
+        if not share.refs and not share.leases:
             _exports.pop(share.export_id, None)
             return False  # nobody else holds it: the normal free path
         share.in_limbo = True
@@ -162,40 +208,58 @@ def _shared_release(ptr: int, size: int, stream: Any, share: _Export) -> bool:
             warnings.warn(f"cupy_poolmem: {_limbo_bytes[0]:,} bytes freed here are still held "
                           "for other processes (limbo); receivers keep arrays alive too long?",
                           ResourceWarning, stacklevel=2)
-        return True
+    _settle(share)  # held by idle mappings only: ask their receivers to unmap
+    return True
 
 
 _hp.set_shared_release(_shared_release)
 
 
-def _drop_ticket(exp: _Export, ticket: int, event: Any = None) -> None:
-    """Give back one ticket; free the block if it was the last and the owner is gone."""
+def _settle(exp: _Export) -> None:
+    """Act on a changed block: free it once nothing holds it, or ask lease holders to evict."""
+    with _lock:
+        if not exp.in_limbo or exp.refs:
+            return
+        if exp.leases:  # receivers that unmap when their arrays go need no asking
+            ask = [_peers.get(c) for c in exp.keepers if c not in exp.asked]
+            exp.asked.update(exp.keepers)
+        else:
+            ask = None
+            _exports.pop(exp.export_id, None)
+            exp.in_limbo = False
+            exp.core._held_for_sharing -= exp.size
+            _limbo_bytes[0] -= exp.size
+    if ask is None:
+        _free_exported(exp)
+        return
+    for peer in ask:
+        if peer is not None:
+            _post(peer, ("evict", exp.export_id))
+
+
+def _drop_ticket(exp: _Export, ticket: int) -> None:
+    """Give back one ticket (a round trip let go, or an unclaimed message expired)."""
     with _lock:
         exp.refs.pop(ticket, None)
         exp.born.pop(ticket, None)
-        if exp.refs or not exp.in_limbo:
-            return
-        _exports.pop(exp.export_id, None)
-        exp.in_limbo = False
-        exp.core._held_for_sharing -= exp.size
-        _limbo_bytes[0] -= exp.size
-    _free_exported(exp, event)
+    _settle(exp)
 
 
-def _free_exported(exp: _Export, event: bytes | None) -> None:
+def _free_exported(exp: _Export) -> None:
     dev = max(exp.core.device_id, exp.stream.device_id, 0)
     with _on_device(dev):
-        if event is not None:
+        for event in exp.events:
             try:
                 _wait_event_bound(event, exp.stream.ptr)
-            except Exception:  # the releasing process died: its work died with it
+            except Exception:  # the unmapping process died: its work died with it
                 pass
         hook = exp.core.release_hook  # pinned pools hold blocks until their stream is done
         if hook is None or not hook(exp.ptr, exp.size, exp.stream):
             exp.core._free_now(exp.ptr, exp.stream.ptr)
 
 
-def _register(exp: _Export, ticket: int, owner: Any) -> None:
+def _register(exp: _Export, ticket: int, owner: str) -> None:
+    """Record a ticket as ``"inflight"`` (a message is on its way) or ``"local"``."""
     with _lock:
         if owner == "inflight":
             if ticket in exp.early:
@@ -207,8 +271,33 @@ def _register(exp: _Export, ticket: int, owner: Any) -> None:
         exp.refs[ticket] = owner
 
 
+def _resolve(exp: _Export, ticket: int) -> None:
+    """A receiver got the message of ``ticket`` (``_lock`` held): the ticket is done."""
+    if exp.refs.get(ticket) == "inflight":
+        del exp.refs[ticket]
+        exp.born.pop(ticket, None)
+    else:
+        exp.early.add(ticket)  # its inflight (from a forwarder) is still on the way
+
+
+class _Peer:
+    """The exporter's end of one receiver's connection (the server thread receives)."""
+
+    __slots__ = ("conn", "lock")
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.lock = conn, threading.Lock()
+
+    def send(self, msg: tuple) -> None:
+        with self.lock:
+            self.conn.send_bytes(_dumps(msg))
+
+
+_peers: dict[int, _Peer] = {}
+
+
 class _Server:
-    """The exporter's listener: receivers claim and give back tickets, fetch pool fds."""
+    """The exporter's listener: receivers resolve tickets, hold leases, fetch pool fds."""
 
     def __init__(self) -> None:
         self.listener = _mpc.Listener(family="AF_UNIX", authkey=bytes(current_process().authkey))
@@ -230,47 +319,65 @@ class _Server:
 
     def _serve(self, conn: Any) -> None:
         cid = id(conn)
+        peer = _peers[cid] = _Peer(conn)
         try:
             while True:
                 msg = conn.recv()
                 if msg[0] == "batch":  # the importer's outbox sends what piled up at once
                     for m in msg[1]:
-                        self._handle(conn, cid, m)
+                        self._handle(peer, cid, m)
                 else:
-                    self._handle(conn, cid, msg)
+                    self._handle(peer, cid, msg)
         except (EOFError, OSError):
             pass
         finally:
-            # The peer is gone (exit, crash, SIGKILL): give back every ticket it claimed.
+            # The peer is gone (exit, crash, SIGKILL): give back every lease it held.
             with _lock:
-                dead = [(e, t) for e in list(_exports.values())
-                        for t, o in list(e.refs.items()) if o == cid]
-            for exp, t in dead:
-                _drop_ticket(exp, t)
+                _peers.pop(cid, None)
+                held = [e for e in _exports.values() if e.leases.pop(cid, None)]
+                for e in held:
+                    e.asked.discard(cid)
+                    e.keepers.discard(cid)
+            for exp in held:
+                _settle(exp)
             conn.close()
 
-    def _handle(self, conn: Any, cid: int, msg: tuple) -> None:
+    def _handle(self, peer: _Peer, cid: int, msg: tuple) -> None:
         op = msg[0]
-        if op == "acquire":
-            exp = _exports.get(msg[1])
-            if exp is not None:
-                _register(exp, msg[2], cid)
-        elif op == "inflight":
-            exp = _exports.get(msg[1])
-            if exp is not None:
-                _register(exp, msg[2], "inflight")
-        elif op == "release":
-            exp = _exports.get(msg[1])
-            if exp is not None:
-                for t in msg[2]:
-                    _drop_ticket(exp, t, msg[3])
-        elif op == "pool":
+        if op == "pool":
             pool = self.pools.get(msg[1])
-            if pool is None:
-                conn.send(("error", f"no exported pool {msg[1]}"))
+            with peer.lock:
+                if pool is None:
+                    peer.conn.send(("error", f"no exported pool {msg[1]}"))
+                    return
+                peer.conn.send(("ok",))
+                send_handle(peer.conn, int(pool.memory_resource.allocation_handle), msg[2])
+            return
+        exp = _exports.get(msg[1])
+        if exp is None:
+            return
+        with _lock:
+            if op == "hit":      # (export_id, ticket): this receiver holds a lease already
+                _resolve(exp, msg[2])
+                exp.keepers.add(cid)  # a block received again is kept when let go
+            elif op == "map":    # (export_id, ticket, keep): the ticket becomes a lease
+                _resolve(exp, msg[2])
+                exp.leases[cid] = exp.leases.get(cid, 0) + 1
+                if msg[3]:
+                    exp.keepers.add(cid)
+            elif op == "unmap":  # (export_id, event): one mapping gone, freed before event
+                n = exp.leases.get(cid, 0) - 1
+                if n > 0:
+                    exp.leases[cid] = n
+                else:
+                    exp.leases.pop(cid, None)
+                    exp.keepers.discard(cid)
+                exp.asked.discard(cid)
+                exp.events[msg[2]] = None
+            elif op == "inflight":  # (export_id, ticket): a forwarder sent a message on
+                _register(exp, msg[2], "inflight")
                 return
-            conn.send(("ok",))
-            send_handle(conn, int(pool.memory_resource.allocation_handle), msg[2])
+        _settle(exp)
 
 
 _server: list[_Server | None] = [None]
@@ -392,24 +499,50 @@ def _wait_event_bound(handle: bytes, stream_ptr: int) -> None:
 
 # ---------------------------------------------------------------- importer side
 class _Client:
-    """This process's connection to one exporter."""
+    """This process's connection to one exporter; a reader thread takes its requests."""
 
     def __init__(self, address: str) -> None:
+        self.address = address
         self.conn = _mpc.Client(address, family="AF_UNIX",
                                 authkey=bytes(current_process().authkey))
         self.lock = threading.RLock()
+        self.replies: queue.SimpleQueue = queue.SimpleQueue()
+        self.closed = False
+        threading.Thread(target=self._read, name="cupy_poolmem-sharing-client",
+                         daemon=True).start()
 
     def send(self, msg: tuple) -> None:
         with self.lock:
-            self.conn.send(msg)
+            self.conn.send_bytes(_dumps(msg))
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.conn.recv()
+                for m in (msg[1] if msg[0] == "batch" else (msg,)):
+                    if m[0] == "evict":
+                        _evict(self.address, m[1])
+                    elif m[0] == "ok":  # the pool's fd follows at once (one send, locked)
+                        self.replies.put(("ok", recv_handle(self.conn)))
+                    else:
+                        self.replies.put(m)
+        except (EOFError, OSError):
+            pass
+        finally:
+            self.closed = True
+            self.replies.put(("error", "the exporting process closed its connection"))
+            _exporter_gone(self.address)
 
     def fetch_pool_fd(self, pool_uuid: str) -> int:
-        with self.lock:
-            self.conn.send(("pool", pool_uuid, os.getpid()))
-            reply = self.conn.recv()
-            if reply[0] != "ok":
-                raise SharingError(f"the exporter could not share its pool: {reply[1]}")
-            return recv_handle(self.conn)
+        self.send(("pool", pool_uuid, os.getpid()))
+        try:
+            reply = self.replies.get(timeout=60)
+        except queue.Empty:
+            raise SharingError("the exporting process did not share its pool within 60 s") \
+                from None
+        if reply[0] != "ok":
+            raise SharingError(f"the exporter could not share its pool: {reply[1]}")
+        return reply[1]
 
 
 _clients: dict[str, _Client] = {}
@@ -417,9 +550,9 @@ _outbox: queue.SimpleQueue = queue.SimpleQueue()
 _outbox_thread: list[threading.Thread | None] = [None]
 
 
-def _post(address: str, msg: tuple) -> None:
-    """Queue a message for the exporter at ``address`` (safe from ``__del__``)."""
-    _outbox.put((address, msg))
+def _post(to: str | _Peer, msg: tuple) -> None:
+    """Queue a message for an exporter's address or a receiver's peer (safe from ``__del__``)."""
+    _outbox.put((to, msg))
     if _outbox_thread[0] is None:
         with _lock:
             if _outbox_thread[0] is None:
@@ -431,47 +564,43 @@ def _post(address: str, msg: tuple) -> None:
 
 def _drain_outbox() -> None:
     while True:
-        address, msg = _outbox.get()
-        batch = {address: [msg]}
-        while True:  # send what piled up meanwhile in one message per exporter
+        to, msg = _outbox.get()
+        batch = {to: [msg]}
+        while True:  # send what piled up meanwhile in one message per destination
             try:
-                address, msg = _outbox.get_nowait()
+                to, msg = _outbox.get_nowait()
             except queue.Empty:
                 break
-            batch.setdefault(address, []).append(msg)
-        for address, msgs in batch.items():
+            batch.setdefault(to, []).append(msg)
+        for to, msgs in batch.items():
             try:
-                _client(address).send(msgs[0] if len(msgs) == 1 else ("batch", msgs))
+                dest = to if isinstance(to, _Peer) else _client(to)
+                dest.send(msgs[0] if len(msgs) == 1 else ("batch", msgs))
             except Exception:
-                pass  # the exporter exited: its memory is gone anyway
+                pass  # the other process exited: its memory (or its mappings) are gone
 
 
-def _claim(address: str, export_id: int, ticket: int) -> None:
-    """Tell the exporter this process holds ``ticket`` (invariant 2).
+def _claim(c: _Client, msg: tuple) -> None:
+    """Send ``map`` or ``hit`` for a ticket just received (invariant 2).
 
     Sent at once when the connection is free (no thread hand-off on the receive
-    path), else through the outbox; either way before this ticket's ``release``.
+    path), else through the outbox; either way before this mapping's ``unmap``.
     """
-    c = _client(address)
     if c.lock.acquire(blocking=False):
         try:
-            c.conn.send(("acquire", export_id, ticket))
+            c.conn.send_bytes(_dumps(msg))
             return
         except Exception:
             pass
         finally:
             c.lock.release()
-    _post(address, ("acquire", export_id, ticket))
+    _post(c.address, msg)
 
 
 def _flush_outbox(timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not _outbox.empty() and time.monotonic() < deadline:
         time.sleep(0.001)
-
-
-_imported_pools: dict[str, Any] = {}
-_imports: dict[tuple[str, int], weakref.ref] = {}
 
 
 def _client(address: str) -> _Client:
@@ -489,11 +618,12 @@ def _client(address: str) -> _Client:
     return c
 
 
+_imported_pools: dict[str, Any] = {}
 _pool_import_lock = threading.Lock()
 _pool_handles: dict[str, Any] = {}  # pool uuid -> CUmemoryPool of the imported pool
 
 
-def _imported_pool(address: str, pool_uuid: str, kind: int, dev: int) -> Any:
+def _imported_pool(c: _Client, pool_uuid: str, kind: int, dev: int) -> Any:
     """The exporter's pool as a ``CUmemoryPool``, imported once per process.
 
     ``_imported_pools`` (shared with the Numba plugin) keeps the cuda.core resource.
@@ -505,7 +635,7 @@ def _imported_pool(address: str, pool_uuid: str, kind: int, dev: int) -> Any:
             if mr is None:
                 import cuda.core as cc
 
-                fd = _client(address).fetch_pool_fd(pool_uuid)
+                fd = c.fetch_pool_fd(pool_uuid)
                 try:
                     if kind == _hp.KIND_PINNED:
                         mr = cc.PinnedMemoryResource.from_allocation_handle(fd)
@@ -518,28 +648,150 @@ def _imported_pool(address: str, pool_uuid: str, kind: int, dev: int) -> Any:
     return h
 
 
-class _Imported:
-    """Owner of one imported mapping in this process; gives its tickets back when collected."""
+class _Mapping:
+    """One exported block mapped into this process (one per block: invariant 7)."""
 
-    __slots__ = ("ptr", "size", "key", "tickets", "address", "export_id", "dev", "kind",
-                 "pool_uuid", "dev_uuid", "data", "__weakref__")
+    __slots__ = ("ptr", "size", "key", "client", "export_id", "dev", "kind", "pool_uuid",
+                 "dev_uuid", "data", "users", "keep", "evict", "last_use")
+
+    def __init__(self, ptr: int, size: int, key: tuple, client: _Client, export_id: int,
+                 dev: int, kind: int, pool_uuid: str, dev_uuid: str, data: bytes) -> None:
+        self.ptr, self.size, self.key, self.client = ptr, size, key, client
+        self.export_id, self.dev, self.kind = export_id, dev, kind
+        self.pool_uuid, self.dev_uuid, self.data = pool_uuid, dev_uuid, data
+        self.users = 0          # live _Imported owners (one per message received)
+        self.keep = key in _seen  # received before: likely to come again (invariant 4)
+        self.evict = False      # the exporter asked for it back
+        self.last_use: Any = None  # CUevent recorded when the last array went
+
+
+_maps: dict[tuple[str, int], _Mapping] = {}     # (exporter address, export id) -> mapping
+_idle: dict[tuple[str, int], _Mapping] = {}     # mapped, unused, least recently used first
+_seen: dict[tuple[str, int], None] = {}         # keys of recent mappings, newest last
+_SEEN_MAX = 4096
+
+
+class _Imported:
+    """What the arrays of one received message hold on a mapping."""
+
+    __slots__ = ("m", "ptr", "size", "__weakref__")
+
+    def __init__(self, m: _Mapping) -> None:
+        self.m, self.ptr, self.size = m, m.ptr, m.size
 
     def __del__(self) -> None:
+        _dropped(self.m)
+
+
+def _forget(m: _Mapping) -> None:
+    """Take ``m`` out of the maps (``_lock`` held); remember its key as seen."""
+    _maps.pop(m.key, None)
+    _idle.pop(m.key, None)
+    _seen[m.key] = None
+    if len(_seen) > _SEEN_MAX:
+        del _seen[next(iter(_seen))]
+
+
+def _send_unmap(m: _Mapping, event: bytes) -> None:
+    if not m.client.closed:
+        # Never send from __del__ (it may run inside another send): the outbox thread
+        # does, in order, after the sends already made by this process.
+        _post(m.client.address, ("unmap", m.export_id, event))
+
+
+def _dropped(m: _Mapping) -> None:
+    """The arrays of one message are gone: keep the mapping idle, or unmap it."""
+    try:
+        over: list[_Mapping] = []
+        with _on_device(max(m.dev, 0)), _lock:
+            m.users -= 1
+            if m.users:
+                return
+            sptr = cupy.cuda.get_current_stream().ptr
+            if m.keep and not m.evict and not m.client.closed and settings._keep:
+                if m.last_use is None:
+                    m.last_use = check_driver(_drv.cuEventCreate(
+                        _drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+                check_driver(_drv.cuEventRecord(m.last_use, sptr), "cuEventRecord")
+                _idle[m.key] = m
+                over = _over_cap()
+                event = None
+            else:
+                _forget(m)
+                _drv.cuMemFreeAsync(m.ptr, sptr)  # importers free first (driver rule)
+                event = _record_event_bound(max(m.dev, 0), sptr)
+        if event is not None:
+            _send_unmap(m, event)
+        for o in over:
+            _unmap_idle(o)
+    except Exception:
+        pass  # interpreter shutdown, or the exporter is gone: nothing to give back
+
+
+def _over_cap() -> list[_Mapping]:
+    """Idle mappings beyond ``keep_mappings``, taken out of the maps (``_lock`` held)."""
+    over = []
+    while len(_idle) > settings._keep:
+        m = _idle[next(iter(_idle))]
+        _forget(m)
+        over.append(m)
+    return over
+
+
+def _unmap_idle(m: _Mapping) -> None:
+    """Unmap an idle mapping (already out of the maps) after its last use; tell the exporter.
+
+    Runs on the legacy default stream, after the last-use event.  A stream of our own
+    would add an IPC event per process; on driver 580 that made every later event
+    record and wait of both processes take milliseconds.
+    """
+    dev = max(m.dev, 0)
+    with _on_device(dev):
+        check_driver(_drv.cuStreamWaitEvent(0, m.last_use, 0), "cuStreamWaitEvent")
+        _drv.cuMemFreeAsync(m.ptr, 0)
+        event = _record_event_bound(dev, 0)
+        _drv.cuEventDestroy(m.last_use)
+    _send_unmap(m, event)
+
+
+def _evict(address: str, export_id: int) -> None:
+    """The exporter wants block ``export_id`` back (it freed it): unmap when unused."""
+    with _lock:
+        m = _maps.get((address, export_id))
+        if m is None:
+            return  # unmapped already; the exporter gets that unmap
+        m.evict = True
+        if m.users:
+            return  # unmapped when its last array goes
+        _forget(m)
+    _unmap_idle(m)
+
+
+def _exporter_gone(address: str) -> None:
+    """An exporter's connection closed: unmap its idle mappings (the driver kept them alive)."""
+    with _lock:
+        gone = [m for m in _idle.values() if m.client.address == address]
+        for m in gone:
+            _forget(m)
+    for m in gone:
         try:
-            dev = max(self.dev, 0)
-            with _on_device(dev):
-                sptr = cupy.cuda.get_current_stream().ptr
-                _drv.cuMemFreeAsync(self.ptr, sptr)  # importers free first (driver rule)
-                ev = _record_event_bound(dev, sptr)
-            # Never send from __del__ (it may run inside another send): the outbox
-            # thread does, in order, after the sends already made by this process.
-            _post(self.address, ("release", self.export_id, self.tickets, ev))
+            _unmap_idle(m)
         except Exception:
-            pass  # exporter gone: nothing to give back
-        with _lock:
-            r = _imports.get(self.key)
-            if r is not None and r() is None:
-                _imports.pop(self.key, None)
+            pass
+
+
+def _trim_idle(limit: int | None = None) -> int:
+    """Unmap idle mappings beyond ``limit`` (``keep_mappings`` by default); return how many."""
+    with _lock:
+        if limit is None:
+            over = _over_cap()
+        else:
+            over = list(_idle.values())[:max(len(_idle) - limit, 0)]
+            for m in over:
+                _forget(m)
+    for m in over:
+        _unmap_idle(m)
+    return len(over)
 
 
 class _LocalHolder:
@@ -583,13 +835,14 @@ def _export_message(owner: Any, kind_tag: str, offset: int, shape: tuple, stride
             if owner.block is not None else _forward_local(owner, kind_tag, offset, shape,
                                                             strides, dtype)
     else:  # _Imported: forward to a third process; the exporter learns the ticket first
+        m = owner.m
         ticket = next(_tickets)
-        _client(owner.address).send(("inflight", owner.export_id, ticket))
-        dev = owner.dev
-        head = (owner.address, owner.pool_uuid, owner.dev_uuid, owner.kind, owner.export_id,
-                owner.data, owner.size, ticket)
+        m.client.send(("inflight", m.export_id, ticket))
+        dev = m.dev
+        head = (m.client.address, m.pool_uuid, m.dev_uuid, m.kind, m.export_id, m.data,
+                m.size, ticket)
     ev = _record_event(dev if dev >= 0 else cupy.cuda.runtime.getDevice())
-    return (1, kind_tag) + head + (ev, offset, shape, strides, dtype)
+    return (_PROTOCOL, kind_tag) + head + (ev, offset, shape, strides, dtype)
 
 
 def _forward_local(holder: _LocalHolder, *rest: Any) -> tuple:
@@ -601,7 +854,7 @@ def _forward_local(holder: _LocalHolder, *rest: Any) -> tuple:
     dev = exp.core.device_id
     ev = _record_event(dev if dev >= 0 else cupy.cuda.runtime.getDevice())
     kind_tag, offset, shape, strides, dtype = rest
-    return (1, kind_tag, server.address, exp.core._pool_uuid, exp.dev_uuid,
+    return (_PROTOCOL, kind_tag, server.address, exp.core._pool_uuid, exp.dev_uuid,
             exp.core.kind, exp.export_id, exp.data, exp.size, ticket, ev,
             offset, shape, strides, dtype)
 
@@ -611,8 +864,10 @@ def _rebuild(version: int, kind_tag: str, address: str, pool_uuid: str, dev_uuid
              event_desc: Any, offset: int, shape: tuple, strides: tuple, dtype: str) -> Any:
     """Receiver side of a shared array (also the round trip back to its exporter)."""
     _check_not_forked()
-    if version != 1:
-        raise SharingError(f"message format {version} from a different cupy_poolmem version")
+    if version != _PROTOCOL:
+        raise SharingError(f"message format {version} from a different cupy_poolmem version "
+                           f"(this one reads format {_PROTOCOL}); install one version in "
+                           "every process")
     dev = _local_device(dev_uuid) if dev_uuid else _runtime.getDevice()
     srv = _server[0]
     with _on_device(dev):
@@ -647,25 +902,33 @@ def _local_owner(export_id: int, ticket: int) -> _LocalHolder:
 
 def _import(address: str, pool_uuid: str, pool_kind: int, dev: int, dev_uuid: str,
             export_id: int, data: bytes, size: int, ticket: int) -> _Imported:
-    """Map one exported block in this process (``dev`` current), or reuse the live mapping."""
+    """Map one exported block in this process (``dev`` current), or reuse its mapping."""
     key = (address, export_id)
-    handle = _imported_pool(address, pool_uuid, pool_kind, dev)
+    c = _client(address)
+    if c.closed:
+        raise SharingError("the process that owns this array has exited; memory shared by "
+                           "an exited process is gone (keep it alive, or set "
+                           "cupy_poolmem.sharing.exit_timeout in it)")
+    # Outside _lock: the pool's fd comes through the client's reader thread, which
+    # takes _lock for evictions.
+    handle = _imported_pool(c, pool_uuid, pool_kind, dev)
     with _lock:  # look-up and import together: two threads never import one block twice
-        r = _imports.get(key)
-        imp = r() if r is not None else None
-        if imp is not None:  # de-duplicate: one mapping per allocation per process
-            imp.tickets.append(ticket)
+        m = _maps.get(key)
+        if m is not None:  # mapped here already (in use or idle): a lease covers it
+            msg: tuple = ("hit", export_id, ticket)
+            m.keep = True
+            _idle.pop(key, None)
         else:
             share = _drv.CUmemPoolPtrExportData()
             share.reserved = data
             ptr = int(check_driver(_drv.cuMemPoolImportPointer(handle, share),
                                    "cuMemPoolImportPointer"))
-            imp = _Imported()
-            imp.ptr, imp.size, imp.key, imp.tickets = ptr, size, key, [ticket]
-            imp.address, imp.export_id, imp.dev, imp.kind = address, export_id, dev, pool_kind
-            imp.pool_uuid, imp.dev_uuid, imp.data = pool_uuid, dev_uuid, data
-            _imports[key] = weakref.ref(imp)
-    _claim(address, export_id, ticket)
+            m = _maps[key] = _Mapping(ptr, size, key, c, export_id, dev, pool_kind, pool_uuid,
+                                      dev_uuid, data)
+            msg = ("map", export_id, ticket, m.keep)
+        m.users += 1
+        imp = _Imported(m)
+    _claim(c, msg)
     return imp
 
 
@@ -739,10 +1002,12 @@ def register_reducers() -> None:
 
 
 def collect() -> int:
-    """Free limbo blocks nobody holds and expire unclaimed tickets; return bytes freed.
+    """Free limbo blocks nobody holds, expire unclaimed tickets, unmap idle mappings.
 
-    Blocks are normally freed as soon as the last receiver lets go; this is the
-    safety net (also run before an out-of-memory retry).
+    Returns the bytes of this process's pools freed.  Blocks are normally freed as
+    soon as the last receiver lets go; this is the safety net (also run before an
+    out-of-memory retry).  Idle mappings of blocks received from other processes
+    (see ``sharing.keep_mappings``) are unmapped too, so their exporters need not ask.
 
     Examples
     --------
@@ -755,43 +1020,65 @@ def collect() -> int:
     with _lock:
         exps = list(_exports.values())
     for exp in exps:
+        was = exp.in_limbo
         if timeout is not None:
             for t, born in list(exp.born.items()):
                 if exp.refs.get(t) == "inflight" and now - born > timeout:
-                    was = exp.in_limbo
                     _drop_ticket(exp, t)
-                    if was and not exp.in_limbo:
-                        freed += exp.size
-        if exp.in_limbo and not exp.refs:
-            with _lock:
-                exp.refs[-1] = "collect"
-            _drop_ticket(exp, -1)
+        _settle(exp)
+        if was and not exp.in_limbo:
             freed += exp.size
+    _trim_idle(0)
     return freed
 
 
 def sharing_stats() -> dict:
-    """Counts of the sharing protocol in this process (exports, limbo, imports)."""
+    """Counts of the sharing protocol in this process.
+
+    Returns
+    -------
+    dict
+        ``exported_blocks``, ``limbo_blocks`` and ``limbo_bytes`` (blocks freed here
+        but held for other processes), ``tickets_out`` (messages not yet received),
+        ``leases`` (mappings other processes hold of this process's blocks),
+        ``imported_blocks`` (blocks of other processes mapped here and in use),
+        ``idle_mappings`` (mapped here, unused, kept for a re-send) and
+        ``imported_pools``.
+
+    Examples
+    --------
+    >>> cupy_poolmem.sharing_stats()["limbo_bytes"]  # doctest: +SKIP
+    0
+    """
     with _lock:
         return {
             "exported_blocks": len(_exports),
             "limbo_blocks": sum(1 for e in _exports.values() if e.in_limbo),
             "limbo_bytes": _limbo_bytes[0],
             "tickets_out": sum(len(e.refs) for e in _exports.values()),
-            "imported_blocks": sum(1 for r in _imports.values() if r() is not None),
+            "leases": sum(sum(e.leases.values()) for e in _exports.values()),
+            "imported_blocks": len(_maps) - len(_idle),
+            "idle_mappings": len(_idle),
             "imported_pools": len(_imported_pools),
         }
 
 
 def _at_exit() -> None:
-    """Optionally wait (``settings.exit_timeout``) for receivers, then stop serving."""
+    """Optionally wait (``settings.exit_timeout``) for receivers to unmap, then stop serving."""
     deadline = time.monotonic() + settings.exit_timeout
+    asked = False
     while time.monotonic() < deadline:
         with _lock:
-            held = sum(len(e.refs) for e in _exports.values()
-                       if any(o != "inflight" for o in e.refs.values()))
+            held = [(e, list(e.leases)) for e in _exports.values() if e.leases]
         if not held:
             break
+        if not asked:  # this process's memory goes with it: idle mappings are useless
+            asked = True
+            for e, cids in held:
+                for cid in cids:
+                    peer = _peers.get(cid)
+                    if peer is not None:
+                        _post(peer, ("evict", e.export_id))
         time.sleep(0.01)
     _flush_outbox()
     _server_closed[0] = True

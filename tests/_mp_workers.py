@@ -170,3 +170,48 @@ def visible_devices_reader(q_in, q_out):
     cupy, cpm = _setup()
     arr = q_in.get(timeout=120)
     q_out.put((arr.device.id, bool((arr == 3).all()), cupy.cuda.runtime.getDeviceCount()))
+
+
+def resend_reader(q_in, q_out, keep=None):
+    """Receive (cmd, i, array): check the pattern i, write -i at [0], report ptr and stats.
+
+    ``cmd`` "drop" lets the array go at once, "hold" keeps it until "release";
+    "check" re-reads every held array (pattern i) without a new array.
+    """
+    cupy, cpm = _setup()
+    if keep is not None:
+        cpm.sharing.keep_mappings = keep
+    held = {}
+    try:
+        while True:
+            msg = q_in.get(timeout=120)
+            if msg is None:
+                break
+            cmd, i, arr = msg
+            if cmd == "check":
+                bad = [k for k, a in held.items() if not bool((a[1:] == k).all())]
+                q_out.put(("checked", bad, cpm.sharing_stats()))
+                continue
+            if cmd == "release":
+                held.clear()
+                q_out.put(("released", None, cpm.sharing_stats()))
+                continue
+            ok = bool((arr[1:] == i).all())
+            ptr = int(arr.data.ptr)
+            arr[0] = -i  # the producer must see this
+            cupy.cuda.get_current_stream().synchronize()
+            if cmd == "hold":
+                held[i] = arr
+            del arr, msg
+            q_out.put(("ok", (i, ok, ptr), cpm.sharing_stats()))
+    except Exception:
+        q_out.put(("error", traceback.format_exc(), None))
+
+
+def exiting_producer_twice(q_out, done):
+    """Send one array twice, then exit (no exit wait) once told to."""
+    cupy, cpm = _setup()
+    x = cupy.full(1 << 20, 4, dtype=cupy.int32)
+    q_out.put(x)
+    q_out.put(x)
+    done.wait(60)

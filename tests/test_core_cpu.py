@@ -160,3 +160,33 @@ def test_cli_help_lists_commands():
     assert r.returncode == 0
     for cmd in ("doctor", "demo", "bench", "report"):
         assert cmd in r.stdout
+
+
+@pytest.mark.parametrize("bad", [-1, True, 2.5, "64"])
+def test_sharing_keep_mappings_rejects_bad_values(bad):
+    before = cpm.sharing.keep_mappings
+    with pytest.raises(cpm.InvalidOptionError, match=f"keep_mappings={bad!r}"):
+        cpm.sharing.keep_mappings = bad
+    assert cpm.sharing.keep_mappings == before  # unchanged
+
+
+def test_sharing_settings_and_stats_without_a_gpu():
+    with pytest.raises(cpm.InvalidOptionError, match="'copy'.*device-copy"):
+        cpm.sharing.fallback = "copy"
+    cpm.sharing.keep_mappings = 3
+    try:
+        assert cpm.sharing.keep_mappings == 3
+    finally:
+        cpm.sharing.keep_mappings = 64
+    stats = cpm.sharing_stats()
+    assert set(stats) == {"exported_blocks", "limbo_blocks", "limbo_bytes", "tickets_out",
+                          "leases", "imported_blocks", "idle_mappings", "imported_pools"}
+    assert cpm.collect() == 0 and stats["leases"] == 0
+
+
+def test_message_from_another_protocol_version_is_refused():
+    from cupy_poolmem import _sharing
+
+    with pytest.raises(cpm.SharingError, match="message format 1 .* reads format 2"):
+        _sharing._rebuild(1, "cupy", "addr", "pool", "", 0, 1, b"", 16, 7, None, 0, (4,),
+                          (4,), "<f4")

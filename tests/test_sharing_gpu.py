@@ -386,3 +386,145 @@ def test_different_visible_device_order_matches_by_uuid():
         assert ok and n == 2 and dev == 0  # physical GPU 1 is ordinal 0 over there
     finally:
         _join(p)
+
+
+def _reply(q_out):
+    tag, val, stats = q_out.get(timeout=TIMEOUT)
+    assert tag != "error", val
+    return tag, val, stats
+
+
+def test_resent_block_stays_mapped_then_exporter_takes_it_back():
+    """A block received twice stays mapped after its arrays go; freeing it evicts it."""
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=W.resend_reader, args=(q_in, q_out))
+    p.start()
+    pool = cpm.get_pool()
+    base_held = pool.stats().held_for_sharing_bytes
+    try:
+        x = cupy.empty(1 << 20, dtype=cupy.int32)
+        ptrs = []
+        for i in range(1, 6):
+            x.fill(i)  # new data in the same block, no synchronisation before put
+            q_in.put(("drop", i, x))
+            _, (j, ok, ptr), stats = _reply(q_out)
+            assert (j, ok) == (i, True)
+            assert int(x[0]) == -i  # the receiver's write, through its mapping
+            ptrs.append(ptr)
+            # first receipt: unmapped when dropped; from the second on: kept idle
+            assert stats["idle_mappings"] == (0 if i == 1 else 1), (i, stats)
+        assert len(set(ptrs[1:])) == 1  # one mapping reused for every re-send
+        assert _wait_for(lambda: cpm.sharing_stats()["leases"] == 1)
+        del x  # the exporter frees: the idle mapping is asked back, then the block freed
+        assert _wait_for(lambda: pool.stats().held_for_sharing_bytes == base_held, 10.0)
+        assert cpm.sharing_stats()["leases"] == 0
+        q_in.put(("check", 0, None))
+        _, bad, stats = _reply(q_out)
+        assert stats["idle_mappings"] == 0 and stats["imported_blocks"] == 0
+    finally:
+        q_in.put(None)
+        _join(p)
+
+
+def test_eviction_waits_for_arrays_in_use_under_pressure():
+    """Asked back while the receiver still uses it, a block stays intact until let go."""
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=W.resend_reader, args=(q_in, q_out))
+    p.start()
+    pool = cpm.get_pool()
+    base_held = pool.stats().held_for_sharing_bytes
+    try:
+        xs = [cupy.full(1 << 18, i, dtype=cupy.int32) for i in range(1, 4)]
+        for i, x in enumerate(xs, 1):  # each sent twice: kept mapped, then held
+            q_in.put(("drop", i, x))
+            _reply(q_out)
+            q_in.put(("hold", i, x))
+            _reply(q_out)
+        del x, xs  # freed here; receivers still use them: limbo, eviction pending
+        assert pool.stats().held_for_sharing_bytes - base_held == 3 * (1 << 20)
+        for _ in range(200):  # same sizes, patterns written: nothing may land on them
+            g = [cupy.full(1 << 18, -9, dtype=cupy.int32) for _ in range(8)]
+            del g
+        q_in.put(("check", 0, None))
+        _, bad, stats = _reply(q_out)
+        assert bad == [] and stats["imported_blocks"] == 3
+        q_in.put(("release", 0, None))
+        _reply(q_out)
+        assert _wait_for(lambda: pool.stats().held_for_sharing_bytes == base_held, 10.0)
+        assert cpm.sharing_stats()["leases"] == 0
+        q_in.put(("check", 0, None))
+        _, _, stats = _reply(q_out)
+        assert stats["idle_mappings"] == 0 and stats["imported_blocks"] == 0
+    finally:
+        q_in.put(None)
+        _join(p)
+
+
+def test_keep_mappings_bounds_the_cache_and_zero_disables_it():
+    ctx = mp.get_context("spawn")
+    for keep, want in ((2, 2), (0, 0)):
+        q_in, q_out = ctx.Queue(), ctx.Queue()
+        p = ctx.Process(target=W.resend_reader, args=(q_in, q_out, keep))
+        p.start()
+        try:
+            xs = [cupy.full(4096, i, dtype=cupy.int32) for i in range(1, 5)]
+            for _round in range(2):
+                for i, x in enumerate(xs, 1):
+                    q_in.put(("drop", i, x))
+                    _, (_, ok, _), stats = _reply(q_out)
+                    assert ok
+            assert stats["idle_mappings"] == want, (keep, stats)
+            # leases held in this exporter match the receiver's cache
+            assert _wait_for(lambda n=want: cpm.sharing_stats()["leases"] == n), keep
+        finally:
+            q_in.put(None)
+            _join(p)
+        assert _wait_for(lambda: cpm.sharing_stats()["leases"] == 0)  # receiver exited
+    with pytest.raises(cpm.InvalidOptionError, match="keep_mappings=-1"):
+        cpm.sharing.keep_mappings = -1
+
+
+def test_sigkill_gives_back_idle_mappings():
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=W.resend_reader, args=(q_in, q_out))
+    p.start()
+    pool = cpm.get_pool()
+    base_held = pool.stats().held_for_sharing_bytes
+    try:
+        x = cupy.full(1 << 20, 3, dtype=cupy.int32)
+        for _ in range(2):
+            q_in.put(("drop", 3, x))
+            _reply(q_out)
+        assert _wait_for(lambda: cpm.sharing_stats()["leases"] == 1)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(30)
+        assert _wait_for(lambda: cpm.sharing_stats()["leases"] == 0, 10.0)
+        del x
+        assert pool.stats().held_for_sharing_bytes == base_held  # freed at once
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
+def test_message_after_exporter_exit_raises_sharing_error():
+    """Deterministic: a message unpickled after its exporter exited raises, mapped or not."""
+    from cupy_poolmem import _sharing
+
+    ctx = mp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=W.exiting_producer_twice, args=(q, done))
+    p.start()
+    x = q.get(timeout=TIMEOUT)
+    assert int(x[:10].sum()) == 40
+    client = x.data.mem._owner.m.client
+    done.set()
+    p.join(TIMEOUT)
+    assert _wait_for(lambda: client.closed, 10.0)
+    with pytest.raises(cpm.SharingError, match="exited"):
+        q.get(timeout=TIMEOUT)  # the same block, still mapped here
+    assert int(x[:10].sum()) == 40  # what was received stays valid
+    del x
+    assert not any(m.client is client for m in _sharing._maps.values())
