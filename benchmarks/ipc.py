@@ -3,8 +3,8 @@
 One run, one table: milliseconds per message for a steady stream of put + ack (the
 consumer acknowledges on a second queue and drops the array), and the first send to a
 fresh worker measured after that worker has started CUDA.  The floor is the same queue
-round trip for a tiny numpy array, sent after each measured message so that both see
-the same machine state; "over floor" is what sharing adds to the queue's own cost.
+round trip for a tiny numpy array, measured just before and just after each stream on
+the same queues; "over floor" is what sharing adds to the queue's own cost.
 "same array" re-sends one array (the receiver keeps its mapping); "fresh arrays" sends
 a newly allocated array each time (made before the clock starts), the usual producer
 pattern, where the sender exports and the receiver maps new memory for every message:
@@ -83,18 +83,26 @@ def run_method(kind: str, sizes: list[int], n_steady: dict[int, int],
         import numpy as np
 
         tiny = np.zeros(4, dtype=np.float32)
-        times, floor = [], []
+
+        def floor_block(q_in=q_in, q_out=q_out, tiny=tiny, n: int = 50) -> list[float]:
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                q_in.put(tiny)
+                q_out.get(timeout=60)
+                out.append(time.perf_counter() - t0)
+            return out
+
+        floor = floor_block()  # before and after the measured stream: the same state
+        times = []
         for _ in range(n_steady[size]):
             if fresh:
                 obj = make()
             t0 = time.perf_counter()
             q_in.put(obj)
             q_out.get(timeout=300)
-            t1 = time.perf_counter()
-            q_in.put(tiny)  # the floor, interleaved: both see the same machine state
-            q_out.get(timeout=60)
-            times.append(t1 - t0)
-            floor.append(time.perf_counter() - t1)
+            times.append(time.perf_counter() - t0)
+        floor += floor_block()
         q_in.put(None)
         p.join(60)
         label = f"{kind} (fresh arrays)" if fresh else kind
