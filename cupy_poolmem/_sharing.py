@@ -55,6 +55,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections import OrderedDict
 from multiprocessing import connection as _mpc
 from multiprocessing import current_process
 from multiprocessing import util as _mp_util
@@ -666,8 +667,8 @@ class _Mapping:
 
 
 _maps: dict[tuple[str, int], _Mapping] = {}     # (exporter address, export id) -> mapping
-_idle: dict[tuple[str, int], _Mapping] = {}     # mapped, unused, least recently used first
-_seen: dict[tuple[str, int], None] = {}         # keys of recent mappings, newest last
+_idle: OrderedDict[tuple[str, int], _Mapping] = OrderedDict()  # unused, oldest first
+_seen: OrderedDict[tuple[str, int], None] = OrderedDict()      # recent mapping keys
 _SEEN_MAX = 4096
 
 
@@ -689,7 +690,7 @@ def _forget(m: _Mapping) -> None:
     _idle.pop(m.key, None)
     _seen[m.key] = None
     if len(_seen) > _SEEN_MAX:
-        del _seen[next(iter(_seen))]
+        _seen.popitem(last=False)
 
 
 def _send_unmap(m: _Mapping, event: bytes) -> None:
@@ -732,7 +733,7 @@ def _over_cap() -> list[_Mapping]:
     """Idle mappings beyond ``keep_mappings``, taken out of the maps (``_lock`` held)."""
     over = []
     while len(_idle) > settings._keep:
-        m = _idle[next(iter(_idle))]
+        m = _idle.popitem(last=False)[1]
         _forget(m)
         over.append(m)
     return over
