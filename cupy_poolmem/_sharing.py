@@ -200,6 +200,8 @@ def _shared_release(ptr: int, size: int, stream: Any, share: _Export) -> bool:
     with _lock:
         if not share.refs and not share.leases:
             _exports.pop(share.export_id, None)
+            if share.events:  # receivers unmapped it earlier: reuse waits for their work
+                _wait_unmaps(share, stream.ptr)
             return False  # nobody else holds it: the normal free path
         share.in_limbo = True
         share.core._held_for_sharing += size
@@ -246,14 +248,20 @@ def _drop_ticket(exp: _Export, ticket: int) -> None:
     _settle(exp)
 
 
+def _wait_unmaps(exp: _Export, stream_ptr: int) -> None:
+    """Make ``stream_ptr`` wait for every receiver's unmap event (invariant 5)."""
+    with _on_device(max(exp.core.device_id, exp.stream.device_id, 0)):
+        for event in exp.events:
+            try:
+                _wait_event_bound(event, stream_ptr)
+            except Exception:  # the unmapping process died: its work died with it
+                pass
+
+
 def _free_exported(exp: _Export) -> None:
     dev = max(exp.core.device_id, exp.stream.device_id, 0)
     with _on_device(dev):
-        for event in exp.events:
-            try:
-                _wait_event_bound(event, exp.stream.ptr)
-            except Exception:  # the unmapping process died: its work died with it
-                pass
+        _wait_unmaps(exp, exp.stream.ptr)
         hook = exp.core.release_hook  # pinned pools hold blocks until their stream is done
         if hook is None or not hook(exp.ptr, exp.size, exp.stream):
             exp.core._free_now(exp.ptr, exp.stream.ptr)
@@ -295,6 +303,7 @@ class _Peer:
 
 
 _peers: dict[int, _Peer] = {}
+_cids = itertools.count(1)
 
 
 class _Server:
@@ -319,16 +328,18 @@ class _Server:
                              name="cupy_poolmem-sharing-conn").start()
 
     def _serve(self, conn: Any) -> None:
-        cid = id(conn)
+        cid = next(_cids)
         peer = _peers[cid] = _Peer(conn)
         try:
             while True:
                 msg = conn.recv()
-                if msg[0] == "batch":  # the importer's outbox sends what piled up at once
-                    for m in msg[1]:
+                for m in (msg[1] if msg[0] == "batch" else (msg,)):  # outbox batches
+                    try:
                         self._handle(peer, cid, m)
-                else:
-                    self._handle(peer, cid, msg)
+                    except Exception as exc:  # keep serving: leaking beats freeing early
+                        warnings.warn(f"cupy_poolmem: sharing message {m[0]!r} failed: "
+                                      f"{type(exc).__name__}: {exc}", RuntimeWarning,
+                                      stacklevel=1)
         except (EOFError, OSError):
             pass
         finally:
@@ -336,7 +347,7 @@ class _Server:
             with _lock:
                 _peers.pop(cid, None)
                 held = [e for e in _exports.values() if e.leases.pop(cid, None)]
-                for e in held:
+                for e in _exports.values():
                     e.asked.discard(cid)
                     e.keepers.discard(cid)
             for exp in held:
@@ -345,14 +356,16 @@ class _Server:
 
     def _handle(self, peer: _Peer, cid: int, msg: tuple) -> None:
         op = msg[0]
-        if op == "pool":
-            pool = self.pools.get(msg[1])
+        if op == "pool":  # (pool uuid, pid): the pool's fd follows the reply
             with peer.lock:
-                if pool is None:
-                    peer.conn.send(("error", f"no exported pool {msg[1]}"))
+                try:
+                    pool = self.pools[msg[1]]
+                    fd = int(pool.memory_resource.allocation_handle)
+                except Exception as exc:
+                    peer.conn.send(("error", msg[1], f"no exported pool {msg[1]} ({exc!r})"))
                     return
-                peer.conn.send(("ok",))
-                send_handle(peer.conn, int(pool.memory_resource.allocation_handle), msg[2])
+                peer.conn.send(("ok", msg[1]))
+                send_handle(peer.conn, fd, msg[2])
             return
         exp = _exports.get(msg[1])
         if exp is None:
@@ -378,6 +391,8 @@ class _Server:
             elif op == "inflight":  # (export_id, ticket): a forwarder sent a message on
                 _register(exp, msg[2], "inflight")
                 return
+            elif op == "drop":   # (export_id, ticket): received, but unpickling failed
+                _resolve(exp, msg[2])
         _settle(exp)
 
 
@@ -521,29 +536,40 @@ class _Client:
             while True:
                 msg = self.conn.recv()
                 for m in (msg[1] if msg[0] == "batch" else (msg,)):
-                    if m[0] == "evict":
-                        _evict(self.address, m[1])
-                    elif m[0] == "ok":  # the pool's fd follows at once (one send, locked)
-                        self.replies.put(("ok", recv_handle(self.conn)))
-                    else:
-                        self.replies.put(m)
+                    if m[0] == "ok":  # the pool's fd follows at once (one locked send)
+                        self.replies.put((m[1], recv_handle(self.conn), None))
+                    elif m[0] == "error":
+                        self.replies.put((m[1], None, m[2]))
+                    elif m[0] == "evict":
+                        try:
+                            _evict(self.address, m[1])
+                        except Exception as exc:  # keep reading: the lease stays (safe)
+                            warnings.warn(f"cupy_poolmem: could not unmap a shared block: "
+                                          f"{type(exc).__name__}: {exc}", RuntimeWarning,
+                                          stacklevel=1)
         except (EOFError, OSError):
             pass
         finally:
             self.closed = True
-            self.replies.put(("error", "the exporting process closed its connection"))
+            self.replies.put((None, None, "the exporting process closed its connection"))
             _exporter_gone(self.address)
 
     def fetch_pool_fd(self, pool_uuid: str) -> int:
         self.send(("pool", pool_uuid, os.getpid()))
-        try:
-            reply = self.replies.get(timeout=60)
-        except queue.Empty:
-            raise SharingError("the exporting process did not share its pool within 60 s") \
-                from None
-        if reply[0] != "ok":
-            raise SharingError(f"the exporter could not share its pool: {reply[1]}")
-        return reply[1]
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                uuid, fd, error = self.replies.get(timeout=max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                raise SharingError("the exporting process did not share its pool within "
+                                   "60 s") from None
+            if uuid == pool_uuid or uuid is None:
+                break
+            if fd is not None:  # a late reply to an earlier request that timed out
+                os.close(fd)
+        if fd is None:
+            raise SharingError(f"the exporter could not share its pool: {error}")
+        return fd
 
 
 _clients: dict[str, _Client] = {}
@@ -653,35 +679,42 @@ class _Mapping:
     """One exported block mapped into this process (one per block: invariant 7)."""
 
     __slots__ = ("ptr", "size", "key", "client", "export_id", "dev", "kind", "pool_uuid",
-                 "dev_uuid", "data", "users", "keep", "evict", "last_use")
+                 "dev_uuid", "data", "users", "keep", "evict", "last_use", "waits")
 
     def __init__(self, ptr: int, size: int, key: tuple, client: _Client, export_id: int,
                  dev: int, kind: int, pool_uuid: str, dev_uuid: str, data: bytes) -> None:
         self.ptr, self.size, self.key, self.client = ptr, size, key, client
         self.export_id, self.dev, self.kind = export_id, dev, kind
         self.pool_uuid, self.dev_uuid, self.data = pool_uuid, dev_uuid, data
-        self.users = 0          # live _Imported owners (one per message received)
+        self.users = 1          # live _Imported owners (one per message received)
         self.keep = key in _seen  # received before: likely to come again (invariant 4)
         self.evict = False      # the exporter asked for it back
-        self.last_use: Any = None  # CUevent recorded when the last array went
+        self.last_use: Any = None  # CUevent recorded when the last array went (idle)
+        self.waits: list[Any] = []  # CUevents: other streams' last uses, while in use
 
 
 _maps: dict[tuple[str, int], _Mapping] = {}     # (exporter address, export id) -> mapping
 _idle: OrderedDict[tuple[str, int], _Mapping] = OrderedDict()  # unused, oldest first
 _seen: OrderedDict[tuple[str, int], None] = OrderedDict()      # recent mapping keys
 _SEEN_MAX = 4096
+_PLAIN_EVENT = _drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
 
 
 class _Imported:
-    """What the arrays of one received message hold on a mapping."""
+    """What the arrays of one received message hold on a mapping.
 
-    __slots__ = ("m", "ptr", "size", "__weakref__")
+    ``stream`` is the stream that was current when the message was unpickled (it
+    waited on the sender's event); the mapping is let go in order on it, the way the
+    pools free a block on its allocation stream.
+    """
 
-    def __init__(self, m: _Mapping) -> None:
-        self.m, self.ptr, self.size = m, m.ptr, m.size
+    __slots__ = ("m", "ptr", "size", "stream", "__weakref__")
+
+    def __init__(self, m: _Mapping, stream: Any) -> None:
+        self.m, self.ptr, self.size, self.stream = m, m.ptr, m.size, stream
 
     def __del__(self) -> None:
-        _dropped(self.m)
+        _dropped(self.m, self.stream)
 
 
 def _forget(m: _Mapping) -> None:
@@ -693,66 +726,97 @@ def _forget(m: _Mapping) -> None:
         _seen.popitem(last=False)
 
 
-def _send_unmap(m: _Mapping, event: bytes) -> None:
-    if not m.client.closed:
+def _send_unmap(m: _Mapping, event: bytes | None) -> None:
+    if event is not None and not m.client.closed:
         # Never send from __del__ (it may run inside another send): the outbox thread
         # does, in order, after the sends already made by this process.
         _post(m.client.address, ("unmap", m.export_id, event))
 
 
-def _dropped(m: _Mapping) -> None:
+def _event_on(sptr: int) -> Any:
+    ev = check_driver(_drv.cuEventCreate(_PLAIN_EVENT), "cuEventCreate")
+    check_driver(_drv.cuEventRecord(ev, sptr), "cuEventRecord")
+    return ev
+
+
+def _free_mapping(m: _Mapping, sptr: int) -> bytes | None:
+    """Unmap ``m`` in order on ``sptr`` (``_lock`` held, its device current); the event
+    for ``unmap``, or None when the driver refused (the lease then stays: safe)."""
+    if m.last_use is not None:
+        _drv.cuEventDestroy(m.last_use)
+        m.last_use = None
+    (err,) = _drv.cuMemFreeAsync(m.ptr, sptr)  # importers free first (driver rule)
+    if int(err):
+        warnings.warn(f"cupy_poolmem: unmapping a shared block failed ({err!r}); "
+                      "it stays held in its exporter until this process exits",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return _record_event_bound(max(m.dev, 0), sptr)
+
+
+def _free_idle(m: _Mapping) -> bytes | None:
+    """Unmap an idle mapping, already out of the maps (``_lock`` held), after its last use.
+
+    Runs on the legacy default stream.  A stream of our own would add an IPC event
+    per process; on driver 580 that made every later event record and wait of both
+    processes take milliseconds.
+    """
+    with _on_device(max(m.dev, 0)):
+        check_driver(_drv.cuStreamWaitEvent(0, m.last_use, 0), "cuStreamWaitEvent")
+        return _free_mapping(m, 0)
+
+
+def _dropped(m: _Mapping, stream: Any) -> None:
     """The arrays of one message are gone: keep the mapping idle, or unmap it."""
+    over: list[tuple[_Mapping, bytes | None]] = []
+    event = None
     try:
-        over: list[_Mapping] = []
         with _on_device(max(m.dev, 0)), _lock:
+            sptr = stream.ptr
             m.users -= 1
-            if m.users:
+            if m.users:  # other messages' arrays still use it: the final free waits
+                m.waits.append(_event_on(sptr))
                 return
-            sptr = cupy.cuda.get_current_stream().ptr
-            if m.keep and not m.evict and not m.client.closed and settings._keep:
+            for ev in m.waits:
+                check_driver(_drv.cuStreamWaitEvent(sptr, ev, 0), "cuStreamWaitEvent")
+                _drv.cuEventDestroy(ev)
+            m.waits.clear()
+            keep = m.keep and not m.evict and not m.client.closed and settings._keep > 0
+            if keep:
                 if m.last_use is None:
-                    m.last_use = check_driver(_drv.cuEventCreate(
-                        _drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+                    m.last_use = check_driver(_drv.cuEventCreate(_PLAIN_EVENT),
+                                              "cuEventCreate")
                 check_driver(_drv.cuEventRecord(m.last_use, sptr), "cuEventRecord")
                 _idle[m.key] = m
                 over = _over_cap()
-                event = None
             else:
                 _forget(m)
-                _drv.cuMemFreeAsync(m.ptr, sptr)  # importers free first (driver rule)
-                event = _record_event_bound(max(m.dev, 0), sptr)
-        if event is not None:
-            _send_unmap(m, event)
-        for o in over:
-            _unmap_idle(o)
+                event = _free_mapping(m, sptr)
     except Exception:
-        pass  # interpreter shutdown, or the exporter is gone: nothing to give back
-
-
-def _over_cap() -> list[_Mapping]:
-    """Idle mappings beyond ``keep_mappings``, taken out of the maps (``_lock`` held)."""
-    over = []
-    while len(_idle) > settings._keep:
-        m = _idle.popitem(last=False)[1]
-        _forget(m)
-        over.append(m)
-    return over
-
-
-def _unmap_idle(m: _Mapping) -> None:
-    """Unmap an idle mapping (already out of the maps) after its last use; tell the exporter.
-
-    Runs on the legacy default stream, after the last-use event.  A stream of our own
-    would add an IPC event per process; on driver 580 that made every later event
-    record and wait of both processes take milliseconds.
-    """
-    dev = max(m.dev, 0)
-    with _on_device(dev):
-        check_driver(_drv.cuStreamWaitEvent(0, m.last_use, 0), "cuStreamWaitEvent")
-        _drv.cuMemFreeAsync(m.ptr, 0)
-        event = _record_event_bound(dev, 0)
-        _drv.cuEventDestroy(m.last_use)
+        return  # interpreter shutdown: the process's mappings go with it
     _send_unmap(m, event)
+    for o, ev in over:
+        _send_unmap(o, ev)
+
+
+def _take_idle(ms: list[_Mapping]) -> list[tuple[_Mapping, bytes | None]]:
+    """Forget and unmap idle mappings (``_lock`` held): the unmap is enqueued before
+    anyone can import the block again (invariant 7); returns what to send."""
+    out = []
+    for m in ms:
+        _forget(m)
+        try:
+            out.append((m, _free_idle(m)))
+        except Exception as exc:  # this lease stays: safe
+            warnings.warn(f"cupy_poolmem: could not unmap a shared block: {exc}",
+                          RuntimeWarning, stacklevel=2)
+    return out
+
+
+def _over_cap() -> list[tuple[_Mapping, bytes | None]]:
+    """Unmap the idle mappings beyond ``keep_mappings`` (``_lock`` held)."""
+    n = len(_idle) - settings._keep
+    return _take_idle(list(_idle.values())[:n]) if n > 0 else []
 
 
 def _evict(address: str, export_id: int) -> None:
@@ -764,35 +828,27 @@ def _evict(address: str, export_id: int) -> None:
         m.evict = True
         if m.users:
             return  # unmapped when its last array goes
-        _forget(m)
-    _unmap_idle(m)
+        done = _take_idle([m])
+    for o, ev in done:
+        _send_unmap(o, ev)
 
 
 def _exporter_gone(address: str) -> None:
     """An exporter's connection closed: unmap its idle mappings (the driver kept them alive)."""
     with _lock:
-        gone = [m for m in _idle.values() if m.client.address == address]
-        for m in gone:
-            _forget(m)
-    for m in gone:
-        try:
-            _unmap_idle(m)
-        except Exception:
-            pass
+        _take_idle([m for m in _idle.values() if m.client.address == address])
 
 
 def _trim_idle(limit: int | None = None) -> int:
     """Unmap idle mappings beyond ``limit`` (``keep_mappings`` by default); return how many."""
     with _lock:
         if limit is None:
-            over = _over_cap()
+            done = _over_cap()
         else:
-            over = list(_idle.values())[:max(len(_idle) - limit, 0)]
-            for m in over:
-                _forget(m)
-    for m in over:
-        _unmap_idle(m)
-    return len(over)
+            done = _take_idle(list(_idle.values())[:max(len(_idle) - limit, 0)])
+    for m, ev in done:
+        _send_unmap(m, ev)
+    return len(done)
 
 
 class _LocalHolder:
@@ -869,15 +925,21 @@ def _rebuild(version: int, kind_tag: str, address: str, pool_uuid: str, dev_uuid
         raise SharingError(f"message format {version} from a different cupy_poolmem version "
                            f"(this one reads format {_PROTOCOL}); install one version in "
                            "every process")
-    dev = _local_device(dev_uuid) if dev_uuid else _runtime.getDevice()
     srv = _server[0]
+    local = srv is not None and srv.address == address
+    try:
+        dev = _local_device(dev_uuid) if dev_uuid else _runtime.getDevice()
+    except BaseException:
+        if not local:
+            _give_back(address, export_id, ticket)
+        raise
     with _on_device(dev):
-        if srv is not None and srv.address == address:
+        stream = cupy.cuda.get_current_stream()
+        if local:
             owner = _local_owner(export_id, ticket)
         else:
             owner = _import(address, pool_uuid, pool_kind, dev, dev_uuid, export_id, data,
-                            size, ticket)
-        stream = cupy.cuda.get_current_stream()
+                            size, ticket, stream)
         if event_desc is not None:
             _wait_event_bound(event_desc, stream.ptr)
         dt = np.dtype(dtype)
@@ -888,6 +950,16 @@ def _rebuild(version: int, kind_tag: str, address: str, pool_uuid: str, dev_uuid
             return np.ndarray(shape, dt, buffer=pmem, offset=offset, strides=strides)
         mem = cupy.cuda.UnownedMemory(owner.ptr, size, owner, dev)
         return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, offset), strides)
+
+
+def _give_back(address: str, export_id: int, ticket: int) -> None:
+    """A message could not be received here: settle its ticket so the block can go."""
+    try:
+        c = _client(address)
+        if not c.closed:
+            _post(address, ("drop", export_id, ticket))
+    except Exception:
+        pass  # the exporter is gone
 
 
 def _local_owner(export_id: int, ticket: int) -> _LocalHolder:
@@ -902,7 +974,7 @@ def _local_owner(export_id: int, ticket: int) -> _LocalHolder:
 
 
 def _import(address: str, pool_uuid: str, pool_kind: int, dev: int, dev_uuid: str,
-            export_id: int, data: bytes, size: int, ticket: int) -> _Imported:
+            export_id: int, data: bytes, size: int, ticket: int, stream: Any) -> _Imported:
     """Map one exported block in this process (``dev`` current), or reuse its mapping."""
     key = (address, export_id)
     c = _client(address)
@@ -910,25 +982,31 @@ def _import(address: str, pool_uuid: str, pool_kind: int, dev: int, dev_uuid: st
         raise SharingError("the process that owns this array has exited; memory shared by "
                            "an exited process is gone (keep it alive, or set "
                            "cupy_poolmem.sharing.exit_timeout in it)")
-    # Outside _lock: the pool's fd comes through the client's reader thread, which
-    # takes _lock for evictions.
-    handle = _imported_pool(c, pool_uuid, pool_kind, dev)
-    with _lock:  # look-up and import together: two threads never import one block twice
-        m = _maps.get(key)
-        if m is not None:  # mapped here already (in use or idle): a lease covers it
-            msg: tuple = ("hit", export_id, ticket)
-            m.keep = True
-            _idle.pop(key, None)
-        else:
-            share = _drv.CUmemPoolPtrExportData()
-            share.reserved = data
-            ptr = int(check_driver(_drv.cuMemPoolImportPointer(handle, share),
-                                   "cuMemPoolImportPointer"))
-            m = _maps[key] = _Mapping(ptr, size, key, c, export_id, dev, pool_kind, pool_uuid,
-                                      dev_uuid, data)
-            msg = ("map", export_id, ticket, m.keep)
-        m.users += 1
-        imp = _Imported(m)
+    try:
+        # Outside _lock: the pool's fd comes through the client's reader thread, which
+        # takes _lock for evictions.
+        handle = _imported_pool(c, pool_uuid, pool_kind, dev)
+        with _lock:  # look-up and import together: one thread imports a block, once
+            m = _maps.get(key)
+            if m is not None:  # mapped here already (in use or idle): a lease covers it
+                # Count the user before anything allocates: a garbage collection here
+                # may run _dropped, which must not unmap or evict this mapping.
+                m.users += 1
+                _idle.pop(key, None)
+                m.keep = True
+                msg: tuple = ("hit", export_id, ticket)
+            else:
+                share = _drv.CUmemPoolPtrExportData()
+                share.reserved = data
+                ptr = int(check_driver(_drv.cuMemPoolImportPointer(handle, share),
+                                       "cuMemPoolImportPointer"))
+                m = _maps[key] = _Mapping(ptr, size, key, c, export_id, dev, pool_kind,
+                                          pool_uuid, dev_uuid, data)  # one user
+                msg = ("map", export_id, ticket, m.keep)
+    except BaseException:
+        _give_back(address, export_id, ticket)
+        raise
+    imp = _Imported(m, stream)
     _claim(c, msg)
     return imp
 

@@ -215,3 +215,19 @@ def exiting_producer_twice(q_out, done):
     q_out.put(x)
     q_out.put(x)
     done.wait(60)
+
+
+def slow_reader(q_in, q_out):
+    """Read an array behind a long kernel, drop it at once, report the sum afterwards."""
+    cupy, cpm = _setup()
+    from test_pools_gpu import spin
+
+    spin(1)  # compile the kernel first
+    cupy.cuda.get_current_stream().synchronize()
+    q_out.put("ready")
+    x = q_in.get(timeout=120)
+    spin(500)  # the stream stays busy for half a second
+    s = x.sum()  # reads x after that
+    del x  # received once: unmapped now, in order after the sum
+    q_out.put("dropped")
+    q_out.put(float(s))

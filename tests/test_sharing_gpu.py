@@ -301,9 +301,12 @@ def test_receiver_without_gpu_gets_clear_error():
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
     try:
-        a.send(cupy.arange(10))
+        x = cupy.arange(10)
+        a.send(x)
         name, text = a.recv()
         assert name == "NoGPUError" and "no GPU" in text
+        exp = x.data.mem._owner.share
+        assert _wait_for(lambda: not exp.refs)  # the failed receiver gave its ticket back
     finally:
         _join(p)
 
@@ -528,3 +531,28 @@ def test_message_after_exporter_exit_raises_sharing_error():
     assert int(x[:10].sum()) == 40  # what was received stays valid
     del x
     assert not any(m.client is client for m in _sharing._maps.values())
+
+
+def test_block_reused_after_unmap_waits_for_the_receivers_last_work():
+    """A receiver unmaps while its kernel still reads; the exporter's reuse must wait."""
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=W.slow_reader, args=(q_in, q_out))
+    p.start()
+    try:
+        assert q_out.get(timeout=TIMEOUT) == "ready"
+        n = 1 << 20
+        x = cupy.ones(n, dtype=cupy.float32)
+        q_in.put(x)
+        assert q_out.get(timeout=TIMEOUT) == "dropped"  # its sum is still queued
+        exp = x.data.mem._owner.share
+        assert _wait_for(lambda: not exp.refs and not exp.leases and exp.events)
+        ptr = x.data.ptr
+        del x  # nobody holds it: straight back to this pool's reuse cache
+        z = cupy.empty(n, dtype=cupy.float32)
+        assert z.data.ptr == ptr  # the same block, same stream
+        z.fill(7)  # must run after the receiver's sum
+        assert q_out.get(timeout=TIMEOUT) == float(n)
+        del z
+    finally:
+        _join(p)
