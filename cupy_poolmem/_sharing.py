@@ -12,8 +12,9 @@ Invariants (every change to this module must keep them):
    exporter, or by an ``inflight`` message on the forwarder's (ordered) connection.
    A receiver resolves its ticket as it unpickles: ``map`` turns it into a lease (the
    block is not mapped in that process yet), ``hit`` drops it (the process already
-   holds a lease).  A resolution that overtakes its ``inflight`` is remembered
-   (``early``), so the two may arrive in either order.
+   holds a lease); a receiver that cannot take the message sends ``drop``.  A
+   resolution that overtakes its ``inflight`` is remembered (``early``), so the two
+   may arrive in either order.
 3. Leases cover mappings.  A receiver holds one lease per mapping, from ``map`` to
    ``unmap``, while arrays use the mapping and while it idles in the receiver's
    cache.  Leases are counted per connection, so the map and unmap of successive
@@ -28,9 +29,11 @@ Invariants (every change to this module must keep them):
    unmapped at once, a used one when its last array goes.  Other holders unmap when
    their arrays go, unasked.  Receivers unmap the idle mappings of an exporter whose
    connection closed.
-5. Driver rule.  An importer frees its mapping (stream-ordered, after its last use)
-   and records an IPC event *before* it sends ``unmap``; the exporter's free waits on
-   every such event, so importers always free before the exporter.
+5. Driver rule.  An importer frees its mapping (stream-ordered, on the stream it
+   received the array on, after its last use) and records an IPC event *before* it
+   sends ``unmap``; the exporter's free, and its reuse of the block, wait on every
+   such event, so importers always free before the exporter and their queued work
+   is done before the exporter writes again.
 6. Ordering.  Each message carries an IPC event recorded on the sender's current
    stream after the writes it enqueued; the receiver's current stream waits on it
    before the array is returned.  Nobody synchronises a whole device.
