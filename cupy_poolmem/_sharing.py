@@ -117,6 +117,7 @@ class SharingSettings:
     Examples
     --------
     >>> cupy_poolmem.sharing.fallback = "error"  # doctest: +SKIP
+    >>> cupy_poolmem.sharing.keep_mappings = 16   # doctest: +SKIP
     """
 
     def __init__(self) -> None:
