@@ -82,6 +82,19 @@ _forked = False
 _PROTOCOL = 2  # message format; also names the exporter <-> receiver messages used
 
 
+def _messages(msg: tuple) -> tuple:
+    """The messages in one received message (an outbox sends what piled up as a batch)."""
+    return msg[1] if msg[0] == "batch" else (msg,)
+
+
+def _warn_kept(what: str, exc: BaseException) -> None:
+    """A protocol step failed in a background thread: say so; its lease or ticket stays
+    held (leaking memory is safe, freeing it early is not)."""
+    warnings.warn(f"cupy_poolmem: {what} failed ({type(exc).__name__}: {exc}); the block "
+                  "stays held until the process holding it exits", RuntimeWarning,
+                  stacklevel=3)
+
+
 def _dumps(msg: tuple) -> bytes:
     """Protocol messages hold only ints, strings and bytes: plain pickle is enough (and
     cheaper than ForkingPickler, which copies its reducer table per message)."""
@@ -337,13 +350,11 @@ class _Server:
         try:
             while True:
                 msg = conn.recv()
-                for m in (msg[1] if msg[0] == "batch" else (msg,)):  # outbox batches
+                for m in _messages(msg):
                     try:
                         self._handle(peer, cid, m)
                     except Exception as exc:  # keep serving: leaking beats freeing early
-                        warnings.warn(f"cupy_poolmem: sharing message {m[0]!r} failed: "
-                                      f"{type(exc).__name__}: {exc}", RuntimeWarning,
-                                      stacklevel=1)
+                        _warn_kept(f"sharing message {m[0]!r}", exc)
         except (EOFError, OSError):
             pass
         finally:
@@ -539,7 +550,7 @@ class _Client:
         try:
             while True:
                 msg = self.conn.recv()
-                for m in (msg[1] if msg[0] == "batch" else (msg,)):
+                for m in _messages(msg):
                     if m[0] == "ok":  # the pool's fd follows at once (one locked send)
                         self.replies.put((m[1], recv_handle(self.conn), None))
                     elif m[0] == "error":
@@ -547,10 +558,8 @@ class _Client:
                     elif m[0] == "evict":
                         try:
                             _evict(self.address, m[1])
-                        except Exception as exc:  # keep reading: the lease stays (safe)
-                            warnings.warn(f"cupy_poolmem: could not unmap a shared block: "
-                                          f"{type(exc).__name__}: {exc}", RuntimeWarning,
-                                          stacklevel=1)
+                        except Exception as exc:  # keep reading
+                            _warn_kept("unmapping a shared block", exc)
         except (EOFError, OSError):
             pass
         finally:
@@ -749,11 +758,10 @@ def _free_mapping(m: _Mapping, sptr: int) -> bytes | None:
     if m.last_use is not None:
         _drv.cuEventDestroy(m.last_use)
         m.last_use = None
-    (err,) = _drv.cuMemFreeAsync(m.ptr, sptr)  # importers free first (driver rule)
-    if int(err):
-        warnings.warn(f"cupy_poolmem: unmapping a shared block failed ({err!r}); "
-                      "it stays held in its exporter until this process exits",
-                      RuntimeWarning, stacklevel=2)
+    try:  # importers free first (driver rule)
+        check_driver(_drv.cuMemFreeAsync(m.ptr, sptr), "cuMemFreeAsync")
+    except Exception as exc:
+        _warn_kept("unmapping a shared block", exc)
         return None
     return _record_event_bound(max(m.dev, 0), sptr)
 
@@ -811,9 +819,8 @@ def _take_idle(ms: list[_Mapping]) -> list[tuple[_Mapping, bytes | None]]:
         _forget(m)
         try:
             out.append((m, _free_idle(m)))
-        except Exception as exc:  # this lease stays: safe
-            warnings.warn(f"cupy_poolmem: could not unmap a shared block: {exc}",
-                          RuntimeWarning, stacklevel=2)
+        except Exception as exc:
+            _warn_kept("unmapping a shared block", exc)
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -397,15 +398,26 @@ def _reply(q_out):
     return tag, val, stats
 
 
-def test_resent_block_stays_mapped_then_exporter_takes_it_back():
-    """A block received twice stays mapped after its arrays go; freeing it evicts it."""
+@contextlib.contextmanager
+def _resend_reader(keep=None):
+    """A spawned ``W.resend_reader``: yields (process, q_in, q_out), stops it at the end."""
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=W.resend_reader, args=(q_in, q_out))
+    p = ctx.Process(target=W.resend_reader, args=(q_in, q_out, keep))
     p.start()
+    try:
+        yield p, q_in, q_out
+    finally:
+        if p.is_alive():
+            q_in.put(None)
+        _join(p)
+
+
+def test_resent_block_stays_mapped_then_exporter_takes_it_back():
+    """A block received twice stays mapped after its arrays go; freeing it evicts it."""
     pool = cpm.get_pool()
     base_held = pool.stats().held_for_sharing_bytes
-    try:
+    with _resend_reader() as (p, q_in, q_out):
         x = cupy.empty(1 << 20, dtype=cupy.int32)
         ptrs = []
         for i in range(1, 6):
@@ -425,20 +437,13 @@ def test_resent_block_stays_mapped_then_exporter_takes_it_back():
         q_in.put(("check", 0, None))
         _, bad, stats = _reply(q_out)
         assert stats["idle_mappings"] == 0 and stats["imported_blocks"] == 0
-    finally:
-        q_in.put(None)
-        _join(p)
 
 
 def test_eviction_waits_for_arrays_in_use_under_pressure():
     """Asked back while the receiver still uses it, a block stays intact until let go."""
-    ctx = mp.get_context("spawn")
-    q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=W.resend_reader, args=(q_in, q_out))
-    p.start()
     pool = cpm.get_pool()
     base_held = pool.stats().held_for_sharing_bytes
-    try:
+    with _resend_reader() as (p, q_in, q_out):
         xs = [cupy.full(1 << 18, i, dtype=cupy.int32) for i in range(1, 4)]
         for i, x in enumerate(xs, 1):  # each sent twice: kept mapped, then held
             q_in.put(("drop", i, x))
@@ -460,18 +465,11 @@ def test_eviction_waits_for_arrays_in_use_under_pressure():
         q_in.put(("check", 0, None))
         _, _, stats = _reply(q_out)
         assert stats["idle_mappings"] == 0 and stats["imported_blocks"] == 0
-    finally:
-        q_in.put(None)
-        _join(p)
 
 
 def test_keep_mappings_bounds_the_cache_and_zero_disables_it():
-    ctx = mp.get_context("spawn")
     for keep, want in ((2, 2), (0, 0)):
-        q_in, q_out = ctx.Queue(), ctx.Queue()
-        p = ctx.Process(target=W.resend_reader, args=(q_in, q_out, keep))
-        p.start()
-        try:
+        with _resend_reader(keep) as (_, q_in, q_out):
             xs = [cupy.full(4096, i, dtype=cupy.int32) for i in range(1, 5)]
             for _round in range(2):
                 for i, x in enumerate(xs, 1):
@@ -481,22 +479,15 @@ def test_keep_mappings_bounds_the_cache_and_zero_disables_it():
             assert stats["idle_mappings"] == want, (keep, stats)
             # leases held in this exporter match the receiver's cache
             assert _wait_for(lambda n=want: cpm.sharing_stats()["leases"] == n), keep
-        finally:
-            q_in.put(None)
-            _join(p)
         assert _wait_for(lambda: cpm.sharing_stats()["leases"] == 0)  # receiver exited
     with pytest.raises(cpm.InvalidOptionError, match="keep_mappings=-1"):
         cpm.sharing.keep_mappings = -1
 
 
 def test_sigkill_gives_back_idle_mappings():
-    ctx = mp.get_context("spawn")
-    q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=W.resend_reader, args=(q_in, q_out))
-    p.start()
     pool = cpm.get_pool()
     base_held = pool.stats().held_for_sharing_bytes
-    try:
+    with _resend_reader() as (p, q_in, q_out):
         x = cupy.full(1 << 20, 3, dtype=cupy.int32)
         for _ in range(2):
             q_in.put(("drop", 3, x))
@@ -507,9 +498,6 @@ def test_sigkill_gives_back_idle_mappings():
         assert _wait_for(lambda: cpm.sharing_stats()["leases"] == 0, 10.0)
         del x
         assert pool.stats().held_for_sharing_bytes == base_held  # freed at once
-    finally:
-        if p.is_alive():
-            p.kill()
 
 
 def test_message_after_exporter_exit_raises_sharing_error():
