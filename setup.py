@@ -18,8 +18,11 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # pragma: no cover - depends on the build machine
-            print(f"cupy_poolmem: skipping the Cython hot path ({exc}); "
-                  "the pure-Python hot path will be used", file=sys.stderr)
+            print(
+                f"cupy_poolmem: skipping the Cython hot path ({exc}); "
+                "the pure-Python hot path will be used",
+                file=sys.stderr,
+            )
 
     def build_extension(self, ext):
         try:
@@ -42,8 +45,11 @@ def _extensions():
     try:
         return cythonize([ext], compiler_directives={"language_level": "3"}, quiet=True)
     except Exception as exc:  # a compile error must never break the install
-        print(f"cupy_poolmem: Cython could not compile the hot path ({exc}); "
-              "pure-Python hot path only", file=sys.stderr)
+        print(
+            f"cupy_poolmem: Cython could not compile the hot path ({exc}); "
+            "pure-Python hot path only",
+            file=sys.stderr,
+        )
         return []
 
 

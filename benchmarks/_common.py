@@ -18,9 +18,11 @@ def header(title: str) -> str:
 
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
         name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        lines.append(f"device: {name} | cupy {cupy.__version__} | cuda.core {cuda.core.__version__}"
-                     f" | cupy_poolmem {cupy_poolmem.__version__} "
-                     f"(hot path: {cupy_poolmem.hotpath_implementation()})")
+        lines.append(
+            f"device: {name} | cupy {cupy.__version__} | cuda.core {cuda.core.__version__}"
+            f" | cupy_poolmem {cupy_poolmem.__version__} "
+            f"(hot path: {cupy_poolmem.hotpath_implementation()})"
+        )
     except Exception as exc:  # pragma: no cover
         lines.append(f"(no device information: {exc})")
     extra = []
@@ -48,7 +50,9 @@ def median_time(fn: Callable[[], object], n: int, repeats: int = 5) -> float:
 
 def table(columns: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(str(c)), *(len(str(r[i])) for r in rows)) for i, c in enumerate(columns)]
-    out = [" | ".join(str(c).ljust(w) for c, w in zip(columns, widths)),
-           "-+-".join("-" * w for w in widths)]
+    out = [
+        " | ".join(str(c).ljust(w) for c, w in zip(columns, widths)),
+        "-+-".join("-" * w for w in widths),
+    ]
     out += [" | ".join(str(v).ljust(w) for v, w in zip(r, widths)) for r in rows]
     return "\n".join(out)

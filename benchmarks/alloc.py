@@ -35,8 +35,13 @@ def peers() -> list[tuple[str, object, object]]:
     except Exception as exc:
         print(f"(rmm not measured: {type(exc).__name__}: {exc})")
     pool = cupy_poolmem.DevicePool()
-    out.append((f"cupy_poolmem DevicePool [{cupy_poolmem.hotpath_implementation()}]",
-                pool.malloc, pool.close))
+    out.append(
+        (
+            f"cupy_poolmem DevicePool [{cupy_poolmem.hotpath_implementation()}]",
+            pool.malloc,
+            pool.close,
+        )
+    )
     alloc = cupy_poolmem.set_allocator(ipc=False)
     cupy.cuda.set_allocator(mp.malloc)
     out.append(("cupy_poolmem set_allocator() dispatch", alloc, alloc.close))
@@ -44,8 +49,9 @@ def peers() -> list[tuple[str, object, object]]:
     out.append(("cupy_poolmem DevicePool reuse_cache=0", nocache.malloc, nocache.close))
     # Observability switched on: what statistics() and a tracked log cost per allocation.
     spool = cupy_poolmem.DevicePool()
-    out.append(("DevicePool inside statistics()", spool.malloc, spool.close,
-                cupy_poolmem.statistics))
+    out.append(
+        ("DevicePool inside statistics()", spool.malloc, spool.close, cupy_poolmem.statistics)
+    )
     lpool = cupy_poolmem.DevicePool()
     out.append(("DevicePool with start_log(track=True)", lpool.malloc, lpool.close, _logging))
     return out
@@ -71,8 +77,13 @@ def _pure_python_row(n: int) -> list[str] | None:
     import subprocess
 
     env = dict(os.environ, CUPY_POOLMEM_PURE_PYTHON="1")
-    r = subprocess.run([sys.executable, __file__, "--child", str(n)], env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, __file__, "--child", str(n)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if r.returncode:
         print(f"(pure-Python hot path not measured: {r.stderr.strip()[-300:]})")
         return None

@@ -49,8 +49,9 @@ def _random(n: int, chunk: int, seed: int):
     import dask.array as da
 
     blocks = (chunk,) * (n // chunk) + ((n % chunk,) if n % chunk else ())
-    return da.map_blocks(_gpu_random, seed, chunks=(blocks, blocks), dtype="f8",
-                         meta=cupy.empty((0, 0), dtype="f8"))
+    return da.map_blocks(
+        _gpu_random, seed, chunks=(blocks, blocks), dtype="f8", meta=cupy.empty((0, 0), dtype="f8")
+    )
 
 
 def compute_bound(x):
@@ -69,18 +70,28 @@ def _configs(pool_size: str, have_rmm: bool) -> list[tuple[str, dict, object, st
 
     out = [
         ("cupy_poolmem plugin", {}, PoolmemPlugin(), "plugin"),
-        (f"cupy_poolmem plugin pool_size={pool_size}", {}, PoolmemPlugin(pool_size=pool_size),
-         "plugin_pool"),
+        (
+            f"cupy_poolmem plugin pool_size={pool_size}",
+            {},
+            PoolmemPlugin(pool_size=pool_size),
+            "plugin_pool",
+        ),
         ("dask-cuda default (CuPy MemoryPool)", {}, None, "default"),
     ]
     if have_rmm:
         out += [
-            (f"dask-cuda rmm_pool_size={pool_size}",
-             {"rmm_pool_size": pool_size, "rmm_allocator_external_lib_list": ["cupy"]}, None,
-             "rmm_pool"),
-            ("dask-cuda rmm_async",
-             {"rmm_async": True, "rmm_allocator_external_lib_list": ["cupy"]}, None,
-             "rmm_async"),
+            (
+                f"dask-cuda rmm_pool_size={pool_size}",
+                {"rmm_pool_size": pool_size, "rmm_allocator_external_lib_list": ["cupy"]},
+                None,
+                "rmm_pool",
+            ),
+            (
+                "dask-cuda rmm_async",
+                {"rmm_async": True, "rmm_allocator_external_lib_list": ["cupy"]},
+                None,
+                "rmm_async",
+            ),
         ]
     return out
 
@@ -102,15 +113,23 @@ def run_config(label: str, cluster_kw: dict, plugin, args) -> dict:
     from distributed import Client, wait
 
     out = {}
-    with dask_cuda.LocalCUDACluster(n_workers=1, threads_per_worker=args.threads,
-                                    CUDA_VISIBLE_DEVICES=args.device, dashboard_address=None,
-                                    **cluster_kw) as cluster, Client(cluster) as client:
+    with (
+        dask_cuda.LocalCUDACluster(
+            n_workers=1,
+            threads_per_worker=args.threads,
+            CUDA_VISIBLE_DEVICES=args.device,
+            dashboard_address=None,
+            **cluster_kw,
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         if plugin is not None:
             client.register_plugin(plugin)
         (out["allocator"],) = client.run(_worker_allocator).values()
-        for name, build, n, chunk in (("compute", compute_bound, args.n, args.chunk),
-                                      ("alloc", allocation_heavy, args.small_n,
-                                       args.small_chunk)):
+        for name, build, n, chunk in (
+            ("compute", compute_bound, args.n, args.chunk),
+            ("alloc", allocation_heavy, args.small_n, args.small_chunk),
+        ):
             x = client.persist(_random(n, chunk, seed=1))
             wait(x)
             expr = build(x)
@@ -128,9 +147,11 @@ def run_config(label: str, cluster_kw: dict, plugin, args) -> dict:
             from cupy_poolmem.dask import gather_stats
 
             (st,) = gather_stats(client).values()
-            out["pool"] = (f"{st['n_allocs']:,} allocs, peak used "
-                           f"{st['peak_used_bytes'] / 2**30:.2f} GiB, reserved "
-                           f"{st['reserved_bytes'] / 2**30:.2f} GiB")
+            out["pool"] = (
+                f"{st['n_allocs']:,} allocs, peak used "
+                f"{st['peak_used_bytes'] / 2**30:.2f} GiB, reserved "
+                f"{st['reserved_bytes'] / 2**30:.2f} GiB"
+            )
     return out
 
 
@@ -159,10 +180,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--device", default="0", help="CUDA_VISIBLE_DEVICES for the worker")
-    ap.add_argument("--pool-size", default="0.5",
-                    help="pool_size of the plugin and rmm_pool_size (bytes or fraction)")
-    ap.add_argument("--configs", default="",
-                    help="comma-separated subset: plugin,plugin_pool,default,rmm_pool,rmm_async")
+    ap.add_argument(
+        "--pool-size",
+        default="0.5",
+        help="pool_size of the plugin and rmm_pool_size (bytes or fraction)",
+    )
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="comma-separated subset: plugin,plugin_pool,default,rmm_pool,rmm_async",
+    )
     ap.add_argument("--quick", action="store_true", help="smaller arrays, 2 repeats")
     args = ap.parse_args()
     if args.quick:
@@ -190,20 +217,45 @@ def main() -> None:
     base_label, base = results[base_key]
     rows = []
     for _key, (label, r) in results.items():
-        rows.append([label, f"{r['compute']:.3f}", f"{r['compute'] / base['compute']:.2f}",
-                     f"{r['alloc']:.3f}", f"{r['alloc'] / base['alloc']:.2f}", r["allocator"]])
+        rows.append(
+            [
+                label,
+                f"{r['compute']:.3f}",
+                f"{r['compute'] / base['compute']:.2f}",
+                f"{r['alloc']:.3f}",
+                f"{r['alloc'] / base['alloc']:.2f}",
+                r["allocator"],
+            ]
+        )
 
-    print(header("Dask workloads, 1 LocalCUDACluster worker x "
-                 f"{args.threads} threads (median of {args.repeats})"))
+    print(
+        header(
+            "Dask workloads, 1 LocalCUDACluster worker x "
+            f"{args.threads} threads (median of {args.repeats})"
+        )
+    )
     print(_versions())
     if not have_rmm:
         print("(rmm not installed: rmm_pool_size and rmm_async rows skipped)")
-    print(f"compute-bound: ((x + x.T) * 2 - 1).mean(0).sum(), {args.n}^2 f8 in {args.chunk}^2 "
-          f"chunks | allocation-heavy: 8 fused elementwise ops + transpose + sum, "
-          f"{args.small_n}^2 f8 in {args.small_chunk}^2 chunks")
+    print(
+        f"compute-bound: ((x + x.T) * 2 - 1).mean(0).sum(), {args.n}^2 f8 in {args.chunk}^2 "
+        f"chunks | allocation-heavy: 8 fused elementwise ops + transpose + sum, "
+        f"{args.small_n}^2 f8 in {args.small_chunk}^2 chunks"
+    )
     print(f"ratio: time / time of '{base_label}' (lower is better)")
-    print(table(["configuration", "compute s", "ratio", "alloc-heavy s", "ratio",
-                 "worker CuPy allocator"], rows))
+    print(
+        table(
+            [
+                "configuration",
+                "compute s",
+                "ratio",
+                "alloc-heavy s",
+                "ratio",
+                "worker CuPy allocator",
+            ],
+            rows,
+        )
+    )
     for _key, (label, r) in results.items():
         if "pool" in r:
             print(f"{label}: pool stats after the runs: {r['pool']}")

@@ -43,8 +43,9 @@ def consumer(kind: str, q_in, q_out) -> None:
         del obj
 
 
-def run_method(kind: str, sizes: list[int], n_steady: dict[int, int],
-               fresh: bool = False) -> list[tuple]:
+def run_method(
+    kind: str, sizes: list[int], n_steady: dict[int, int], fresh: bool = False
+) -> list[tuple]:
     import cupy
 
     import cupy_poolmem
@@ -62,6 +63,7 @@ def run_method(kind: str, sizes: list[int], n_steady: dict[int, int],
         p = ctx.Process(target=consumer, args=(kind, q_in, q_out))
         p.start()
         tag, cuda_start = q_out.get(timeout=300)
+
         def make(size: int = size):
             if kind == "torch":
                 return torch.ones(size // 4, device="cuda")
@@ -106,8 +108,9 @@ def run_method(kind: str, sizes: list[int], n_steady: dict[int, int],
         q_in.put(None)
         p.join(60)
         label = f"{kind} (fresh arrays)" if fresh else kind
-        rows.append((label, size, statistics.median(times), first, cuda_start,
-                     statistics.median(floor)))
+        rows.append(
+            (label, size, statistics.median(times), first, cuda_start, statistics.median(floor))
+        )
         cupy_poolmem.sharing.fallback = "device-copy"
     return rows
 
@@ -123,8 +126,13 @@ def main() -> None:
     cupy_poolmem.set_allocator()
     sizes = [1 << 20, 256 << 20]
     rows = []
-    runs = [("cupy_poolmem", False), ("torch", False), ("cupy pickling", False),
-            ("cupy_poolmem", True), ("torch", True)]
+    runs = [
+        ("cupy_poolmem", False),
+        ("torch", False),
+        ("cupy pickling", False),
+        ("cupy_poolmem", True),
+        ("torch", True),
+    ]
     for kind, fresh in runs:
         n = {1 << 20: 50 if quick else 300, 256 << 20: 20 if quick else 100}
         if kind == "cupy pickling":
@@ -133,17 +141,38 @@ def main() -> None:
             rows += run_method(kind, sizes, n, fresh)
         except Exception as exc:
             print(f"({kind} not measured: {type(exc).__name__}: {exc})")
-    ref = {(r[0].endswith("(fresh arrays)"), r[1]): r[2] for r in rows
-           if r[0].startswith("torch")}
+    ref = {(r[0].endswith("(fresh arrays)"), r[1]): r[2] for r in rows if r[0].startswith("torch")}
     out = []
     for kind, size, steady, first, cuda_start, floor in rows:
         key = (kind.endswith("(fresh arrays)"), size)
         ratio = f"{steady / ref[key]:.2f}x" if key in ref else "-"
-        out.append([kind, f"{size >> 20} MiB", f"{steady * 1e3:8.3f}", ratio,
-                    f"{first * 1e3:8.1f}", f"{cuda_start * 1e3:7.0f}", f"{floor * 1e3:6.3f}",
-                    f"{(steady - floor) * 1e3:6.3f}"])
-    print(table(["method", "size", "steady ms/msg", "vs torch", "first send ms",
-                 "worker CUDA start ms", "floor ms (tiny numpy)", "over floor ms"], out))
+        out.append(
+            [
+                kind,
+                f"{size >> 20} MiB",
+                f"{steady * 1e3:8.3f}",
+                ratio,
+                f"{first * 1e3:8.1f}",
+                f"{cuda_start * 1e3:7.0f}",
+                f"{floor * 1e3:6.3f}",
+                f"{(steady - floor) * 1e3:6.3f}",
+            ]
+        )
+    print(
+        table(
+            [
+                "method",
+                "size",
+                "steady ms/msg",
+                "vs torch",
+                "first send ms",
+                "worker CUDA start ms",
+                "floor ms (tiny numpy)",
+                "over floor ms",
+            ],
+            out,
+        )
+    )
     del cupy
 
 

@@ -36,8 +36,10 @@ def _demo() -> int:
     d = cupy.asarray(h)
     print(f"\ndemo: sum={float(y):.6g}, pinned round trip ok={bool((d.get() == 1.5).all())}")
     s = alloc.pool().stats()
-    print(f"device pool: {s.n_allocs} allocations, used {cpm.format_bytes(s.used_bytes)}, "
-          f"peak {cpm.format_bytes(s.peak_used_bytes)}, reserved {cpm.format_bytes(s.reserved_bytes)}")
+    print(
+        f"device pool: {s.n_allocs} allocations, used {cpm.format_bytes(s.used_bytes)}, "
+        f"peak {cpm.format_bytes(s.peak_used_bytes)}, reserved {cpm.format_bytes(s.reserved_bytes)}"
+    )
     del x, y, d
     cupy.cuda.get_current_stream().synchronize()
     print(f"after del: used {cpm.format_bytes(alloc.pool().stats().used_bytes)}")
@@ -48,8 +50,11 @@ def _bench(args: list[str]) -> int:
     """Run each benchmark script in its own process (they spawn workers), with progress."""
     import subprocess
 
-    scripts = [n for n in ("alloc.py", "pinned_bandwidth.py", "ipc.py")
-               if os.path.exists(os.path.join(_BENCH_DIR, n))]
+    scripts = [
+        n
+        for n in ("alloc.py", "pinned_bandwidth.py", "ipc.py")
+        if os.path.exists(os.path.join(_BENCH_DIR, n))
+    ]
     if not scripts:
         print("benchmarks/ is not next to the package: run `bench` from a source checkout")
         return 2
@@ -77,10 +82,14 @@ def main(argv: list[str] | None = None) -> int:
         from . import report
 
         return report.main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m cupy_poolmem", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", nargs="?", default="doctor",
-                        choices=["doctor", "demo", "bench", "report"])
+    parser = argparse.ArgumentParser(
+        prog="python -m cupy_poolmem",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "command", nargs="?", default="doctor", choices=["doctor", "demo", "bench", "report"]
+    )
     parser.add_argument("--no-check", action="store_true", help="doctor: skip the self-check")
     ns, rest = parser.parse_known_args(argv)
     if ns.command == "report":
@@ -98,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
             return _demo()
         return _bench(rest)
     except ImportError as exc:
-        print(f"cupy_poolmem needs CuPy >= 14 and cuda-core >= 1.2 ({exc}); "
-              "install with `pip install cupy_poolmem[cu13]`", file=sys.stderr)
+        print(
+            f"cupy_poolmem needs CuPy >= 14 and cuda-core >= 1.2 ({exc}); "
+            "install with `pip install cupy_poolmem[cu13]`",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -12,8 +12,14 @@ import cupy
 from ._errors import OptionTypeError, PoolClosedError
 from ._pools import DevicePool, PinnedPool, Pool, _hp, nearest_numa_node, require_gpu
 
-__all__ = ["set_allocator", "set_pinned_memory_allocator", "using", "get_pool",
-           "get_pinned_pool", "PoolAllocator"]
+__all__ = [
+    "set_allocator",
+    "set_pinned_memory_allocator",
+    "using",
+    "get_pool",
+    "get_pinned_pool",
+    "PoolAllocator",
+]
 
 _lock = threading.Lock()
 _current: dict[str, PoolAllocator | None] = {"device": None, "pinned": None}
@@ -138,8 +144,10 @@ def _validate_options(cls: type, options: dict) -> None:
     allowed = set(inspect.signature(cls.__init__).parameters) - {"self", "device"}
     bad = sorted(set(options) - allowed)
     if bad:
-        raise OptionTypeError(f"unknown option(s) {', '.join(bad)} for {cls.__name__}; "
-                              f"valid options: {', '.join(sorted(allowed))}")
+        raise OptionTypeError(
+            f"unknown option(s) {', '.join(bad)} for {cls.__name__}; "
+            f"valid options: {', '.join(sorted(allowed))}"
+        )
 
 
 def _replace(kind: str, alloc: PoolAllocator) -> None:
@@ -199,7 +207,8 @@ def using(pool: Pool | Callable[[int], Any]) -> Iterator[Any]:
         return
     malloc = pool.malloc if isinstance(pool, Pool) else pool
     if not callable(malloc):
-        raise OptionTypeError(f"using() takes a cupy_poolmem pool or a malloc callable; "
-                              f"got {pool!r}")
+        raise OptionTypeError(
+            f"using() takes a cupy_poolmem pool or a malloc callable; got {pool!r}"
+        )
     with cupy.cuda.using_allocator(malloc):
         yield pool

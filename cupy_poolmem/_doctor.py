@@ -60,14 +60,17 @@ def _gpu_rows(n: int) -> list[str]:
             from cuda.bindings import driver
 
             err, types = driver.cuDeviceGetAttribute(
-                driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES, i)
+                driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MEMPOOL_SUPPORTED_HANDLE_TYPES, i
+            )
             feats["pool IPC (fd)"] = bool(int(types) & 1) if not int(err) else False
         except Exception:
             feats["pool IPC (fd)"] = False
         f = ", ".join(f"{k}: {'yes' if v else 'no'}" for k, v in feats.items())
-        rows.append(f"  GPU {i}: {d.name} | {total / 2**30:.1f} GiB ({free / 2**30:.1f} free) | "
-                    f"cc {p.compute_capability_major}.{p.compute_capability_minor} | "
-                    f"UUID {d.uuid} | PCI {d.pci_bus_id} | NUMA node {nearest_numa_node(i)}")
+        rows.append(
+            f"  GPU {i}: {d.name} | {total / 2**30:.1f} GiB ({free / 2**30:.1f} free) | "
+            f"cc {p.compute_capability_major}.{p.compute_capability_minor} | "
+            f"UUID {d.uuid} | PCI {d.pci_bus_id} | NUMA node {nearest_numa_node(i)}"
+        )
         rows.append(f"         {f}")
     return rows
 
@@ -101,6 +104,7 @@ def self_check(out: Callable[[str], Any] = print) -> bool:
                 x = cupy.arange(n, dtype=cupy.uint32) * 3 + 1
                 good = bool((x.get() == np.arange(n, dtype=np.uint32) * 3 + 1).all())
                 return good and pool.stats().n_allocs >= 1
+
         return run
 
     def pinned_check() -> bool:
@@ -147,16 +151,20 @@ def doctor(out: Callable[[str], Any] = print, check: bool = True) -> int:
     v, text = _driver_version()
     out(f"  {'CUDA driver':14s} {text}")
     if v is None:
-        out("\nNo usable CUDA driver: cupy_poolmem needs an NVIDIA GPU with its driver "
-            "(check `nvidia-smi`). Nothing else to check.")
+        out(
+            "\nNo usable CUDA driver: cupy_poolmem needs an NVIDIA GPU with its driver "
+            "(check `nvidia-smi`). Nothing else to check."
+        )
         return 2
     try:
         import cupy
 
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:
-        out(f"\nCUDA could not be initialised ({type(exc).__name__}: {exc}).\n"
-            "Check the driver, that it is new enough for this CuPy build, and CUDA_VISIBLE_DEVICES.")
+        out(
+            f"\nCUDA could not be initialised ({type(exc).__name__}: {exc}).\n"
+            "Check the driver, that it is new enough for this CuPy build, and CUDA_VISIBLE_DEVICES."
+        )
         return 2
     if n == 0:
         out("\nThe driver sees no GPU (is CUDA_VISIBLE_DEVICES empty?).")
@@ -177,8 +185,10 @@ def doctor(out: Callable[[str], Any] = print, check: bool = True) -> int:
             ours = min(ours, time_alloc(pool.malloc, n=10000))
             ref = min(ref, time_alloc(mp.malloc, n=10000))
         mp.free_all_blocks()
-    out(f"timing: cupy.empty(1 MiB)+free  DevicePool {ours:.2f} us  vs  CuPy MemoryPool "
-        f"{ref:.2f} us  ({ours / ref:.2f}x)")
+    out(
+        f"timing: cupy.empty(1 MiB)+free  DevicePool {ours:.2f} us  vs  CuPy MemoryPool "
+        f"{ref:.2f} us  ({ours / ref:.2f}x)"
+    )
     out("all checks passed" if ok else "SOME CHECKS FAILED")
     return 0 if ok else 1
 

@@ -127,8 +127,10 @@ class PinnedOutOfMemoryError(PoolmemError, _CUDARuntimeError):
     def __init__(self, pool: str, size: int, stats: Any = None) -> None:
         _CUDARuntimeError.__init__(self, _CUDA_ERROR_MEMORY_ALLOCATION)
         self.pool, self.size, self.stats = pool, int(size), stats
-        self.args = (f"{pool}: out of pinned memory allocating {int(size):,} bytes "
-                     "(cudaErrorMemoryAllocation)",)
+        self.args = (
+            f"{pool}: out of pinned memory allocating {int(size):,} bytes "
+            "(cudaErrorMemoryAllocation)",
+        )
 
     def __str__(self) -> str:
         return self.args[0]

@@ -99,8 +99,11 @@ class PoolCore:
         self.closed = True
 
     def _release(self, ptr: int, size: int, stream_ptr: int, stream: Any) -> None:
-        if (size <= self.cache_max_block and self.cached_bytes + size <= self.cache_limit
-                and not self.closed):
+        if (
+            size <= self.cache_max_block
+            and self.cached_bytes + size <= self.cache_limit
+            and not self.closed
+        ):
             self._cache.setdefault((stream_ptr, size), []).append((ptr, stream))
             self.cached_bytes += size
             return

@@ -41,8 +41,16 @@ else:
     except (ImportError, TypeError, ValueError):  # not built, or built against other ABIs
         from . import _hotpath_py as _hp  # type: ignore[no-redef]
 
-__all__ = ["DevicePool", "PinnedPool", "ManagedPool", "Pool", "all_pools", "hotpath_implementation",
-           "device_count", "require_gpu"]
+__all__ = [
+    "DevicePool",
+    "PinnedPool",
+    "ManagedPool",
+    "Pool",
+    "all_pools",
+    "hotpath_implementation",
+    "device_count",
+    "require_gpu",
+]
 
 _UINT64_MAX = 2**64 - 1
 _CACHE_MAX_BLOCK = 64 << 20  # blocks above this size always go back to the CUDA pool
@@ -92,10 +100,12 @@ def require_gpu(what: str = "cupy_poolmem") -> int:
         raise NoGPUError(
             f"{what} needs an NVIDIA GPU and its driver, but CUDA could not be initialised "
             f"({type(exc).__name__}: {exc}). Check `nvidia-smi`, the driver installation and "
-            "CUDA_VISIBLE_DEVICES.") from None
+            "CUDA_VISIBLE_DEVICES."
+        ) from None
     if n == 0:
-        raise NoGPUError(f"{what} needs an NVIDIA GPU, but CUDA sees no device "
-                         "(is CUDA_VISIBLE_DEVICES empty?)")
+        raise NoGPUError(
+            f"{what} needs an NVIDIA GPU, but CUDA sees no device (is CUDA_VISIBLE_DEVICES empty?)"
+        )
     return n
 
 
@@ -108,12 +118,15 @@ def _check_device(device: Any, name: str = "device") -> int:
     elif hasattr(device, "device_id") and not isinstance(device, int):
         device = device.device_id
     if isinstance(device, bool) or not isinstance(device, int):
-        raise OptionTypeError(f"{name} must be a device ordinal (int) or a cupy.cuda.Device; "
-                              f"got {device!r} of type {type(device).__name__}")
+        raise OptionTypeError(
+            f"{name} must be a device ordinal (int) or a cupy.cuda.Device; "
+            f"got {device!r} of type {type(device).__name__}"
+        )
     n = require_gpu()
     if not 0 <= device < n:
-        raise InvalidOptionError(f"{name}={device} is out of range: this process sees {n} "
-                                 f"device(s), ordinals 0..{n - 1}")
+        raise InvalidOptionError(
+            f"{name}={device} is out of range: this process sees {n} device(s), ordinals 0..{n - 1}"
+        )
     return device
 
 
@@ -128,8 +141,10 @@ def _pool_handle(mr: Any) -> Any:
 
 
 def _set_attr(mr: Any, attr: Any, value: int) -> None:
-    check_driver(_drv.cuMemPoolSetAttribute(_pool_handle(mr), attr, _drv.cuuint64_t(value)),
-                 "cuMemPoolSetAttribute")
+    check_driver(
+        _drv.cuMemPoolSetAttribute(_pool_handle(mr), attr, _drv.cuuint64_t(value)),
+        "cuMemPoolSetAttribute",
+    )
 
 
 def _grant_access(mr: Any, devices: list[int]) -> None:
@@ -142,8 +157,9 @@ def _grant_access(mr: Any, devices: list[int]) -> None:
         desc.flags = _drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         descs.append(desc)
     if descs:
-        check_driver(_drv.cuMemPoolSetAccess(_pool_handle(mr), descs, len(descs)),
-                     "cuMemPoolSetAccess")
+        check_driver(
+            _drv.cuMemPoolSetAccess(_pool_handle(mr), descs, len(descs)), "cuMemPoolSetAccess"
+        )
 
 
 class Pool(_hp.PoolCore):
@@ -152,8 +168,15 @@ class Pool(_hp.PoolCore):
     _kind_name = "pool"
     _serial_counter = 0
 
-    def _setup(self, mr: Any, device: int, kind: int, release_threshold: int | None,
-               max_size: int, reuse_cache: int = 0) -> None:
+    def _setup(
+        self,
+        mr: Any,
+        device: int,
+        kind: int,
+        release_threshold: int | None,
+        max_size: int,
+        reuse_cache: int = 0,
+    ) -> None:
         self._mr = mr
         self._max_size = max_size
         self._lock = threading.Lock()
@@ -180,9 +203,12 @@ class Pool(_hp.PoolCore):
             raise PoolClosedError(
                 f"{self._describe()} belongs to the parent process: this process was forked "
                 "after CUDA was initialised, and CUDA cannot be used in it. Start workers with "
-                "multiprocessing.get_context('spawn') or 'forkserver'.")
-        raise PoolClosedError(f"{self!r} is closed; create a new pool or stop allocating "
-                              "from this one (cupy.cuda.set_allocator(None) restores CuPy's)")
+                "multiprocessing.get_context('spawn') or 'forkserver'."
+            )
+        raise PoolClosedError(
+            f"{self!r} is closed; create a new pool or stop allocating "
+            "from this one (cupy.cuda.set_allocator(None) restores CuPy's)"
+        )
 
     def _raise_wrong_device(self, current: int) -> None:
         if current < 0:
@@ -195,7 +221,8 @@ class Pool(_hp.PoolCore):
         raise WrongDeviceError(
             f"{self._describe()} was asked to allocate while device {current} is current. "
             f"Allocate inside `with cupy.cuda.Device({self.device_id}):`, or use "
-            "cupy_poolmem.set_allocator(), which keeps one pool per device.")
+            "cupy_poolmem.set_allocator(), which keeps one pool per device."
+        )
 
     def _alloc_failed(self, err: int, size: int, stream: Any) -> int:
         if err != _CUDA_ERROR_OUT_OF_MEMORY:
@@ -262,13 +289,19 @@ class Pool(_hp.PoolCore):
         """
         a = self._mr.attributes
         return PoolStats(
-            kind=self._kind_name, device=self.device_id,
-            used_bytes=int(self.live_bytes), peak_used_bytes=int(self.peak_live_bytes),
+            kind=self._kind_name,
+            device=self.device_id,
+            used_bytes=int(self.live_bytes),
+            peak_used_bytes=int(self.peak_live_bytes),
             reserved_bytes=int(a.reserved_mem_current),
             peak_reserved_bytes=int(a.reserved_mem_high),
-            n_allocs=int(self.n_allocs), n_frees=int(self.n_frees),
-            held_for_sharing_bytes=int(self._held_for_sharing), max_size=self._max_size,
-            release_threshold=self._release_threshold, cached_bytes=int(self.cached_bytes))
+            n_allocs=int(self.n_allocs),
+            n_frees=int(self.n_frees),
+            held_for_sharing_bytes=int(self._held_for_sharing),
+            max_size=self._max_size,
+            release_threshold=self._release_threshold,
+            cached_bytes=int(self.cached_bytes),
+        )
 
     def reset_peak(self) -> None:
         """Reset the peak used/reserved counters to the current values."""
@@ -394,9 +427,14 @@ class DevicePool(Pool):
 
     _kind_name = "device"
 
-    def __init__(self, device: int | Any = None, max_size: int | str | None = None,
-                 release_threshold: int | str | None = None, ipc: bool = False,
-                 reuse_cache: int | str = "1GiB") -> None:
+    def __init__(
+        self,
+        device: int | Any = None,
+        max_size: int | str | None = None,
+        release_threshold: int | str | None = None,
+        ipc: bool = False,
+        reuse_cache: int | str = "1GiB",
+    ) -> None:
         dev = _check_device(device)
         ipc = _check_bool(ipc, "ipc")
         cache = parse_bytes(reuse_cache, name="reuse_cache")
@@ -404,12 +442,15 @@ class DevicePool(Pool):
             total = d.mem_info[1]
             max_b = parse_bytes(max_size, name="max_size", total=total, allow_none=True) or 0
             if max_b > total:
-                raise InvalidOptionError(f"max_size={max_size!r} ({format_bytes(max_b)}) is more "
-                                         f"than device {dev} has ({format_bytes(total)})")
+                raise InvalidOptionError(
+                    f"max_size={max_size!r} ({format_bytes(max_b)}) is more "
+                    f"than device {dev} has ({format_bytes(total)})"
+                )
             parse_bytes(release_threshold, name="release_threshold", allow_none=True)
             try:
-                mr = cc.DeviceMemoryResource(dev, cc.DeviceMemoryResourceOptions(
-                    ipc_enabled=ipc, max_size=max_b))
+                mr = cc.DeviceMemoryResource(
+                    dev, cc.DeviceMemoryResourceOptions(ipc_enabled=ipc, max_size=max_b)
+                )
             except Exception as exc:
                 raise _wrap(exc, "creating a device pool") from exc
             self.ipc = ipc
@@ -456,25 +497,38 @@ class PinnedPool(Pool):
 
     _kind_name = "pinned"
 
-    def __init__(self, numa_node: int | None = None, max_size: int | str | None = None,
-                 release_threshold: int | str | None = None, devices: list[int] | None = None,
-                 ipc: bool = False) -> None:
+    def __init__(
+        self,
+        numa_node: int | None = None,
+        max_size: int | str | None = None,
+        release_threshold: int | str | None = None,
+        devices: list[int] | None = None,
+        ipc: bool = False,
+    ) -> None:
         n = require_gpu("PinnedPool")
         ipc = _check_bool(ipc, "ipc")
-        if numa_node is not None and (isinstance(numa_node, bool) or not isinstance(numa_node, int)):
+        if numa_node is not None and (
+            isinstance(numa_node, bool) or not isinstance(numa_node, int)
+        ):
             raise OptionTypeError(f"numa_node must be an int or None; got {numa_node!r}")
         if numa_node is not None and numa_node < 0:
-            raise InvalidOptionError(f"numa_node={numa_node} must be >= 0 (or None for the "
-                                     "node nearest the current GPU)")
-        devs = list(range(n)) if devices is None else [_check_device(d, "devices[]") for d in devices]
+            raise InvalidOptionError(
+                f"numa_node={numa_node} must be >= 0 (or None for the node nearest the current GPU)"
+            )
+        devs = (
+            list(range(n)) if devices is None else [_check_device(d, "devices[]") for d in devices]
+        )
         max_b = parse_bytes(max_size, name="max_size", allow_none=True) or 0
         parse_bytes(release_threshold, name="release_threshold", allow_none=True)
         node = nearest_numa_node() if numa_node is None else numa_node
         cur = cupy.cuda.runtime.getDevice()
         with cupy.cuda.Device(cur):
             try:
-                mr = cc.PinnedMemoryResource(cc.PinnedMemoryResourceOptions(
-                    ipc_enabled=ipc, max_size=max_b, numa_id=None if node < 0 else node))
+                mr = cc.PinnedMemoryResource(
+                    cc.PinnedMemoryResourceOptions(
+                        ipc_enabled=ipc, max_size=max_b, numa_id=None if node < 0 else node
+                    )
+                )
             except Exception as exc:
                 raise _wrap(exc, "creating a pinned pool") from exc
             _grant_access(mr, devs)
@@ -560,19 +614,25 @@ class ManagedPool(Pool):
 
     _kind_name = "managed"
 
-    def __init__(self, device: int | Any = None, max_size: int | str | None = None,
-                 release_threshold: int | str | None = None,
-                 reuse_cache: int | str = "1GiB") -> None:
+    def __init__(
+        self,
+        device: int | Any = None,
+        max_size: int | str | None = None,
+        release_threshold: int | str | None = None,
+        reuse_cache: int | str = "1GiB",
+    ) -> None:
         dev = _check_device(device)
         cache = parse_bytes(reuse_cache, name="reuse_cache")
         _require_cuda13("ManagedPool")
         with cupy.cuda.Device(dev) as d:
-            max_b = parse_bytes(max_size, name="max_size", total=d.mem_info[1],
-                                allow_none=True) or 0
+            max_b = (
+                parse_bytes(max_size, name="max_size", total=d.mem_info[1], allow_none=True) or 0
+            )
             parse_bytes(release_threshold, name="release_threshold", allow_none=True)
             try:
-                opts = cc.ManagedMemoryResourceOptions(preferred_location=dev,
-                                                       preferred_location_type="device")
+                opts = cc.ManagedMemoryResourceOptions(
+                    preferred_location=dev, preferred_location_type="device"
+                )
                 mr = cc.ManagedMemoryResource(opts)
             except Exception as exc:
                 raise _wrap(exc, "creating a managed pool") from exc
@@ -588,7 +648,8 @@ def _require_cuda13(what: str) -> None:
         raise UnsupportedError(
             f"{what} needs CUDA 13 (driver >= 13.0 and cuda-bindings 13); this process has "
             f"driver {drv_version // 1000}.{drv_version % 1000 // 10} and cuda-bindings "
-            f"{cuda.bindings.__version__}. Install cupy_poolmem[cu13] or use DevicePool.")
+            f"{cuda.bindings.__version__}. Install cupy_poolmem[cu13] or use DevicePool."
+        )
 
 
 def nearest_numa_node(device: int | None = None) -> int:
@@ -620,8 +681,14 @@ def _wrap(exc: Exception, what: str) -> Exception:
     if isinstance(exc, CUDADriverError):
         return exc
     text = str(exc)
-    name = next((w for w in text.replace(":", " ").replace("'", " ").split()
-                 if w.startswith("CUDA_ERROR_")), None)
+    name = next(
+        (
+            w
+            for w in text.replace(":", " ").replace("'", " ").split()
+            if w.startswith("CUDA_ERROR_")
+        ),
+        None,
+    )
     if name:
         return CUDADriverError(what, getattr(_drv.CUresult, name, -1), name, text)
     return exc

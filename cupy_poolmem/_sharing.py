@@ -90,9 +90,12 @@ def _messages(msg: tuple) -> tuple:
 def _warn_kept(what: str, exc: BaseException) -> None:
     """A protocol step failed in a background thread: say so; its lease or ticket stays
     held (leaking memory is safe, freeing it early is not)."""
-    warnings.warn(f"cupy_poolmem: {what} failed ({type(exc).__name__}: {exc}); the block "
-                  "stays held until the process holding it exits", RuntimeWarning,
-                  stacklevel=3)
+    warnings.warn(
+        f"cupy_poolmem: {what} failed ({type(exc).__name__}: {exc}); the block "
+        "stays held until the process holding it exits",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _dumps(msg: tuple) -> bytes:
@@ -157,8 +160,10 @@ class SharingSettings:
     @keep_mappings.setter
     def keep_mappings(self, value: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidOptionError(f"sharing.keep_mappings={value!r}; give an int >= 0 "
-                                     "(0 unmaps received blocks as soon as they are dropped)")
+            raise InvalidOptionError(
+                f"sharing.keep_mappings={value!r}; give an int >= 0 "
+                "(0 unmaps received blocks as soon as they are dropped)"
+            )
         self._keep = value
         _trim_idle()
 
@@ -179,27 +184,49 @@ def _check_not_forked() -> None:
         raise PoolmemError(
             "this process was forked after CUDA was initialised in its parent; CUDA cannot "
             "be used here. Start workers with multiprocessing.get_context('spawn') or "
-            "'forkserver'.")
+            "'forkserver'."
+        )
 
 
 # ---------------------------------------------------------------- exporter side
 class _Export:
     """One exported block, as its exporter sees it."""
 
-    __slots__ = ("export_id", "ptr", "size", "data", "core", "stream", "refs", "early",
-                 "leases", "keepers", "asked", "events", "in_limbo", "block_ref", "born",
-                 "dev_uuid")
+    __slots__ = (
+        "export_id",
+        "ptr",
+        "size",
+        "data",
+        "core",
+        "stream",
+        "refs",
+        "early",
+        "leases",
+        "keepers",
+        "asked",
+        "events",
+        "in_limbo",
+        "block_ref",
+        "born",
+        "dev_uuid",
+    )
 
     def __init__(self, block: Any) -> None:
         self.export_id = next(_ids)
-        self.ptr, self.size, self.core, self.stream = block.ptr, block.size, block.core, block.stream
-        self.data = bytes(check_driver(_drv.cuMemPoolExportPointer(block.ptr),
-                                       "cuMemPoolExportPointer").reserved)
-        self.refs: dict[int, str] = {}   # ticket -> "inflight" | "local" (a round trip)
-        self.early: set[int] = set()     # tickets resolved before their inflight arrived
+        self.ptr, self.size, self.core, self.stream = (
+            block.ptr,
+            block.size,
+            block.core,
+            block.stream,
+        )
+        self.data = bytes(
+            check_driver(_drv.cuMemPoolExportPointer(block.ptr), "cuMemPoolExportPointer").reserved
+        )
+        self.refs: dict[int, str] = {}  # ticket -> "inflight" | "local" (a round trip)
+        self.early: set[int] = set()  # tickets resolved before their inflight arrived
         self.leases: dict[int, int] = {}  # connection id -> mappings it holds (invariant 3)
-        self.keepers: set[int] = set()   # connections that may keep a mapping idle
-        self.asked: set[int] = set()     # connections asked to evict since their last unmap
+        self.keepers: set[int] = set()  # connections that may keep a mapping idle
+        self.asked: set[int] = set()  # connections asked to evict since their last unmap
         self.events: dict[bytes, None] = {}  # unmap events the final free waits on
         self.in_limbo = False
         self.block_ref = weakref.ref(block)
@@ -225,9 +252,12 @@ def _shared_release(ptr: int, size: int, stream: Any, share: _Export) -> bool:
         _limbo_bytes[0] += size
         if _limbo_bytes[0] > settings.warn_bytes and not _warned[0]:
             _warned[0] = True
-            warnings.warn(f"cupy_poolmem: {_limbo_bytes[0]:,} bytes freed here are still held "
-                          "for other processes (limbo); receivers keep arrays alive too long?",
-                          ResourceWarning, stacklevel=2)
+            warnings.warn(
+                f"cupy_poolmem: {_limbo_bytes[0]:,} bytes freed here are still held "
+                "for other processes (limbo); receivers keep arrays alive too long?",
+                ResourceWarning,
+                stacklevel=2,
+            )
     _settle(share)  # held by idle mappings only: ask their receivers to unmap
     return True
 
@@ -341,8 +371,9 @@ class _Server:
                 if _server_closed[0]:
                     return
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name="cupy_poolmem-sharing-conn").start()
+            threading.Thread(
+                target=self._serve, args=(conn,), daemon=True, name="cupy_poolmem-sharing-conn"
+            ).start()
 
     def _serve(self, conn: Any) -> None:
         cid = next(_cids)
@@ -386,10 +417,10 @@ class _Server:
         if exp is None:
             return
         with _lock:
-            if op == "hit":      # (export_id, ticket): this receiver holds a lease already
+            if op == "hit":  # (export_id, ticket): this receiver holds a lease already
                 _resolve(exp, msg[2])
                 exp.keepers.add(cid)  # a block received again is kept when let go
-            elif op == "map":    # (export_id, ticket, keep): the ticket becomes a lease
+            elif op == "map":  # (export_id, ticket, keep): the ticket becomes a lease
                 _resolve(exp, msg[2])
                 exp.leases[cid] = exp.leases.get(cid, 0) + 1
                 if msg[3]:
@@ -406,7 +437,7 @@ class _Server:
             elif op == "inflight":  # (export_id, ticket): a forwarder sent a message on
                 _register(exp, msg[2], "inflight")
                 return
-            elif op == "drop":   # (export_id, ticket): received, but unpickling failed
+            elif op == "drop":  # (export_id, ticket): received, but unpickling failed
                 _resolve(exp, msg[2])
         _settle(exp)
 
@@ -425,8 +456,8 @@ def _get_server() -> _Server:
 
 # ---------------------------------------------------------------- events and devices
 _uuid_cache: dict[int, str] = {}
-_events: dict[tuple[int, int], Any] = {}   # (device, stream) -> (CUevent, handle bytes)
-_opened_events: dict[bytes, Any] = {}      # peer handle -> opened CUevent
+_events: dict[tuple[int, int], Any] = {}  # (device, stream) -> (CUevent, handle bytes)
+_opened_events: dict[bytes, Any] = {}  # peer handle -> opened CUevent
 
 
 def _device_uuid(dev: int) -> str:
@@ -449,14 +480,18 @@ def _local_device(uuid: str) -> int:
         return d
     n = device_count()
     if n == 0:
-        raise NoGPUError("received a CuPy array from another process, but this process has "
-                         "no GPU (check CUDA_VISIBLE_DEVICES in the receiver)")
+        raise NoGPUError(
+            "received a CuPy array from another process, but this process has "
+            "no GPU (check CUDA_VISIBLE_DEVICES in the receiver)"
+        )
     for d in range(n):
         _ordinal_by_uuid[_device_uuid(d)] = d
     if uuid in _ordinal_by_uuid:
         return _ordinal_by_uuid[uuid]
-    raise SharingError(f"received an array on GPU {uuid}, which this process cannot see; "
-                       "CUDA_VISIBLE_DEVICES of the receiver must include that GPU")
+    raise SharingError(
+        f"received an array on GPU {uuid}, which this process cannot see; "
+        "CUDA_VISIBLE_DEVICES of the receiver must include that GPU"
+    )
 
 
 _runtime = cupy.cuda.runtime
@@ -491,8 +526,7 @@ class _on_device:
             _runtime.setDevice(self.prev)
 
 
-_EVENT_FLAGS = (_drv.CUevent_flags.CU_EVENT_INTERPROCESS
-                | _drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+_EVENT_FLAGS = _drv.CUevent_flags.CU_EVENT_INTERPROCESS | _drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
 
 
 def _record_event(dev: int) -> bytes:
@@ -523,8 +557,9 @@ def _wait_event_bound(handle: bytes, stream_ptr: int) -> None:
     if ev is None:
         h = _drv.CUipcEventHandle()
         h.reserved = handle
-        ev = _opened_events[handle] = check_driver(_drv.cuIpcOpenEventHandle(h),
-                                                   "cuIpcOpenEventHandle")
+        ev = _opened_events[handle] = check_driver(
+            _drv.cuIpcOpenEventHandle(h), "cuIpcOpenEventHandle"
+        )
     check_driver(_drv.cuStreamWaitEvent(stream_ptr, ev, 0), "cuStreamWaitEvent")
 
 
@@ -534,13 +569,11 @@ class _Client:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.conn = _mpc.Client(address, family="AF_UNIX",
-                                authkey=bytes(current_process().authkey))
+        self.conn = _mpc.Client(address, family="AF_UNIX", authkey=bytes(current_process().authkey))
         self.lock = threading.RLock()
         self.replies: queue.SimpleQueue = queue.SimpleQueue()
         self.closed = False
-        threading.Thread(target=self._read, name="cupy_poolmem-sharing-client",
-                         daemon=True).start()
+        threading.Thread(target=self._read, name="cupy_poolmem-sharing-client", daemon=True).start()
 
     def send(self, msg: tuple) -> None:
         with self.lock:
@@ -574,8 +607,9 @@ class _Client:
             try:
                 uuid, fd, error = self.replies.get(timeout=max(deadline - time.monotonic(), 0))
             except queue.Empty:
-                raise SharingError("the exporting process did not share its pool within "
-                                   "60 s") from None
+                raise SharingError(
+                    "the exporting process did not share its pool within 60 s"
+                ) from None
             if uuid == pool_uuid or uuid is None:
                 break
             if fd is not None:  # a late reply to an earlier request that timed out
@@ -596,8 +630,7 @@ def _post(to: str | _Peer, msg: tuple) -> None:
     if _outbox_thread[0] is None:
         with _lock:
             if _outbox_thread[0] is None:
-                t = threading.Thread(target=_drain_outbox, name="cupy_poolmem-outbox",
-                                     daemon=True)
+                t = threading.Thread(target=_drain_outbox, name="cupy_poolmem-outbox", daemon=True)
                 _outbox_thread[0] = t
                 t.start()
 
@@ -654,7 +687,8 @@ def _client(address: str) -> _Client:
                 except (OSError, EOFError) as exc:
                     raise SharingError(
                         "cannot reach the process that owns this array (it has exited?); "
-                        f"memory shared by an exited process is gone ({exc})") from None
+                        f"memory shared by an exited process is gone ({exc})"
+                    ) from None
     return c
 
 
@@ -691,24 +725,50 @@ def _imported_pool(c: _Client, pool_uuid: str, kind: int, dev: int) -> Any:
 class _Mapping:
     """One exported block mapped into this process (one per block: invariant 7)."""
 
-    __slots__ = ("ptr", "size", "key", "client", "export_id", "dev", "kind", "pool_uuid",
-                 "dev_uuid", "data", "users", "keep", "evict", "last_use", "waits")
+    __slots__ = (
+        "ptr",
+        "size",
+        "key",
+        "client",
+        "export_id",
+        "dev",
+        "kind",
+        "pool_uuid",
+        "dev_uuid",
+        "data",
+        "users",
+        "keep",
+        "evict",
+        "last_use",
+        "waits",
+    )
 
-    def __init__(self, ptr: int, size: int, key: tuple, client: _Client, export_id: int,
-                 dev: int, kind: int, pool_uuid: str, dev_uuid: str, data: bytes) -> None:
+    def __init__(
+        self,
+        ptr: int,
+        size: int,
+        key: tuple,
+        client: _Client,
+        export_id: int,
+        dev: int,
+        kind: int,
+        pool_uuid: str,
+        dev_uuid: str,
+        data: bytes,
+    ) -> None:
         self.ptr, self.size, self.key, self.client = ptr, size, key, client
         self.export_id, self.dev, self.kind = export_id, dev, kind
         self.pool_uuid, self.dev_uuid, self.data = pool_uuid, dev_uuid, data
-        self.users = 1          # live _Imported owners (one per message received)
+        self.users = 1  # live _Imported owners (one per message received)
         self.keep = key in _seen  # received before: likely to come again (invariant 4)
-        self.evict = False      # the exporter asked for it back
+        self.evict = False  # the exporter asked for it back
         self.last_use: Any = None  # CUevent recorded when the last array went (idle)
         self.waits: list[Any] = []  # CUevents: other streams' last uses, while in use
 
 
-_maps: dict[tuple[str, int], _Mapping] = {}     # (exporter address, export id) -> mapping
+_maps: dict[tuple[str, int], _Mapping] = {}  # (exporter address, export id) -> mapping
 _idle: OrderedDict[tuple[str, int], _Mapping] = OrderedDict()  # unused, oldest first
-_seen: OrderedDict[tuple[str, int], None] = OrderedDict()      # recent mapping keys
+_seen: OrderedDict[tuple[str, int], None] = OrderedDict()  # recent mapping keys
 _SEEN_MAX = 4096
 _PLAIN_EVENT = _drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
 
@@ -796,8 +856,7 @@ def _dropped(m: _Mapping, stream: Any) -> None:
             keep = m.keep and not m.evict and not m.client.closed and settings._keep > 0
             if keep:
                 if m.last_use is None:
-                    m.last_use = check_driver(_drv.cuEventCreate(_PLAIN_EVENT),
-                                              "cuEventCreate")
+                    m.last_use = check_driver(_drv.cuEventCreate(_PLAIN_EVENT), "cuEventCreate")
                 check_driver(_drv.cuEventRecord(m.last_use, sptr), "cuEventRecord")
                 _idle[m.key] = m
                 over = _over_cap()
@@ -856,7 +915,7 @@ def _trim_idle(limit: int | None = None) -> int:
         if limit is None:
             done = _over_cap()
         else:
-            done = _take_idle(list(_idle.values())[:max(len(_idle) - limit, 0)])
+            done = _take_idle(list(_idle.values())[: max(len(_idle) - limit, 0)])
     for m, ev in done:
         _send_unmap(m, ev)
     return len(done)
@@ -880,8 +939,9 @@ def _block_of(mem: Any) -> Any:
     return owner
 
 
-def _export_message(owner: Any, kind_tag: str, offset: int, shape: tuple, strides: tuple,
-                    dtype: str) -> tuple:
+def _export_message(
+    owner: Any, kind_tag: str, offset: int, shape: tuple, strides: tuple, dtype: str
+) -> tuple:
     _check_not_forked()
     if isinstance(owner, _hp.Block):
         core = owner.core
@@ -896,19 +956,37 @@ def _export_message(owner: Any, kind_tag: str, offset: int, shape: tuple, stride
         pool_uuid = core._pool_uuid
         server.pools[pool_uuid] = core
         dev = core.device_id
-        head = (server.address, pool_uuid, exp.dev_uuid, core.kind, exp.export_id, exp.data,
-                exp.size, ticket)
+        head = (
+            server.address,
+            pool_uuid,
+            exp.dev_uuid,
+            core.kind,
+            exp.export_id,
+            exp.data,
+            exp.size,
+            ticket,
+        )
     elif isinstance(owner, _LocalHolder):
-        return _export_message(owner.block, kind_tag, offset, shape, strides, dtype) \
-            if owner.block is not None else _forward_local(owner, kind_tag, offset, shape,
-                                                            strides, dtype)
+        return (
+            _export_message(owner.block, kind_tag, offset, shape, strides, dtype)
+            if owner.block is not None
+            else _forward_local(owner, kind_tag, offset, shape, strides, dtype)
+        )
     else:  # _Imported: forward to a third process; the exporter learns the ticket first
         m = owner.m
         ticket = next(_tickets)
         m.client.send(("inflight", m.export_id, ticket))
         dev = m.dev
-        head = (m.client.address, m.pool_uuid, m.dev_uuid, m.kind, m.export_id, m.data,
-                m.size, ticket)
+        head = (
+            m.client.address,
+            m.pool_uuid,
+            m.dev_uuid,
+            m.kind,
+            m.export_id,
+            m.data,
+            m.size,
+            ticket,
+        )
     ev = _record_event(dev if dev >= 0 else cupy.cuda.runtime.getDevice())
     return (_PROTOCOL, kind_tag) + head + (ev, offset, shape, strides, dtype)
 
@@ -922,20 +1000,50 @@ def _forward_local(holder: _LocalHolder, *rest: Any) -> tuple:
     dev = exp.core.device_id
     ev = _record_event(dev if dev >= 0 else cupy.cuda.runtime.getDevice())
     kind_tag, offset, shape, strides, dtype = rest
-    return (_PROTOCOL, kind_tag, server.address, exp.core._pool_uuid, exp.dev_uuid,
-            exp.core.kind, exp.export_id, exp.data, exp.size, ticket, ev,
-            offset, shape, strides, dtype)
+    return (
+        _PROTOCOL,
+        kind_tag,
+        server.address,
+        exp.core._pool_uuid,
+        exp.dev_uuid,
+        exp.core.kind,
+        exp.export_id,
+        exp.data,
+        exp.size,
+        ticket,
+        ev,
+        offset,
+        shape,
+        strides,
+        dtype,
+    )
 
 
-def _rebuild(version: int, kind_tag: str, address: str, pool_uuid: str, dev_uuid: str,
-             pool_kind: int, export_id: int, data: bytes, size: int, ticket: int,
-             event_desc: Any, offset: int, shape: tuple, strides: tuple, dtype: str) -> Any:
+def _rebuild(
+    version: int,
+    kind_tag: str,
+    address: str,
+    pool_uuid: str,
+    dev_uuid: str,
+    pool_kind: int,
+    export_id: int,
+    data: bytes,
+    size: int,
+    ticket: int,
+    event_desc: Any,
+    offset: int,
+    shape: tuple,
+    strides: tuple,
+    dtype: str,
+) -> Any:
     """Receiver side of a shared array (also the round trip back to its exporter)."""
     _check_not_forked()
     if version != _PROTOCOL:
-        raise SharingError(f"message format {version} from a different cupy_poolmem version "
-                           f"(this one reads format {_PROTOCOL}); install one version in "
-                           "every process")
+        raise SharingError(
+            f"message format {version} from a different cupy_poolmem version "
+            f"(this one reads format {_PROTOCOL}); install one version in "
+            "every process"
+        )
     srv = _server[0]
     local = srv is not None and srv.address == address
     try:
@@ -949,8 +1057,9 @@ def _rebuild(version: int, kind_tag: str, address: str, pool_uuid: str, dev_uuid
         if local:
             owner = _local_owner(export_id, ticket)
         else:
-            owner = _import(address, pool_uuid, pool_kind, dev, dev_uuid, export_id, data,
-                            size, ticket, stream)
+            owner = _import(
+                address, pool_uuid, pool_kind, dev, dev_uuid, export_id, data, size, ticket, stream
+            )
         if event_desc is not None:
             _wait_event_bound(event_desc, stream.ptr)
         dt = np.dtype(dtype)
@@ -984,15 +1093,27 @@ def _local_owner(export_id: int, ticket: int) -> _LocalHolder:
     return h
 
 
-def _import(address: str, pool_uuid: str, pool_kind: int, dev: int, dev_uuid: str,
-            export_id: int, data: bytes, size: int, ticket: int, stream: Any) -> _Imported:
+def _import(
+    address: str,
+    pool_uuid: str,
+    pool_kind: int,
+    dev: int,
+    dev_uuid: str,
+    export_id: int,
+    data: bytes,
+    size: int,
+    ticket: int,
+    stream: Any,
+) -> _Imported:
     """Map one exported block in this process (``dev`` current), or reuse its mapping."""
     key = (address, export_id)
     c = _client(address)
     if c.closed:
-        raise SharingError("the process that owns this array has exited; memory shared by "
-                           "an exited process is gone (keep it alive, or set "
-                           "cupy_poolmem.sharing.exit_timeout in it)")
+        raise SharingError(
+            "the process that owns this array has exited; memory shared by "
+            "an exited process is gone (keep it alive, or set "
+            "cupy_poolmem.sharing.exit_timeout in it)"
+        )
     try:
         # Outside _lock: the pool's fd comes through the client's reader thread, which
         # takes _lock for evictions.
@@ -1009,10 +1130,14 @@ def _import(address: str, pool_uuid: str, pool_kind: int, dev: int, dev_uuid: st
             else:
                 share = _drv.CUmemPoolPtrExportData()
                 share.reserved = data
-                ptr = int(check_driver(_drv.cuMemPoolImportPointer(handle, share),
-                                       "cuMemPoolImportPointer"))
-                m = _maps[key] = _Mapping(ptr, size, key, c, export_id, dev, pool_kind,
-                                          pool_uuid, dev_uuid, data)  # one user
+                ptr = int(
+                    check_driver(
+                        _drv.cuMemPoolImportPointer(handle, share), "cuMemPoolImportPointer"
+                    )
+                )
+                m = _maps[key] = _Mapping(
+                    ptr, size, key, c, export_id, dev, pool_kind, pool_uuid, dev_uuid, data
+                )  # one user
                 msg = ("map", export_id, ticket, m.keep)
     except BaseException:
         _give_back(address, export_id, ticket)
@@ -1025,8 +1150,9 @@ def _import(address: str, pool_uuid: str, pool_kind: int, dev: int, dev_uuid: st
 def _shareable(owner: Any) -> bool:
     if isinstance(owner, (_Imported, _LocalHolder)):
         return True
-    return isinstance(owner, _hp.Block) and getattr(owner.core, "ipc", False) \
-        and not owner.core.closed
+    return (
+        isinstance(owner, _hp.Block) and getattr(owner.core, "ipc", False) and not owner.core.closed
+    )
 
 
 def reduce_cupy(arr: cupy.ndarray) -> tuple:
@@ -1041,7 +1167,8 @@ def reduce_cupy(arr: cupy.ndarray) -> tuple:
             raise SharingError(
                 "this array's memory cannot be shared zero-copy (it is not from an IPC-enabled "
                 "cupy_poolmem pool); call cupy_poolmem.set_allocator() before creating it, or "
-                "set cupy_poolmem.sharing.fallback to 'device-copy' or 'host'")
+                "set cupy_poolmem.sharing.fallback to 'device-copy' or 'host'"
+            )
         with _on_device(arr.device.id):
             pool = _sharing_pool(arr.device.id)
             with cupy.cuda.using_allocator(pool.malloc):
@@ -1049,8 +1176,7 @@ def reduce_cupy(arr: cupy.ndarray) -> tuple:
         mem = arr.data.mem
         owner = _block_of(mem)
     offset = arr.data.ptr - mem.ptr
-    return _rebuild, _export_message(owner, "cupy", offset, arr.shape, arr.strides,
-                                     arr.dtype.str)
+    return _rebuild, _export_message(owner, "cupy", offset, arr.shape, arr.strides, arr.dtype.str)
 
 
 def reduce_numpy(arr: np.ndarray) -> tuple:
@@ -1063,8 +1189,7 @@ def reduce_numpy(arr: np.ndarray) -> tuple:
     if owner is None or not _shareable(owner) or arr.size == 0:
         return arr.__reduce_ex__(4)
     offset = arr.__array_interface__["data"][0] - owner.ptr
-    return _rebuild, _export_message(owner, "numpy", offset, arr.shape, arr.strides,
-                                     arr.dtype.str)
+    return _rebuild, _export_message(owner, "numpy", offset, arr.shape, arr.strides, arr.dtype.str)
 
 
 _sharing_pools: dict[int, Pool] = {}

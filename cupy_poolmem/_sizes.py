@@ -9,16 +9,31 @@ from ._errors import InvalidOptionError, OptionTypeError
 __all__ = ["parse_bytes", "format_bytes"]
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-    "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | float | str, *, name: str = "size", total: int | None = None,
-                allow_none: bool = False) -> int | None:
+def parse_bytes(
+    value: int | float | str,
+    *,
+    name: str = "size",
+    total: int | None = None,
+    allow_none: bool = False,
+) -> int | None:
     """Turn ``value`` into a number of bytes.
 
     Parameters
@@ -59,7 +74,8 @@ def parse_bytes(value: int | float | str, *, name: str = "size", total: int | No
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise OptionTypeError(
             f"{name} must be an int number of bytes, a string such as '40GB', or a fraction "
-            f"such as 0.9; got {value!r} of type {type(value).__name__}")
+            f"such as 0.9; got {value!r} of type {type(value).__name__}"
+        )
     if isinstance(value, int):
         if value < 0:
             raise InvalidOptionError(f"{name} must be >= 0 bytes; got {value}")
@@ -71,22 +87,28 @@ def parse_bytes(value: int | float | str, *, name: str = "size", total: int | No
         if not m or m.group(2).lower() not in _UNITS:
             raise InvalidOptionError(
                 f"{name}={value!r} is not a size; use bytes (1048576), a unit "
-                "('40GB', '512MiB') or a fraction of device memory ('0.9')")
+                "('40GB', '512MiB') or a fraction of device memory ('0.9')"
+            )
         number, unit = float(m.group(1)), m.group(2).lower()
         if unit == "" and number == int(number) and "." not in m.group(1) and number > 1:
             return int(number)
-    if unit in (None, "") and 0 < number <= 1 and not (isinstance(value, str) and number == 1
-                                                       and "." not in value):
+    if (
+        unit in (None, "")
+        and 0 < number <= 1
+        and not (isinstance(value, str) and number == 1 and "." not in value)
+    ):
         if total is None:
             raise InvalidOptionError(
                 f"{name}={value!r} is a fraction, but there is no total to take it of; "
-                "give a byte count such as '40GB'")
+                "give a byte count such as '40GB'"
+            )
         return int(number * total)
     if number < 0:
         raise InvalidOptionError(f"{name} must be >= 0 bytes; got {value!r}")
     if unit is None:
         raise InvalidOptionError(
-            f"{name}={value!r}: a float must be a fraction in (0, 1]; use an int for bytes")
+            f"{name}={value!r}: a float must be a fraction in (0, 1]; use an int for bytes"
+        )
     return int(number * _UNITS[unit])
 
 

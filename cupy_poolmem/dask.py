@@ -43,8 +43,9 @@ try:
     import dask.config
     from distributed.diagnostics.plugin import WorkerPlugin
 except ImportError as _exc:  # pragma: no cover - depends on the environment
-    raise ImportError("cupy_poolmem.dask needs dask and distributed: "
-                      f"pip install 'cupy_poolmem[dask]' ({_exc})") from _exc
+    raise ImportError(
+        f"cupy_poolmem.dask needs dask and distributed: pip install 'cupy_poolmem[dask]' ({_exc})"
+    ) from _exc
 
 from ._errors import InvalidOptionError, NoGPUError, OptionTypeError, PoolClosedError
 from ._pools import require_gpu
@@ -83,8 +84,9 @@ def _size_kind(value: Any, name: str) -> str:
 
 def _check_bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
-        raise OptionTypeError(f"{name} must be True or False; got {value!r} of type "
-                              f"{type(value).__name__}")
+        raise OptionTypeError(
+            f"{name} must be True or False; got {value!r} of type {type(value).__name__}"
+        )
     return value
 
 
@@ -163,10 +165,14 @@ class PoolmemPlugin(WorkerPlugin):
     name = "cupy-poolmem"
     idempotent = False
 
-    def __init__(self, pool_size: int | str | float | None = None,
-                 maximum_pool_size: int | str | float | None = None,
-                 release_threshold: int | str | float | None = None,
-                 pinned: bool = True, ipc: bool = True) -> None:
+    def __init__(
+        self,
+        pool_size: int | str | float | None = None,
+        maximum_pool_size: int | str | float | None = None,
+        release_threshold: int | str | float | None = None,
+        pinned: bool = True,
+        ipc: bool = True,
+    ) -> None:
         self.pool_size = pool_size
         self.maximum_pool_size = maximum_pool_size
         self.release_threshold = release_threshold
@@ -191,12 +197,16 @@ class PoolmemPlugin(WorkerPlugin):
         >>> with dask.config.set({"cupy-poolmem.pool-size": "1GB"}):  # doctest: +SKIP
         ...     plugin = PoolmemPlugin.from_config()
         """
-        cfg = {k: dask.config.get(f"cupy-poolmem.{k}", default=v)
-               for k, v in CONFIG_DEFAULTS.items()}
-        return cls(pool_size=cfg["pool-size"], maximum_pool_size=cfg["maximum-pool-size"],
-                   release_threshold=cfg["release-threshold"],
-                   pinned=_config_bool(cfg["pinned"], "cupy-poolmem.pinned"),
-                   ipc=_config_bool(cfg["ipc"], "cupy-poolmem.ipc"))
+        cfg = {
+            k: dask.config.get(f"cupy-poolmem.{k}", default=v) for k, v in CONFIG_DEFAULTS.items()
+        }
+        return cls(
+            pool_size=cfg["pool-size"],
+            maximum_pool_size=cfg["maximum-pool-size"],
+            release_threshold=cfg["release-threshold"],
+            pinned=_config_bool(cfg["pinned"], "cupy-poolmem.pinned"),
+            ipc=_config_bool(cfg["ipc"], "cupy-poolmem.ipc"),
+        )
 
     # -- sizes -------------------------------------------------------------------------
     def resolve(self, total: int) -> dict[str, int | None]:
@@ -213,18 +223,27 @@ class PoolmemPlugin(WorkerPlugin):
         >>> PoolmemPlugin(pool_size="0.25", maximum_pool_size="30GB").resolve(80 * 10**9)
         {'pool_size': 20000000000, 'maximum_pool_size': 30000000000, 'release_threshold': None}
         """
-        out = {n: parse_bytes(getattr(self, n), name=n, total=total, allow_none=True)
-               for n in _SIZE_OPTIONS}
+        out = {
+            n: parse_bytes(getattr(self, n), name=n, total=total, allow_none=True)
+            for n in _SIZE_OPTIONS
+        }
         for n in ("pool_size", "maximum_pool_size"):
             if out[n] is not None and out[n] > total:
                 raise InvalidOptionError(
                     f"{n}={getattr(self, n)!r} ({format_bytes(out[n])}) is more than the GPU "
-                    f"has ({format_bytes(total)})")
-        if out["maximum_pool_size"] is not None and out["pool_size"] is not None \
-                and out["pool_size"] > out["maximum_pool_size"]:
+                    f"has ({format_bytes(total)})"
+                )
+        if (
+            out["maximum_pool_size"] is not None
+            and out["pool_size"] is not None
+            and out["pool_size"] > out["maximum_pool_size"]
+        ):
             self._raise_order("pool_size", "maximum_pool_size", out)
-        if out["release_threshold"] is not None and out["pool_size"] is not None \
-                and out["release_threshold"] < out["pool_size"]:
+        if (
+            out["release_threshold"] is not None
+            and out["pool_size"] is not None
+            and out["release_threshold"] < out["pool_size"]
+        ):
             self._raise_order("release_threshold", "pool_size", out)
         return out
 
@@ -241,14 +260,17 @@ class PoolmemPlugin(WorkerPlugin):
             why = "the pool cannot reserve more than its cap"
             rel = "more than"
         else:
-            why = ("the reservation would be released at the first synchronisation; leave "
-                   "release_threshold unset to keep it")
+            why = (
+                "the reservation would be released at the first synchronisation; leave "
+                "release_threshold unset to keep it"
+            )
             rel = "less than"
         detail = ""
         if values.get(a, 0) < _PROBE_TOTAL // 2 and values.get(b, 0) < _PROBE_TOTAL // 2:
             detail = f" ({format_bytes(values[a])} vs {format_bytes(values[b])})"
-        raise InvalidOptionError(f"{a}={getattr(self, a)!r} is {rel} {b}={getattr(self, b)!r}"
-                                 f"{detail}: {why}")
+        raise InvalidOptionError(
+            f"{a}={getattr(self, a)!r} is {rel} {b}={getattr(self, b)!r}{detail}: {why}"
+        )
 
     # -- worker lifecycle --------------------------------------------------------------
     def setup(self, worker: Any = None) -> None:
@@ -262,8 +284,10 @@ class PoolmemPlugin(WorkerPlugin):
         try:
             require_gpu(f"PoolmemPlugin on {where}")
         except NoGPUError as exc:
-            raise NoGPUError(f"{exc} (CUDA_VISIBLE_DEVICES="
-                             f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})") from None
+            raise NoGPUError(
+                f"{exc} (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})"
+            ) from None
         dev = cupy.cuda.runtime.getDevice()
         try:
             with cupy.cuda.Device(dev) as d:
@@ -271,7 +295,9 @@ class PoolmemPlugin(WorkerPlugin):
                 sizes = self.resolve(total)
                 self._device_alloc = cupy_poolmem.set_allocator(
                     max_size=sizes["maximum_pool_size"],
-                    release_threshold=sizes["release_threshold"], ipc=self.ipc)
+                    release_threshold=sizes["release_threshold"],
+                    ipc=self.ipc,
+                )
                 pool = self._device_alloc.pool(dev)
                 if sizes["pool_size"]:
                     _prereserve(pool, sizes["pool_size"])
@@ -284,10 +310,17 @@ class PoolmemPlugin(WorkerPlugin):
         self.device = dev
         logger.info(
             "cupy_poolmem on %s: device %d (%s, CUDA_VISIBLE_DEVICES=%s), pool_size=%s, "
-            "maximum_pool_size=%s, release_threshold=%s, pinned=%s, ipc=%s", where, dev,
-            _device_name(dev), os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"),
-            _fmt(sizes["pool_size"]), _fmt(sizes["maximum_pool_size"]),
-            _fmt(sizes["release_threshold"]), self.pinned, self.ipc)
+            "maximum_pool_size=%s, release_threshold=%s, pinned=%s, ipc=%s",
+            where,
+            dev,
+            _device_name(dev),
+            os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"),
+            _fmt(sizes["pool_size"]),
+            _fmt(sizes["maximum_pool_size"]),
+            _fmt(sizes["release_threshold"]),
+            self.pinned,
+            self.ipc,
+        )
 
     def teardown(self, worker: Any = None) -> None:
         """Close the pools and restore CuPy's default device and pinned allocators."""
@@ -320,10 +353,12 @@ class PoolmemPlugin(WorkerPlugin):
         return state
 
     def __repr__(self) -> str:
-        return (f"PoolmemPlugin(pool_size={self.pool_size!r}, "
-                f"maximum_pool_size={self.maximum_pool_size!r}, "
-                f"release_threshold={self.release_threshold!r}, pinned={self.pinned!r}, "
-                f"ipc={self.ipc!r})")
+        return (
+            f"PoolmemPlugin(pool_size={self.pool_size!r}, "
+            f"maximum_pool_size={self.maximum_pool_size!r}, "
+            f"release_threshold={self.release_threshold!r}, pinned={self.pinned!r}, "
+            f"ipc={self.ipc!r})"
+        )
 
 
 def _prereserve(pool: Any, nbytes: int) -> None:
@@ -335,7 +370,8 @@ def _prereserve(pool: Any, nbytes: int) -> None:
     except MemoryError as exc:
         raise InvalidOptionError(
             f"pool_size: could not reserve {format_bytes(nbytes)} on device {pool.device_id} "
-            f"({exc}); lower pool_size") from exc
+            f"({exc}); lower pool_size"
+        ) from exc
     del mem
     cupy.cuda.get_current_stream().synchronize()
 
@@ -372,8 +408,10 @@ async def dask_setup(worker: Any) -> None:
     from distributed import Worker
 
     if not isinstance(worker, Worker):
-        logger.info("cupy_poolmem.dask preload ignored on %s (only workers get pools)",
-                    type(worker).__name__)
+        logger.info(
+            "cupy_poolmem.dask preload ignored on %s (only workers get pools)",
+            type(worker).__name__,
+        )
         return
     plugin = PoolmemPlugin.from_config()
     await worker.plugin_add(plugin=plugin, name=plugin.name, catch_errors=False)
@@ -393,12 +431,14 @@ def _worker_stats(kind: str) -> dict:
         raise PoolClosedError(
             f"this worker has no cupy_poolmem {kind} pool: register "
             "cupy_poolmem.dask.PoolmemPlugin (client.register_plugin) or preload "
-            "cupy_poolmem.dask") from None
+            "cupy_poolmem.dask"
+        ) from None
     return pool.stats().to_dict()
 
 
-def gather_stats(client: Any, *, kind: str = "device",
-                 workers: list[str] | None = None) -> dict[str, dict]:
+def gather_stats(
+    client: Any, *, kind: str = "device", workers: list[str] | None = None
+) -> dict[str, dict]:
     """Every worker's pool statistics, through ``client.run``.
 
     Parameters

@@ -39,10 +39,13 @@ def _location(where: Any, name: str) -> Any:
     if isinstance(where, int) and not isinstance(where, bool):
         n = cupy.cuda.runtime.getDeviceCount()
         if not 0 <= where < n:
-            raise InvalidOptionError(f"{name}={where} is not a device ordinal (0..{n - 1}) or 'cpu'")
+            raise InvalidOptionError(
+                f"{name}={where} is not a device ordinal (0..{n - 1}) or 'cpu'"
+            )
         return cc.Device(where)
-    raise OptionTypeError(f"{name} must be a device ordinal, a cupy.cuda.Device or 'cpu'; "
-                          f"got {where!r}")
+    raise OptionTypeError(
+        f"{name} must be a device ordinal, a cupy.cuda.Device or 'cpu'; got {where!r}"
+    )
 
 
 def _managed_buffer(arr: Any) -> Any:
@@ -53,11 +56,13 @@ def _managed_buffer(arr: Any) -> Any:
     if nbytes == 0:
         return None
     err, is_managed = _drv.cuPointerGetAttribute(
-        _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr)
+        _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr
+    )
     if int(err) or not is_managed:
         raise InvalidOptionError(
             "the array is not on managed memory; allocate it from a cupy_poolmem.ManagedPool "
-            "(cupy.cuda.set_allocator(pool.malloc)) before prefetching or advising")
+            "(cupy.cuda.set_allocator(pool.malloc)) before prefetching or advising"
+        )
     return cc.ManagedBuffer.from_handle(ptr, nbytes, owner=arr)
 
 
@@ -93,8 +98,13 @@ def prefetch(arr: cupy.ndarray, device: int | str = 0, *, stream: Any = None) ->
         raise _as_driver_error(exc, "cuMemPrefetchAsync") from exc
 
 
-def advise(arr: cupy.ndarray, *, preferred_location: int | str | None = None,
-           accessed_by: list[int | str] | None = None, read_mostly: bool | None = None) -> None:
+def advise(
+    arr: cupy.ndarray,
+    *,
+    preferred_location: int | str | None = None,
+    accessed_by: list[int | str] | None = None,
+    read_mostly: bool | None = None,
+) -> None:
     """Give the driver placement hints for the managed memory under ``arr``.
 
     Parameters
@@ -120,8 +130,9 @@ def advise(arr: cupy.ndarray, *, preferred_location: int | str | None = None,
     --------
     >>> cupy_poolmem.advise(x, preferred_location=0, accessed_by=[0], read_mostly=False)  # doctest: +SKIP
     """
-    pref = None if preferred_location is None else _location(preferred_location,
-                                                              "preferred_location")
+    pref = (
+        None if preferred_location is None else _location(preferred_location, "preferred_location")
+    )
     if accessed_by is not None and not isinstance(accessed_by, (list, tuple, set)):
         raise OptionTypeError(f"accessed_by must be a list of devices; got {accessed_by!r}")
     acc = None if accessed_by is None else [_location(w, "accessed_by") for w in accessed_by]
@@ -144,7 +155,8 @@ def advise(arr: cupy.ndarray, *, preferred_location: int | str | None = None,
                 "cuMemAdvise failed: CUDA_ERROR_NOT_SUPPORTED: this driver does not accept "
                 "placement advice on memory from a managed memory *pool* (seen with driver "
                 "580 / CUDA 13.0). prefetch() works on it; for advice, allocate with "
-                "cupy.cuda.malloc_managed instead.") from exc
+                "cupy.cuda.malloc_managed instead."
+            ) from exc
         raise err from exc
 
 

@@ -73,7 +73,8 @@ try:
 except ImportError as _exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "cupy_poolmem.numba needs Numba's CUDA target: pip install 'numba-cuda[cu13]' "
-        f"(or numba-cuda[cu12]); the import failed with: {_exc}") from _exc
+        f"(or numba-cuda[cu12]); the import failed with: {_exc}"
+    ) from _exc
 
 import cupy
 from cuda.bindings import driver as _drv
@@ -129,8 +130,10 @@ def _check_size(size: Any) -> int:
             raise TypeError
         size = operator.index(size)  # int, numpy integers
     except TypeError:
-        raise OptionTypeError(f"allocation size must be an int number of bytes; got {size!r} "
-                              f"of type {type(size).__name__}") from None
+        raise OptionTypeError(
+            f"allocation size must be an int number of bytes; got {size!r} "
+            f"of type {type(size).__name__}"
+        ) from None
     if size < 0:
         raise InvalidOptionError(f"allocation size must be >= 0 bytes; got {size}")
     return size
@@ -184,9 +187,11 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
 
     def _device_id(self) -> int:
         if self.context is None:
-            raise RuntimeError("PoolmemNumbaManager has no CUDA context: Numba creates "
-                               "instances itself; register the class with "
-                               "numba.cuda.set_memory_manager(PoolmemNumbaManager)")
+            raise RuntimeError(
+                "PoolmemNumbaManager has no CUDA context: Numba creates "
+                "instances itself; register the class with "
+                "numba.cuda.set_memory_manager(PoolmemNumbaManager)"
+            )
         return int(self.context.device.id)
 
     def memalloc(self, size: int) -> MemoryPointer:
@@ -199,11 +204,13 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         mem = _device_pool(dev).malloc(size)  # raises OutOfPoolMemoryError when full
         ptr = int(mem.ptr)
         self.allocations[ptr] = mem
-        return MemoryPointer(ctx, _drv.CUdeviceptr(ptr), size,
-                             finalizer=_forget(self.allocations, ptr))
+        return MemoryPointer(
+            ctx, _drv.CUdeviceptr(ptr), size, finalizer=_forget(self.allocations, ptr)
+        )
 
-    def memhostalloc(self, size: int, mapped: bool = False, portable: bool = False,
-                     wc: bool = False) -> Any:
+    def memhostalloc(
+        self, size: int, mapped: bool = False, portable: bool = False, wc: bool = False
+    ) -> Any:
         """Pinned host memory from the :class:`~cupy_poolmem.PinnedPool`.
 
         ``mapped=True`` or ``wc=True`` fall back to Numba's ``cuMemHostAlloc`` (pool
@@ -216,8 +223,7 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
             return super().memhostalloc(size, mapped, portable, wc)
         dev = self._device_id()
         mem = _pinned_pool(dev).malloc(size)
-        return PinnedMemory(weakref.proxy(self.context), int(mem.ptr), size,
-                            finalizer=_drop([mem]))
+        return PinnedMemory(weakref.proxy(self.context), int(mem.ptr), size, finalizer=_drop([mem]))
 
     def get_memory_info(self) -> MemoryInfo:
         """``(free, total)`` as seen by the pool.
@@ -261,11 +267,13 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
             raise SharingError(
                 f"cannot export pointer 0x{base:x}: it comes from a CUDA memory pool that "
                 "cupy_poolmem does not own (only cupy_poolmem pools and cudaMalloc memory "
-                "can be shared from Numba)")
+                "can be shared from Numba)"
+            )
         check_driver(_drv.cuCtxSynchronize(), "cuCtxSynchronize")
         source_info = self.context.device.get_device_identity()
-        return PoolIpcHandle._export(pool, memory, base, alloc_size,
-                                     int(memory.handle) - base, source_info)
+        return PoolIpcHandle._export(
+            pool, memory, base, alloc_size, int(memory.handle) - base, source_info
+        )
 
     def _find_allocation(self, memory: Any) -> tuple[int, int]:
         """Base pointer and size of the allocation that ``memory`` (maybe a view) is in."""
@@ -290,7 +298,8 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
 def _pointer_pool(ptr: int) -> int:
     """The ``CUmemoryPool`` of a device pointer as an int, ``0`` when not from a pool."""
     err, pool = _drv.cuPointerGetAttribute(
-        _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, _drv.CUdeviceptr(ptr))
+        _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, _drv.CUdeviceptr(ptr)
+    )
     if int(err) != 0:
         return 0
     return int(pool) if pool is not None else 0
@@ -334,7 +343,8 @@ def _local_device(device_uuid: str) -> int:
             continue
     raise SharingError(
         f"the exporting GPU (uuid {device_uuid}) is not visible in this process "
-        f"(it sees {n} device(s); check CUDA_VISIBLE_DEVICES)")
+        f"(it sees {n} device(s); check CUDA_VISIBLE_DEVICES)"
+    )
 
 
 def _core_pool_cache() -> dict | None:
@@ -366,8 +376,10 @@ def _import_pool(pool_uuid: _uuid.UUID, fd: int | None, device: int) -> Any:
             mr = cc.DeviceMemoryResource.from_registry(pool_uuid)
     if mr is None:
         if fd is None:
-            raise SharingError("the pool's file descriptor was already used or closed; "
-                               "send the handle again from the exporting process")
+            raise SharingError(
+                "the pool's file descriptor was already used or closed; "
+                "send the handle again from the exporting process"
+            )
         try:
             mr = cc.DeviceMemoryResource.from_allocation_handle(device, fd)
         except Exception as exc:
@@ -427,11 +439,23 @@ class PoolIpcHandle(IpcHandle):
     ...     host = arr.copy_to_host()
     """
 
-    def __init__(self, base: Any, *, pool_uuid: _uuid.UUID, device_uuid: str, payload: bytes,
-                 alloc_size: int, size: int, offset: int = 0, base_ptr: int = 0,
-                 source_info: dict | None = None, export_fd: int | None = None,
-                 received_fd: int | None = None, pid: int | None = None,
-                 keepalive: Any = None) -> None:
+    def __init__(
+        self,
+        base: Any,
+        *,
+        pool_uuid: _uuid.UUID,
+        device_uuid: str,
+        payload: bytes,
+        alloc_size: int,
+        size: int,
+        offset: int = 0,
+        base_ptr: int = 0,
+        source_info: dict | None = None,
+        export_fd: int | None = None,
+        received_fd: int | None = None,
+        pid: int | None = None,
+        keepalive: Any = None,
+    ) -> None:
         super().__init__(base, payload, size, source_info, offset=offset)
         self.pool_uuid = pool_uuid
         self.device_uuid = device_uuid
@@ -439,18 +463,26 @@ class PoolIpcHandle(IpcHandle):
         self.alloc_size = int(alloc_size)
         self.base_ptr = int(base_ptr)
         self.pid = os.getpid() if pid is None else int(pid)
-        self._export_fd = export_fd      # exporter: the pool's fd (owned by the pool)
-        self._keepalive = keepalive      # exporter: the cuda.core allocation handle
-        self._fd = received_fd           # receiver: our duplicate, until the pool is imported
-        self._fd_finalizer = (weakref.finalize(self, _close_fd, received_fd)
-                              if received_fd is not None else None)
+        self._export_fd = export_fd  # exporter: the pool's fd (owned by the pool)
+        self._keepalive = keepalive  # exporter: the cuda.core allocation handle
+        self._fd = received_fd  # receiver: our duplicate, until the pool is imported
+        self._fd_finalizer = (
+            weakref.finalize(self, _close_fd, received_fd) if received_fd is not None else None
+        )
         self._rec: _Import | None = None
         self._local = False
 
     # -- exporting -------------------------------------------------------------------
     @classmethod
-    def _export(cls, pool: Pool, base: Any, base_ptr: int, alloc_size: int, offset: int,
-                source_info: dict | None) -> PoolIpcHandle:
+    def _export(
+        cls,
+        pool: Pool,
+        base: Any,
+        base_ptr: int,
+        alloc_size: int,
+        offset: int,
+        source_info: dict | None,
+    ) -> PoolIpcHandle:
         import cuda.core as cc
 
         if not isinstance(pool, DevicePool):
@@ -459,7 +491,8 @@ class PoolIpcHandle(IpcHandle):
             raise SharingError(
                 f"{pool!r} is not IPC-enabled, so its memory cannot be shared with other "
                 "processes; create it with ipc=True (cupy_poolmem.set_allocator() does by "
-                "default) before Numba allocates")
+                "default) before Numba allocates"
+            )
         mr = pool.memory_resource
         try:
             ah = mr.allocation_handle
@@ -467,30 +500,55 @@ class PoolIpcHandle(IpcHandle):
             pool_uuid = ah.uuid if getattr(ah, "uuid", None) is not None else mr.uuid
             fd = int(ah)
         except Exception as exc:
-            raise SharingError(f"{pool!r}: could not get the pool's shareable handle: {exc}") \
-                from exc
-        data = check_driver(_drv.cuMemPoolExportPointer(_drv.CUdeviceptr(base_ptr)),
-                            "cuMemPoolExportPointer")
-        return cls(base, pool_uuid=pool_uuid, device_uuid=str(cc.Device(pool.device_id).uuid),
-                   payload=bytes(data.reserved), alloc_size=alloc_size,
-                   size=int(base.size), offset=offset, base_ptr=base_ptr,
-                   source_info=source_info, export_fd=fd, keepalive=ah)
+            raise SharingError(
+                f"{pool!r}: could not get the pool's shareable handle: {exc}"
+            ) from exc
+        data = check_driver(
+            _drv.cuMemPoolExportPointer(_drv.CUdeviceptr(base_ptr)), "cuMemPoolExportPointer"
+        )
+        return cls(
+            base,
+            pool_uuid=pool_uuid,
+            device_uuid=str(cc.Device(pool.device_id).uuid),
+            payload=bytes(data.reserved),
+            alloc_size=alloc_size,
+            size=int(base.size),
+            offset=offset,
+            base_ptr=base_ptr,
+            source_info=source_info,
+            export_fd=fd,
+            keepalive=ah,
+        )
 
     def __reduce__(self) -> tuple:
         if self._export_fd is None:
             raise SharingError(
                 "this PoolIpcHandle was received from another process and cannot be "
-                "forwarded; send a handle made in the exporting process")
+                "forwarded; send a handle made in the exporting process"
+            )
         from multiprocessing.reduction import DupFd
 
         try:
             dup = DupFd(self._export_fd)
         except OSError as exc:
-            raise SharingError(f"the exporting pool's file descriptor is unusable (was the "
-                               f"pool closed?): {exc}") from exc
-        return (_rebuild_pool_ipc_handle,
-                (dup, str(self.pool_uuid), self.device_uuid, self.payload, self.alloc_size,
-                 self.size, self.offset, self.base_ptr, self.source_info, self.pid))
+            raise SharingError(
+                f"the exporting pool's file descriptor is unusable (was the pool closed?): {exc}"
+            ) from exc
+        return (
+            _rebuild_pool_ipc_handle,
+            (
+                dup,
+                str(self.pool_uuid),
+                self.device_uuid,
+                self.payload,
+                self.alloc_size,
+                self.size,
+                self.offset,
+                self.base_ptr,
+                self.source_info,
+                self.pid,
+            ),
+        )
 
     # -- importing -------------------------------------------------------------------
     def open(self, context: Any) -> MemoryPointer:
@@ -504,20 +562,28 @@ class PoolIpcHandle(IpcHandle):
             The exporter's GPU is not visible here, or the import failed.
         """
         if self.base is not None:
-            raise ValueError("opening a PoolIpcHandle in the process that exported it; "
-                             "use the original array")
+            raise ValueError(
+                "opening a PoolIpcHandle in the process that exported it; use the original array"
+            )
         if self._rec is not None or self._local:
             raise ValueError("PoolIpcHandle is already opened")
         require_gpu("PoolIpcHandle.open")
         ctx_dev = int(context.device.id)
         if self.pid == os.getpid():
-            local = next((p for p in all_pools() if getattr(p, "ipc", False) and not p.closed
-                          and _pool_uuid(p) == self.pool_uuid), None)
+            local = next(
+                (
+                    p
+                    for p in all_pools()
+                    if getattr(p, "ipc", False) and not p.closed and _pool_uuid(p) == self.pool_uuid
+                ),
+                None,
+            )
             if local is not None:  # unpickled in the exporting process: no import needed
                 self._release_fd()
                 self._local = True
-                return MemoryPointer(weakref.proxy(context),
-                                     _drv.CUdeviceptr(self.base_ptr + self.offset), self.size)
+                return MemoryPointer(
+                    weakref.proxy(context), _drv.CUdeviceptr(self.base_ptr + self.offset), self.size
+                )
         dev = _local_device(self.device_uuid)
         with _ipc_lock:
             mr = _import_pool(self.pool_uuid, self._fd, dev)
@@ -530,14 +596,16 @@ class PoolIpcHandle(IpcHandle):
                 with cupy.cuda.Device(dev):
                     ptr = check_driver(
                         _drv.cuMemPoolImportPointer(_drv.CUmemoryPool(int(mr.handle)), data),
-                        "cuMemPoolImportPointer")
+                        "cuMemPoolImportPointer",
+                    )
                 rec = _imported_allocs[key] = _Import(key, int(ptr), self.alloc_size, dev)
             rec.refs += 1
             self._rec = rec
         if ctx_dev != dev:
             _grant_access(mr, ctx_dev)
-        mp = MemoryPointer(weakref.proxy(context), _drv.CUdeviceptr(rec.ptr + self.offset),
-                           self.size)
+        mp = MemoryPointer(
+            weakref.proxy(context), _drv.CUdeviceptr(rec.ptr + self.offset), self.size
+        )
         mp._cupy_poolmem_import = rec  # informative; the import ends at close()
         return mp
 
@@ -566,8 +634,10 @@ class PoolIpcHandle(IpcHandle):
                 return
             _imported_allocs.pop(rec.key, None)
             with cupy.cuda.Device(rec.device):
-                check_driver(_drv.cuMemFreeAsync(_drv.CUdeviceptr(rec.ptr), _drv.CUstream(0)),
-                             "cuMemFreeAsync")
+                check_driver(
+                    _drv.cuMemFreeAsync(_drv.CUdeviceptr(rec.ptr), _drv.CUstream(0)),
+                    "cuMemFreeAsync",
+                )
                 check_driver(_drv.cuStreamSynchronize(_drv.CUstream(0)), "cuStreamSynchronize")
 
     def _release_fd(self) -> None:
@@ -579,8 +649,10 @@ class PoolIpcHandle(IpcHandle):
     def __repr__(self) -> str:
         state = "open" if (self._rec is not None or self._local) else "closed"
         side = "exporter" if self.base is not None else "receiver"
-        return (f"<PoolIpcHandle {side} pool={self.pool_uuid} size={self.size} "
-                f"offset={self.offset} {state}>")
+        return (
+            f"<PoolIpcHandle {side} pool={self.pool_uuid} size={self.size} "
+            f"offset={self.offset} {state}>"
+        )
 
 
 def _pool_uuid(pool: Pool) -> _uuid.UUID | None:
@@ -602,34 +674,58 @@ def _grant_access(mr: Any, device: int) -> None:
     desc.location.id = device
     desc.flags = _drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     try:
-        check_driver(_drv.cuMemPoolSetAccess(_drv.CUmemoryPool(int(mr.handle)), [desc], 1),
-                     "cuMemPoolSetAccess")
+        check_driver(
+            _drv.cuMemPoolSetAccess(_drv.CUmemoryPool(int(mr.handle)), [desc], 1),
+            "cuMemPoolSetAccess",
+        )
     except Exception as exc:
-        raise SharingError(f"device {device} cannot access the exporter's pool (no peer "
-                           f"access?): {exc}; open the handle with the exporter's GPU "
-                           "current") from exc
+        raise SharingError(
+            f"device {device} cannot access the exporter's pool (no peer "
+            f"access?): {exc}; open the handle with the exporter's GPU "
+            "current"
+        ) from exc
     _granted.add(key)
 
 
-def _rebuild_pool_ipc_handle(dup: Any, pool_uuid: str, device_uuid: str, payload: bytes,
-                             alloc_size: int, size: int, offset: int, base_ptr: int,
-                             source_info: dict | None, pid: int) -> PoolIpcHandle:
+def _rebuild_pool_ipc_handle(
+    dup: Any,
+    pool_uuid: str,
+    device_uuid: str,
+    payload: bytes,
+    alloc_size: int,
+    size: int,
+    offset: int,
+    base_ptr: int,
+    source_info: dict | None,
+    pid: int,
+) -> PoolIpcHandle:
     try:
         fd = dup.detach()
     except Exception as exc:
         raise SharingError(
             "could not receive the exporting pool's file descriptor; a PoolIpcHandle must "
             "travel between processes of one multiprocessing family on the same host "
-            f"(Queue, Pipe, Pool, Process arguments) while the sender is alive: {exc}") from exc
+            f"(Queue, Pipe, Pool, Process arguments) while the sender is alive: {exc}"
+        ) from exc
     u = _uuid.UUID(pool_uuid)
     core = _core_pool_cache()
     if u in _imported_pools or (core is not None and str(u) in core):
         # This process has the pool already: the duplicate descriptor is spare.
         _close_fd(fd)
         fd = None
-    return PoolIpcHandle(None, pool_uuid=u, device_uuid=device_uuid, payload=payload,
-                         alloc_size=alloc_size, size=size, offset=offset, base_ptr=base_ptr,
-                         source_info=source_info, received_fd=fd, pid=pid)
+    return PoolIpcHandle(
+        None,
+        pool_uuid=u,
+        device_uuid=device_uuid,
+        payload=payload,
+        alloc_size=alloc_size,
+        size=size,
+        offset=offset,
+        base_ptr=base_ptr,
+        source_info=source_info,
+        received_fd=fd,
+        pid=pid,
+    )
 
 
 # NUMBA_CUDA_MEMORY_MANAGER=cupy_poolmem.numba looks this name up.

@@ -26,8 +26,19 @@ from typing import Any, NamedTuple
 from ._sizes import format_bytes
 from .stats import LOG_COLUMNS
 
-__all__ = ["LogEvent", "Summary", "SeriesSummary", "TagSummary", "CallsiteSummary", "Leak",
-           "read_log", "load", "summarize", "plot", "main"]
+__all__ = [
+    "LogEvent",
+    "Summary",
+    "SeriesSummary",
+    "TagSummary",
+    "CallsiteSummary",
+    "Leak",
+    "read_log",
+    "load",
+    "summarize",
+    "plot",
+    "main",
+]
 
 UNTAGGED = "(untagged)"
 BEFORE_LOG = "(allocated before the log)"
@@ -96,9 +107,11 @@ def read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
             return events, 0
         missing = [c for c in LOG_COLUMNS if c not in header]
         if missing:
-            raise ValueError(f"{os.fspath(path)} is not a cupy_poolmem allocation log: its first "
-                             f"line {','.join(header)[:120]!r} lacks column(s) "
-                             f"{', '.join(missing)} (expected {','.join(LOG_COLUMNS)})")
+            raise ValueError(
+                f"{os.fspath(path)} is not a cupy_poolmem allocation log: its first "
+                f"line {','.join(header)[:120]!r} lacks column(s) "
+                f"{', '.join(missing)} (expected {','.join(LOG_COLUMNS)})"
+            )
         idx = [header.index(c) for c in LOG_COLUMNS]
         ncol = len(header)
         for row in reader:
@@ -110,12 +123,26 @@ def read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
                 continue
             try:
                 (t, pid, thread, dev, stream, op, ptr, size, tag, site, used, res) = (
-                    row[i] for i in idx)
+                    row[i] for i in idx
+                )
                 if op not in ("alloc", "free"):
                     raise ValueError(op)
-                events.append(LogEvent(float(t), int(pid), thread, int(dev), int(stream, 0),
-                                       op, int(ptr, 0), int(size), tag, site,
-                                       _opt_int(used), _opt_int(res)))
+                events.append(
+                    LogEvent(
+                        float(t),
+                        int(pid),
+                        thread,
+                        int(dev),
+                        int(stream, 0),
+                        op,
+                        int(ptr, 0),
+                        int(size),
+                        tag,
+                        site,
+                        _opt_int(used),
+                        _opt_int(res),
+                    )
+                )
             except ValueError:
                 n_bad += 1
     return events, n_bad
@@ -293,49 +320,72 @@ class Summary:
 
     def format(self, top: int = 10) -> str:
         """The text report that ``python -m cupy_poolmem report`` prints."""
-        out = [f"cupy_poolmem allocation log: {len(self.files)} file(s), {self.n_events} "
-               f"events, {len(self.pids)} process(es), {self.duration:.3f} s",
-               f"  allocations {self.n_allocs}, frees {self.n_frees}"]
+        out = [
+            f"cupy_poolmem allocation log: {len(self.files)} file(s), {self.n_events} "
+            f"events, {len(self.pids)} process(es), {self.duration:.3f} s",
+            f"  allocations {self.n_allocs}, frees {self.n_frees}",
+        ]
         if self.n_unmatched_frees:
-            out.append(f"  {self.n_unmatched_frees} frees ({format_bytes(self.unmatched_free_bytes)})"
-                       " of memory allocated before the log started")
+            out.append(
+                f"  {self.n_unmatched_frees} frees ({format_bytes(self.unmatched_free_bytes)})"
+                " of memory allocated before the log started"
+            )
         if self.n_bad_lines:
             out.append(f"  {self.n_bad_lines} unreadable line(s) skipped")
         if not self.n_events:
             out.append("  (no events)")
             return "\n".join(out)
-        out += ["", "Peak used memory per process and device",
-                f"  {'pid':>8} {'device':>8} {'peak used':>12} {'at (s)':>9} "
-                f"{'peak reserved':>14} {'allocs':>9} {'frees':>9}"]
+        out += [
+            "",
+            "Peak used memory per process and device",
+            f"  {'pid':>8} {'device':>8} {'peak used':>12} {'at (s)':>9} "
+            f"{'peak reserved':>14} {'allocs':>9} {'frees':>9}",
+        ]
         for s in self.series:
             res = format_bytes(s.peak_reserved_bytes) if s.peak_reserved_bytes is not None else "-"
             dev = "pinned" if s.device < 0 else str(s.device)
-            out.append(f"  {s.pid:>8} {dev:>8} {format_bytes(s.peak_used_bytes):>12} "
-                       f"{s.peak_time:>9.3f} {res:>14} {s.n_allocs:>9} {s.n_frees:>9}")
+            out.append(
+                f"  {s.pid:>8} {dev:>8} {format_bytes(s.peak_used_bytes):>12} "
+                f"{s.peak_time:>9.3f} {res:>14} {s.n_allocs:>9} {s.n_frees:>9}"
+            )
             if s.at_peak:
                 parts = sorted(s.at_peak.items(), key=lambda kv: -kv[1])
-                out.append("           at the peak: " + ", ".join(
-                    f"{k or UNTAGGED} {format_bytes(v)}" for k, v in parts[:6]))
-        out += ["", "Bytes by tag",
-                f"  {'tag':<32} {'allocs':>9} {'total':>12} {'peak live':>12} {'leaked':>12}"]
+                out.append(
+                    "           at the peak: "
+                    + ", ".join(f"{k or UNTAGGED} {format_bytes(v)}" for k, v in parts[:6])
+                )
+        out += [
+            "",
+            "Bytes by tag",
+            f"  {'tag':<32} {'allocs':>9} {'total':>12} {'peak live':>12} {'leaked':>12}",
+        ]
         for t in self.tags:
-            out.append(f"  {(t.tag or UNTAGGED)[:32]:<32} {t.n_allocs:>9} "
-                       f"{format_bytes(t.total_bytes):>12} {format_bytes(t.peak_live_bytes):>12} "
-                       f"{format_bytes(t.leaked_bytes):>12}")
+            out.append(
+                f"  {(t.tag or UNTAGGED)[:32]:<32} {t.n_allocs:>9} "
+                f"{format_bytes(t.total_bytes):>12} {format_bytes(t.peak_live_bytes):>12} "
+                f"{format_bytes(t.leaked_bytes):>12}"
+            )
         out += ["", "Top call sites by bytes allocated"]
         if self.top_callsites:
             for c in self.top_callsites[:top]:
                 out.append(f"  {format_bytes(c.total_bytes):>12} {c.n_allocs:>8} x  {c.callsite}")
         else:
-            out.append("  (no call sites: log written without tracking; use "
-                       "start_log(path, track=True) or CUPY_POOLMEM_TRACK=1)")
-        out += ["", f"Leaks at end of log (allocated, never freed): {len(self.leaks)} "
-                f"allocation(s), {format_bytes(self.leaked_bytes)}"]
+            out.append(
+                "  (no call sites: log written without tracking; use "
+                "start_log(path, track=True) or CUPY_POOLMEM_TRACK=1)"
+            )
+        out += [
+            "",
+            f"Leaks at end of log (allocated, never freed): {len(self.leaks)} "
+            f"allocation(s), {format_bytes(self.leaked_bytes)}",
+        ]
         for lk in self.leaks[:top]:
             dev = "pinned" if lk.device < 0 else f"device {lk.device}"
-            out.append(f"  {format_bytes(lk.size):>12}  pid {lk.pid} {dev}  "
-                       f"{lk.tag or UNTAGGED}  {lk.callsite or '-'}  at {lk.time:.3f} s  "
-                       f"0x{lk.ptr:x}")
+            out.append(
+                f"  {format_bytes(lk.size):>12}  pid {lk.pid} {dev}  "
+                f"{lk.tag or UNTAGGED}  {lk.callsite or '-'}  at {lk.time:.3f} s  "
+                f"0x{lk.ptr:x}"
+            )
         if len(self.leaks) > top:
             out.append(f"  ... {len(self.leaks) - top} more")
         return "\n".join(out)
@@ -350,7 +400,7 @@ def _summarize(loaded: _Loaded, top: int, tag_depth: int | None) -> Summary:
     summ.end_time = events[-1].time
     live: dict[tuple[int, int, int], tuple[int, str, str, float]] = {}
     series: dict[tuple[int, int], SeriesSummary] = {}
-    s_matched: dict[tuple[int, int], int] = {}        # live bytes of matched allocs
+    s_matched: dict[tuple[int, int], int] = {}  # live bytes of matched allocs
     s_tags: dict[tuple[int, int], dict[str, int]] = {}
     tags: dict[str, TagSummary] = {}
     sites: dict[str, CallsiteSummary] = {}
@@ -409,8 +459,9 @@ def _summarize(loaded: _Loaded, top: int, tag_depth: int | None) -> Summary:
             if rest > 0:
                 at[BEFORE_LOG] = rest
             s.at_peak = at
-        if e.reserved is not None and (s.peak_reserved_bytes is None
-                                       or e.reserved > s.peak_reserved_bytes):
+        if e.reserved is not None and (
+            s.peak_reserved_bytes is None or e.reserved > s.peak_reserved_bytes
+        ):
             s.peak_reserved_bytes = e.reserved
     for (pid, dev, ptr), (size, tg, site, t) in live.items():
         summ.leaks.append(Leak(pid, dev, ptr, size, tg, site, t - t0))
@@ -432,8 +483,12 @@ def _drop(prev: tuple, s_matched: dict, key: tuple, tl: dict, tags: dict) -> Non
     tags[tg].live_bytes -= size
 
 
-def summarize(paths: str | os.PathLike | Sequence[str | os.PathLike], *, top: int = 10,
-              tag_depth: int | None = None) -> Summary:
+def summarize(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    top: int = 10,
+    tag_depth: int | None = None,
+) -> Summary:
     """Summarise one or more allocation logs.
 
     Parameters
@@ -467,8 +522,10 @@ def _need_matplotlib() -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError("plotting an allocation log needs matplotlib, which is not "
-                          "installed: pip install matplotlib (or cupy_poolmem[plot])") from exc
+        raise ImportError(
+            "plotting an allocation log needs matplotlib, which is not "
+            "installed: pip install matplotlib (or cupy_poolmem[plot])"
+        ) from exc
     return Figure
 
 
@@ -506,9 +563,13 @@ def _series_arrays(events: list[LogEvent], tag_depth: int | None) -> dict[tuple[
         r["tag"].append(tg)
     out = {}
     for key, r in raw.items():
-        out[key] = {"t": np.asarray(r["t"], dtype=float), "used": np.asarray(r["used"], float),
-                    "res": np.asarray(r["res"], float), "delta": np.asarray(r["delta"], float),
-                    "tag": r["tag"]}
+        out[key] = {
+            "t": np.asarray(r["t"], dtype=float),
+            "used": np.asarray(r["used"], float),
+            "res": np.asarray(r["res"], float),
+            "delta": np.asarray(r["delta"], float),
+            "tag": r["tag"],
+        }
     return out
 
 
@@ -539,9 +600,16 @@ def _pick(used: Any, max_points: int) -> Any:
     return np.unique(np.asarray(keep))
 
 
-def plot(paths: str | os.PathLike | Sequence[str | os.PathLike], out_png: str | os.PathLike,
-         *, tag_depth: int | None = None, max_tags: int = 8, max_panels: int = 8,
-         max_points: int = 20000, title: str | None = None) -> str:
+def plot(
+    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    out_png: str | os.PathLike,
+    *,
+    tag_depth: int | None = None,
+    max_tags: int = 8,
+    max_panels: int = 8,
+    max_points: int = 20000,
+    title: str | None = None,
+) -> str:
     """Draw used memory over time, stacked by tag, with reserved memory as a line.
 
     One panel per (process, device), biggest peak first; time is in seconds since the
@@ -581,13 +649,27 @@ def plot(paths: str | os.PathLike | Sequence[str | os.PathLike], out_png: str | 
     >>> plot(["alloc-101.csv", "alloc-102.csv"], "usage.png")  # doctest: +SKIP
     'usage.png'
     """
-    return _plot(load(paths), out_png, tag_depth=tag_depth, max_tags=max_tags,
-                 max_panels=max_panels, max_points=max_points, title=title)
+    return _plot(
+        load(paths),
+        out_png,
+        tag_depth=tag_depth,
+        max_tags=max_tags,
+        max_panels=max_panels,
+        max_points=max_points,
+        title=title,
+    )
 
 
-def _plot(loaded: _Loaded, out_png: str | os.PathLike, *, tag_depth: int | None = None,
-          max_tags: int = 8, max_panels: int = 8, max_points: int = 20000,
-          title: str | None = None) -> str:
+def _plot(
+    loaded: _Loaded,
+    out_png: str | os.PathLike,
+    *,
+    tag_depth: int | None = None,
+    max_tags: int = 8,
+    max_panels: int = 8,
+    max_points: int = 20000,
+    title: str | None = None,
+) -> str:
     Figure = _need_matplotlib()
     import numpy as np
 
@@ -618,12 +700,15 @@ def _plot(loaded: _Loaded, out_png: str | os.PathLike, *, tag_depth: int | None 
 
     order = sorted(arrays, key=lambda k: -float(np.max(arrays[k]["used_f"])))
     hidden = max(0, len(order) - max_panels)
-    order = sorted(order[:max_panels])          # the biggest peaks, shown by (pid, device)
+    order = sorted(order[:max_panels])  # the biggest peaks, shown by (pid, device)
     t_end = loaded.events[-1].time
-    peak_all = max(float(np.nanmax(np.concatenate([arrays[k]["used_f"], arrays[k]["res_f"]])))
-                   for k in order)
-    unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
-                        if peak_all >= s), ("B", 1))
+    peak_all = max(
+        float(np.nanmax(np.concatenate([arrays[k]["used_f"], arrays[k]["res_f"]]))) for k in order
+    )
+    unit, scale = next(
+        ((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if peak_all >= s),
+        ("B", 1),
+    )
 
     from matplotlib import colormaps
 
@@ -650,8 +735,9 @@ def _plot(loaded: _Loaded, out_png: str | os.PathLike, *, tag_depth: int | None 
                 layers.append(a["by_tag"][tg][idx])
                 labels.append(tg or UNTAGGED)
         if has_other:
-            other = sum((c for tg, c in a["by_tag"].items() if tg not in shown),
-                        np.zeros(len(a["t"])))
+            other = sum(
+                (c for tg, c in a["by_tag"].items() if tg not in shown), np.zeros(len(a["t"]))
+            )
             if other.any():
                 layers.append(other[idx])
                 labels.append(OTHER_TAGS)
@@ -660,14 +746,29 @@ def _plot(loaded: _Loaded, out_png: str | os.PathLike, *, tag_depth: int | None 
             layers.append(before[idx])
             labels.append(BEFORE_LOG)
         if layers:
-            ax.stackplot(x, *[np.clip(y, 0, None) / scale for y in layers], labels=labels,
-                         colors=[colors.get(lb if lb != UNTAGGED else "", colors[OTHER_TAGS])
-                                 for lb in labels], step="post", linewidth=0)
-        ax.step(x, a["used_f"][idx] / scale, where="post", color="black", linewidth=0.8,
-                label="used")
+            ax.stackplot(
+                x,
+                *[np.clip(y, 0, None) / scale for y in layers],
+                labels=labels,
+                colors=[
+                    colors.get(lb if lb != UNTAGGED else "", colors[OTHER_TAGS]) for lb in labels
+                ],
+                step="post",
+                linewidth=0,
+            )
+        ax.step(
+            x, a["used_f"][idx] / scale, where="post", color="black", linewidth=0.8, label="used"
+        )
         if not np.isnan(a["res_f"]).all():
-            ax.step(x, a["res_f"][idx] / scale, where="post", color="black", linewidth=1.2,
-                    linestyle="--", label="reserved")
+            ax.step(
+                x,
+                a["res_f"][idx] / scale,
+                where="post",
+                color="black",
+                linewidth=1.2,
+                linestyle="--",
+                label="reserved",
+            )
         pid, dev = key
         where = "pinned host memory" if dev < 0 else f"device {dev}"
         ax.set_title(f"pid {pid}, {where}", fontsize=10, loc="left")
@@ -701,12 +802,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m cupy_poolmem report",
         description="Summarise cupy_poolmem allocation logs (peaks, bytes per tag, top call "
-                    "sites, leaks at the end of the log) and optionally plot memory over time.")
+        "sites, leaks at the end of the log) and optionally plot memory over time.",
+    )
     ap.add_argument("logs", nargs="+", help="log files (CSV) or directories of them")
     ap.add_argument("--plot", metavar="PNG", help="draw used/reserved memory by tag to PNG")
     ap.add_argument("--top", type=int, default=10, help="call sites and leaks listed (10)")
-    ap.add_argument("--tag-depth", type=int, default=None,
-                    help="group nested tags by their first N components")
+    ap.add_argument(
+        "--tag-depth", type=int, default=None, help="group nested tags by their first N components"
+    )
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = ap.parse_args(list(argv) if argv is not None else None)
     try:

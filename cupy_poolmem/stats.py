@@ -59,11 +59,23 @@ __all__ = [
 ]
 
 #: Columns of the allocation log, in order (see :func:`start_log`).
-LOG_COLUMNS: tuple[str, ...] = ("time", "pid", "thread", "device", "stream", "op", "pointer",
-                                "size", "tag", "callsite", "used", "reserved")
+LOG_COLUMNS: tuple[str, ...] = (
+    "time",
+    "pid",
+    "thread",
+    "device",
+    "stream",
+    "op",
+    "pointer",
+    "size",
+    "tag",
+    "callsite",
+    "used",
+    "reserved",
+)
 
 _KIND_NAMES = {0: "device", 1: "pinned", 2: "managed"}
-_RESERVED_REFRESH_S = 1.0   # re-read a pool's reserved bytes at most this often when logging
+_RESERVED_REFRESH_S = 1.0  # re-read a pool's reserved bytes at most this often when logging
 _CALLSITE_CACHE_MAX = 8192
 _ENV_LOG = "CUPY_POOLMEM_LOG"
 _ENV_TRACK = "CUPY_POOLMEM_TRACK"
@@ -232,27 +244,36 @@ class Statistics:
     def to_dict(self) -> dict[str, Any]:
         """Plain ``dict`` (JSON-friendly) of the counters, ``per_tag`` included."""
         return {
-            "n_allocs": self.n_allocs, "n_frees": self.n_frees,
-            "current_bytes": self.current_bytes, "peak_used_bytes": self.peak_used_bytes,
-            "total_bytes": self.total_bytes, "device": self.device, "kind": self.kind,
+            "n_allocs": self.n_allocs,
+            "n_frees": self.n_frees,
+            "current_bytes": self.current_bytes,
+            "peak_used_bytes": self.peak_used_bytes,
+            "total_bytes": self.total_bytes,
+            "device": self.device,
+            "kind": self.kind,
             "elapsed": self.elapsed,
             "per_tag": {k: vars(v).copy() for k, v in dict(self.per_tag).items()},
         }
 
     def __str__(self) -> str:
-        lines = [f"{self.n_allocs} allocs, {self.n_frees} frees, "
-                 f"peak {format_bytes(self.peak_used_bytes)}, "
-                 f"current {format_bytes(self.current_bytes)}, "
-                 f"total {format_bytes(self.total_bytes)} in {self.elapsed:.3f} s"]
+        lines = [
+            f"{self.n_allocs} allocs, {self.n_frees} frees, "
+            f"peak {format_bytes(self.peak_used_bytes)}, "
+            f"current {format_bytes(self.current_bytes)}, "
+            f"total {format_bytes(self.total_bytes)} in {self.elapsed:.3f} s"
+        ]
         for name, t in sorted(dict(self.per_tag).items(), key=lambda kv: -kv[1].peak_bytes):
-            lines.append(f"  {name or '(untagged)'}: {t.n_allocs} allocs, peak "
-                         f"{format_bytes(t.peak_bytes)}, total {format_bytes(t.total_bytes)}")
+            lines.append(
+                f"  {name or '(untagged)'}: {t.n_allocs} allocs, peak "
+                f"{format_bytes(t.peak_bytes)}, total {format_bytes(t.total_bytes)}"
+            )
         return "\n".join(lines)
 
     # Called by the observer with its lock held.
     def _matches(self, device: int, kind: int) -> bool:
-        return ((self.device is None or self.device == device)
-                and (self.kind is None or self.kind == _KIND_NAMES.get(kind)))
+        return (self.device is None or self.device == device) and (
+            self.kind is None or self.kind == _KIND_NAMES.get(kind)
+        )
 
     def _alloc(self, size: int, tag_: str) -> None:
         self.n_allocs += 1
@@ -378,8 +399,10 @@ class Allocation:
 
     def __str__(self) -> str:
         where = self.callsite or "(call site not tracked)"
-        return (f"{format_bytes(self.size):>12}  {self.tag or '(untagged)'}  {where}  "
-                f"age {self.age:.1f} s  ptr 0x{self.ptr:x}")
+        return (
+            f"{format_bytes(self.size):>12}  {self.tag or '(untagged)'}  {where}  "
+            f"age {self.age:.1f} s  ptr 0x{self.ptr:x}"
+        )
 
 
 class Outstanding(list):
@@ -404,9 +427,11 @@ class Outstanding(list):
         return "\n".join(str(a) for a in self)
 
 
-_NOT_OBSERVED = ("no allocations are being observed, so none can be listed: call "
-                 "cupy_poolmem.track(True) (or open a statistics() scope or start_log()) "
-                 "before the allocations you want to see")
+_NOT_OBSERVED = (
+    "no allocations are being observed, so none can be listed: call "
+    "cupy_poolmem.track(True) (or open a statistics() scope or start_log()) "
+    "before the allocations you want to see"
+)
 
 
 def outstanding(pool: Any = None, limit: int | None = 20) -> Outstanding:
@@ -451,8 +476,17 @@ def outstanding(pool: Any = None, limit: int | None = 20) -> Outstanding:
     for device, live in _OBSERVER._live_snapshot(pool):
         for ptr, (size, sptr, info) in live:
             _serial, tag_, callsite, t = info
-            out.append(Allocation(ptr=ptr, size=size, tag=tag_ or None, callsite=callsite,
-                                  age=max(0.0, now - t), device=device, stream=sptr))
+            out.append(
+                Allocation(
+                    ptr=ptr,
+                    size=size,
+                    tag=tag_ or None,
+                    callsite=callsite,
+                    age=max(0.0, now - t),
+                    device=device,
+                    stream=sptr,
+                )
+            )
     out.sort(key=lambda a: (-a.size, a.ptr))
     if limit is not None:
         del out[limit:]
@@ -505,8 +539,17 @@ class _LogWriter:
 # The observer
 # ----------------------------------------------------------------------------------------
 class _PoolState:
-    __slots__ = ("ref", "device", "kind", "used", "reserved", "reserved_t", "live", "core",
-                 "__weakref__")
+    __slots__ = (
+        "ref",
+        "device",
+        "kind",
+        "used",
+        "reserved",
+        "reserved_t",
+        "live",
+        "core",
+        "__weakref__",
+    )
 
     def __init__(self, core: Any) -> None:
         self.device = int(core.device_id)
@@ -577,7 +620,7 @@ class _Observer:
         self._states: dict[int, _PoolState] = {}
         self._dev_used: dict[int, int] = {}
         self._dev_reserved: dict[int, int] = {}
-        self._skip: tuple[str, ...] | None = None   # computed on first use
+        self._skip: tuple[str, ...] | None = None  # computed on first use
         self._skip_extra: tuple[str, ...] = ()
         self._skip_cache: dict[Any, bool] = {}
         self._site_cache: dict[tuple[Any, int], str] = {}
@@ -594,8 +637,10 @@ class _Observer:
             info = (next(_serials), _tls.tag, self._callsite() if self.tracking else None, t)
             block.info = info
             thread = _current_thread().name if self._writer is not None else None
-            self._run(self._apply_alloc, (block.core, block.ptr, block.size, block.stream_ptr,
-                                          info, t, thread))
+            self._run(
+                self._apply_alloc,
+                (block.core, block.ptr, block.size, block.stream_ptr, info, t, thread),
+            )
         except Exception as exc:
             self._error(exc)
 
@@ -648,9 +693,12 @@ class _Observer:
         if not self._warned:
             self._warned = True
             with contextlib.suppress(BaseException):
-                warnings.warn(f"cupy_poolmem observer error (later ones are only counted, in "
-                              f"cupy_poolmem.stats._OBSERVER.n_errors): {exc!r}",
-                              RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"cupy_poolmem observer error (later ones are only counted, in "
+                    f"cupy_poolmem.stats._OBSERVER.n_errors): {exc!r}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
     # -- state (lock held) -------------------------------------------------------------
     def _state(self, core: Any) -> _PoolState:
@@ -659,8 +707,9 @@ class _Observer:
             st = self._states[id(core)] = _PoolState(core)
         return st
 
-    def _apply_alloc(self, core: Any, ptr: int, size: int, sptr: int, info: tuple, t: float,
-                     thread: str | None) -> None:
+    def _apply_alloc(
+        self, core: Any, ptr: int, size: int, sptr: int, info: tuple, t: float, thread: str | None
+    ) -> None:
         st = self._state(core)
         st.used += size
         dev = st.device
@@ -673,13 +722,39 @@ class _Observer:
                 s._alloc(size, tag_)
         w = self._writer
         if w is not None:
-            if st.reserved is None or st.used > st.reserved or t - st.reserved_t > _RESERVED_REFRESH_S:
+            if (
+                st.reserved is None
+                or st.used > st.reserved
+                or t - st.reserved_t > _RESERVED_REFRESH_S
+            ):
                 self._refresh_reserved(st, core, t)
-            w.row([f"{t:.6f}", self._pid, thread, dev, sptr, "alloc", f"0x{ptr:x}", size, tag_,
-                   info[2] or "", du, self._dev_reserved.get(dev, "")])
+            w.row(
+                [
+                    f"{t:.6f}",
+                    self._pid,
+                    thread,
+                    dev,
+                    sptr,
+                    "alloc",
+                    f"0x{ptr:x}",
+                    size,
+                    tag_,
+                    info[2] or "",
+                    du,
+                    self._dev_reserved.get(dev, ""),
+                ]
+            )
 
-    def _apply_free(self, core: Any, ptr: int, size: int, sptr: int, info: tuple | None,
-                    t: float, thread: str | None) -> None:
+    def _apply_free(
+        self,
+        core: Any,
+        ptr: int,
+        size: int,
+        sptr: int,
+        info: tuple | None,
+        t: float,
+        thread: str | None,
+    ) -> None:
         st = self._state(core)
         st.used = max(0, st.used - size)
         dev = st.device
@@ -693,8 +768,22 @@ class _Observer:
                     s._free(size, tag_)
         w = self._writer
         if w is not None:
-            w.row([f"{t:.6f}", self._pid, thread, dev, sptr, "free", f"0x{ptr:x}", size, tag_,
-                   callsite, du, self._dev_reserved.get(dev, "")])
+            w.row(
+                [
+                    f"{t:.6f}",
+                    self._pid,
+                    thread,
+                    dev,
+                    sptr,
+                    "free",
+                    f"0x{ptr:x}",
+                    size,
+                    tag_,
+                    callsite,
+                    du,
+                    self._dev_reserved.get(dev, ""),
+                ]
+            )
 
     def _refresh_reserved(self, st: _PoolState, core: Any, t: float) -> None:
         st.reserved_t = t
@@ -732,6 +821,7 @@ class _Observer:
             self._states = {}
             self._dev_used = {}
             self._dev_reserved = {}
+
         self._locked(reset)
         self.active = True
         _pools._set_global_observer(self)
@@ -748,20 +838,25 @@ class _Observer:
             self._states = {}
             self._dev_used = {}
             self._dev_reserved = {}
+
         self._locked(clear)
 
     def _add_scope(self, st: Statistics) -> None:
         with _CTL:
+
             def add() -> None:
                 self._scopes = (*self._scopes, st)
+
             self._locked(add)
             _update()
 
     def _remove_scope(self, st: Statistics) -> None:
         with _CTL:
+
             def remove() -> None:
                 self._scopes = tuple(s for s in self._scopes if s is not st)
                 st.end_time = _time()
+
             self._locked(remove)
             _update()
 
@@ -776,6 +871,7 @@ class _Observer:
                     core = st.ref()
                     if core is not None:
                         self._refresh_reserved(st, core, now)
+
         self._locked(swap)
         return old[0]
 
@@ -819,7 +915,8 @@ class _Observer:
                     if len(self._site_cache) > _CALLSITE_CACHE_MAX:
                         self._site_cache.clear()
                     site = self._site_cache[key] = (
-                        f"{code.co_filename}:{f.f_lineno} in {code.co_name}")
+                        f"{code.co_filename}:{f.f_lineno} in {code.co_name}"
+                    )
                 return site
             f = f.f_back
         return None
@@ -840,9 +937,9 @@ class _Observer:
 
 
 _OBSERVER = _Observer()
-_CTL = threading.RLock()        # serialises configuration changes
-_track_user = False             # track(True)
-_track_log = False              # start_log(..., track=True)
+_CTL = threading.RLock()  # serialises configuration changes
+_track_user = False  # track(True)
+_track_log = False  # start_log(..., track=True)
 _atexit_registered = False
 
 
@@ -864,8 +961,9 @@ if hasattr(os, "register_at_fork"):
 # ----------------------------------------------------------------------------------------
 # Public switches
 # ----------------------------------------------------------------------------------------
-def track(enabled: bool = True, *, depth: int | None = None,
-          skip: Sequence[str] | None = None) -> bool:
+def track(
+    enabled: bool = True, *, depth: int | None = None, skip: Sequence[str] | None = None
+) -> bool:
     """Record the call site of every allocation (for :func:`outstanding` and the log).
 
     The call site is the first Python frame outside cupy_poolmem, CuPy (``cupy``,
@@ -902,8 +1000,7 @@ def track(enabled: bool = True, *, depth: int | None = None,
     global _track_user
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be True or False; got {enabled!r}")
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)
-                              or depth < 1):
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
         raise ValueError(f"depth must be a positive int; got {depth!r}")
     if isinstance(skip, str):
         skip = (skip,)
@@ -1047,7 +1144,11 @@ def _init_from_env() -> None:
         try:
             start_log(path, track=want_track, append=True)
         except (OSError, ValueError) as exc:
-            warnings.warn(f"{_ENV_LOG}={path!r}: cannot write the allocation log ({exc}); "
-                          "continuing without it", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"{_ENV_LOG}={path!r}: cannot write the allocation log ({exc}); "
+                "continuing without it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     elif want_track:
         track(True)

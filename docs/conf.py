@@ -37,12 +37,12 @@ root_doc = "index"
 
 # -- autodoc -------------------------------------------------------------------------
 autodoc_member_order = "bysource"
-autodoc_typehints = "none"          # the numpydoc "Parameters" sections say it all
+autodoc_typehints = "none"  # the numpydoc "Parameters" sections say it all
 autodoc_default_options: dict[str, object] = {}
 autoclass_content = "class"
 
 # -- numpydoc ------------------------------------------------------------------------
-numpydoc_show_class_members = False   # members are listed explicitly with :members:
+numpydoc_show_class_members = False  # members are listed explicitly with :members:
 numpydoc_show_inherited_class_members = False
 numpydoc_class_members_toctree = False
 numpydoc_attributes_as_param_list = True

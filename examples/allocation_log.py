@@ -23,9 +23,9 @@ import sys
 
 def layer(cupy, cpm, x, w, name: str):
     """One "layer": a matmul, a nonlinearity and a few temporaries, tagged with ``name``."""
-    with cpm.tag(name):                         # nested in "step": "step/layer0", ...
+    with cpm.tag(name):  # nested in "step": "step/layer0", ...
         h = x @ w
-        h = cupy.maximum(h, 0) + 0.01 * h      # temporaries, freed as they go
+        h = cupy.maximum(h, 0) + 0.01 * h  # temporaries, freed as they go
         with cpm.tag("norm"):
             h = (h - h.mean(axis=1, keepdims=True)) / (h.std(axis=1, keepdims=True) + 1e-5)
         return h
@@ -53,9 +53,12 @@ def main() -> int:
         print(f"this example needs CuPy and cupy_poolmem: {exc}", file=sys.stderr)
         return 1
     if cupy_poolmem.device_count() == 0:
-        print("this example needs an NVIDIA GPU and its driver, and this machine has none "
-              "(cupy_poolmem.device_count() == 0); `python -m cupy_poolmem report LOG.csv` "
-              "reads existing logs without one", file=sys.stderr)
+        print(
+            "this example needs an NVIDIA GPU and its driver, and this machine has none "
+            "(cupy_poolmem.device_count() == 0); `python -m cupy_poolmem report LOG.csv` "
+            "reads existing logs without one",
+            file=sys.stderr,
+        )
         return 1
 
     log = os.path.splitext(png)[0] + ".csv"
@@ -65,17 +68,18 @@ def main() -> int:
     # fill most of the plot's time axis.
     model_step(cupy, cupy_poolmem, rng, [rng.standard_normal((1024, 1024), dtype=cupy.float32)])
 
-    path = cupy_poolmem.start_log(log, track=True)     # track=True: call sites too
+    path = cupy_poolmem.start_log(log, track=True)  # track=True: call sites too
     print(f"logging allocations to {path}")
     with cupy_poolmem.statistics() as st:
         with cupy_poolmem.tag("weights"):
-            weights = [rng.standard_normal((1024, 1024), dtype=cupy.float32) * 0.03
-                       for _ in range(4)]
+            weights = [
+                rng.standard_normal((1024, 1024), dtype=cupy.float32) * 0.03 for _ in range(4)
+            ]
         for step in range(5):
             x, loss = model_step(cupy, cupy_poolmem, rng, weights)
             if step == 2:
                 with cupy_poolmem.tag("cache"):
-                    kept = x.copy()                 # still alive at the end: a "leak"
+                    kept = x.copy()  # still alive at the end: a "leak"
         cupy.cuda.get_current_stream().synchronize()
     print(f"\nstatistics() of the workload:\n{st}\nlast loss {loss:.4f}")
 

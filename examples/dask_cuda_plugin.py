@@ -49,22 +49,27 @@ def main() -> int:
     from cupy_poolmem.dask import PoolmemPlugin, gather_stats
 
     plugin = PoolmemPlugin(pool_size=args.pool_size, maximum_pool_size=args.maximum_pool_size)
-    with LocalCUDACluster(n_workers=args.n_workers, threads_per_worker=4) as cluster, \
-            Client(cluster) as client:
+    with (
+        LocalCUDACluster(n_workers=args.n_workers, threads_per_worker=4) as cluster,
+        Client(cluster) as client,
+    ):
         client.register_plugin(plugin)  # also re-applied to workers that restart
         print(f"{plugin} on {len(client.scheduler_info()['workers'])} worker(s)")
 
         n, c = args.n, args.chunk
         blocks = (c,) * (n // c) + ((n % c,) if n % c else ())
-        x = da.map_blocks(gpu_random, 0, chunks=(blocks, blocks), dtype="f8",
-                          meta=cupy.empty((0, 0), dtype="f8"))
+        x = da.map_blocks(
+            gpu_random, 0, chunks=(blocks, blocks), dtype="f8", meta=cupy.empty((0, 0), dtype="f8")
+        )
         result = ((x + x.T) * 2 - 1).mean(0).sum().compute()
         print(f"((x + x.T) * 2 - 1).mean(0).sum() = {float(result):.3f}  (expected about {n})")
 
         for worker, st in gather_stats(client).items():
-            print(f"{worker}: {st['n_allocs']:,} allocations, peak used "
-                  f"{cupy_poolmem.format_bytes(st['peak_used_bytes'])}, reserved "
-                  f"{cupy_poolmem.format_bytes(st['reserved_bytes'])}")
+            print(
+                f"{worker}: {st['n_allocs']:,} allocations, peak used "
+                f"{cupy_poolmem.format_bytes(st['peak_used_bytes'])}, reserved "
+                f"{cupy_poolmem.format_bytes(st['reserved_bytes'])}"
+            )
     return 0
 
 

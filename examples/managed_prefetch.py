@@ -33,8 +33,11 @@ def main() -> int:
         print(f"this example needs CuPy and cupy_poolmem: {exc}", file=sys.stderr)
         return 1
     if cupy_poolmem.device_count() == 0:
-        print("this example needs an NVIDIA GPU and its driver, and this machine has none "
-              "(cupy_poolmem.device_count() == 0)", file=sys.stderr)
+        print(
+            "this example needs an NVIDIA GPU and its driver, and this machine has none "
+            "(cupy_poolmem.device_count() == 0)",
+            file=sys.stderr,
+        )
         return 1
 
     dev = 0
@@ -42,12 +45,17 @@ def main() -> int:
     free, total = cupy.cuda.Device(dev).mem_info
     nbytes = min(MAX_BYTES, free // 16) // 4 * 4
     if nbytes < (1 << 20):
-        print(f"GPU {dev} has only {cupy_poolmem.format_bytes(free)} free; this example "
-              "wants at least 16 MiB free", file=sys.stderr)
+        print(
+            f"GPU {dev} has only {cupy_poolmem.format_bytes(free)} free; this example "
+            "wants at least 16 MiB free",
+            file=sys.stderr,
+        )
         return 1
     n = nbytes // 4
-    print(f"GPU {dev}: {cupy_poolmem.format_bytes(free)} free of "
-          f"{cupy_poolmem.format_bytes(total)}; using {cupy_poolmem.format_bytes(nbytes)}")
+    print(
+        f"GPU {dev}: {cupy_poolmem.format_bytes(free)} free of "
+        f"{cupy_poolmem.format_bytes(total)}; using {cupy_poolmem.format_bytes(nbytes)}"
+    )
 
     try:
         pool = cupy_poolmem.ManagedPool(device=dev, max_size=4 * nbytes)
@@ -57,8 +65,8 @@ def main() -> int:
 
     ok = True
     with pool, cupy_poolmem.using(pool):
-        x = cupy.arange(n, dtype=cupy.float32)         # written on the GPU
-        cupy_poolmem.prefetch(x, device="cpu")         # migrate the pages to host memory
+        x = cupy.arange(n, dtype=cupy.float32)  # written on the GPU
+        cupy_poolmem.prefetch(x, device="cpu")  # migrate the pages to host memory
         cupy.cuda.get_current_stream().synchronize()
         props = cupy.cuda.runtime.getDeviceProperties(dev)
         if props.get("concurrentManagedAccess"):
@@ -67,9 +75,9 @@ def main() -> int:
             print(f"read on the host after prefetch to cpu: ok={good}")
             ok &= good
             del host
-        cupy_poolmem.prefetch(x, device=dev)           # back to the GPU before using it
+        cupy_poolmem.prefetch(x, device=dev)  # back to the GPU before using it
         cupy_poolmem.prefetch(x[: n // 2], device=dev)  # a view: only the range it spans
-        y = x * 2 + 1                                   # no page faults: pages are on the GPU
+        y = x * 2 + 1  # no page faults: pages are on the GPU
         k = 12345 % n
         good = float(y[k]) == 2.0 * k + 1 and float(y[n - 1]) > 0
         print(f"computed on the GPU after prefetch back: ok={good}")
@@ -79,8 +87,10 @@ def main() -> int:
             cupy_poolmem.advise(x, read_mostly=True)
             print("advise on managed-pool memory: accepted by this driver")
         except cupy_poolmem.UnsupportedError:
-            print("advise on managed-pool memory: not supported by this driver "
-                  "(CUDA 13.0 / driver 580); prefetch works")
+            print(
+                "advise on managed-pool memory: not supported by this driver "
+                "(CUDA 13.0 / driver 580); prefetch works"
+            )
         print("managed pool:", pool.stats())
         del x, y
 

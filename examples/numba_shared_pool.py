@@ -67,8 +67,12 @@ def main() -> int:
     d = cuda.device_array(N, dtype=np.float32)  # from the pool
     fill[(N + 255) // 256, 256](d)
     c = cupy.asarray(d)  # zero-copy: same memory
-    print("CuPy reads the Numba array:", c[:4], "| all values ok:",
-          bool((c == 3 * cupy.arange(N, dtype=cupy.float32) + 1).all()))
+    print(
+        "CuPy reads the Numba array:",
+        c[:4],
+        "| all values ok:",
+        bool((c == 3 * cupy.arange(N, dtype=cupy.float32) + 1).all()),
+    )
     print("pool after Numba + CuPy:", pool.stats())
 
     ctx = mp.get_context("spawn")
@@ -80,8 +84,7 @@ def main() -> int:
     proc.join(timeout=60)
     if proc.is_alive():
         proc.kill()
-    print("consumer read the data:", ok, "| consumer's write visible here:",
-          bool((c == 7).all()))
+    print("consumer read the data:", ok, "| consumer's write visible here:", bool((c == 7).all()))
     return 0 if ok else 1
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 
-CHUNK = 1 << 22        # float32 elements per chunk (16 MiB)
+CHUNK = 1 << 22  # float32 elements per chunk (16 MiB)
 N_CHUNKS = 8
 BENCH_BYTES = 64 << 20
 
@@ -46,41 +46,46 @@ def main() -> int:
         print(f"this example needs CuPy and cupy_poolmem: {exc}", file=sys.stderr)
         return 1
     if cupy_poolmem.device_count() == 0:
-        print("this example needs an NVIDIA GPU and its driver, and this machine has none "
-              "(cupy_poolmem.device_count() == 0)", file=sys.stderr)
+        print(
+            "this example needs an NVIDIA GPU and its driver, and this machine has none "
+            "(cupy_poolmem.device_count() == 0)",
+            file=sys.stderr,
+        )
         return 1
 
-    cupy_poolmem.set_allocator()                      # device memory, stream-ordered
-    pinned = cupy_poolmem.PinnedPool()                # NUMA node of the current GPU
-    print(f"PinnedPool on NUMA node {pinned.numa_node} (GPU 0 is nearest node "
-          f"{cupy_poolmem.nearest_numa_node(0)}), GPUs with access: {pinned.devices}")
+    cupy_poolmem.set_allocator()  # device memory, stream-ordered
+    pinned = cupy_poolmem.PinnedPool()  # NUMA node of the current GPU
+    print(
+        f"PinnedPool on NUMA node {pinned.numa_node} (GPU 0 is nearest node "
+        f"{cupy_poolmem.nearest_numa_node(0)}), GPUs with access: {pinned.devices}"
+    )
 
     data = np.random.default_rng(0).random(N_CHUNKS * CHUNK, dtype=np.float32)
     result = np.empty_like(data)
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
-    with cupy_poolmem.using(pinned):                  # cupyx.empty_pinned -> the pool
+    with cupy_poolmem.using(pinned):  # cupyx.empty_pinned -> the pool
         stage_in = [cupyx.empty_pinned((CHUNK,), dtype=np.float32) for _ in range(2)]
         stage_out = [cupyx.empty_pinned((CHUNK,), dtype=np.float32) for _ in range(2)]
 
-    pending: list[int | None] = [None, None]          # chunk waiting in stage_out[k]
+    pending: list[int | None] = [None, None]  # chunk waiting in stage_out[k]
 
     def collect(k: int) -> None:
-        streams[k].synchronize()                      # buffers k are free again
+        streams[k].synchronize()  # buffers k are free again
         i = pending[k]
         if i is not None:
-            result[i * CHUNK:(i + 1) * CHUNK] = stage_out[k]
+            result[i * CHUNK : (i + 1) * CHUNK] = stage_out[k]
             pending[k] = None
 
     for i in range(N_CHUNKS):
         k = i % 2
         collect(k)
-        stage_in[k][:] = data[i * CHUNK:(i + 1) * CHUNK]
+        stage_in[k][:] = data[i * CHUNK : (i + 1) * CHUNK]
         with streams[k]:
             d = cupy.empty(CHUNK, dtype=np.float32)
-            d.set(stage_in[k])                         # host -> device, asynchronous
-            r = cupy.sqrt(d) * 2 + 1                   # overlaps the other stream's copies
-            r.get(out=stage_out[k], blocking=False)    # device -> host, asynchronous
-            del d, r                                   # freed on this stream, in order
+            d.set(stage_in[k])  # host -> device, asynchronous
+            r = cupy.sqrt(d) * 2 + 1  # overlaps the other stream's copies
+            r.get(out=stage_out[k], blocking=False)  # device -> host, asynchronous
+            del d, r  # freed on this stream, in order
         pending[k] = i
     collect(0)
     collect(1)
@@ -98,11 +103,16 @@ def main() -> int:
         ours = cupyx.empty_pinned((BENCH_BYTES,), dtype=np.uint8)
     host_alloc = cupyx.empty_pinned((BENCH_BYTES,), dtype=np.uint8)  # CuPy's own pool
     pageable = np.ones(BENCH_BYTES, dtype=np.uint8)
-    for name, buf in [("PinnedPool", ours), ("cudaHostAlloc (CuPy)", host_alloc),
-                      ("pageable numpy", pageable)]:
+    for name, buf in [
+        ("PinnedPool", ours),
+        ("cudaHostAlloc (CuPy)", host_alloc),
+        ("pageable numpy", pageable),
+    ]:
         buf[:] = 1
-        print(f"  host -> device, {BENCH_BYTES >> 20} MiB from {name:22s} "
-              f"{h2d_gbps(cupy, buf, dev):6.1f} GB/s")
+        print(
+            f"  host -> device, {BENCH_BYTES >> 20} MiB from {name:22s} "
+            f"{h2d_gbps(cupy, buf, dev):6.1f} GB/s"
+        )
     del ours
     pinned.close()
     return 0 if ok else 1

@@ -44,17 +44,17 @@ def consumer(cid: int, inbox, outbox) -> None:
 
         import cupy_poolmem
 
-        cupy_poolmem.set_allocator()   # replies allocated here travel back zero-copy
+        cupy_poolmem.set_allocator()  # replies allocated here travel back zero-copy
         while True:
             msg = inbox.get(timeout=GET_TIMEOUT)
             if msg is None:
                 break
-            i, x = msg                 # x is the producer's memory, mapped into this process
+            i, x = msg  # x is the producer's memory, mapped into this process
             ok = bool((x == pattern(cupy, i, x.size)).all())
             total = int(x.sum())
-            head = x[:8] * 2           # allocated in this consumer's pool
+            head = x[:8] * 2  # allocated in this consumer's pool
             outbox.put(("result", cid, i, ok, total, head))
-            del x, head                # let go: the producer may now reuse the block
+            del x, head  # let go: the producer may now reuse the block
         outbox.put(("done", cid, cupy_poolmem.sharing_stats()))
     except Exception:
         outbox.put(("error", cid, traceback.format_exc()))
@@ -74,17 +74,22 @@ def main() -> int:
         print(f"this example needs CuPy and cupy_poolmem: {exc}", file=sys.stderr)
         return 1
     if cupy_poolmem.device_count() == 0:
-        print("this example needs an NVIDIA GPU and its driver, and this machine has none "
-              "(cupy_poolmem.device_count() == 0)", file=sys.stderr)
+        print(
+            "this example needs an NVIDIA GPU and its driver, and this machine has none "
+            "(cupy_poolmem.device_count() == 0)",
+            file=sys.stderr,
+        )
         return 1
 
-    alloc = cupy_poolmem.set_allocator()          # IPC-enabled pools
+    alloc = cupy_poolmem.set_allocator()  # IPC-enabled pools
     n = (args.mib << 20) // 8
-    ctx = mp.get_context("spawn")                 # never fork a process that uses CUDA
-    inbox = ctx.Queue(maxsize=4)                  # back-pressure: at most 4 arrays in flight
+    ctx = mp.get_context("spawn")  # never fork a process that uses CUDA
+    inbox = ctx.Queue(maxsize=4)  # back-pressure: at most 4 arrays in flight
     outbox = ctx.Queue()
-    procs = [ctx.Process(target=consumer, args=(c, inbox, outbox), name=f"consumer-{c}")
-             for c in range(args.consumers)]
+    procs = [
+        ctx.Process(target=consumer, args=(c, inbox, outbox), name=f"consumer-{c}")
+        for c in range(args.consumers)
+    ]
     for p in procs:
         p.start()
 
@@ -103,7 +108,7 @@ def main() -> int:
                 except queue.Full:
                     break
                 sent += 1
-                del x                             # only the consumer holds it now (limbo)
+                del x  # only the consumer holds it now (limbo)
             try:
                 msg = outbox.get(timeout=GET_TIMEOUT if sent == args.arrays else 0.05)
             except queue.Empty:
@@ -120,11 +125,13 @@ def main() -> int:
                 bad.append(f"array {i}: pattern ok={ok}, sum {total} != {expected_sum(i, n)}")
             if not bool((head == (cupy.arange(8, dtype=cupy.int64) * (i + 1) + i) * 2).all()):
                 bad.append(f"array {i}: the consumer's reply has wrong data")
-            heads.append(head)                    # consumer memory, mapped here
+            heads.append(head)  # consumer memory, mapped here
         dt = time.perf_counter() - t0
-        print(f"{received} arrays of {args.mib} MiB through {args.consumers} consumer(s) in "
-              f"{dt:.2f} s ({received * args.mib / 1024 / dt:.1f} GiB/s of arrays, no copies)")
-        heads.clear()                             # give the consumers' memory back
+        print(
+            f"{received} arrays of {args.mib} MiB through {args.consumers} consumer(s) in "
+            f"{dt:.2f} s ({received * args.mib / 1024 / dt:.1f} GiB/s of arrays, no copies)"
+        )
+        heads.clear()  # give the consumers' memory back
     finally:
         for _ in procs:
             try:

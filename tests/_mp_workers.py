@@ -51,8 +51,16 @@ def pipe_worker(conn):
             if msg is None:
                 break
             name, arr = msg
-            conn.send((name, type(arr).__name__, arr.shape, arr.strides, str(arr.dtype),
-                       cupy.asnumpy(arr) if hasattr(arr, "device") else arr.copy()))
+            conn.send(
+                (
+                    name,
+                    type(arr).__name__,
+                    arr.shape,
+                    arr.strides,
+                    str(arr.dtype),
+                    cupy.asnumpy(arr) if hasattr(arr, "device") else arr.copy(),
+                )
+            )
     except Exception:
         conn.send(("error", traceback.format_exc()))
 

@@ -21,8 +21,9 @@ class FakeCore:
 
     _next_serial = 10_000
 
-    def __init__(self, device: int = 0, kind: int = 0, reserved: int = 1 << 30,
-                 used: int = 0) -> None:
+    def __init__(
+        self, device: int = 0, kind: int = 0, reserved: int = 1 << 30, used: int = 0
+    ) -> None:
         self.device_id = device
         self.kind = kind
         self.reserved = reserved

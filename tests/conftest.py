@@ -10,8 +10,9 @@ N_GPUS = cupy_poolmem.device_count()
 
 
 def pytest_collection_modifyitems(config, items):
-    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU: this machine has no GPU or driver "
-                                     "(GPU tests run on the lent GPU; see README)")
+    no_gpu = pytest.mark.skip(
+        reason="needs a CUDA GPU (none found: no driver, no device, or CUDA_VISIBLE_DEVICES empty)"
+    )
     one_gpu = pytest.mark.skip(reason=f"needs 2 GPUs; this machine has {N_GPUS}")
     for item in items:
         if "gpu" in item.keywords and N_GPUS == 0:

@@ -13,10 +13,18 @@ from cupy_poolmem import _errors
 NO_GPU = cpm.device_count() == 0
 
 
-@pytest.mark.parametrize("value,expected", [
-    ("40GB", 40 * 10**9), ("512MiB", 512 * 2**20), ("1.5 kB", 1500), (1024, 1024),
-    ("2048", 2048), (0, 0), ("1TiB", 2**40),
-])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("40GB", 40 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5 kB", 1500),
+        (1024, 1024),
+        ("2048", 2048),
+        (0, 0),
+        ("1TiB", 2**40),
+    ],
+)
 def test_parse_bytes_units(value, expected):
     assert cpm.parse_bytes(value) == expected
 
@@ -54,16 +62,33 @@ def test_error_hierarchy():
 
     assert issubclass(cpm.OutOfPoolMemoryError, cupy.cuda.memory.OutOfMemoryError)
     assert issubclass(cpm.PinnedOutOfMemoryError, CUDARuntimeError)
-    for cls in (cpm.PoolClosedError, cpm.WrongDeviceError, cpm.InvalidOptionError,
-                cpm.OptionTypeError, cpm.NoGPUError, cpm.UnsupportedError, cpm.CUDADriverError,
-                cpm.OutOfPoolMemoryError, cpm.PinnedOutOfMemoryError, cpm.SharingError):
+    for cls in (
+        cpm.PoolClosedError,
+        cpm.WrongDeviceError,
+        cpm.InvalidOptionError,
+        cpm.OptionTypeError,
+        cpm.NoGPUError,
+        cpm.UnsupportedError,
+        cpm.CUDADriverError,
+        cpm.OutOfPoolMemoryError,
+        cpm.PinnedOutOfMemoryError,
+        cpm.SharingError,
+    ):
         assert issubclass(cls, cpm.PoolmemError)
 
 
 def test_oom_error_message_names_pool_size_and_stats():
-    st = cpm.PoolStats(kind="device", device=0, used_bytes=5000, peak_used_bytes=6000,
-                       reserved_bytes=8000, peak_reserved_bytes=8000, n_allocs=3, n_frees=1,
-                       max_size=10000)
+    st = cpm.PoolStats(
+        kind="device",
+        device=0,
+        used_bytes=5000,
+        peak_used_bytes=6000,
+        reserved_bytes=8000,
+        peak_reserved_bytes=8000,
+        n_allocs=3,
+        n_frees=1,
+        max_size=10000,
+    )
     e = cpm.OutOfPoolMemoryError("DevicePool(device=0)", 123456, st)
     s = str(e)
     assert "DevicePool(device=0)" in s and "123,456" in s and "5,000" in s and "10,000" in s
@@ -93,8 +118,16 @@ def test_check_driver_unpacks_success():
 
 
 def test_poolstats_derived_fields():
-    st = cpm.PoolStats(kind="device", device=0, used_bytes=1, peak_used_bytes=2,
-                       reserved_bytes=3, peak_reserved_bytes=4, n_allocs=10, n_frees=7)
+    st = cpm.PoolStats(
+        kind="device",
+        device=0,
+        used_bytes=1,
+        peak_used_bytes=2,
+        reserved_bytes=3,
+        peak_reserved_bytes=4,
+        n_allocs=10,
+        n_frees=7,
+    )
     assert st.live_allocs == 3
     assert st.to_dict()["live_allocs"] == 3 and st.to_dict()["reserved_bytes"] == 3
 
@@ -135,28 +168,38 @@ class TestWithoutGPU:
         assert cupy.cuda.get_allocator() is before
 
     def test_doctor_explains_and_exits_nonzero(self):
-        r = subprocess.run([sys.executable, "-m", "cupy_poolmem"], capture_output=True, text=True,
-                           timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "cupy_poolmem"], capture_output=True, text=True, timeout=120
+        )
         assert r.returncode == 2
         assert "Traceback" not in r.stdout + r.stderr
         assert "cupy_poolmem doctor" in r.stdout and "cuda.core" in r.stdout
         assert "GPU" in r.stdout
 
     def test_demo_without_gpu_exits_nonzero_without_traceback(self):
-        r = subprocess.run([sys.executable, "-m", "cupy_poolmem", "demo"], capture_output=True,
-                           text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "cupy_poolmem", "demo"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 2 and "Traceback" not in r.stderr
 
 
 def test_cli_rejects_unknown_command():
-    r = subprocess.run([sys.executable, "-m", "cupy_poolmem", "frobnicate"], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "cupy_poolmem", "frobnicate"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "invalid choice" in r.stderr
 
 
 def test_cli_help_lists_commands():
-    r = subprocess.run([sys.executable, "-m", "cupy_poolmem", "--help"], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "cupy_poolmem", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0
     for cmd in ("doctor", "demo", "bench", "report"):
         assert cmd in r.stdout
@@ -179,8 +222,16 @@ def test_sharing_settings_and_stats_without_a_gpu():
     finally:
         cpm.sharing.keep_mappings = 64
     stats = cpm.sharing_stats()
-    assert set(stats) == {"exported_blocks", "limbo_blocks", "limbo_bytes", "tickets_out",
-                          "leases", "imported_blocks", "idle_mappings", "imported_pools"}
+    assert set(stats) == {
+        "exported_blocks",
+        "limbo_blocks",
+        "limbo_bytes",
+        "tickets_out",
+        "leases",
+        "imported_blocks",
+        "idle_mappings",
+        "imported_pools",
+    }
     assert cpm.collect() == 0 and stats["leases"] == 0
 
 
@@ -188,5 +239,6 @@ def test_message_from_another_protocol_version_is_refused():
     from cupy_poolmem import _sharing
 
     with pytest.raises(cpm.SharingError, match="message format 1 .* reads format 2"):
-        _sharing._rebuild(1, "cupy", "addr", "pool", "", 0, 1, b"", 16, 7, None, 0, (4,),
-                          (4,), "<f4")
+        _sharing._rebuild(
+            1, "cupy", "addr", "pool", "", 0, 1, b"", 16, 7, None, 0, (4,), (4,), "<f4"
+        )

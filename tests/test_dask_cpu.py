@@ -7,8 +7,9 @@ import pickle
 import pytest
 
 pytest.importorskip("dask", reason="dask is not installed (pip install 'cupy_poolmem[dask]')")
-pytest.importorskip("distributed",
-                    reason="distributed is not installed (pip install 'cupy_poolmem[dask]')")
+pytest.importorskip(
+    "distributed", reason="distributed is not installed (pip install 'cupy_poolmem[dask]')"
+)
 
 import dask  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
@@ -26,37 +27,58 @@ GB = 10**9
 
 
 # -- sizes: byte strings and fractions, like dask-cuda's rmm_pool_size ---------------------
-@pytest.mark.parametrize("kw,total,expected", [
-    (dict(pool_size="20GB"), 80 * GB, dict(pool_size=20 * GB)),
-    (dict(pool_size="0.5"), 80 * GB, dict(pool_size=40 * GB)),
-    (dict(pool_size=0.25, maximum_pool_size="0.9"), 80 * GB,
-     dict(pool_size=20 * GB, maximum_pool_size=72 * GB)),
-    (dict(maximum_pool_size="30GiB"), 80 * GB, dict(maximum_pool_size=30 * 2**30)),
-    (dict(pool_size=1 << 30, release_threshold="2GiB"), 80 * GB,
-     dict(pool_size=1 << 30, release_threshold=2 << 30)),
-    (dict(release_threshold=0), 80 * GB, dict(release_threshold=0)),
-    (dict(), 80 * GB, dict()),
-])
+@pytest.mark.parametrize(
+    "kw,total,expected",
+    [
+        (dict(pool_size="20GB"), 80 * GB, dict(pool_size=20 * GB)),
+        (dict(pool_size="0.5"), 80 * GB, dict(pool_size=40 * GB)),
+        (
+            dict(pool_size=0.25, maximum_pool_size="0.9"),
+            80 * GB,
+            dict(pool_size=20 * GB, maximum_pool_size=72 * GB),
+        ),
+        (dict(maximum_pool_size="30GiB"), 80 * GB, dict(maximum_pool_size=30 * 2**30)),
+        (
+            dict(pool_size=1 << 30, release_threshold="2GiB"),
+            80 * GB,
+            dict(pool_size=1 << 30, release_threshold=2 << 30),
+        ),
+        (dict(release_threshold=0), 80 * GB, dict(release_threshold=0)),
+        (dict(), 80 * GB, dict()),
+    ],
+)
 def test_resolve_bytes_and_fractions(kw, total, expected):
     full = {"pool_size": None, "maximum_pool_size": None, "release_threshold": None}
     full.update(expected)
     assert PoolmemPlugin(**kw).resolve(total) == full
 
 
-@pytest.mark.parametrize("kw,exc,match", [
-    (dict(pool_size="lots"), cpm.InvalidOptionError, "pool_size='lots' is not a size"),
-    (dict(maximum_pool_size=[1]), cpm.OptionTypeError, "maximum_pool_size must be"),
-    (dict(pool_size=-1), cpm.InvalidOptionError, "pool_size must be >= 0"),
-    (dict(pool_size=1.5), cpm.InvalidOptionError, "fraction in"),
-    (dict(pool_size="20GB", maximum_pool_size="10GB"), cpm.InvalidOptionError,
-     "more than maximum_pool_size"),
-    (dict(pool_size=0.5, maximum_pool_size="0.4"), cpm.InvalidOptionError,
-     "more than maximum_pool_size"),
-    (dict(pool_size="2GB", release_threshold=0), cpm.InvalidOptionError,
-     "release_threshold=0 is less than pool_size"),
-    (dict(pinned="yes"), cpm.OptionTypeError, "pinned must be True or False"),
-    (dict(ipc=1), cpm.OptionTypeError, "ipc must be True or False"),
-])
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        (dict(pool_size="lots"), cpm.InvalidOptionError, "pool_size='lots' is not a size"),
+        (dict(maximum_pool_size=[1]), cpm.OptionTypeError, "maximum_pool_size must be"),
+        (dict(pool_size=-1), cpm.InvalidOptionError, "pool_size must be >= 0"),
+        (dict(pool_size=1.5), cpm.InvalidOptionError, "fraction in"),
+        (
+            dict(pool_size="20GB", maximum_pool_size="10GB"),
+            cpm.InvalidOptionError,
+            "more than maximum_pool_size",
+        ),
+        (
+            dict(pool_size=0.5, maximum_pool_size="0.4"),
+            cpm.InvalidOptionError,
+            "more than maximum_pool_size",
+        ),
+        (
+            dict(pool_size="2GB", release_threshold=0),
+            cpm.InvalidOptionError,
+            "release_threshold=0 is less than pool_size",
+        ),
+        (dict(pinned="yes"), cpm.OptionTypeError, "pinned must be True or False"),
+        (dict(ipc=1), cpm.OptionTypeError, "ipc must be True or False"),
+    ],
+)
 def test_bad_values_fail_at_construction(kw, exc, match):
     with pytest.raises(exc, match=match):
         PoolmemPlugin(**kw)
@@ -90,11 +112,15 @@ def test_config_defaults_are_shipped():
 
 
 def test_config_keys_configure_the_plugin():
-    with dask.config.set({"cupy-poolmem.pool-size": "0.5",
-                          "cupy-poolmem.maximum-pool-size": "20GB",
-                          "cupy-poolmem.release-threshold": None,
-                          "cupy-poolmem.pinned": "false",
-                          "cupy-poolmem.ipc": False}):
+    with dask.config.set(
+        {
+            "cupy-poolmem.pool-size": "0.5",
+            "cupy-poolmem.maximum-pool-size": "20GB",
+            "cupy-poolmem.release-threshold": None,
+            "cupy-poolmem.pinned": "false",
+            "cupy-poolmem.ipc": False,
+        }
+    ):
         plugin = PoolmemPlugin.from_config()
     assert plugin.pool_size == "0.5" and plugin.maximum_pool_size == "20GB"
     assert plugin.pinned is False and plugin.ipc is False
@@ -102,11 +128,15 @@ def test_config_keys_configure_the_plugin():
 
 
 def test_config_errors_name_the_key():
-    with dask.config.set({"cupy-poolmem.pinned": "maybe"}), \
-            pytest.raises(cpm.OptionTypeError, match="cupy-poolmem.pinned"):
+    with (
+        dask.config.set({"cupy-poolmem.pinned": "maybe"}),
+        pytest.raises(cpm.OptionTypeError, match="cupy-poolmem.pinned"),
+    ):
         PoolmemPlugin.from_config()
-    with dask.config.set({"cupy-poolmem.pool-size": "huge"}), \
-            pytest.raises(cpm.InvalidOptionError, match="pool_size='huge'"):
+    with (
+        dask.config.set({"cupy-poolmem.pool-size": "huge"}),
+        pytest.raises(cpm.InvalidOptionError, match="pool_size='huge'"),
+    ):
         PoolmemPlugin.from_config()
 
 
@@ -126,17 +156,21 @@ def test_environment_variables_reach_the_config(monkeypatch):
 @pytest.mark.skipif(not NO_GPU, reason="checks the error raised on a machine without a GPU")
 @pytest.mark.parametrize("processes", [False, True])
 def test_worker_without_gpu_raises_no_gpu_error_in_client(processes):
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=processes,
-                      dashboard_address=None) as cluster, Client(cluster) as client:
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=processes, dashboard_address=None
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         with pytest.raises(cpm.NoGPUError) as ei:
             client.register_plugin(PoolmemPlugin(pool_size="1GB"))
         msg = str(ei.value)
-        assert "PoolmemPlugin on worker tcp://" in msg or "PoolmemPlugin on worker inproc://" \
-            in msg
+        assert "PoolmemPlugin on worker tcp://" in msg or "PoolmemPlugin on worker inproc://" in msg
         assert "CUDA_VISIBLE_DEVICES" in msg
         # The failed setup changed nothing on the worker: CuPy keeps its own allocator.
-        assert client.run(_cupy_allocator_is_default) == {w: True for w in
-                                                           client.scheduler_info()["workers"]}
+        assert client.run(_cupy_allocator_is_default) == {
+            w: True for w in client.scheduler_info()["workers"]
+        }
         with pytest.raises(cpm.PoolClosedError, match="no cupy_poolmem device pool"):
             gather_stats(client)
 
@@ -155,15 +189,26 @@ def test_bad_plugin_value_never_reaches_a_worker():
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the error raised on a machine without a GPU")
 def test_preload_hook_logs_no_gpu_and_worker_stays_up(caplog):
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
-                      dashboard_address=None, preload=["cupy_poolmem.dask"]) as cluster, \
-            Client(cluster) as client:
+    with (
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            processes=False,
+            dashboard_address=None,
+            preload=["cupy_poolmem.dask"],
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         # The worker runs (a failed preload is logged, not fatal) but has no pool.
         assert client.submit(lambda: 1 + 1).result(timeout=30) == 2
         with pytest.raises(cpm.PoolClosedError):
             gather_stats(client)
-    assert any("NoGPUError" in r.getMessage() or "NoGPUError" in (r.exc_text or "")
-               or (r.exc_info and r.exc_info[0] is cpm.NoGPUError) for r in caplog.records)
+    assert any(
+        "NoGPUError" in r.getMessage()
+        or "NoGPUError" in (r.exc_text or "")
+        or (r.exc_info and r.exc_info[0] is cpm.NoGPUError)
+        for r in caplog.records
+    )
 
 
 def test_preload_hook_leaves_non_workers_alone():

@@ -67,7 +67,7 @@ def _cluster(**kw):
 def test_dask_array_workload_allocates_from_the_plugin_pool():
     with _cluster() as cluster, Client(cluster) as client:
         client.register_plugin(PoolmemPlugin(pool_size=256 * MiB, maximum_pool_size="0.5"))
-        (addr, s0), = gather_stats(client).items()
+        ((addr, s0),) = gather_stats(client).items()
         assert s0["kind"] == "device" and s0["device"] == 0
         assert s0["reserved_bytes"] >= 256 * MiB  # pool_size was reserved up front
         assert s0["max_size"] > 0
@@ -86,7 +86,7 @@ def test_dask_array_workload_allocates_from_the_plugin_pool():
 
         # Restarted workers get their pools again (the scheduler re-sends the plugin).
         client.restart()
-        (addr2, s2), = gather_stats(client).items()
+        ((addr2, s2),) = gather_stats(client).items()
         assert s2["reserved_bytes"] >= 256 * MiB
         assert _workload(client) == pytest.approx(_expected(), rel=1e-9)
         assert gather_stats(client)[addr2]["n_allocs"] > s2["n_allocs"]
@@ -109,11 +109,18 @@ def test_bad_fraction_against_the_real_gpu_is_reported_by_the_worker():
 
 
 def test_preload_module_configured_through_dask_config():
-    with dask.config.set({"cupy-poolmem.pool-size": "128MiB",
-                          "cupy-poolmem.maximum-pool-size": "0.5",
-                          "cupy-poolmem.pinned": False}), \
-            _cluster(preload=["cupy_poolmem.dask"]) as cluster, Client(cluster) as client:
-        (addr, s0), = gather_stats(client).items()
+    with (
+        dask.config.set(
+            {
+                "cupy-poolmem.pool-size": "128MiB",
+                "cupy-poolmem.maximum-pool-size": "0.5",
+                "cupy-poolmem.pinned": False,
+            }
+        ),
+        _cluster(preload=["cupy_poolmem.dask"]) as cluster,
+        Client(cluster) as client,
+    ):
+        ((addr, s0),) = gather_stats(client).items()
         assert s0["reserved_bytes"] >= 128 * MiB
         assert _workload(client) == pytest.approx(_expected(), rel=1e-9)
         assert gather_stats(client)[addr]["n_allocs"] > s0["n_allocs"]
@@ -125,8 +132,10 @@ def test_preload_module_configured_through_dask_config():
 def test_two_workers_each_on_their_own_gpu():
     if cpm.device_count() < 2:
         pytest.skip(f"needs 2 GPUs; this machine has {cpm.device_count()}")
-    with _cluster(n_workers=2, threads_per_worker=2, CUDA_VISIBLE_DEVICES="0,1") as cluster, \
-            Client(cluster) as client:
+    with (
+        _cluster(n_workers=2, threads_per_worker=2, CUDA_VISIBLE_DEVICES="0,1") as cluster,
+        Client(cluster) as client,
+    ):
         client.register_plugin(PoolmemPlugin(pool_size=64 * MiB))
         states = client.run(_worker_allocator_state)
         assert len(states) == 2

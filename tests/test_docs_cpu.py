@@ -14,10 +14,29 @@ import cupy_poolmem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
-PAGES = ["index", "quickstart", "choosing", "device_pool", "pinned_pool", "managed_pool",
-         "sharing", "observability", "dask", "numba", "cli", "comparison", "api"]
-MODULES = ["cupy_poolmem", "cupy_poolmem.stats", "cupy_poolmem.report",
-           "cupy_poolmem.managed", "cupy_poolmem.dask", "cupy_poolmem.numba"]
+PAGES = [
+    "index",
+    "quickstart",
+    "choosing",
+    "device_pool",
+    "pinned_pool",
+    "managed_pool",
+    "sharing",
+    "observability",
+    "dask",
+    "numba",
+    "cli",
+    "comparison",
+    "api",
+]
+MODULES = [
+    "cupy_poolmem",
+    "cupy_poolmem.stats",
+    "cupy_poolmem.report",
+    "cupy_poolmem.managed",
+    "cupy_poolmem.dask",
+    "cupy_poolmem.numba",
+]
 
 
 def _inventory(path: str) -> dict[str, str]:
@@ -39,9 +58,25 @@ def built(tmp_path_factory):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"{mod} is not installed (pip install -e '.[docs]')")
     out = tmp_path_factory.mktemp("html")
-    r = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html",
-                        "-d", str(out / ".doctrees"), DOCS, str(out)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-b",
+            "html",
+            "-d",
+            str(out / ".doctrees"),
+            DOCS,
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     return r, out
 
 
@@ -77,15 +112,31 @@ def test_pages_say_what_the_brief_promises(built):
     """Spot checks of facts users rely on (not of wording)."""
     _, out = built
     pinned = (out / "pinned_pool.html").read_text(encoding="utf-8")
-    for fact in ("cuMemPoolGetAccess", "cuMemPoolSetAccess", "PROT_NONE", "55 GB/s",
-                 "PinnedOutOfMemoryError", "cudaErrorMemoryAllocation", "NUMA"):
+    for fact in (
+        "cuMemPoolGetAccess",
+        "cuMemPoolSetAccess",
+        "PROT_NONE",
+        "55 GB/s",
+        "PinnedOutOfMemoryError",
+        "cudaErrorMemoryAllocation",
+        "NUMA",
+    ):
         assert fact in pinned, fact
     managed = (out / "managed_pool.html").read_text(encoding="utf-8")
     for fact in ("CUDA_ERROR_NOT_SUPPORTED", "UnsupportedError", "cudaMallocManaged", "free"):
         assert fact in managed, fact
     sharing = (out / "sharing.html").read_text(encoding="utf-8")
-    for fact in ("ForkingPickler", "spawn", "forkserver", "PoolClosedError", "SharingError",
-                 "inflight_timeout", "device-copy", "authkey", "UUID"):
+    for fact in (
+        "ForkingPickler",
+        "spawn",
+        "forkserver",
+        "PoolClosedError",
+        "SharingError",
+        "inflight_timeout",
+        "device-copy",
+        "authkey",
+        "UUID",
+    ):
         assert fact in sharing, fact
     comparison = (out / "comparison.html").read_text(encoding="utf-8")
     assert "Tables are filled in from the latest GPU run" in comparison or "GB/s" in comparison

@@ -15,8 +15,13 @@ import cupy_poolmem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
-NEW = ["one_line_allocator.py", "pinned_staging.py", "managed_prefetch.py",
-       "queue_zero_copy.py", "allocation_log.py"]
+NEW = [
+    "one_line_allocator.py",
+    "pinned_staging.py",
+    "managed_prefetch.py",
+    "queue_zero_copy.py",
+    "allocation_log.py",
+]
 IDS = [os.path.basename(p) for p in EXAMPLES]
 
 
@@ -31,18 +36,25 @@ def test_example_compiles_and_is_documented(path, tmp_path):
         tree = ast.parse(f.read())
     doc = ast.get_docstring(tree)
     assert doc and "python examples/" in doc, "the docstring must say how to run it"
-    guards = [n for n in tree.body if isinstance(n, ast.If)
-              and "__name__" in ast.unparse(n.test) and "__main__" in ast.unparse(n.test)]
+    guards = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.If)
+        and "__name__" in ast.unparse(n.test)
+        and "__main__" in ast.unparse(n.test)
+    ]
     assert guards, 'no `if __name__ == "__main__":` guard'
 
 
-@pytest.mark.skipif(cupy_poolmem.device_count() > 0,
-                    reason="this machine has a GPU: the examples would really run")
+@pytest.mark.skipif(
+    cupy_poolmem.device_count() > 0, reason="this machine has a GPU: the examples would really run"
+)
 @pytest.mark.parametrize("path", EXAMPLES, ids=IDS)
 def test_example_without_gpu_exits_with_a_message(path, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, path], capture_output=True, text=True, cwd=tmp_path,
-                       env=env, timeout=300)
+    r = subprocess.run(
+        [sys.executable, path], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
+    )
     text = r.stdout + r.stderr
     assert r.returncode != 0, f"exited 0 without a GPU:\n{text}"
     assert "Traceback" not in text, text
@@ -51,18 +63,27 @@ def test_example_without_gpu_exits_with_a_message(path, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,args", [
-    ("one_line_allocator.py", []),
-    ("pinned_staging.py", []),
-    ("managed_prefetch.py", []),
-    ("queue_zero_copy.py", ["--arrays", "12", "--mib", "4"]),
-    ("allocation_log.py", ["usage.png"]),
-])
+@pytest.mark.parametrize(
+    "name,args",
+    [
+        ("one_line_allocator.py", []),
+        ("pinned_staging.py", []),
+        ("managed_prefetch.py", []),
+        ("queue_zero_copy.py", ["--arrays", "12", "--mib", "4"]),
+        ("allocation_log.py", ["usage.png"]),
+    ],
+)
 def test_example_runs_on_a_gpu(name, args, tmp_path):
     """On a GPU machine the new examples run to the end and report success (status 0)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args],
-                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=280)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", name), *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=280,
+    )
     text = r.stdout + r.stderr
     assert r.returncode == 0, text[-6000:]
     assert "Traceback" not in text, text[-6000:]

@@ -11,8 +11,9 @@ import uuid
 
 import pytest
 
-pytest.importorskip("numba.cuda", reason="numba-cuda is not installed "
-                                         "(pip install 'cupy_poolmem[numba]')")
+pytest.importorskip(
+    "numba.cuda", reason="numba-cuda is not installed (pip install 'cupy_poolmem[numba]')"
+)
 
 import cupy_poolmem as cpm  # noqa: E402
 import cupy_poolmem.numba as cpn  # noqa: E402
@@ -38,11 +39,14 @@ def test_set_memory_manager_accepts_the_plugin_without_a_gpu(monkeypatch):
 
 
 def test_numba_resolves_the_env_var_to_the_plugin_in_a_fresh_process():
-    code = ("from numba.cuda.cudadrv import driver; driver._ensure_memory_manager(); "
-            "print(driver._memory_manager.__module__, driver._memory_manager.__name__)")
+    code = (
+        "from numba.cuda.cudadrv import driver; driver._ensure_memory_manager(); "
+        "print(driver._memory_manager.__module__, driver._memory_manager.__name__)"
+    )
     env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="cupy_poolmem.numba")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["cupy_poolmem.numba", "PoolmemNumbaManager"]
 
@@ -58,12 +62,15 @@ def test_plugin_interface():
         cpn.PoolmemNumbaManager()
 
 
-@pytest.mark.parametrize("bad,exc,match", [
-    (-1, cpm.InvalidOptionError, ">= 0 bytes"),
-    ("10", cpm.OptionTypeError, "int number of bytes"),
-    (1.5, cpm.OptionTypeError, "int number of bytes"),
-    (True, cpm.OptionTypeError, "int number of bytes"),
-])
+@pytest.mark.parametrize(
+    "bad,exc,match",
+    [
+        (-1, cpm.InvalidOptionError, ">= 0 bytes"),
+        ("10", cpm.OptionTypeError, "int number of bytes"),
+        (1.5, cpm.OptionTypeError, "int number of bytes"),
+        (True, cpm.OptionTypeError, "int number of bytes"),
+    ],
+)
 def test_allocation_sizes_are_checked_first(bad, exc, match):
     mgr = cpn.PoolmemNumbaManager(context=None)
     with pytest.raises(exc, match=match):
@@ -86,10 +93,18 @@ def test_numpy_integer_sizes_are_accepted():
 
 # -- IPC handle transport (the file descriptor travels; no GPU needed to check that) ------
 def _fake_handle(fd: int) -> cpn.PoolIpcHandle:
-    return cpn.PoolIpcHandle(object(), pool_uuid=uuid.uuid4(), device_uuid="GPU-test",
-                             payload=bytes(range(64)), alloc_size=4096, size=1024, offset=256,
-                             base_ptr=0x7F0000000000, source_info={"pci_bus_id": 1},
-                             export_fd=fd)
+    return cpn.PoolIpcHandle(
+        object(),
+        pool_uuid=uuid.uuid4(),
+        device_uuid="GPU-test",
+        payload=bytes(range(64)),
+        alloc_size=4096,
+        size=1024,
+        offset=256,
+        base_ptr=0x7F0000000000,
+        source_info={"pci_bus_id": 1},
+        export_fd=fd,
+    )
 
 
 def test_exporter_handle_cannot_be_opened_in_its_own_process():
@@ -112,8 +127,13 @@ def test_pickle_duplicates_the_pool_descriptor():
         h = _fake_handle(w)
         got = pickle.loads(pickle.dumps(h))
         assert got.base is None and got._fd is not None and got._fd != w
-        assert (got.pool_uuid, got.payload, got.size, got.offset, got.alloc_size) == \
-            (h.pool_uuid, h.payload, 1024, 256, 4096)
+        assert (got.pool_uuid, got.payload, got.size, got.offset, got.alloc_size) == (
+            h.pool_uuid,
+            h.payload,
+            1024,
+            256,
+            4096,
+        )
         os.write(got._fd, b"via dup")  # the received descriptor is the same pipe
         assert os.read(r, 7) == b"via dup"
         with pytest.raises(cpm.SharingError, match="cannot be forwarded"):

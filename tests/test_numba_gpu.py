@@ -149,8 +149,7 @@ def _ipc_importer(q_in, q_out, n):
         after_one = len(cpn._imported_allocs)
         h_full.close()
         after_both = len(cpn._imported_allocs)
-        q_out.put(("ok", (read_ok, view_ok, zero_copy, n_imports, n_pools, after_one,
-                          after_both)))
+        q_out.put(("ok", (read_ok, view_ok, zero_copy, n_imports, n_pools, after_one, after_both)))
     except BaseException:
         q_out.put(("err", traceback.format_exc()))
 
@@ -203,30 +202,34 @@ def test_plugin_creates_the_shared_pool_lazily():
 
 
 def test_env_var_selects_the_plugin_in_a_fresh_process():
-    code = "\n".join([
-        "import numpy as np",
-        "from numba import cuda",
-        "import cupy_poolmem as cpm, cupy_poolmem.numba as cpn",
-        "d = cuda.to_device(np.arange(1000, dtype=np.float64))",
-        "mgr = cuda.current_context().memory_manager",
-        "assert isinstance(mgr, cpn.PoolmemNumbaManager), type(mgr)",
-        "st = cpm.get_pool(0).stats()",
-        "assert st.n_allocs >= 1 and st.used_bytes >= 8000, st",
-        "assert d.copy_to_host().sum() == np.arange(1000).sum()",
-        "print('OK', type(mgr).__name__)",
-    ])
+    code = "\n".join(
+        [
+            "import numpy as np",
+            "from numba import cuda",
+            "import cupy_poolmem as cpm, cupy_poolmem.numba as cpn",
+            "d = cuda.to_device(np.arange(1000, dtype=np.float64))",
+            "mgr = cuda.current_context().memory_manager",
+            "assert isinstance(mgr, cpn.PoolmemNumbaManager), type(mgr)",
+            "st = cpm.get_pool(0).stats()",
+            "assert st.n_allocs >= 1 and st.used_bytes >= 8000, st",
+            "assert d.copy_to_host().sum() == np.arange(1000).sum()",
+            "print('OK', type(mgr).__name__)",
+        ]
+    )
     env = dict(os.environ, NUMBA_CUDA_MEMORY_MANAGER="cupy_poolmem.numba")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=TIMEOUT)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=TIMEOUT
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert "OK PoolmemNumbaManager" in out.stdout
 
 
 def test_numba_ipc_handle_round_trip_between_processes():
     n = 1 << 20
-    (read_ok, view_ok, zero_copy, n_imports, n_pools, after_one, after_both,
-     written_back) = _in_fresh_process(_ipc_exporter, n)
-    assert read_ok and view_ok and zero_copy        # exporter -> importer
-    assert written_back                             # importer -> exporter
-    assert (n_imports, n_pools) == (1, 1)           # one pool, one allocation imported
-    assert (after_one, after_both) == (1, 0)        # freed when the last handle closed
+    (read_ok, view_ok, zero_copy, n_imports, n_pools, after_one, after_both, written_back) = (
+        _in_fresh_process(_ipc_exporter, n)
+    )
+    assert read_ok and view_ok and zero_copy  # exporter -> importer
+    assert written_back  # importer -> exporter
+    assert (n_imports, n_pools) == (1, 1)  # one pool, one allocation imported
+    assert (after_one, after_both) == (1, 0)  # freed when the last handle closed

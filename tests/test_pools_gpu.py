@@ -29,7 +29,7 @@ def spin(ms: float = 50.0, stream=None):
     """Keep ``stream`` busy for about ``ms`` milliseconds (a long-running kernel)."""
     k = cupy.RawKernel(_SPIN, "spin")
     rate = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)  # kHz
-    with (stream or cupy.cuda.get_current_stream()):
+    with stream or cupy.cuda.get_current_stream():
         k((1,), (1,), (np.int64(int(ms * rate)),))
 
 
@@ -63,7 +63,8 @@ def test_pointer_is_from_this_pool(pool):
     with cpm.using(pool):
         x = cupy.ones(1000)
     err, handle = driver.cuPointerGetAttribute(
-        driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, x.data.ptr)
+        driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, x.data.ptr
+    )
     assert int(err) == 0 and int(handle) == pool.handle
 
 
@@ -254,14 +255,17 @@ def test_oom_retries_after_garbage_collection():
         assert p.n_oom == 1 and b.nbytes == 48 << 20
 
 
-@pytest.mark.parametrize("kwargs,exc,text", [
-    ({"device": 99}, cpm.InvalidOptionError, "device=99"),
-    ({"device": "0"}, cpm.OptionTypeError, "'0'"),
-    ({"max_size": "lots"}, cpm.InvalidOptionError, "lots"),
-    ({"max_size": "100000TB"}, cpm.InvalidOptionError, "more than device"),
-    ({"ipc": "yes"}, cpm.OptionTypeError, "ipc"),
-    ({"release_threshold": [1]}, cpm.OptionTypeError, "release_threshold"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,text",
+    [
+        ({"device": 99}, cpm.InvalidOptionError, "device=99"),
+        ({"device": "0"}, cpm.OptionTypeError, "'0'"),
+        ({"max_size": "lots"}, cpm.InvalidOptionError, "lots"),
+        ({"max_size": "100000TB"}, cpm.InvalidOptionError, "more than device"),
+        ({"ipc": "yes"}, cpm.OptionTypeError, "ipc"),
+        ({"release_threshold": [1]}, cpm.OptionTypeError, "release_threshold"),
+    ],
+)
 def test_invalid_options(kwargs, exc, text):
     with pytest.raises(exc, match=text):
         cpm.DevicePool(**kwargs)
@@ -418,10 +422,16 @@ def _free_bytes():
     return cupy.cuda.Device().mem_info[0]
 
 
-@pytest.mark.parametrize("hint", [
-    {"preferred_location": 0}, {"preferred_location": "cpu"}, {"accessed_by": [0]},
-    {"read_mostly": True}, {"read_mostly": False},
-])
+@pytest.mark.parametrize(
+    "hint",
+    [
+        {"preferred_location": 0},
+        {"preferred_location": "cpu"},
+        {"accessed_by": [0]},
+        {"read_mostly": True},
+        {"read_mostly": False},
+    ],
+)
 def test_advise_applies_each_hint_on_managed_memory(hint):
     """Advice is applied and reads back (on cudaMallocManaged memory, which takes advice)."""
     import cuda.core as cc
@@ -481,7 +491,8 @@ def test_managed_pool_prefetch_and_advise():
     with cpm.ManagedPool() as p, cpm.using(p):
         x = cupy.arange(n, dtype=cupy.float64)
         err, managed = driver.cuPointerGetAttribute(
-            driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, x.data.ptr)
+            driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, x.data.ptr
+        )
         assert managed
         cpm.prefetch(x, device="cpu")
         cupy.cuda.get_current_stream().synchronize()

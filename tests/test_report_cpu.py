@@ -16,8 +16,9 @@ from cupy_poolmem.stats import LOG_COLUMNS
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _row(t, pid, dev, op, ptr, size, tag="", site="", used="", reserved="", thread="MainThread",
-         stream=0):
+def _row(
+    t, pid, dev, op, ptr, size, tag="", site="", used="", reserved="", thread="MainThread", stream=0
+):
     return [f"{t:.6f}", pid, thread, dev, stream, op, hex(ptr), size, tag, site, used, reserved]
 
 
@@ -43,7 +44,7 @@ def two_logs(tmp_path):
     rows_b = [
         _row(10.05, 2, 0, "alloc", 0x100, 1000, "attn", "", 1000, ""),
         _row(10.25, 2, 0, "free", 0x100, 1000, "attn", "", 0, ""),
-        list(LOG_COLUMNS),          # a second process appending to the file wrote a header
+        list(LOG_COLUMNS),  # a second process appending to the file wrote a header
         _row(10.35, 2, 1, "alloc", 0x100, 2000, "", "", 2000, "", thread="w1"),
     ]
     for path, rows in ((a, rows_a), (b, rows_b)):
@@ -52,7 +53,7 @@ def two_logs(tmp_path):
             w.writerow(LOG_COLUMNS)
             w.writerows(rows)
     with open(b, "a") as f:
-        f.write("10.9,2,MainThread,0,0,alloc,0x")     # cut short by a crash
+        f.write("10.9,2,MainThread,0,0,alloc,0x")  # cut short by a crash
     return a, b
 
 
@@ -61,10 +62,20 @@ def test_read_log_parses_fields(two_logs):
     events, bad = report.read_log(a)
     assert bad == 0 and len(events) == 8
     e = events[0]
-    assert (e.time, e.pid, e.device, e.op, e.ptr, e.size, e.tag, e.callsite, e.used,
-            e.reserved) == (10.0, 1, 0, "alloc", 0x100, 100, "attn", "m.py:1 in f", 170, 1000)
+    assert (
+        e.time,
+        e.pid,
+        e.device,
+        e.op,
+        e.ptr,
+        e.size,
+        e.tag,
+        e.callsite,
+        e.used,
+        e.reserved,
+    ) == (10.0, 1, 0, "alloc", 0x100, 100, "attn", "m.py:1 in f", 170, 1000)
     events, bad = report.read_log(b)
-    assert bad == 1 and len(events) == 3        # repeated header skipped, broken line counted
+    assert bad == 1 and len(events) == 3  # repeated header skipped, broken line counted
     assert events[0].reserved is None and events[2].thread == "w1"
 
 
@@ -97,12 +108,14 @@ def test_summary_numbers(two_logs):
     assert (by[(1, 0)].n_allocs, by[(1, 0)].n_frees, by[(1, 0)].final_used_bytes) == (3, 3, 300)
     # Leaks: matched per (pid, device, pointer) in time order, so reused 0x100 is not one.
     assert [(lk.pid, lk.device, lk.ptr, lk.size, lk.tag) for lk in s.leaks] == [
-        (2, 1, 0x100, 2000, ""), (1, 0, 0x200, 300, "mlp")]
+        (2, 1, 0x100, 2000, ""),
+        (1, 0, 0x200, 300, "mlp"),
+    ]
     assert s.leaked_bytes == 2300 and s.leaks[1].callsite == "m.py:2 in g"
     assert s.leaks[0].time == pytest.approx(0.35)
     tags = s.per_tag
     assert (tags["attn"].n_allocs, tags["attn"].total_bytes) == (2, 1100)
-    assert tags["attn"].peak_live_bytes == 1100            # both processes at t=10.05
+    assert tags["attn"].peak_live_bytes == 1100  # both processes at t=10.05
     assert tags["attn/inner"].total_bytes == 50 and tags["attn"].leaked_bytes == 0
     assert (tags["mlp"].leaked_bytes, tags["mlp"].n_leaks) == (300, 1)
     assert (tags[""].total_bytes, tags[""].leaked_bytes) == (2010, 2000)
@@ -129,7 +142,7 @@ def test_summary_text_and_json(two_logs, capsys):
 def _check_png(path) -> None:
     data = open(path, "rb").read()
     assert data[:8] == PNG_MAGIC
-    assert len(data) > 10_000     # an actual picture, not an empty canvas
+    assert len(data) > 10_000  # an actual picture, not an empty canvas
 
 
 def test_plot_writes_a_png(two_logs, tmp_path):
@@ -178,7 +191,7 @@ def test_cli_errors(tmp_path, capsys):
 
 
 def test_plot_without_matplotlib_is_a_clear_error(two_logs, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)    # import fails
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
     with pytest.raises(ImportError, match="needs matplotlib"):
         report.plot(list(two_logs), tmp_path / "x.png")
     assert report.main([str(two_logs[0]), "--plot", str(tmp_path / "x.png")]) == 1
@@ -207,17 +220,20 @@ def test_round_trip_from_the_observer(tmp_path):
             b = alloc(core, 0x2000, 1024)
         free(a)
         with stats.tag("mlp"):
-            c = alloc(core, 0x1000, 512)                 # pointer reused
+            c = alloc(core, 0x1000, 512)  # pointer reused
         free(c)
-        keep = alloc(core, 0x3000, 8); line = sys._getframe().f_lineno  # noqa: E702
+        keep = alloc(core, 0x3000, 8)
+        line = sys._getframe().f_lineno  # noqa: E702
     finally:
         stats.stop_log()
         stats.track(False)
     s = report.summarize(path)
     assert s.pids == [os.getpid()] and (s.n_allocs, s.n_frees) == (4, 2)
     assert s.peaks == {(os.getpid(), 0): 5120}
-    assert [(lk.ptr, lk.size, lk.tag) for lk in s.leaks] == [(0x2000, 1024, "attention"),
-                                                          (0x3000, 8, "")]
+    assert [(lk.ptr, lk.size, lk.tag) for lk in s.leaks] == [
+        (0x2000, 1024, "attention"),
+        (0x3000, 8, ""),
+    ]
     assert s.leaks[1].callsite == f"{__file__}:{line} in test_round_trip_from_the_observer"
     assert s.per_tag["attention"].total_bytes == 5120 and s.per_tag["mlp"].total_bytes == 512
     free(b)

@@ -81,8 +81,22 @@ def test_pipe_every_dtype_and_shape():
     p.start()
     try:
         cases = {}
-        for dt in ["b1", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8",
-                   "c8", "c16"]:
+        for dt in [
+            "b1",
+            "i1",
+            "u1",
+            "i2",
+            "u2",
+            "i4",
+            "u4",
+            "i8",
+            "u8",
+            "f2",
+            "f4",
+            "f8",
+            "c8",
+            "c16",
+        ]:
             base = (np.arange(60) % 7).astype(dt)
             cases[f"dtype-{dt}"] = cupy.asarray(base).reshape(3, 4, 5)
         m = cupy.arange(1000, dtype=cupy.int64).reshape(20, 50)

@@ -47,12 +47,12 @@ def test_observer_installed_only_while_needed():
     with _pools._ALL_LOCK:
         _pools._ALL_POOLS.add(core)
     try:
-        with stats.tag("x"):            # tags alone install nothing
+        with stats.tag("x"):  # tags alone install nothing
             assert observer() is None
             assert core.observer is None
         with stats.statistics():
             assert observer() is stats._OBSERVER
-            assert core.observer is stats._OBSERVER   # live pools get it
+            assert core.observer is stats._OBSERVER  # live pools get it
         assert observer() is None and core.observer is None
         assert stats.track(True) is False
         assert observer() is stats._OBSERVER and stats.is_tracking()
@@ -69,7 +69,7 @@ def test_log_installs_and_stop_removes(tmp_path):
     assert not stats.is_tracking()
     with stats.statistics():
         pass
-    assert observer() is stats._OBSERVER   # still needed by the log
+    assert observer() is stats._OBSERVER  # still needed by the log
     assert stats.stop_log() == path
     assert observer() is None and stats.log_path() is None
     assert stats.stop_log() is None
@@ -78,7 +78,7 @@ def test_log_installs_and_stop_removes(tmp_path):
 def test_inactive_observer_ignores_calls():
     core = FakeCore()
     b = FakeBlock(core, 0x10, 8)
-    stats._OBSERVER.on_alloc(b)          # a closed pool may keep a stale observer
+    stats._OBSERVER.on_alloc(b)  # a closed pool may keep a stale observer
     assert b.info is None
     stats._OBSERVER.on_free(core, 0x10, 8, 0, None)
     with stats.statistics() as st:
@@ -119,7 +119,7 @@ def test_nested_scopes_each_see_their_own_numbers():
         with stats.statistics() as inner:
             assert stats.get_statistics() is inner
             b = alloc(core, 0x2000, 10)
-            free(a)     # allocated before `inner`: not inner's business
+            free(a)  # allocated before `inner`: not inner's business
             free(b)
         assert stats.get_statistics() is outer
         c = alloc(core, 0x3000, 1)
@@ -144,8 +144,11 @@ def test_free_of_memory_from_before_the_scope_is_not_counted():
 
 def test_statistics_filters_by_device_and_kind():
     d0, d1, pinned = FakeCore(0), FakeCore(1), FakeCore(-1, kind=1)
-    with stats.statistics(device=1) as s_dev1, stats.statistics(kind="pinned") as s_pin, \
-            stats.statistics() as s_all:
+    with (
+        stats.statistics(device=1) as s_dev1,
+        stats.statistics(kind="pinned") as s_pin,
+        stats.statistics() as s_all,
+    ):
         blocks = [alloc(d0, 0x10, 1), alloc(d1, 0x20, 2), alloc(pinned, 0x30, 4)]
         for b in blocks:
             free(b)
@@ -160,7 +163,7 @@ def test_statistics_filters_by_device_and_kind():
 def test_size_zero_allocations_count_like_the_pool_counters():
     core = FakeCore()
     with stats.statistics() as st:
-        z = alloc(core, 0, 0)   # the hot path never calls on_free for ptr 0
+        z = alloc(core, 0, 0)  # the hot path never calls on_free for ptr 0
         assert stats.outstanding(core) == []
     assert (st.n_allocs, st.n_frees, st.total_bytes) == (1, 0, 0)
     del z
@@ -209,8 +212,13 @@ def test_tags_nest_as_paths_and_reach_statistics():
     assert set(st.per_tag) == {"model", "model/attention", ""}
     assert st.per_tag["model"].total_bytes == 10
     at = st.per_tag["model/attention"]
-    assert (at.n_allocs, at.n_frees, at.total_bytes, at.current_bytes, at.peak_bytes) == \
-        (1, 1, 20, 0, 20)
+    assert (at.n_allocs, at.n_frees, at.total_bytes, at.current_bytes, at.peak_bytes) == (
+        1,
+        1,
+        20,
+        0,
+        20,
+    )
     assert st.per_tag[""].current_bytes == 30
     free(a)
     free(c)
@@ -237,7 +245,7 @@ def test_tags_are_thread_local():
 
     def worker(name: str, n: int) -> None:
         with stats.tag(name):
-            go.wait()                        # both threads inside their tags at once
+            go.wait()  # both threads inside their tags at once
             for i in range(n):
                 free(alloc(core, (hash(name) & 0xFFFF) << 24 | (i + 1) << 8, 1))
             seen[name] = stats.current_tag()
@@ -267,9 +275,11 @@ def test_tags_are_thread_local():
 def test_outstanding_biggest_first_with_call_sites():
     core, other = FakeCore(), FakeCore(device=1)
     stats.track(True)
-    small = alloc(core, 0x1000, 10); small_line = _lineno()  # noqa: E702
+    small = alloc(core, 0x1000, 10)
+    small_line = _lineno()  # noqa: E702
     with stats.tag("big"):
-        big = alloc(core, 0x2000, 1000); big_line = _lineno()  # noqa: E702
+        big = alloc(core, 0x2000, 1000)
+        big_line = _lineno()  # noqa: E702
     mid = alloc(core, 0x3000, 100)
     gone = alloc(core, 0x4000, 5000)
     free(gone)
@@ -278,7 +288,10 @@ def test_outstanding_biggest_first_with_call_sites():
     assert recs.observed
     assert [r.size for r in recs] == [1000, 100]
     assert recs[0].ptr == 0x2000 and recs[0].tag == "big" and recs[0].device == 0
-    assert recs[0].callsite == f"{__file__}:{big_line} in test_outstanding_biggest_first_with_call_sites"
+    assert (
+        recs[0].callsite
+        == f"{__file__}:{big_line} in test_outstanding_biggest_first_with_call_sites"
+    )
     assert 0 <= recs[0].age < 60
     everything = stats.outstanding(core, limit=None)
     assert [r.size for r in everything] == [1000, 100, 10]
@@ -308,10 +321,12 @@ def test_outstanding_without_observer_says_so():
 
 def test_call_site_skips_listed_packages(tmp_path, monkeypatch):
     helper = tmp_path / "myalloc_helper.py"
-    helper.write_text(textwrap.dedent("""
+    helper.write_text(
+        textwrap.dedent("""
         def make(alloc, core):
             return alloc(core, 0x1000, 8)   # line 3
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     import myalloc_helper
 
@@ -320,13 +335,14 @@ def test_call_site_skips_listed_packages(tmp_path, monkeypatch):
     assert b.info[2].startswith(f"{helper}:3 in make")
     free(b)
     stats.track(True, skip=[str(tmp_path) + os.sep, FAKES_FILE])
-    b = myalloc_helper.make(alloc, FakeCore()); line = _lineno()  # noqa: E702
+    b = myalloc_helper.make(alloc, FakeCore())
+    line = _lineno()  # noqa: E702
     assert b.info[2] == f"{__file__}:{line} in test_call_site_skips_listed_packages"
     free(b)
 
 
 def test_call_site_walk_is_bounded():
-    stats.track(True, depth=1)   # only on_alloc's own frame (inside cupy_poolmem): no site
+    stats.track(True, depth=1)  # only on_alloc's own frame (inside cupy_poolmem): no site
     b = alloc(FakeCore(), 0x1000, 8)
     assert b.info is not None and b.info[2] is None
     free(b)
@@ -401,35 +417,39 @@ def test_log_lines(tmp_path, monkeypatch):
 
     # Only the fake pools count (real pools may be alive when this runs on a GPU machine).
     monkeypatch.setattr(_pools, "_ALL_POOLS", weakref.WeakSet())
-    core = FakeCore(device=0, reserved=1 << 20, used=1000)   # 1000 bytes live before the log
+    core = FakeCore(device=0, reserved=1 << 20, used=1000)  # 1000 bytes live before the log
     pinned = FakeCore(device=-1, kind=1, reserved=4096)
     with _pools._ALL_LOCK:
-        _pools._ALL_POOLS.add(core)   # a live pool: its counters seed `used`
+        _pools._ALL_POOLS.add(core)  # a live pool: its counters seed `used`
     try:
         t_start = time.time()
         path = stats.start_log(tmp_path / "sub" / "alloc.csv", track=True)
         assert stats.is_tracking()
         with stats.tag("attn"):
-            a = alloc(core, 0xABC000, 300, stream_ptr=77); line = _lineno()  # noqa: E702
+            a = alloc(core, 0xABC000, 300, stream_ptr=77)
+            line = _lineno()  # noqa: E702
         b = alloc(pinned, 0x5000, 16)
         free(a)
         free(b)
         stats.stop_log()
         assert not stats.is_tracking()
-        c = alloc(core, 0x1, 1)        # after stop: not logged
+        c = alloc(core, 0x1, 1)  # after stop: not logged
         assert c.info is None
     finally:
         with _pools._ALL_LOCK:
             _pools._ALL_POOLS.discard(core)
     rows = _read(path)
     assert [(r["op"], r["pointer"], r["size"]) for r in rows] == [
-        ("alloc", "0xabc000", "300"), ("alloc", "0x5000", "16"),
-        ("free", "0xabc000", "300"), ("free", "0x5000", "16")]
+        ("alloc", "0xabc000", "300"),
+        ("alloc", "0x5000", "16"),
+        ("free", "0xabc000", "300"),
+        ("free", "0x5000", "16"),
+    ]
     r0, r1, r2, r3 = rows
     assert r0["pid"] == str(os.getpid()) and r0["thread"] == threading.current_thread().name
     assert r0["device"] == "0" and r0["stream"] == "77" and r1["device"] == "-1"
     assert t_start <= float(r0["time"]) <= float(r3["time"]) <= time.time() + 1
-    assert r0["tag"] == "attn" and r2["tag"] == "attn"          # frees carry the alloc's tag
+    assert r0["tag"] == "attn" and r2["tag"] == "attn"  # frees carry the alloc's tag
     assert r0["callsite"] == f"{__file__}:{line} in test_log_lines" == r2["callsite"]
     assert [r["used"] for r in rows] == ["1300", "16", "1000", "0"]  # per device, seeded
     assert r0["reserved"] == str(1 << 20) and r1["reserved"] == "4096"
@@ -453,7 +473,7 @@ def test_log_from_several_threads_keeps_every_line(tmp_path):
     assert len(rows) == 4 * 500 * 2
     assert {r["thread"] for r in rows} == {"w0", "w1", "w2", "w3"}
     assert rows[-1]["used"] == "0"
-    assert all(r["callsite"] == "" for r in rows)   # no tracking
+    assert all(r["callsite"] == "" for r in rows)  # no tracking
 
 
 def test_log_append_writes_one_header(tmp_path):
@@ -465,7 +485,7 @@ def test_log_append_writes_one_header(tmp_path):
         stats.stop_log()
     text = p.read_text().splitlines()
     assert text[0] == ",".join(LOG_COLUMNS) and text.count(text[0]) == 1 and len(text) == 5
-    stats.start_log(p)          # default: truncate
+    stats.start_log(p)  # default: truncate
     stats.stop_log()
     assert p.read_text().splitlines() == [",".join(LOG_COLUMNS)]
 
@@ -520,8 +540,7 @@ def test_forked_child_writes_its_own_pid_file(tmp_path):
         print(os.getpid(), pid)
     """)
     code = _CHILD.format(tests=os.path.dirname(__file__), path=template, tail=tail)
-    proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True,
-                          text=True)
+    proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     parent, child = map(int, proc.stdout.split()[-2:])
     parent_rows = _read(template.replace("{pid}", str(parent)))

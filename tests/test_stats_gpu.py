@@ -12,8 +12,10 @@ from cupy_poolmem import report, stats
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(cupy_poolmem.device_count() == 0,
-                       reason="needs a CUDA GPU (cupy_poolmem.device_count() == 0)"),
+    pytest.mark.skipif(
+        cupy_poolmem.device_count() == 0,
+        reason="needs a CUDA GPU (cupy_poolmem.device_count() == 0)",
+    ),
 ]
 
 cupy = pytest.importorskip("cupy")
@@ -58,7 +60,7 @@ def test_statistics_match_the_pool_counters(pool):
             mid = pool.stats()
             del a
             after = pool.stats()
-    assert pool.observer is None          # back to the zero-cost hot path
+    assert pool.observer is None  # back to the zero-cost hot path
     assert st.n_allocs == mid.n_allocs - before.n_allocs == 2
     assert st.n_frees == after.n_frees - mid.n_frees == 1
     assert st.peak_used_bytes == mid.used_bytes - before.used_bytes == 12 * MiB
@@ -70,10 +72,11 @@ def test_statistics_match_the_pool_counters(pool):
 
 def test_outstanding_lists_allocations_with_their_call_site(pool):
     with pytest.warns(UserWarning):
-        assert pool.outstanding() == []          # nothing observed yet
+        assert pool.outstanding() == []  # nothing observed yet
     stats.track(True)
     with cupy_poolmem.using(pool):
-        x = cupy.empty(3 * MiB, dtype=cupy.uint8); line = sys._getframe().f_lineno  # noqa: E702
+        x = cupy.empty(3 * MiB, dtype=cupy.uint8)
+        line = sys._getframe().f_lineno  # noqa: E702
         with stats.tag("small"):
             y = cupy.zeros(MiB, dtype=cupy.uint8)
     recs = pool.outstanding(limit=5)
@@ -109,8 +112,8 @@ def test_log_of_a_real_run_renders_a_report(pool, tmp_path):
     assert s.pids == [os.getpid()] and s.n_bad_lines == 0
     assert {"init", "attention", "mlp"} <= set(s.per_tag)
     assert s.per_tag["init"].total_bytes == 4 * MiB and s.per_tag["init"].leaked_bytes == 0
-    assert s.peaks[(os.getpid(), pool.device_id)] >= 3 * 4 * MiB    # a, b and c at once
-    leaked = {(lk.tag, lk.size) for lk in s.leaks}              # c and d are still alive
+    assert s.peaks[(os.getpid(), pool.device_id)] >= 3 * 4 * MiB  # a, b and c at once
+    leaked = {(lk.tag, lk.size) for lk in s.leaks}  # c and d are still alive
     assert ("attention", 4 * MiB) in leaked and ("mlp", 4 * MiB) in leaked
     assert any(os.path.samefile(_site(c.callsite)[0], __file__) for c in s.top_callsites)
     png = report.plot(path, tmp_path / "usage.png")
