@@ -20,6 +20,7 @@ from ._allocator import (
     set_pinned_memory_allocator,
     using,
 )
+from ._device import device_count, nearest_numa_node
 from ._errors import (
     CUDADriverError,
     InvalidOptionError,
@@ -39,9 +40,7 @@ from ._pools import (
     PinnedPool,
     Pool,
     all_pools,
-    device_count,
     hotpath_implementation,
-    nearest_numa_node,
 )
 from ._poolstats import PoolStats
 from ._sharing import collect, sharing_stats

@@ -9,8 +9,9 @@ from typing import Any
 
 import cupy
 
+from ._device import nearest_numa_node, require_gpu
 from ._errors import OptionTypeError, PoolClosedError
-from ._pools import DevicePool, PinnedPool, Pool, _hp, nearest_numa_node, require_gpu
+from ._pools import DevicePool, PinnedPool, Pool, _hp
 
 __all__ = [
     "set_allocator",

@@ -44,7 +44,7 @@ def _gpu_rows(n: int) -> list[str]:
     import cuda.core as cc
     import cupy
 
-    from ._pools import nearest_numa_node
+    from ._device import nearest_numa_node
 
     rows = []
     for i in range(n):

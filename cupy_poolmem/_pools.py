@@ -18,10 +18,10 @@ import cuda.core as cc
 import cupy
 from cuda.bindings import driver as _drv
 
+from ._device import check_device, grant_access, nearest_numa_node, require_gpu
 from ._errors import (
     CUDADriverError,
     InvalidOptionError,
-    NoGPUError,
     OptionTypeError,
     OutOfPoolMemoryError,
     PinnedOutOfMemoryError,
@@ -48,8 +48,6 @@ __all__ = [
     "Pool",
     "all_pools",
     "hotpath_implementation",
-    "device_count",
-    "require_gpu",
 ]
 
 _UINT64_MAX = 2**64 - 1
@@ -84,52 +82,6 @@ def _set_global_observer(observer: Any) -> None:
         p.observer = observer
 
 
-def device_count() -> int:
-    """Number of CUDA devices visible to this process (0 without a driver or GPU)."""
-    try:
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
-
-
-def require_gpu(what: str = "cupy_poolmem") -> int:
-    """Raise :class:`NoGPUError` with an explanation unless a CUDA device is usable."""
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        raise NoGPUError(
-            f"{what} needs an NVIDIA GPU and its driver, but CUDA could not be initialised "
-            f"({type(exc).__name__}: {exc}). Check `nvidia-smi`, the driver installation and "
-            "CUDA_VISIBLE_DEVICES."
-        ) from None
-    if n == 0:
-        raise NoGPUError(
-            f"{what} needs an NVIDIA GPU, but CUDA sees no device (is CUDA_VISIBLE_DEVICES empty?)"
-        )
-    return n
-
-
-def _check_device(device: Any, name: str = "device") -> int:
-    if device is None:
-        require_gpu()
-        return cupy.cuda.runtime.getDevice()
-    if hasattr(device, "id") and not isinstance(device, int):
-        device = device.id
-    elif hasattr(device, "device_id") and not isinstance(device, int):
-        device = device.device_id
-    if isinstance(device, bool) or not isinstance(device, int):
-        raise OptionTypeError(
-            f"{name} must be a device ordinal (int) or a cupy.cuda.Device; "
-            f"got {device!r} of type {type(device).__name__}"
-        )
-    n = require_gpu()
-    if not 0 <= device < n:
-        raise InvalidOptionError(
-            f"{name}={device} is out of range: this process sees {n} device(s), ordinals 0..{n - 1}"
-        )
-    return device
-
-
 def _check_bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise OptionTypeError(f"{name} must be True or False; got {value!r}")
@@ -145,21 +97,6 @@ def _set_attr(mr: Any, attr: Any, value: int) -> None:
         _drv.cuMemPoolSetAttribute(_pool_handle(mr), attr, _drv.cuuint64_t(value)),
         "cuMemPoolSetAttribute",
     )
-
-
-def _grant_access(mr: Any, devices: list[int]) -> None:
-    """Give ``devices`` read-write access to a host pool (the fix for slow pinned copies)."""
-    descs = []
-    for d in devices:
-        desc = _drv.CUmemAccessDesc()
-        desc.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = d
-        desc.flags = _drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        descs.append(desc)
-    if descs:
-        check_driver(
-            _drv.cuMemPoolSetAccess(_pool_handle(mr), descs, len(descs)), "cuMemPoolSetAccess"
-        )
 
 
 class Pool(_hp.PoolCore):
@@ -435,7 +372,7 @@ class DevicePool(Pool):
         ipc: bool = False,
         reuse_cache: int | str = "1GiB",
     ) -> None:
-        dev = _check_device(device)
+        dev = check_device(device)
         ipc = _check_bool(ipc, "ipc")
         cache = parse_bytes(reuse_cache, name="reuse_cache")
         with cupy.cuda.Device(dev) as d:
@@ -516,7 +453,7 @@ class PinnedPool(Pool):
                 f"numa_node={numa_node} must be >= 0 (or None for the node nearest the current GPU)"
             )
         devs = (
-            list(range(n)) if devices is None else [_check_device(d, "devices[]") for d in devices]
+            list(range(n)) if devices is None else [check_device(d, "devices[]") for d in devices]
         )
         max_b = parse_bytes(max_size, name="max_size", allow_none=True) or 0
         parse_bytes(release_threshold, name="release_threshold", allow_none=True)
@@ -531,7 +468,7 @@ class PinnedPool(Pool):
                 )
             except Exception as exc:
                 raise _wrap(exc, "creating a pinned pool") from exc
-            _grant_access(mr, devs)
+            grant_access(int(mr.handle), devs)
         self.ipc = ipc
         self.numa_node = node
         self.devices = devs
@@ -621,7 +558,7 @@ class ManagedPool(Pool):
         release_threshold: int | str | None = None,
         reuse_cache: int | str = "1GiB",
     ) -> None:
-        dev = _check_device(device)
+        dev = check_device(device)
         cache = parse_bytes(reuse_cache, name="reuse_cache")
         _require_cuda13("ManagedPool")
         with cupy.cuda.Device(dev) as d:
@@ -650,31 +587,6 @@ def _require_cuda13(what: str) -> None:
             f"driver {drv_version // 1000}.{drv_version % 1000 // 10} and cuda-bindings "
             f"{cuda.bindings.__version__}. Install cupy_poolmem[cu13] or use DevicePool."
         )
-
-
-def nearest_numa_node(device: int | None = None) -> int:
-    """Host NUMA node nearest ``device`` (default: current), or ``-1`` if unknown.
-
-    Asks the driver (``host_numa_id``), then Linux's sysfs entry for the GPU's PCI device.
-
-    Examples
-    --------
-    >>> cupy_poolmem.nearest_numa_node(0)  # doctest: +SKIP
-    0
-    """
-    dev = cupy.cuda.runtime.getDevice() if device is None else device
-    try:
-        node = int(cc.Device(dev).properties.host_numa_id)
-        if node >= 0:
-            return node
-    except Exception:
-        pass
-    try:
-        bus = cc.Device(dev).pci_bus_id.lower()
-        with open(f"/sys/bus/pci/devices/{bus}/numa_node") as f:
-            return int(f.read().strip())
-    except Exception:
-        return -1
 
 
 def _wrap(exc: Exception, what: str) -> Exception:

@@ -47,8 +47,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         f"cupy_poolmem.dask needs dask and distributed: pip install 'cupy_poolmem[dask]' ({_exc})"
     ) from _exc
 
+from ._device import require_gpu
 from ._errors import InvalidOptionError, NoGPUError, OptionTypeError, PoolClosedError
-from ._pools import require_gpu
 from ._sizes import format_bytes, parse_bytes
 
 __all__ = ["PoolmemPlugin", "dask_setup", "dask_teardown", "gather_stats", "CONFIG_DEFAULTS"]

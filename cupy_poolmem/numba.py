@@ -80,6 +80,7 @@ import cupy
 from cuda.bindings import driver as _drv
 
 from ._allocator import get_pinned_pool, get_pool, set_allocator, set_pinned_memory_allocator
+from ._device import grant_access, local_device, require_gpu
 from ._errors import (
     InvalidOptionError,
     OptionTypeError,
@@ -87,7 +88,7 @@ from ._errors import (
     SharingError,
     check_driver,
 )
-from ._pools import DevicePool, Pool, all_pools, device_count, require_gpu
+from ._pools import DevicePool, Pool, all_pools
 
 __all__ = ["PoolmemNumbaManager", "PoolIpcHandle"]
 
@@ -330,23 +331,6 @@ def _close_fd(fd: int) -> None:
         os.close(fd)
 
 
-def _local_device(device_uuid: str) -> int:
-    """This process's ordinal of the GPU with ``device_uuid``."""
-    import cuda.core as cc
-
-    n = device_count()
-    for i in range(n):
-        try:
-            if str(cc.Device(i).uuid) == device_uuid:
-                return i
-        except Exception:
-            continue
-    raise SharingError(
-        f"the exporting GPU (uuid {device_uuid}) is not visible in this process "
-        f"(it sees {n} device(s); check CUDA_VISIBLE_DEVICES)"
-    )
-
-
 def _core_pool_cache() -> dict | None:
     """The pools imported by cupy_poolmem's array sharing (keyed by UUID string), if any."""
     try:
@@ -584,7 +568,7 @@ class PoolIpcHandle(IpcHandle):
                 return MemoryPointer(
                     weakref.proxy(context), _drv.CUdeviceptr(self.base_ptr + self.offset), self.size
                 )
-        dev = _local_device(self.device_uuid)
+        dev = local_device(self.device_uuid)
         with _ipc_lock:
             mr = _import_pool(self.pool_uuid, self._fd, dev)
             self._release_fd()
@@ -669,15 +653,8 @@ def _grant_access(mr: Any, device: int) -> None:
     key = (int(mr.handle), device)
     if key in _granted:
         return
-    desc = _drv.CUmemAccessDesc()
-    desc.location.type = _drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    desc.location.id = device
-    desc.flags = _drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     try:
-        check_driver(
-            _drv.cuMemPoolSetAccess(_drv.CUmemoryPool(int(mr.handle)), [desc], 1),
-            "cuMemPoolSetAccess",
-        )
+        grant_access(int(mr.handle), [device])
     except Exception as exc:
         raise SharingError(
             f"device {device} cannot access the exporter's pool (no peer "
