@@ -69,8 +69,9 @@ import cupy
 import numpy as np
 from cuda.bindings import driver as _drv
 
+from ._device import device_count
 from ._errors import InvalidOptionError, NoGPUError, PoolmemError, SharingError, check_driver
-from ._pools import _OOM_CALLBACKS, DevicePool, Pool, _hp, all_pools, device_count
+from ._pools import _OOM_CALLBACKS, DevicePool, Pool, _hp, all_pools
 
 __all__ = ["settings", "collect", "sharing_stats", "register_reducers"]
 

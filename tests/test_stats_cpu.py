@@ -276,10 +276,10 @@ def test_outstanding_biggest_first_with_call_sites():
     core, other = FakeCore(), FakeCore(device=1)
     stats.track(True)
     small = alloc(core, 0x1000, 10)
-    small_line = _lineno()  # noqa: E702
+    small_line = _lineno() - 1  # the line above
     with stats.tag("big"):
         big = alloc(core, 0x2000, 1000)
-        big_line = _lineno()  # noqa: E702
+        big_line = _lineno() - 1  # the line above
     mid = alloc(core, 0x3000, 100)
     gone = alloc(core, 0x4000, 5000)
     free(gone)
@@ -336,7 +336,7 @@ def test_call_site_skips_listed_packages(tmp_path, monkeypatch):
     free(b)
     stats.track(True, skip=[str(tmp_path) + os.sep, FAKES_FILE])
     b = myalloc_helper.make(alloc, FakeCore())
-    line = _lineno()  # noqa: E702
+    line = _lineno() - 1  # the line above
     assert b.info[2] == f"{__file__}:{line} in test_call_site_skips_listed_packages"
     free(b)
 
@@ -427,7 +427,7 @@ def test_log_lines(tmp_path, monkeypatch):
         assert stats.is_tracking()
         with stats.tag("attn"):
             a = alloc(core, 0xABC000, 300, stream_ptr=77)
-            line = _lineno()  # noqa: E702
+            line = _lineno() - 1  # the line above
         b = alloc(pinned, 0x5000, 16)
         free(a)
         free(b)
