@@ -43,7 +43,7 @@ from ._pools import (
     hotpath_implementation,
 )
 from ._poolstats import PoolStats
-from ._sharing import collect, sharing_stats
+from ._sharing import install as _install_sharing
 from ._sharing import settings as sharing
 from ._sizes import format_bytes, parse_bytes
 from .managed import advise, prefetch
@@ -81,7 +81,6 @@ __all__ = [
     "WrongDeviceError",
     "__version__",
     "advise",
-    "collect",
     "current_tag",
     "get_statistics",
     "is_tracking",
@@ -93,7 +92,6 @@ __all__ = [
     "tag",
     "track",
     "sharing",
-    "sharing_stats",
     "all_pools",
     "device_count",
     "format_bytes",
@@ -109,3 +107,19 @@ __all__ = [
 ]
 
 stats._init_from_env()
+_install_sharing()
+
+
+def __getattr__(name: str) -> object:
+    # 0.1 spellings, kept for one release: cupy_poolmem.sharing.collect() / .stats().
+    if name in ("collect", "sharing_stats"):
+        import warnings
+
+        new = "collect" if name == "collect" else "stats"
+        warnings.warn(
+            f"cupy_poolmem.{name} is deprecated; use cupy_poolmem.sharing.{new}()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(sharing, new)
+    raise AttributeError(f"module 'cupy_poolmem' has no attribute {name!r}")

@@ -60,6 +60,8 @@ _ALL_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
 _ALL_LOCK = threading.Lock()
 # Callables run before an out-of-memory retry (sharing's limbo collection registers here).
 _OOM_CALLBACKS: list[Any] = []
+# Callables run with each IPC-enabled pool when it is created (sharing registers here).
+_IPC_POOL_CALLBACKS: list[Any] = []
 # Observer (stats/log/tracking) installed on every pool, present and future.
 _GLOBAL_OBSERVER: list[Any] = [None]
 
@@ -133,6 +135,9 @@ class Pool(_hp.PoolCore):
             self._pool_uuid = str(mr.uuid)
         with _ALL_LOCK:
             _ALL_POOLS.add(self)
+        if self._pool_uuid:
+            for cb in list(_IPC_POOL_CALLBACKS):
+                cb(self)
 
     # -- hot-path slow paths -------------------------------------------------------
     def _raise_closed(self) -> None:
@@ -290,12 +295,18 @@ class Pool(_hp.PoolCore):
         self._mark_closed()
         with _ALL_LOCK:
             _ALL_POOLS.discard(self)
-        if self.n_allocs == self.n_frees:
+        if self.n_allocs == self.n_frees and not self._held_for_sharing:
             self._drained()
         # else: the hot path calls _drained() when the last live block is freed.
 
     def _drained(self) -> None:
-        """Closed and no live block left: release the CUDA pool."""
+        """Closed and no live block left: release the CUDA pool.
+
+        Blocks in sharing limbo count as live: the pool is released when the exporter
+        frees the last of them (other processes still map them).
+        """
+        if self._held_for_sharing:
+            return
         try:
             self._mr.close()
         except Exception:

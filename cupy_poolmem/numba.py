@@ -309,70 +309,21 @@ def _pointer_pool(ptr: int) -> int:
 # --------------------------------------------------------------------------------------
 # Pool IPC for Numba handles
 # --------------------------------------------------------------------------------------
-# Per receiving process: one import of each exporter pool (by pool UUID) and one import
-# of each allocation (by export record): importing one allocation twice in a process
-# breaks the first import.
-_ipc_lock = threading.RLock()
-_imported_pools: dict[_uuid.UUID, Any] = {}
-_imported_allocs: dict[tuple[_uuid.UUID, bytes], _Import] = {}
+# The receiving process maps through the sharing package's one importer: each exporter
+# pool is imported once (by pool UUID) and each allocation once (by export record),
+# whether it arrives as a Numba handle or as a shared CuPy array; importing one
+# allocation twice in a process breaks the first import.
 
 
-class _Import:
-    """One imported allocation, shared by every open handle that names it."""
+def _importer() -> Any:
+    from ._sharing import context
 
-    __slots__ = ("key", "ptr", "size", "device", "refs", "__weakref__")
-
-    def __init__(self, key: tuple[_uuid.UUID, bytes], ptr: int, size: int, device: int) -> None:
-        self.key, self.ptr, self.size, self.device, self.refs = key, ptr, size, device, 0
+    return context().importer
 
 
 def _close_fd(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
-
-
-def _core_pool_cache() -> dict | None:
-    """The pools imported by cupy_poolmem's array sharing (keyed by UUID string), if any."""
-    try:
-        from . import _sharing
-    except ImportError:  # pragma: no cover - older core
-        return None
-    cache = getattr(_sharing, "_imported_pools", None)
-    return cache if isinstance(cache, dict) else None
-
-
-def _import_pool(pool_uuid: _uuid.UUID, fd: int | None, device: int) -> Any:
-    """The imported pool for ``pool_uuid`` (import it from ``fd`` the first time).
-
-    A pool is imported once per process, whoever asks: this module, the package's
-    array sharing (its cache is consulted and filled) or cuda.core's own registry.
-    """
-    import cuda.core as cc
-
-    mr = _imported_pools.get(pool_uuid)
-    if mr is not None:
-        return mr
-    core = _core_pool_cache()
-    if core is not None:
-        mr = core.get(str(pool_uuid))
-    if mr is None:
-        with contextlib.suppress(Exception):  # imported by cuda.core's multiprocessing
-            mr = cc.DeviceMemoryResource.from_registry(pool_uuid)
-    if mr is None:
-        if fd is None:
-            raise SharingError(
-                "the pool's file descriptor was already used or closed; "
-                "send the handle again from the exporting process"
-            )
-        try:
-            mr = cc.DeviceMemoryResource.from_allocation_handle(device, fd)
-        except Exception as exc:
-            raise SharingError(f"importing the exporter's memory pool failed: {exc}") from exc
-        mr = mr.register(pool_uuid)
-    _imported_pools[pool_uuid] = mr
-    if core is not None:
-        core.setdefault(str(pool_uuid), mr)
-    return mr
 
 
 class PoolIpcHandle(IpcHandle):
@@ -453,7 +404,7 @@ class PoolIpcHandle(IpcHandle):
         self._fd_finalizer = (
             weakref.finalize(self, _close_fd, received_fd) if received_fd is not None else None
         )
-        self._rec: _Import | None = None
+        self._rec: Any = None  # the importer's mapping while open
         self._local = False
 
     # -- exporting -------------------------------------------------------------------
@@ -569,24 +520,19 @@ class PoolIpcHandle(IpcHandle):
                     weakref.proxy(context), _drv.CUdeviceptr(self.base_ptr + self.offset), self.size
                 )
         dev = local_device(self.device_uuid)
-        with _ipc_lock:
-            mr = _import_pool(self.pool_uuid, self._fd, dev)
+        try:
+            rec = _importer().open_raw(
+                str(self.pool_uuid), dev, self.payload, self.alloc_size, self._fd
+            )
+        except SharingError:
+            raise
+        except Exception as exc:
+            raise SharingError(f"importing the exporter's memory failed: {exc}") from exc
+        finally:
             self._release_fd()
-            key = (self.pool_uuid, self.payload)
-            rec = _imported_allocs.get(key)
-            if rec is None:
-                data = _drv.CUmemPoolPtrExportData()
-                data.reserved = self.payload
-                with cupy.cuda.Device(dev):
-                    ptr = check_driver(
-                        _drv.cuMemPoolImportPointer(_drv.CUmemoryPool(int(mr.handle)), data),
-                        "cuMemPoolImportPointer",
-                    )
-                rec = _imported_allocs[key] = _Import(key, int(ptr), self.alloc_size, dev)
-            rec.refs += 1
-            self._rec = rec
+        self._rec = rec
         if ctx_dev != dev:
-            _grant_access(mr, ctx_dev)
+            _grant_access(rec.pool.handle, ctx_dev)
         mp = MemoryPointer(
             weakref.proxy(context), _drv.CUdeviceptr(rec.ptr + self.offset), self.size
         )
@@ -612,17 +558,7 @@ class PoolIpcHandle(IpcHandle):
         if rec is None:
             raise ValueError("PoolIpcHandle is not opened")
         self._rec = None
-        with _ipc_lock:
-            rec.refs -= 1
-            if rec.refs > 0:
-                return
-            _imported_allocs.pop(rec.key, None)
-            with cupy.cuda.Device(rec.device):
-                check_driver(
-                    _drv.cuMemFreeAsync(_drv.CUdeviceptr(rec.ptr), _drv.CUstream(0)),
-                    "cuMemFreeAsync",
-                )
-                check_driver(_drv.cuStreamSynchronize(_drv.CUstream(0)), "cuStreamSynchronize")
+        _importer().close_raw(rec)
 
     def _release_fd(self) -> None:
         if self._fd_finalizer is not None:
@@ -648,13 +584,13 @@ def _pool_uuid(pool: Pool) -> _uuid.UUID | None:
 _granted: set[tuple[int, int]] = set()
 
 
-def _grant_access(mr: Any, device: int) -> None:
+def _grant_access(pool_handle: int, device: int) -> None:
     """Let ``device`` read and write an imported pool (peer access), once per pair."""
-    key = (int(mr.handle), device)
+    key = (pool_handle, device)
     if key in _granted:
         return
     try:
-        grant_access(int(mr.handle), [device])
+        grant_access(pool_handle, [device])
     except Exception as exc:
         raise SharingError(
             f"device {device} cannot access the exporter's pool (no peer "
@@ -685,8 +621,7 @@ def _rebuild_pool_ipc_handle(
             f"(Queue, Pipe, Pool, Process arguments) while the sender is alive: {exc}"
         ) from exc
     u = _uuid.UUID(pool_uuid)
-    core = _core_pool_cache()
-    if u in _imported_pools or (core is not None and str(u) in core):
+    if str(u) in _importer().pools:
         # This process has the pool already: the duplicate descriptor is spare.
         _close_fd(fd)
         fd = None

@@ -221,24 +221,26 @@ def test_sharing_settings_and_stats_without_a_gpu():
         assert cpm.sharing.keep_mappings == 3
     finally:
         cpm.sharing.keep_mappings = 64
-    stats = cpm.sharing_stats()
+    stats = cpm.sharing.stats()
     assert set(stats) == {
         "exported_blocks",
         "limbo_blocks",
         "limbo_bytes",
         "tickets_out",
         "leases",
+        "peers",
         "imported_blocks",
         "idle_mappings",
         "imported_pools",
+        "clients",
+        "opened_events",
+        "dropped_frames",
     }
-    assert cpm.collect() == 0 and stats["leases"] == 0
+    assert cpm.sharing.collect() == 0 and stats["leases"] == 0
 
 
-def test_message_from_another_protocol_version_is_refused():
-    from cupy_poolmem import _sharing
-
-    with pytest.raises(cpm.SharingError, match="message format 1 .* reads format 2"):
-        _sharing._rebuild(
-            1, "cupy", "addr", "pool", "", 0, 1, b"", 16, 7, None, 0, (4,), (4,), "<f4"
-        )
+def test_old_top_level_spellings_warn_and_forward():
+    with pytest.warns(DeprecationWarning, match="sharing.stats"):
+        assert cpm.sharing_stats() == cpm.sharing.stats()
+    with pytest.warns(DeprecationWarning, match="sharing.collect"):
+        assert cpm.collect() == 0

@@ -151,7 +151,7 @@ def test_received_descriptor_is_closed_when_the_pool_is_imported_already(monkeyp
     r, w = os.pipe()
     try:
         h = _fake_handle(w)
-        monkeypatch.setitem(cpn._imported_pools, h.pool_uuid, object())
+        monkeypatch.setitem(cpn._importer().pools, str(h.pool_uuid), object())
         got = pickle.loads(pickle.dumps(h))
         assert got._fd is None
     finally:

@@ -138,7 +138,8 @@ def _ipc_importer(q_in, q_out, n):
         assert type(h_full._ipc_handle) is cpn.PoolIpcHandle
         full = h_full.open()
         view = h_view.open()  # same allocation: imported once, shared
-        n_imports, n_pools = len(cpn._imported_allocs), len(cpn._imported_pools)
+        imp = cpn._importer()
+        n_imports, n_pools = len(imp.maps), len(imp.pools)
         read_ok = np.array_equal(full.copy_to_host(), np.arange(n, dtype=np.float32))
         view_ok = np.array_equal(view.copy_to_host(), np.arange(1000, 2000, dtype=np.float32))
         zero_copy = float(cupy.asarray(view).sum()) == float(np.arange(1000, 2000).sum())
@@ -146,9 +147,9 @@ def _ipc_importer(q_in, q_out, n):
         cuda.synchronize()
         del full, view
         h_view.close()
-        after_one = len(cpn._imported_allocs)
+        after_one = len(imp.maps)
         h_full.close()
-        after_both = len(cpn._imported_allocs)
+        after_both = len(imp.maps)
         q_out.put(("ok", (read_ok, view_ok, zero_copy, n_imports, n_pools, after_one, after_both)))
     except BaseException:
         q_out.put(("err", traceback.format_exc()))

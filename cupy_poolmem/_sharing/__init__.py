@@ -1,0 +1,105 @@
+"""Zero-copy sharing of CuPy arrays between processes: the lifetime protocol.
+
+Parts, one file each: ``_wire`` (the descriptor a pickled array carries and the
+protocol's fixed frames), ``_transport`` (authenticated connections, per-peer
+senders), ``_exporter`` (tickets, leases, limbo, the server), ``_importer``
+(clients, mappings, eviction, the one imported-pool cache), ``_reducers``
+(multiprocessing's reduce/rebuild pairs), ``_settings`` and ``_context`` (the
+process's state and its owner), ``_driver`` (the CUDA calls, faked in CPU tests).
+
+Invariants (every change to this package must keep them):
+
+1. Ownership.  The process that allocated a block (the *exporter*) is the only one
+   that frees it.  A block it has exported is freed only when (a) its own last local
+   reference is gone, (b) it holds no unclaimed *ticket*, (c) no *lease* and (d) no
+   round-tripped array of its own.  Until then it sits in *limbo*
+   (``held_for_sharing_bytes``), never in the reuse cache, and its pool is not
+   released by ``close()``.
+2. Tickets cover messages.  Every pickled reference carries a fresh ticket of 16
+   random bytes, registered with the exporter before the message can reach anyone:
+   at reduce time in the exporter, or, for a forwarded array, by a ``Register`` the
+   exporter answers before the forwarder's message exists.  A ticket ends when a
+   receiver claims it (or says ``Drop``), or after ``inflight_timeout`` (a message
+   nobody reads pins memory that long at most).  A claimed ticket may be claimed
+   again, by another copy of the same message, while the block lives.
+3. Claims come before mappings.  A receiver that does not map the block yet sends
+   ``Claim`` and waits for the answer: a live ticket becomes a *lease* (and, the
+   first time, the pool's file descriptor comes with it); a stale one is refused,
+   and the receiver raises :class:`SharingError` instead of mapping memory the
+   exporter may have reused.  A receiver that maps it already sends ``Hit``.
+4. Leases cover mappings.  A receiver holds one lease per mapping, from the granted
+   claim to ``Unmap``, while arrays use the mapping and while it idles in the
+   receiver's cache.  Leases are counted per connection.  When a connection closes,
+   its leases are given back only once the receiver's process has exited (its GPU
+   context, and the work it queued, are gone then).
+5. Eviction.  A receiver keeps the mapping of a block it received more than once
+   after its arrays are gone (at most ``keep_mappings``, least recently used out
+   first).  When a block in limbo is held by leases only, the exporter asks each
+   holder that may keep it to ``Evict``: an idle mapping is unmapped at once, a used
+   one when its last array goes.  Receivers unmap the idle mappings of an exporter
+   whose connection closed, and forget everything of it once nothing maps its
+   blocks (connection, opened events, imported pools).
+6. Driver rule.  An importer frees its mapping (stream-ordered, after its last use
+   on every stream that used it) and records an IPC event *before* it sends
+   ``Unmap``; the exporter's free, and its reuse of the block, wait on every such
+   event.  A new mapping of the same allocation waits for the old one's free.
+7. Ordering.  A message carries the exporter's IPC event recorded on the block's
+   allocation stream, whatever thread pickles.  The receiver waits for it before
+   the array exists: on the host by default (``receive_order="sync"``), so any
+   thread and stream may use the array; or on the unpickling thread's stream
+   (``"stream"``).  A forwarder waits for its own writes before forwarding.  At exit
+   an exporter waits for the work its messages' events cover.
+8. One import per allocation per process.  The CuPy reducers and the Numba plugin
+   map through one importer: an allocation mapped (in use or idle) is reused; the
+   pool is imported once per process.
+9. Same GPU.  Devices are matched by UUID, so ``CUDA_VISIBLE_DEVICES`` orders may differ.
+10. Trust.  Connections are Unix sockets in a 0700 directory, authenticated both ways
+    with the multiprocessing authkey of the process family; peers of another user are
+    refused; a connection that does not authenticate within 5 s is dropped, in a
+    thread of its own.  Frames are fixed ``struct`` layouts, never unpickled; a pool's
+    file descriptor goes only to a peer presenting a live ticket for a block of that
+    pool.  The pickled *message* itself is unpickled by the receiver's
+    multiprocessing channel, as for any pickle: receive only from trusted processes.
+11. Exit.  A process that shared arrays waits at exit, after multiprocessing has
+    flushed its queues, until its messages are claimed (``exit_timeout``); receivers'
+    mappings stay valid after it is gone.  A ``fork`` child gets a fresh, empty
+    sharing state and refuses to share when CUDA was in use in its parent.
+"""
+
+from __future__ import annotations
+
+from multiprocessing import util as _mp_util
+
+from ._context import SharingContext, context, settings
+from ._settings import SharingSettings
+
+__all__ = ["settings", "SharingSettings", "SharingContext", "context", "install"]
+
+
+def _release(ptr: int, size: int, stream: object, rec: object) -> bool:
+    return rec.exporter.release(ptr, size, stream, rec)  # type: ignore[attr-defined]
+
+
+def _on_ipc_pool(pool: object) -> None:
+    from .._pools import _hp
+    from ._reducers import register_numpy
+
+    if getattr(pool, "kind", None) == _hp.KIND_PINNED:
+        register_numpy()
+
+
+def install() -> None:
+    """Hook sharing into the pools and multiprocessing (once, on import of the package)."""
+    from .._pools import _IPC_POOL_CALLBACKS, _OOM_CALLBACKS, _hp, all_pools
+    from ._reducers import register_cupy
+
+    _hp.set_shared_release(_release)
+    _OOM_CALLBACKS.append(lambda: context().collect())
+    _IPC_POOL_CALLBACKS.append(_on_ipc_pool)
+    for p in all_pools():
+        if getattr(p, "ipc", False):
+            _on_ipc_pool(p)
+    register_cupy()
+    # After multiprocessing's own exit finalizers (queue feeders flush and join at
+    # priority -5): the messages they wrote are out when the wait begins.
+    _mp_util.Finalize(None, lambda: context().at_exit(), exitpriority=-100)

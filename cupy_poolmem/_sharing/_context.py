@@ -1,0 +1,201 @@
+"""The sharing state of one process: its exporter, importer, driver and settings.
+
+:func:`context` returns the one :class:`SharingContext` of the process.  After a
+``fork`` the child gets a fresh context (the parent's connections are not its own);
+if CUDA was already in use, that context refuses to share, with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from multiprocessing import current_process
+from typing import Any
+
+from .._errors import PoolmemError
+from ._exporter import Exporter
+from ._importer import Importer
+from ._settings import SharingSettings
+
+__all__ = ["SharingContext", "context", "settings"]
+
+
+class SharingContext:
+    """Owns this process's :class:`Exporter` and :class:`Importer` (created on first use).
+
+    Tests build contexts of their own with a fake driver (``driver=``) to run the
+    protocol without a GPU.
+    """
+
+    def __init__(self, settings: SharingSettings, driver: Any = None, forked: bool = False) -> None:
+        self.settings = settings
+        self._driver = driver
+        self._exporter: Exporter | None = None
+        self._importer: Importer | None = None
+        self._lock = threading.Lock()
+        self.forked = forked
+        self._sharing_pools: dict[int, Any] = {}
+
+    @property
+    def driver(self) -> Any:
+        if self._driver is None:
+            from ._driver import Driver
+
+            with self._lock:
+                if self._driver is None:
+                    self._driver = Driver()
+        return self._driver
+
+    @property
+    def exporter(self) -> Exporter:
+        if self._exporter is None:
+            drv = self.driver
+            with self._lock:
+                if self._exporter is None:
+                    self._exporter = Exporter(drv, self.settings, _authkey())
+        return self._exporter
+
+    @property
+    def importer(self) -> Importer:
+        if self._importer is None:
+            drv = self.driver
+            with self._lock:
+                if self._importer is None:
+                    self._importer = Importer(drv, self.settings, _authkey())
+        return self._importer
+
+    def exporter_address(self) -> str | None:
+        """This process's listener address, if it has exported anything."""
+        return self._exporter.own_address if self._exporter is not None else None
+
+    def check_not_forked(self) -> None:
+        if self.forked:
+            raise PoolmemError(
+                "this process was forked after CUDA was initialised in its parent; CUDA cannot "
+                "be used here. Start workers with multiprocessing.get_context('spawn') or "
+                "'forkserver'."
+            )
+
+    def sharing_pool(self, dev: int) -> Any:
+        """An IPC pool for device copies: set_allocator's pool if IPC, else a private one."""
+        from .._allocator import _current
+        from .._pools import DevicePool
+
+        alloc = _current["device"]
+        if alloc is not None:
+            p = alloc.pools().get(dev)
+            if p is not None and getattr(p, "ipc", False) and not p.closed:
+                return p
+        p = self._sharing_pools.get(dev)
+        if p is None or p.closed:
+            p = self._sharing_pools[dev] = DevicePool(device=dev, ipc=True)
+        return p
+
+    def stats(self) -> dict[str, int]:
+        out = {
+            "exported_blocks": 0,
+            "limbo_blocks": 0,
+            "limbo_bytes": 0,
+            "tickets_out": 0,
+            "leases": 0,
+            "peers": 0,
+            "imported_blocks": 0,
+            "idle_mappings": 0,
+            "imported_pools": 0,
+            "clients": 0,
+            "opened_events": 0,
+        }
+        dropped = 0
+        if self._exporter is not None:
+            e = self._exporter.stats()
+            dropped += e.pop("dropped_frames_out")
+            out.update(e)
+        if self._importer is not None:
+            i = self._importer.stats()
+            dropped += i.pop("dropped_frames_in")
+            out.update(i)
+        out["dropped_frames"] = dropped
+        return out
+
+    def collect(self) -> int:
+        freed = self._exporter.collect() if self._exporter is not None else 0
+        if self._importer is not None:
+            self._importer.drain_deferred()
+            self._importer.trim_idle(0)
+        return freed
+
+    def trim(self) -> None:
+        if self._importer is not None:
+            self._importer.trim_idle()
+
+    def at_exit(self) -> None:
+        """Wait (bounded) for this process's messages to be received; flush unmaps."""
+        if self.forked:
+            return
+        if self._importer is not None:
+            self._importer.flush()
+        if self._exporter is not None:
+            self._exporter.at_exit(self.settings.exit_timeout)
+
+    def abandon(self) -> None:
+        """In a forked child: let go of the parent's connections without using them."""
+        for c in list(self._importer.clients.values()) if self._importer is not None else []:
+            c.closed = True
+            c.sender.dead = True
+            c.conn.close()
+        if self._exporter is not None:
+            self._exporter.closed = True
+            for p in list(self._exporter.peers.values()):
+                p.sender.dead = True
+                p.conn.close()
+            listener = self._exporter._listener
+            if listener is not None:
+                listener.closed = True
+                try:
+                    listener._sock.close()  # the directory stays: it is the parent's
+                except OSError:
+                    pass
+
+
+def _authkey() -> bytes:
+    return bytes(current_process().authkey)
+
+
+settings = SharingSettings()
+_holder: list[SharingContext] = [SharingContext(settings)]
+
+
+def context() -> SharingContext:
+    """This process's sharing context."""
+    return _holder[0]
+
+
+def _reset_after_fork(cuda_in_use: bool) -> None:
+    old = _holder[0]
+    _holder[0] = SharingContext(settings, forked=cuda_in_use)
+    try:
+        old.abandon()
+    except Exception:
+        pass
+
+
+def _trim() -> None:
+    context().trim()
+
+
+settings._on_keep_change = _trim
+settings._stats = lambda: context().stats()
+settings._collect = lambda: context().collect()
+
+if hasattr(os, "register_at_fork"):
+
+    def _after_fork_in_child() -> None:
+        from .._pools import all_pools
+
+        pools = all_pools()
+        for p in pools:
+            p._forked = True
+            p._poison()
+        _reset_after_fork(bool(pools) or _holder[0]._driver is not None)
+
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,171 @@
+"""The driver operations the sharing protocol uses, behind one small object.
+
+The exporter and importer never call ``cuda.bindings`` themselves: they call a
+:class:`Driver`.  The CPU test suite passes a fake with the same methods (see
+``tests/_sharing_fakes.py``), so every protocol path runs without a GPU; the GPU suite
+runs the same code against this class.
+
+Handles are plain Python values: pointers and streams are ints, export records and
+IPC event handles are ``bytes`` (64 bytes each), opened events and pool handles are
+opaque objects only the driver interprets.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .._device import device_uuid, local_device, on_device
+from .._errors import check_driver
+from ._wire import POOL_PINNED
+
+__all__ = ["Driver"]
+
+
+class Driver:
+    """CUDA driver calls for pool IPC, with the process's event caches.
+
+    One instance per process (owned by the sharing context).  Thread-safe: the
+    caches are guarded by one lock, and CUDA calls are made with the right device
+    current through :meth:`on_device`.
+    """
+
+    def __init__(self) -> None:
+        from cuda.bindings import driver
+
+        self._d = driver
+        self._lock = threading.Lock()
+        self._ipc_flags = (
+            driver.CUevent_flags.CU_EVENT_INTERPROCESS
+            | driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        )
+        self._plain_flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        # (device, stream) -> (CUevent, handle bytes): re-recorded for each message, so a
+        # receiver that waits after a later re-record waits for more work, never less.
+        self._ipc_events: dict[tuple[int, int], tuple[Any, bytes]] = {}
+
+    # -- devices ------------------------------------------------------------------------
+    def on_device(self, dev: int) -> on_device:
+        """A context manager making ``dev`` current (primary context bound)."""
+        return on_device(dev)
+
+    def device_uuid(self, dev: int) -> str:
+        return device_uuid(dev)
+
+    def local_device(self, uuid: str) -> int:
+        return local_device(uuid)
+
+    def current_device(self) -> int:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDevice())
+
+    def current_stream(self) -> Any:
+        """CuPy's current stream object in this thread."""
+        import cupy
+
+        return cupy.cuda.get_current_stream()
+
+    # -- allocations ----------------------------------------------------------------------
+    def export_pointer(self, ptr: int) -> bytes:
+        """The 64-byte export record of a pool allocation."""
+        data = check_driver(self._d.cuMemPoolExportPointer(ptr), "cuMemPoolExportPointer")
+        return bytes(data.reserved)
+
+    def import_pool(self, fd: int, kind: int, dev: int) -> tuple[int, Any]:
+        """Import an exporter's pool from its file descriptor: ``(handle, keepalive)``.
+
+        ``keepalive`` is the cuda.core resource that owns the imported pool; the caller
+        keeps it as long as any mapping of the pool exists.  The descriptor is not closed.
+        """
+        import cuda.core as cc
+
+        if kind == POOL_PINNED:
+            mr = cc.PinnedMemoryResource.from_allocation_handle(fd)
+        else:
+            mr = cc.DeviceMemoryResource.from_allocation_handle(dev, fd)
+        return int(mr.handle), mr
+
+    def close_pool(self, keepalive: Any) -> None:
+        """Let go of an imported pool (no mapping of it is left)."""
+        try:
+            keepalive.close()
+        except Exception:
+            pass
+
+    def import_pointer(self, pool_handle: int, data: bytes) -> int:
+        share = self._d.CUmemPoolPtrExportData()
+        share.reserved = data
+        ptr = check_driver(
+            self._d.cuMemPoolImportPointer(self._d.CUmemoryPool(pool_handle), share),
+            "cuMemPoolImportPointer",
+        )
+        return int(ptr)
+
+    def free_async(self, ptr: int, stream: int) -> None:
+        check_driver(self._d.cuMemFreeAsync(ptr, stream), "cuMemFreeAsync")
+
+    # -- streams and events ---------------------------------------------------------------
+    def record_ipc_event(self, dev: int, stream: int) -> tuple[Any, bytes]:
+        """Record this process's IPC event of ``(dev, stream)`` on ``stream``.
+
+        Returns ``(event, handle)``: the event for this process's own waits, the
+        64-byte handle for other processes.
+        """
+        key = (dev, stream)
+        ent = self._ipc_events.get(key)
+        if ent is None:
+            with self._lock:
+                ent = self._ipc_events.get(key)
+                if ent is None:
+                    ev = check_driver(self._d.cuEventCreate(self._ipc_flags), "cuEventCreate")
+                    h = check_driver(self._d.cuIpcGetEventHandle(ev), "cuIpcGetEventHandle")
+                    ent = self._ipc_events[key] = (ev, bytes(h.reserved))
+        check_driver(self._d.cuEventRecord(ent[0], stream), "cuEventRecord")
+        return ent
+
+    def sync_own_events(self) -> None:
+        """Wait on the host for the work every IPC event of this process covers."""
+        for ev, _ in list(self._ipc_events.values()):
+            self._d.cuEventSynchronize(ev)
+
+    def open_event(self, handle: bytes) -> Any:
+        """Open a peer's IPC event (the caller caches it and closes it with :meth:`close_event`)."""
+        h = self._d.CUipcEventHandle()
+        h.reserved = handle
+        return check_driver(self._d.cuIpcOpenEventHandle(h), "cuIpcOpenEventHandle")
+
+    def close_event(self, ev: Any) -> None:
+        self._d.cuEventDestroy(ev)
+
+    def wait_event(self, stream: int, ev: Any) -> None:
+        """Make ``stream`` wait, on the device, for the work ``ev`` covers."""
+        check_driver(self._d.cuStreamWaitEvent(stream, ev, 0), "cuStreamWaitEvent")
+
+    def sync_event(self, ev: Any) -> None:
+        """Wait on the host for the work ``ev`` covers."""
+        check_driver(self._d.cuEventSynchronize(ev), "cuEventSynchronize")
+
+    def plain_event(self, stream: int, ev: Any = None) -> Any:
+        """Record a plain (process-local) event on ``stream``; reuses ``ev`` when given."""
+        if ev is None:
+            ev = check_driver(self._d.cuEventCreate(self._plain_flags), "cuEventCreate")
+        check_driver(self._d.cuEventRecord(ev, stream), "cuEventRecord")
+        return ev
+
+    def event_done(self, ev: Any) -> bool:
+        """Whether the work ``ev`` covers has finished (no wait)."""
+        (err,) = self._d.cuEventQuery(ev)
+        return int(err) == 0
+
+    def sync_stream(self, stream: int) -> None:
+        check_driver(self._d.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+    def is_capturing(self, stream: int) -> bool:
+        """Whether ``stream`` is being captured into a CUDA graph (frees must wait)."""
+        if stream == 0:
+            return False
+        err, status = self._d.cuStreamIsCapturing(stream)
+        if int(err):
+            return False
+        return int(status) != int(self._d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)

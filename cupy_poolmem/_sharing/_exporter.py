@@ -1,0 +1,549 @@
+"""The exporter: tickets, leases and limbo of this process's shared blocks, and its server.
+
+One :class:`Exporter` per process (owned by the sharing context).  Its state is the
+table of :class:`Record` s (one per exported block) and the connected receivers
+(:class:`Peer`); every change to either happens under ``Exporter.lock``, and nothing
+is sent while that lock is held (frames go through each peer's :class:`Sender`, or
+are replies written by the peer's own server thread).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from .._errors import SharingError
+from . import _wire
+from ._settings import SharingSettings
+from ._transport import Conn, Listener, Sender
+
+__all__ = ["Exporter", "Record", "LocalHold"]
+
+
+class Record:
+    """One exported block, as its exporter sees it.
+
+    ``tickets``: messages on their way (ticket -> time registered); ``claimed``:
+    tickets received already (another copy of the same message may still claim
+    while the block lives); ``leases``: mappings per receiver connection;
+    ``keepers``: receivers that may keep an idle mapping (asked to evict);
+    ``events``: receivers' unmap events the final free waits on.
+    """
+
+    __slots__ = (
+        "exporter",
+        "export_id",
+        "ptr",
+        "size",
+        "core",
+        "stream",
+        "stream_ptr",
+        "dev",
+        "dev_uuid",
+        "data",
+        "tickets",
+        "claimed",
+        "leases",
+        "keepers",
+        "asked",
+        "events",
+        "local",
+        "in_limbo",
+        "block_ref",
+    )
+
+    def __init__(
+        self, exporter: Exporter, export_id: int, block: Any, data: bytes, dev: int, dev_uuid: str
+    ) -> None:
+        self.exporter = exporter
+        self.export_id = export_id
+        self.ptr, self.size, self.core = block.ptr, block.size, block.core
+        self.stream = block.stream
+        self.stream_ptr = int(block.stream_ptr)
+        self.dev, self.dev_uuid, self.data = dev, dev_uuid, data
+        self.tickets: dict[bytes, float] = {}
+        self.claimed: set[bytes] = set()
+        self.leases: dict[int, int] = {}
+        self.keepers: set[int] = set()
+        self.asked: set[int] = set()
+        self.events: dict[tuple[int, bytes], Any] = {}
+        self.local = 0  # round-tripped arrays alive in this process
+        self.in_limbo = False
+        self.block_ref: Any = weakref.ref(block)
+
+    def held(self) -> bool:
+        """Whether anything but the exporter's own arrays holds the block."""
+        return bool(self.tickets or self.leases or self.local)
+
+
+class LocalHold:
+    """An array that came back to its exporter: keeps the block (or its limbo entry)."""
+
+    __slots__ = ("exporter", "rec", "block", "ptr", "size", "__weakref__")
+
+    def __init__(self, exporter: Exporter, rec: Record) -> None:
+        self.exporter, self.rec = exporter, rec
+        self.block = rec.block_ref()
+        self.ptr, self.size = rec.ptr, rec.size
+
+    def __del__(self) -> None:
+        try:
+            self.exporter.let_go_local(self.rec)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class Peer:
+    """The exporter's end of one receiver's connection."""
+
+    __slots__ = ("cid", "conn", "sender", "events")
+
+    def __init__(self, cid: int, conn: Conn) -> None:
+        self.cid, self.conn = cid, conn
+        self.sender = Sender(conn, f"cupy_poolmem-to-{conn.peer.pid}")
+        self.events: dict[bytes, Any] = {}  # the receiver's IPC events, opened here
+
+
+class Exporter:
+    """Tickets, leases and limbo of this process's exported blocks; the listener.
+
+    Parameters
+    ----------
+    driver
+        The :class:`~cupy_poolmem._sharing._driver.Driver` (or a fake of it).
+    settings
+        The process's :class:`SharingSettings`.
+    authkey
+        The multiprocessing authkey of the process family.
+    ticket_source
+        ``n -> bytes``; ``os.urandom`` (unguessable tickets) unless a test says otherwise.
+    """
+
+    def __init__(
+        self,
+        driver: Any,
+        settings: SharingSettings,
+        authkey: bytes,
+        ticket_source: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        self.driver = driver
+        self.settings = settings
+        self.authkey = authkey
+        self.lock = threading.RLock()
+        self.records: dict[int, Record] = {}
+        self.peers: dict[int, Peer] = {}
+        self.limbo_bytes = 0
+        self._ids = 0
+        self._cids = 0
+        self._listener: Listener | None = None
+        self._tickets = ticket_source
+        self._warned = False
+        self._janitor: threading.Thread | None = None
+        self._wake = threading.Event()
+        self.closed = False
+
+    # -- the listener --------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """The listener's address, starting it on first use."""
+        if self._listener is None:
+            with self.lock:
+                if self._listener is None:
+                    self._listener = Listener(self.authkey, self._serve)
+        return self._listener.address
+
+    @property
+    def own_address(self) -> str | None:
+        """The address if the listener runs, else None (no block exported yet)."""
+        return self._listener.address if self._listener is not None else None
+
+    # -- exporting -----------------------------------------------------------------------
+    def export(self, block: Any) -> tuple[Record, bytes, bytes]:
+        """Register a message for ``block``: ``(record, ticket, event handle)``.
+
+        The ticket pins the block until a receiver claims it, or ``inflight_timeout``.
+        The event covers the work enqueued on the block's allocation stream so far.
+        """
+        address = self.address  # the listener runs before any message can exist
+        del address
+        with self.lock:
+            rec = block.share
+            if rec is None:
+                self._ids += 1
+                dev = block.core.device_id
+                rec = Record(
+                    self,
+                    self._ids,
+                    block,
+                    self.driver.export_pointer(block.ptr),
+                    dev,
+                    self.driver.device_uuid(dev) if dev >= 0 else "",
+                )
+                self.records[rec.export_id] = rec
+                block.share = rec
+            ticket = self._new_ticket(rec)
+        try:
+            event = self._record_event(rec)
+        except BaseException:
+            self.drop_ticket(rec, ticket)
+            raise
+        return rec, ticket, event
+
+    def export_record(self, rec: Record) -> tuple[bytes, bytes]:
+        """A new message for a block known only by its record (a round-tripped array)."""
+        with self.lock:
+            if self.records.get(rec.export_id) is not rec:
+                raise SharingError("this array's memory was freed by its exporter")
+            ticket = self._new_ticket(rec)
+        try:
+            event = self._record_event(rec)
+        except BaseException:
+            self.drop_ticket(rec, ticket)
+            raise
+        return ticket, event
+
+    def _new_ticket(self, rec: Record) -> bytes:
+        """Register a fresh, unguessable ticket on ``rec`` (lock held)."""
+        ticket = self._tickets(_wire.TICKET_BYTES)
+        if ticket in rec.tickets or ticket in rec.claimed:
+            raise SharingError("duplicate sharing ticket refused (the ticket source repeats)")
+        rec.tickets[ticket] = time.monotonic()
+        self._start_janitor()
+        return ticket
+
+    def _record_event(self, rec: Record) -> bytes:
+        dev = rec.dev if rec.dev >= 0 else getattr(rec.stream, "device_id", 0)
+        with self.driver.on_device(dev):
+            return self.driver.record_ipc_event(dev, rec.stream_ptr)[1]
+
+    def drop_ticket(self, rec: Record, ticket: bytes) -> None:
+        """Give back one unclaimed ticket (expired, or its message could not be made)."""
+        with self.lock:
+            rec.tickets.pop(ticket, None)
+        self._settle(rec)
+
+    # -- the hot path's hook -------------------------------------------------------------
+    def release(self, ptr: int, size: int, stream: Any, rec: Record) -> bool:
+        """The exporter's last local reference to a shared block is gone.
+
+        Returns True when the block is kept (limbo) for other processes; False lets
+        the hot path free or cache it, ordered after every receiver's unmap.
+        """
+        with self.lock:
+            if not rec.held():
+                self.records.pop(rec.export_id, None)
+                events = list(rec.events.values())
+                rec.events.clear()
+            else:
+                rec.in_limbo = True
+                rec.core._held_for_sharing += size
+                self.limbo_bytes += size
+                events = None
+                self._warn_limbo()
+        if events is None:
+            self._settle(rec)
+            return True
+        if events:  # receivers unmapped it earlier: the next user waits for their work
+            with self.driver.on_device(self._dev(rec)):
+                for ev in events:
+                    self._wait(stream.ptr, ev)
+        return False
+
+    def _warn_limbo(self) -> None:
+        if self.limbo_bytes > self.settings.warn_bytes and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"cupy_poolmem: {self.limbo_bytes:,} bytes freed here are still held for "
+                "other processes (limbo); receivers keep arrays alive too long?",
+                ResourceWarning,
+                stacklevel=3,
+            )
+
+    def _settle(self, rec: Record) -> None:
+        """Free a limbo block nothing holds, or ask the receivers keeping it to evict."""
+        with self.lock:
+            if not rec.in_limbo or rec.tickets or rec.local:
+                return
+            if rec.leases:
+                ask = [self.peers.get(c) for c in rec.keepers if c not in rec.asked]
+                rec.asked.update(rec.keepers)
+            else:
+                ask = None
+                self.records.pop(rec.export_id, None)
+                rec.in_limbo = False
+                rec.core._held_for_sharing -= rec.size
+                self.limbo_bytes -= rec.size
+                events = list(rec.events.values())
+                rec.events.clear()
+        if ask is None:
+            self._free(rec, events)
+            return
+        for peer in ask:
+            if peer is not None:
+                peer.sender.post(_wire.Evict(rec.export_id))
+
+    def _free(self, rec: Record, events: list[Any]) -> None:
+        core = rec.core
+        with self.driver.on_device(self._dev(rec)):
+            for ev in events:
+                self._wait(rec.stream_ptr, ev)
+            hook = core.release_hook  # pinned pools hold blocks until their stream is done
+            if hook is None or not hook(rec.ptr, rec.size, rec.stream):
+                core._free_now(rec.ptr, rec.stream_ptr)
+        if core.closed and core.n_allocs == core.n_frees and not core._held_for_sharing:
+            core._drained()
+
+    def _wait(self, stream_ptr: int, ev: Any) -> None:
+        try:
+            self.driver.wait_event(stream_ptr, ev)
+        except Exception:  # the unmapping process died: its work died with it
+            pass
+
+    @staticmethod
+    def _dev(rec: Record) -> int:
+        return rec.dev if rec.dev >= 0 else max(getattr(rec.stream, "device_id", 0), 0)
+
+    # -- round trips (an array back in its exporter) ---------------------------------------
+    def take_local(self, export_id: int, ticket: bytes) -> LocalHold:
+        """A message came back to this process: hold the block for the new array."""
+        with self.lock:
+            rec = self.records.get(export_id)
+            if rec is None or not self._claim_ticket(rec, ticket):
+                raise SharingError(
+                    "an array came back to the process that shared it after its memory was "
+                    "freed (the message was older than sharing.inflight_timeout, or was "
+                    "received already and every holder let go)"
+                )
+            rec.local += 1
+        return LocalHold(self, rec)
+
+    def let_go_local(self, rec: Record) -> None:
+        with self.lock:
+            rec.local -= 1
+        self._settle(rec)
+
+    def _claim_ticket(self, rec: Record, ticket: bytes) -> bool:
+        """Mark ``ticket`` received (lock held); False if it is not one of ``rec``'s."""
+        if rec.tickets.pop(ticket, None) is not None:
+            rec.claimed.add(ticket)
+            return True
+        return ticket in rec.claimed
+
+    # -- the server ----------------------------------------------------------------------
+    def _serve(self, conn: Conn) -> None:
+        """One receiver's connection (its own thread): handle frames until it closes."""
+        with self.lock:
+            self._cids += 1
+            peer = self.peers[self._cids] = Peer(self._cids, conn)
+        try:
+            while True:
+                data = conn.recv()
+                try:
+                    frames = _wire.decode(data)
+                except _wire.ProtocolError as exc:
+                    _warn_kept("a malformed frame from a receiver", exc)
+                    continue
+                for f in frames:
+                    try:
+                        self._handle(peer, f)
+                    except Exception as exc:  # keep serving: leaking beats freeing early
+                        _warn_kept(f"sharing message {type(f).__name__}", exc)
+        except (EOFError, OSError):
+            pass
+        finally:
+            conn.close()
+            peer.sender.dead = True
+            threading.Thread(
+                target=self._reap, args=(peer,), name="cupy_poolmem-reap", daemon=True
+            ).start()
+
+    def _reap(self, peer: Peer) -> None:
+        """A receiver's connection closed: once its process (and GPU context) is gone,
+        give back its leases (invariant 3)."""
+        peer.conn.peer.wait_gone()
+        peer.conn.peer.close()
+        with self.lock:
+            self.peers.pop(peer.cid, None)
+            held = []
+            for rec in list(self.records.values()):
+                if rec.leases.pop(peer.cid, None):
+                    held.append(rec)
+                rec.asked.discard(peer.cid)
+                rec.keepers.discard(peer.cid)
+                for key in [k for k in rec.events if k[0] == peer.cid]:
+                    del rec.events[key]  # its work is gone with its context
+            events, peer.events = list(peer.events.values()), {}
+        for ev in events:
+            try:
+                self.driver.close_event(ev)
+            except Exception:
+                pass
+        for rec in held:
+            self._settle(rec)
+
+    def _handle(self, peer: Peer, f: Any) -> None:
+        cid = peer.cid
+        if isinstance(f, _wire.Claim):
+            self._on_claim(peer, f)
+            return
+        if isinstance(f, _wire.Register):
+            with self.lock:
+                rec = self.records.get(f.export_id)
+                ok = rec is not None and rec.leases.get(cid, 0) > 0
+                if ok:
+                    if f.ticket in rec.tickets or f.ticket in rec.claimed:
+                        ok = False  # a duplicate registration is refused
+                    else:
+                        rec.tickets[f.ticket] = time.monotonic()
+                        self._start_janitor()
+            peer.conn.send(
+                _wire.encode(_wire.Reply(f.seq, _wire.OK if ok else _wire.NOT_HELD, False))
+            )
+            return
+        with self.lock:
+            rec = self.records.get(f.export_id)
+            if rec is None:
+                return
+            if isinstance(f, _wire.Hit):
+                if self._claim_ticket(rec, f.ticket):
+                    rec.keepers.add(cid)  # a block received again is kept when let go
+            elif isinstance(f, _wire.Drop):
+                rec.tickets.pop(f.ticket, None)
+            elif isinstance(f, _wire.Unmap):
+                n = rec.leases.get(cid, 0) - 1
+                if n > 0:
+                    rec.leases[cid] = n
+                elif n == 0:
+                    rec.leases.pop(cid, None)
+                    rec.keepers.discard(cid)
+                else:
+                    return  # not a lease of this peer: ignored
+                rec.asked.discard(cid)
+                if f.event is not None:
+                    ev = peer.events.get(f.event)
+                    if ev is None:
+                        with self.driver.on_device(self._dev(rec)):
+                            ev = peer.events[f.event] = self.driver.open_event(f.event)
+                    rec.events[(cid, f.event)] = ev
+        self._settle(rec)
+
+    def _on_claim(self, peer: Peer, f: _wire.Claim) -> None:
+        """A receiver wants to map a block: grant a lease for a live ticket, else refuse."""
+        fd = None
+        with self.lock:
+            rec = self.records.get(f.export_id)
+            ok = rec is not None and self._claim_ticket(rec, f.ticket)
+            if ok:
+                assert rec is not None
+                rec.leases[peer.cid] = rec.leases.get(peer.cid, 0) + 1
+                if f.keep:
+                    rec.keepers.add(peer.cid)
+                if f.want_fd:  # the pool travels only to a peer with a live ticket for it
+                    fd = int(rec.core.memory_resource.allocation_handle)
+        reply = _wire.Reply(f.seq, _wire.OK if ok else _wire.REFUSED, fd is not None)
+        peer.conn.send(_wire.encode(reply), fd)
+
+    # -- tickets nobody claims -------------------------------------------------------------
+    def _start_janitor(self) -> None:
+        """Expire unclaimed tickets after ``inflight_timeout`` (lock held)."""
+        if self._janitor is None and self.settings.inflight_timeout is not None:
+            self._janitor = threading.Thread(
+                target=self._sweep_forever, name="cupy_poolmem-tickets", daemon=True
+            )
+            self._janitor.start()
+
+    def _sweep_forever(self) -> None:
+        while not self.closed:
+            timeout = self.settings.inflight_timeout
+            self._wake.wait(0.5 if timeout is None else min(max(timeout / 4, 0.01), 1.0))
+            self._wake.clear()
+            self.expire()
+
+    def expire(self, now: float | None = None) -> int:
+        """Give back tickets older than ``inflight_timeout``; return how many."""
+        timeout = self.settings.inflight_timeout
+        if timeout is None:
+            return 0
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            stale = [
+                (rec, t)
+                for rec in self.records.values()
+                for t, born in rec.tickets.items()
+                if now - born > timeout
+            ]
+        for rec, t in stale:
+            self.drop_ticket(rec, t)
+        return len(stale)
+
+    # -- collection, statistics, exit --------------------------------------------------------
+    def collect(self) -> int:
+        """Expire stale tickets and free limbo blocks nothing holds; bytes freed."""
+        self.expire()
+        with self.lock:
+            recs = [r for r in self.records.values() if r.in_limbo]
+        freed = 0
+        for rec in recs:
+            self._settle(rec)
+            if not rec.in_limbo:
+                freed += rec.size
+        return freed
+
+    def unclaimed(self) -> int:
+        with self.lock:
+            return sum(len(r.tickets) for r in self.records.values())
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            recs = list(self.records.values())
+            return {
+                "exported_blocks": len(recs),
+                "limbo_blocks": sum(1 for r in recs if r.in_limbo),
+                "limbo_bytes": self.limbo_bytes,
+                "tickets_out": sum(len(r.tickets) for r in recs),
+                "leases": sum(sum(r.leases.values()) for r in recs),
+                "peers": len(self.peers),
+                "dropped_frames_out": sum(p.sender.dropped for p in self.peers.values()),
+            }
+
+    def at_exit(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until every message sent was received; then make
+        sure the work the messages' events cover is done.  True if none was left."""
+        deadline = time.monotonic() + timeout
+        while self.unclaimed() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        done = not self.unclaimed()
+        with self.lock:
+            peers = list(self.peers.values())
+        for p in peers:
+            p.sender.flush(max(deadline - time.monotonic(), 0.1))
+        if self.records:
+            try:
+                self.driver.sync_own_events()
+            except Exception:
+                pass
+        self.closed = True
+        self._wake.set()
+        return done
+
+    def close(self) -> None:
+        """Stop listening (after fork in a child, and in tests)."""
+        self.closed = True
+        self._wake.set()
+        if self._listener is not None:
+            self._listener.close()
+
+
+def _warn_kept(what: str, exc: BaseException) -> None:
+    """A protocol step failed in a background thread: say so; what it held stays held."""
+    warnings.warn(
+        f"cupy_poolmem: {what} failed ({type(exc).__name__}: {exc}); the block stays held "
+        "until the process holding it exits",
+        RuntimeWarning,
+        stacklevel=3,
+    )

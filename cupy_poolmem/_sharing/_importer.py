@@ -1,0 +1,601 @@
+"""The importer: connections to exporters, this process's mappings, and their eviction.
+
+One :class:`Importer` per process (owned by the sharing context).  It keeps the only
+table of mappings and the only cache of imported pools in the process: the CuPy
+reducers and the Numba plugin both map through it, so one driver allocation is
+imported once however it arrives (invariant 7).  State changes happen under
+``Importer.lock``; the lock is never held while waiting for an exporter's reply.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from .._errors import SharingError
+from . import _wire
+from ._settings import SharingSettings
+from ._transport import Conn, Sender, connect
+
+__all__ = ["Importer", "Mapping", "Imported", "Client"]
+
+_SEEN_MAX = 4096
+_CLOSING_MAX = 1024
+_KEEP = object()  # an unmap the driver refused: the lease stays (leaking is the safe side)
+
+
+class _Stream(NamedTuple):
+    ptr: int
+
+
+LEGACY_STREAM = _Stream(0)
+
+
+class ImportedPool:
+    """An exporter's pool imported into this process (one per pool, whoever asked)."""
+
+    __slots__ = ("uuid", "handle", "keepalive", "dev", "kind", "users", "client", "granted")
+
+    def __init__(self, uuid: str, handle: int, keepalive: Any, dev: int, kind: int) -> None:
+        self.uuid, self.handle, self.keepalive = uuid, handle, keepalive
+        self.dev, self.kind = dev, kind
+        self.users = 0  # mappings of this pool alive here
+        self.client: Client | None = None  # the exporter it came from, when known
+        self.granted: set[int] = set()  # devices given access to it here
+
+
+class Mapping:
+    """One exported block mapped into this process (one per driver allocation)."""
+
+    __slots__ = (
+        "key",
+        "ptr",
+        "size",
+        "pool",
+        "dev",
+        "client",
+        "export_id",
+        "leased",
+        "users",
+        "keep",
+        "evict",
+        "last_use",
+        "waits",
+    )
+
+    def __init__(self, key: tuple[str, bytes], ptr: int, size: int, pool: ImportedPool) -> None:
+        self.key, self.ptr, self.size, self.pool, self.dev = key, ptr, size, pool, pool.dev
+        self.client: Client | None = None
+        self.export_id = 0
+        self.leased = False  # a lease at the exporter covers it (the CuPy protocol)
+        self.users = 1  # live Imported owners and open Numba handles
+        self.keep = False  # received before: likely to come again (invariant 4)
+        self.evict = False  # the exporter asked for it back
+        self.last_use: Any = None  # event recorded when the last user went (idle)
+        self.waits: dict[int, Any] = {}  # stream -> event of earlier users' last use
+
+
+class Imported:
+    """What the arrays of one received message hold on a mapping.
+
+    ``stream`` is the stream that was current when the message was unpickled; the
+    mapping is let go in order on it (the way the pools free a block on its
+    allocation stream), after every other stream that used the mapping.
+    """
+
+    __slots__ = ("importer", "m", "ptr", "size", "stream", "__weakref__")
+
+    def __init__(self, importer: Importer, m: Mapping, stream: Any) -> None:
+        self.importer, self.m, self.ptr, self.size, self.stream = importer, m, m.ptr, m.size, stream
+
+    def __del__(self) -> None:
+        try:
+            self.importer.dropped(self.m, self.stream)
+        except Exception:  # interpreter shutdown: the mappings go with the process
+            pass
+
+
+class Client:
+    """This process's connection to one exporter; a reader thread takes its frames."""
+
+    def __init__(self, importer: Importer, address: str, conn: Conn) -> None:
+        self.importer, self.address, self.conn = importer, address, conn
+        self.sender = Sender(conn, "cupy_poolmem-to-exporter")
+        self.closed = False
+        self.events: dict[bytes, Any] = {}  # the exporter's IPC events, opened here
+        self.keys: set[tuple[str, bytes]] = set()  # mappings of its blocks
+        self.by_export: dict[int, tuple[str, bytes]] = {}
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._waiters: dict[int, list[Any]] = {}
+        threading.Thread(target=self._read, name="cupy_poolmem-from-exporter", daemon=True).start()
+
+    def request(self, make: Callable[[int], Any], timeout: float) -> tuple[_wire.Reply, int | None]:
+        """Send a frame that expects a reply (``make(seq)``); wait for the reply."""
+        done = threading.Event()
+        with self._lock:
+            if self.closed:
+                raise SharingError(_GONE)
+            self._seq += 1
+            seq = self._seq
+            slot: list[Any] = [done, None, None]
+            self._waiters[seq] = slot
+        try:
+            self.conn.send(_wire.encode(make(seq)))
+        except OSError as exc:
+            with self._lock:
+                self._waiters.pop(seq, None)
+            raise SharingError(f"{_GONE} ({exc})") from None
+        if not done.wait(timeout):
+            with self._lock:
+                self._waiters.pop(seq, None)
+            raise SharingError(
+                f"the process that owns this array did not answer within {timeout} s"
+            )
+        if slot[1] is None:
+            raise SharingError(_GONE)
+        return slot[1], slot[2]
+
+    def send_now(self, frame: Any) -> None:
+        """Send at once when the connection is free (no thread hand-off), else queue it."""
+        if not self.conn.try_send(_wire.encode(frame)):
+            self.sender.post(frame)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                for f in _wire.decode(self.conn.recv()):
+                    if isinstance(f, _wire.Reply):
+                        fd = self.conn.recv_fd() if f.has_fd else None
+                        with self._lock:
+                            slot = self._waiters.pop(f.seq, None)
+                        if slot is None:  # the asker timed out
+                            if fd is not None:
+                                os.close(fd)
+                            continue
+                        slot[1], slot[2] = f, fd
+                        slot[0].set()
+                    elif isinstance(f, _wire.Evict):
+                        self.importer.evict(self, f.export_id)
+        except (EOFError, OSError, _wire.ProtocolError):
+            pass
+        finally:
+            with self._lock:
+                self.closed = True
+                waiters, self._waiters = list(self._waiters.values()), {}
+            for slot in waiters:
+                slot[0].set()
+            self.conn.close()
+            self.sender.dead = True
+            self.importer.exporter_gone(self)
+
+
+_GONE = (
+    "the process that owns this array has exited (or closed its sharing connection); "
+    "memory shared by an exited process is gone: keep it alive until receivers have the "
+    "array (see cupy_poolmem.sharing.exit_timeout)"
+)
+_STALE = (
+    "this message is stale: the process that shared the array no longer holds its memory "
+    "for it (it was received already and every holder let go, or it waited longer than "
+    "cupy_poolmem.sharing.inflight_timeout); nothing was mapped"
+)
+
+
+class Importer:
+    """Mappings of other processes' blocks in this process, and the connections to them."""
+
+    def __init__(self, driver: Any, settings: SharingSettings, authkey: bytes) -> None:
+        self.driver, self.settings, self.authkey = driver, settings, authkey
+        self.lock = threading.RLock()
+        self.clients: dict[str, Client] = {}
+        self.pools: dict[str, ImportedPool] = {}
+        self.maps: dict[tuple[str, bytes], Mapping] = {}
+        self.idle: OrderedDict[tuple[str, bytes], Mapping] = OrderedDict()
+        self.seen: OrderedDict[tuple[str, int], None] = OrderedDict()
+        self.closing: OrderedDict[tuple[str, bytes], Any] = OrderedDict()
+        self._pending: dict[tuple[str, bytes], threading.Event] = {}
+        self._deferred: list[tuple[Mapping, Any]] = []
+        self._deferred_thread: threading.Thread | None = None
+
+    # -- connections -------------------------------------------------------------------------
+    def client(self, address: str) -> Client:
+        c = self.clients.get(address)
+        if c is None:
+            with self.lock:
+                c = self.clients.get(address)
+                if c is None:
+                    try:
+                        conn = connect(address, self.authkey)
+                    except (OSError, EOFError) as exc:
+                        raise SharingError(f"{_GONE} ({type(exc).__name__}: {exc})") from None
+                    c = self.clients[address] = Client(self, address, conn)
+        if c.closed:
+            raise SharingError(_GONE)
+        return c
+
+    # -- receiving -----------------------------------------------------------------------------
+    def receive(
+        self, d: _wire.Descriptor, dev: int, stream: Any, host_order: bool = False
+    ) -> Imported:
+        """Map the block ``d`` describes (``dev`` current) and order ``stream`` after the
+        sender's writes; the owner the received array keeps."""
+        if self._deferred:
+            self.drain_deferred()
+        c = self.client(d.address)
+        told = False  # the exporter has heard of this ticket from us
+        try:
+            if d.event is not None:
+                ev = c.events.get(d.event)
+                if ev is None:
+                    with self.lock:
+                        ev = c.events.get(d.event)
+                        if ev is None:
+                            ev = c.events[d.event] = self.driver.open_event(d.event)
+                if host_order or self.settings.receive_order == "sync":
+                    self.driver.sync_event(ev)
+                else:
+                    self.driver.wait_event(stream.ptr, ev)
+            key = (d.pool_uuid, d.export_data)
+            while True:
+                with self.lock:
+                    m = self.maps.get(key)
+                    if m is not None and m.leased:
+                        if m.client is not c or m.export_id != d.export_id:
+                            raise _wire.ProtocolError(
+                                "a message names memory this process maps for another export"
+                            )
+                        # Count the user before anything allocates: a garbage collection
+                        # here may run dropped(), which must not unmap this mapping.
+                        m.users += 1
+                        self.idle.pop(key, None)
+                        m.keep = True
+                        told = True
+                        c.send_now(_wire.Hit(d.export_id, d.ticket))
+                        return Imported(self, m, stream)
+                    wait = self._pending.get(key)
+                    if wait is None:
+                        self._pending[key] = threading.Event()
+                        closing = self.closing.pop(key, None)
+                        break
+                wait.wait(self.settings.claim_timeout)
+            try:
+                told = True
+                m = self._claim_and_map(c, d, dev, key, m, closing)
+            finally:
+                with self.lock:
+                    self._pending.pop(key).set()
+            return Imported(self, m, stream)
+        except BaseException:
+            if not told and not c.closed:
+                c.sender.post(_wire.Drop(d.export_id, d.ticket))
+            raise
+
+    def _claim_and_map(
+        self,
+        c: Client,
+        d: _wire.Descriptor,
+        dev: int,
+        key: tuple[str, bytes],
+        raw: Mapping | None,
+        closing: Any,
+    ) -> Mapping:
+        """Claim the ticket (the exporter answers before anything is mapped), then map."""
+        if closing is not None:  # the previous mapping's free must run before a re-import
+            self.driver.sync_event(closing)
+        want_fd = raw is None and d.pool_uuid not in self.pools
+        keep = (d.address, d.export_id) in self.seen
+        reply, fd = c.request(
+            lambda seq: _wire.Claim(seq, d.export_id, d.ticket, want_fd, keep),
+            self.settings.claim_timeout,
+        )
+        try:
+            if reply.status != _wire.OK:
+                raise SharingError(_STALE)
+            pool = raw.pool if raw is not None else self._pool(d.pool_uuid, d.pool_kind, dev, fd, c)
+        except BaseException:
+            if reply.status == _wire.OK:
+                c.sender.post(_wire.Unmap(d.export_id, None))  # give the lease back
+            raise
+        finally:
+            if fd is not None:
+                os.close(fd)
+        with self.lock:
+            m = self.maps.get(key)
+            if m is None:
+                try:
+                    ptr = self.driver.import_pointer(pool.handle, d.export_data)
+                except BaseException:
+                    c.sender.post(_wire.Unmap(d.export_id, None))
+                    raise
+                m = self.maps[key] = Mapping(key, ptr, d.size, pool)
+                pool.users += 1
+            else:  # mapped already through the Numba plugin: the lease now covers it too
+                m.users += 1
+                self.idle.pop(key, None)
+            m.client, m.export_id, m.leased, m.keep = c, d.export_id, True, keep
+            c.keys.add(key)
+            c.by_export[d.export_id] = key
+        return m
+
+    def _pool(
+        self, uuid: str, kind: int, dev: int, fd: int | None, c: Client | None
+    ) -> ImportedPool:
+        """The pool ``uuid``, imported from ``fd`` the first time (lock not held)."""
+        pool = self.pools.get(uuid)
+        if pool is not None:
+            return pool
+        if fd is None:
+            raise SharingError(
+                "the exporting pool's file descriptor did not arrive with this message; "
+                "send it again from the exporting process"
+            )
+        handle, keepalive = self.driver.import_pool(fd, kind, dev)
+        with self.lock:
+            pool = self.pools.get(uuid)
+            if pool is None:
+                pool = self.pools[uuid] = ImportedPool(uuid, handle, keepalive, dev, kind)
+                pool.client = c
+                keepalive = None
+        if keepalive is not None:  # another thread imported it meanwhile
+            self.driver.close_pool(keepalive)
+        return pool
+
+    # -- letting go ------------------------------------------------------------------------------
+    def dropped(self, m: Mapping, stream: Any) -> None:
+        """One user of ``m`` is gone (its arrays, or a Numba handle) on ``stream``."""
+        sptr = stream.ptr
+        if self.driver.is_capturing(sptr):  # a free now would become part of the graph
+            with self.lock:
+                self._deferred.append((m, stream))
+            self._schedule_deferred()
+            return
+        out: list[tuple[Mapping, Any]] = []
+        with self.driver.on_device(m.dev), self.lock:
+            m.users -= 1
+            if m.users:  # other users remain: the final free waits for this stream too
+                m.waits[sptr] = self.driver.plain_event(sptr, m.waits.get(sptr))
+                return
+            for s, ev in m.waits.items():
+                if s != sptr:
+                    self.driver.wait_event(sptr, ev)
+                self.driver.close_event(ev)
+            m.waits.clear()
+            keep = (
+                m.leased
+                and m.keep
+                and not m.evict
+                and m.client is not None
+                and not m.client.closed
+                and self.settings.keep_mappings > 0
+            )
+            if keep:
+                m.last_use = self.driver.plain_event(sptr, m.last_use)
+                self.idle[m.key] = m
+                out = self._over_cap()
+            else:
+                self._forget(m)
+                out = [(m, self._unmap(m, sptr))]
+        self._tell(out)
+
+    def _unmap(self, m: Mapping, sptr: int) -> Any:
+        """Free ``m`` in order on ``sptr`` (lock held, device current): the event handle
+        for the exporter, or ``_KEEP`` when the driver refused (the lease then stays)."""
+        if m.last_use is not None:
+            self.driver.close_event(m.last_use)
+            m.last_use = None
+        try:  # importers free first (driver rule)
+            self.driver.free_async(m.ptr, sptr)
+        except Exception as exc:
+            from ._exporter import _warn_kept
+
+            _warn_kept("unmapping a shared block", exc)
+            return _KEEP
+        ev, handle = self.driver.record_ipc_event(m.dev, sptr)
+        self.closing[m.key] = ev
+        if len(self.closing) > _CLOSING_MAX:
+            self.closing.popitem(last=False)
+        m.pool.users -= 1
+        return handle if m.leased else None
+
+    def _forget(self, m: Mapping) -> None:
+        """Take ``m`` out of the tables (lock held); remember it was received."""
+        self.maps.pop(m.key, None)
+        self.idle.pop(m.key, None)
+        c = m.client
+        if c is not None:
+            c.keys.discard(m.key)
+            c.by_export.pop(m.export_id, None)
+            self.seen[(c.address, m.export_id)] = None
+            if len(self.seen) > _SEEN_MAX:
+                self.seen.popitem(last=False)
+
+    def _tell(self, out: list[tuple[Mapping, Any]]) -> None:
+        """Send ``unmap`` for mappings just freed; tidy up after exporters that are gone."""
+        gone = set()
+        for m, handle in out:
+            c = m.client
+            if c is None or handle is _KEEP:
+                continue
+            if m.leased and not c.closed:
+                c.sender.post(_wire.Unmap(m.export_id, handle))
+            if c.closed:
+                gone.add(c)
+        for c in gone:
+            self._tidy(c)
+
+    def _take_idle(self, ms: list[Mapping]) -> list[tuple[Mapping, Any]]:
+        """Unmap idle mappings (lock held) after their last use, on the legacy stream.
+
+        A stream of our own would add an IPC event per process; on driver 580 that
+        made every later event record and wait of both processes take milliseconds.
+        """
+        out = []
+        for m in ms:
+            self._forget(m)
+            with self.driver.on_device(m.dev):
+                if m.last_use is not None:
+                    self.driver.wait_event(0, m.last_use)
+                out.append((m, self._unmap(m, 0)))
+        return out
+
+    def _over_cap(self) -> list[tuple[Mapping, Any]]:
+        n = len(self.idle) - self.settings.keep_mappings
+        return self._take_idle(list(self.idle.values())[:n]) if n > 0 else []
+
+    def trim_idle(self, limit: int | None = None) -> int:
+        """Unmap idle mappings beyond ``limit`` (``keep_mappings`` by default)."""
+        with self.lock:
+            if limit is None:
+                out = self._over_cap()
+            else:
+                out = self._take_idle(list(self.idle.values())[: max(len(self.idle) - limit, 0)])
+        self._tell(out)
+        return len(out)
+
+    def evict(self, c: Client, export_id: int) -> None:
+        """The exporter freed block ``export_id``: unmap it once no array uses it."""
+        with self.lock:
+            key = c.by_export.get(export_id)
+            m = self.maps.get(key) if key is not None else None
+            if m is None:
+                return  # unmapped already; the exporter gets that unmap
+            m.evict = True
+            if m.users:
+                return
+            out = self._take_idle([m])
+        self._tell(out)
+
+    def exporter_gone(self, c: Client) -> None:
+        """An exporter's connection closed: unmap its idle mappings; tidy when unused."""
+        with self.lock:
+            out = self._take_idle([m for m in self.idle.values() if m.client is c])
+        self._tell(out)
+        self._tidy(c)
+
+    def _tidy(self, c: Client) -> None:
+        """Release what this process keeps for a gone exporter once nothing maps its
+        blocks: its connection entry, opened events, imported pools, remembered keys."""
+        with self.lock:
+            if c.keys or self.clients.get(c.address) is not c:
+                return
+            del self.clients[c.address]
+            events, c.events = list(c.events.values()), {}
+            pools = [p for p in self.pools.values() if p.client is c and p.users == 0]
+            for p in pools:
+                del self.pools[p.uuid]
+                for k in [k for k in self.closing if k[0] == p.uuid]:
+                    del self.closing[k]
+            for k in [k for k in self.seen if k[0] == c.address]:
+                del self.seen[k]
+        for ev in events:
+            try:
+                self.driver.close_event(ev)
+            except Exception:
+                pass
+        for p in pools:
+            self.driver.close_pool(p.keepalive)
+
+    # -- frees during graph capture ----------------------------------------------------------------
+    def _schedule_deferred(self) -> None:
+        with self.lock:
+            if self._deferred_thread is not None:
+                return
+            self._deferred_thread = threading.Thread(
+                target=self._retry_deferred, name="cupy_poolmem-deferred", daemon=True
+            )
+            self._deferred_thread.start()
+
+    def _retry_deferred(self) -> None:
+        while True:
+            time.sleep(0.05)
+            self.drain_deferred()
+            with self.lock:
+                if not self._deferred:
+                    self._deferred_thread = None
+                    return
+
+    def drain_deferred(self) -> None:
+        """Let go, now, of mappings dropped while their stream was being captured."""
+        with self.lock:
+            todo, self._deferred = self._deferred, []
+        for m, stream in todo:
+            self.dropped(m, stream)  # re-deferred if still capturing
+
+    # -- forwarding ----------------------------------------------------------------------------------
+    def forward(self, imp: Imported) -> bytes:
+        """Register a new ticket with the exporter for sending ``imp``'s block on.
+
+        The third process does not wait on this process's events (they vanish when it
+        exits): the writes this process enqueued are waited for here.
+        """
+        m = imp.m
+        c = m.client
+        if not m.leased or c is None:
+            raise SharingError(
+                "memory mapped from a Numba IPC handle cannot be sent on; send the array "
+                "from the process that allocated it"
+            )
+        ticket = os.urandom(_wire.TICKET_BYTES)
+        reply, _ = c.request(
+            lambda seq: _wire.Register(seq, m.export_id, ticket), self.settings.claim_timeout
+        )
+        if reply.status != _wire.OK:
+            raise SharingError("the exporter refused to register a forwarded message")
+        with self.driver.on_device(m.dev):
+            self.driver.sync_stream(imp.stream.ptr)
+            cur = self.driver.current_stream().ptr
+            if cur != imp.stream.ptr:
+                self.driver.sync_stream(cur)
+        return ticket
+
+    # -- the Numba plugin's handles --------------------------------------------------------------------
+    def open_raw(self, pool_uuid: str, dev: int, data: bytes, size: int, fd: int | None) -> Mapping:
+        """Map an allocation described by a Numba IPC handle (no lease protocol)."""
+        key = (pool_uuid, data)
+        with self.lock:
+            m = self.maps.get(key)
+            if m is not None:
+                m.users += 1
+                self.idle.pop(key, None)
+                return m
+        pool = self._pool(pool_uuid, _wire.POOL_DEVICE, dev, fd, None)
+        with self.lock:
+            m = self.maps.get(key)
+            if m is not None:
+                m.users += 1
+                self.idle.pop(key, None)
+                return m
+            with self.driver.on_device(dev):
+                ptr = self.driver.import_pointer(pool.handle, data)
+            m = self.maps[key] = Mapping(key, ptr, size, pool)
+            pool.users += 1
+            return m
+
+    def close_raw(self, m: Mapping) -> None:
+        """A Numba handle let go; when nothing else uses the mapping it is freed, and
+        the free has run when this returns (the exporter may then free the memory)."""
+        self.dropped(m, LEGACY_STREAM)
+        with self.driver.on_device(m.dev):
+            self.driver.sync_stream(0)
+
+    # -- statistics --------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            clients = list(self.clients.values())
+            return {
+                "imported_blocks": len(self.maps) - len(self.idle),
+                "idle_mappings": len(self.idle),
+                "imported_pools": len(self.pools),
+                "clients": len(clients),
+                "opened_events": sum(len(c.events) for c in clients),
+                "dropped_frames_in": sum(c.sender.dropped for c in clients),
+            }
+
+    def flush(self, timeout: float = 5.0) -> None:
+        for c in list(self.clients.values()):
+            c.sender.flush(timeout)

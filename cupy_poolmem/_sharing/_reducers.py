@@ -1,0 +1,183 @@
+"""Reduce/rebuild pairs for multiprocessing: CuPy arrays, and numpy arrays on pinned pools.
+
+``reduce_cupy`` turns an array into ``(_rebuild, (Descriptor,))``; ``_rebuild`` runs in
+the receiver (or back in the exporter) and returns an array on the same memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._errors import SharingError
+from . import _wire
+from ._context import context
+from ._exporter import LocalHold
+from ._importer import Imported
+
+__all__ = ["reduce_cupy", "reduce_numpy", "rebuild", "register_cupy", "register_numpy"]
+
+
+def _owner(mem: Any) -> Any:
+    """The pool Block, Imported or LocalHold behind CuPy (or pinned) memory, else None."""
+    from .._pools import _hp
+
+    owner = getattr(mem, "_owner", None)
+    if owner is None and isinstance(mem, (_hp.Block, Imported, LocalHold)):
+        owner = mem
+    return owner
+
+
+def _shareable(owner: Any) -> bool:
+    from .._pools import _hp
+
+    if isinstance(owner, (Imported, LocalHold)):
+        return True
+    return (
+        isinstance(owner, _hp.Block) and getattr(owner.core, "ipc", False) and not owner.core.closed
+    )
+
+
+def _describe(owner: Any, kind: str, offset: int, shape: tuple, strides: tuple, dtype: str) -> Any:
+    ctx = context()
+    ctx.check_not_forked()
+    if isinstance(owner, Imported):  # forward to a third process
+        m = owner.m
+        ticket = ctx.importer.forward(owner)
+        assert m.client is not None
+        return _wire.Descriptor(
+            _wire.VERSION,
+            kind,
+            m.client.address,
+            m.pool.uuid,
+            ctx.driver.device_uuid(m.dev) if m.pool.kind != _wire.POOL_PINNED else "",
+            m.pool.kind,
+            m.export_id,
+            m.key[1],
+            m.size,
+            ticket,
+            None,
+            offset,
+            shape,
+            strides,
+            dtype,
+        )
+    exp = ctx.exporter
+    if isinstance(owner, LocalHold) and owner.block is None:
+        rec = owner.rec
+        ticket, event = exp.export_record(rec)
+    else:
+        block = owner.block if isinstance(owner, LocalHold) else owner
+        rec, ticket, event = exp.export(block)
+    core = rec.core
+    return _wire.Descriptor(
+        _wire.VERSION,
+        kind,
+        exp.address,
+        core._pool_uuid,
+        rec.dev_uuid,
+        core.kind,
+        rec.export_id,
+        rec.data,
+        rec.size,
+        ticket,
+        event,
+        offset,
+        shape,
+        strides,
+        dtype,
+    )
+
+
+def rebuild(desc: Any, *extra: Any) -> Any:
+    """Receiver side of a shared array (also the round trip back to its exporter)."""
+    import cupy
+    import numpy as np
+
+    if extra:  # an older cupy_poolmem's positional message
+        raise _wire.ProtocolError(
+            f"message format {desc!r} from a different cupy_poolmem version (this one reads "
+            f"format {_wire.VERSION}); install one cupy_poolmem version in every process"
+        )
+    d = _wire.check_descriptor(desc)
+    ctx = context()
+    ctx.check_not_forked()
+    drv = ctx.driver
+    own = ctx.exporter_address()
+    if own is not None and d.address == own:  # back in the exporter: its own memory
+        owner: Any = ctx.exporter.take_local(d.export_id, d.ticket)
+        dev = owner.rec.dev if owner.rec.dev >= 0 else drv.current_device()
+        if d.event is not None:
+            with drv.on_device(dev):
+                drv.sync_stream(owner.rec.stream_ptr)
+    else:
+        dev = drv.local_device(d.device_uuid) if d.device_uuid else drv.current_device()
+        with drv.on_device(dev):
+            stream = drv.current_stream()
+            owner = ctx.importer.receive(d, dev, stream, host_order=d.kind == "numpy")
+    dt = np.dtype(d.dtype)
+    if d.kind == "numpy":
+        pmem = cupy.cuda.PinnedMemoryPointer(owner, 0)
+        return np.ndarray(d.shape, dt, buffer=pmem, offset=d.offset, strides=d.strides)
+    mem = cupy.cuda.UnownedMemory(owner.ptr, d.size, owner, dev)
+    return cupy.ndarray(d.shape, dt, cupy.cuda.MemoryPointer(mem, d.offset), d.strides)
+
+
+def reduce_cupy(arr: Any) -> tuple:
+    """Reduce a ``cupy.ndarray`` for multiprocessing: zero-copy when its pool allows it."""
+    import cupy
+
+    mem = arr.data.mem
+    owner = _owner(mem)
+    if arr.size == 0 or owner is None or not _shareable(owner):
+        ctx = context()
+        fb = ctx.settings.fallback
+        if fb == "host" or arr.size == 0:
+            return arr.__reduce__()
+        if fb == "error":
+            raise SharingError(
+                "this array's memory cannot be shared zero-copy (it is not from an IPC-enabled "
+                "cupy_poolmem pool); call cupy_poolmem.set_allocator() before creating it, or "
+                "set cupy_poolmem.sharing.fallback to 'device-copy' or 'host'"
+            )
+        with ctx.driver.on_device(arr.device.id):
+            pool = ctx.sharing_pool(arr.device.id)
+            with cupy.cuda.using_allocator(pool.malloc):
+                arr = cupy.array(arr, copy=True, order="K")
+        mem = arr.data.mem
+        owner = _owner(mem)
+    offset = arr.data.ptr - owner.ptr
+    return rebuild, (_describe(owner, "cupy", offset, arr.shape, arr.strides, arr.dtype.str),)
+
+
+def reduce_numpy(arr: Any) -> tuple:
+    """Reduce a numpy array: zero-copy when it lives on an IPC-enabled PinnedPool."""
+    import numpy as np
+
+    base = arr
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    owner = getattr(base, "mem", None)
+    owner = _owner(owner) if owner is not None else None
+    if owner is None or not _shareable(owner) or arr.size == 0:
+        return arr.__reduce_ex__(4)
+    offset = arr.__array_interface__["data"][0] - owner.ptr
+    return rebuild, (_describe(owner, "numpy", offset, arr.shape, arr.strides, arr.dtype.str),)
+
+
+def register_cupy() -> None:
+    """Register the CuPy reducer with multiprocessing's pickler."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import cupy
+
+    ForkingPickler.register(cupy.ndarray, reduce_cupy)
+
+
+def register_numpy() -> None:
+    """Register the numpy reducer (done when the first shareable pinned pool exists)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import numpy as np
+
+    if ForkingPickler._extra_reducers.get(np.ndarray) is not reduce_numpy:
+        ForkingPickler.register(np.ndarray, reduce_numpy)

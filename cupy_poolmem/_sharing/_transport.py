@@ -1,0 +1,298 @@
+"""Sharing connections: an authenticated Unix socket between a receiver and an exporter.
+
+- The listener binds a filesystem socket in a fresh 0700 directory (never an abstract
+  socket, on every Python version), with a real backlog; each accepted connection is
+  authenticated (multiprocessing's HMAC challenge with the process family's authkey,
+  both ways) in a thread of its own with a timeout, so a peer that connects and says
+  nothing blocks nobody.
+- The kernel tells each end who the other is (``SO_PEERCRED``): peers of another user
+  are refused, and the exporter keeps a pidfd of each receiver so that it can tell
+  when the receiver's process, and with it its GPU context, is really gone.
+- :class:`Sender` sends one connection's frames in order from a thread of its own,
+  through a bounded queue: a stalled peer stalls only its own messages, and posting
+  never blocks (it is called from ``__del__``).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable
+from multiprocessing import connection as _mpc
+from multiprocessing.reduction import recv_handle, send_handle
+from typing import Any
+
+from . import _wire
+
+__all__ = ["Conn", "Listener", "connect", "Sender", "PeerProcess"]
+
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_TIMEVAL = struct.Struct("ll")
+
+
+def _peer_cred(sock: socket.socket) -> tuple[int, int]:
+    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return pid, uid
+
+
+def _set_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Kernel-level send/receive timeouts on a blocking socket (0: none)."""
+    tv = _TIMEVAL.pack(int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+class PeerProcess:
+    """The process at the other end of a connection, as the kernel reported it.
+
+    ``wait_gone()`` returns once that process has exited (its files, GPU context
+    included, are closed then).  A pidfd taken while the peer is connected makes this
+    immune to pid reuse; where pidfds are missing, the pid is polled.  A pid of 0
+    (the peer lives in a pid namespace this process cannot see) cannot be watched.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd = -1
+        if pid > 0 and pid != os.getpid() and hasattr(os, "pidfd_open"):
+            try:
+                self._fd = os.pidfd_open(pid)
+            except OSError:
+                self._fd = -1
+
+    @property
+    def watchable(self) -> bool:
+        return self.pid > 0 and self.pid != os.getpid()
+
+    def wait_gone(self, timeout: float | None = None) -> bool:
+        """Block until the peer process has exited; False on timeout."""
+        if not self.watchable:
+            return True
+        if self._fd >= 0:
+            p = select.poll()
+            p.register(self._fd, select.POLLIN)
+            ms = None if timeout is None else int(timeout * 1000)
+            return bool(p.poll(ms))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while _pid_alive(self.pid):
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+class Conn:
+    """One authenticated sharing connection (either end).  Sends are serialised."""
+
+    def __init__(self, mpconn: Any, peer: PeerProcess) -> None:
+        self._c = mpconn
+        self.peer = peer
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def send(self, data: bytes, fd: int | None = None) -> None:
+        """Send one message (and a file descriptor right after it) as one unit."""
+        with self.lock:
+            self._c.send_bytes(data)
+            if fd is not None:
+                send_handle(self._c, fd, self.peer.pid)
+
+    def try_send(self, data: bytes) -> bool:
+        """Send now if no other thread is sending on this connection; else False."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self._c.send_bytes(data)
+            return True
+        except OSError:
+            return False
+        finally:
+            self.lock.release()
+
+    def recv(self) -> bytes:
+        return self._c.recv_bytes()
+
+    def recv_fd(self) -> int:
+        return recv_handle(self._c)
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self._c.close()
+        except OSError:
+            pass
+
+
+def _wrap(sock: socket.socket, authkey: bytes, server: bool, timeout: float) -> Conn:
+    """Authenticate a connected socket both ways (bounded by ``timeout``); a :class:`Conn`."""
+    pid, uid = _peer_cred(sock)
+    if uid != os.getuid():
+        raise PermissionError(f"sharing peer runs as uid {uid}, not {os.getuid()}")
+    _set_timeouts(sock, timeout)
+    c = _mpc.Connection(os.dup(sock.fileno()))
+    try:
+        if server:
+            _mpc.deliver_challenge(c, authkey)
+            _mpc.answer_challenge(c, authkey)
+        else:
+            _mpc.answer_challenge(c, authkey)
+            _mpc.deliver_challenge(c, authkey)
+        _set_timeouts(sock, 0)
+    except BaseException:
+        c.close()
+        raise
+    finally:
+        sock.close()
+    return Conn(c, PeerProcess(pid))
+
+
+class Listener:
+    """The exporter's listening socket; ``on_conn(conn)`` runs in the connection's thread."""
+
+    def __init__(
+        self, authkey: bytes, on_conn: Callable[[Conn], None], handshake_timeout: float = 5.0
+    ) -> None:
+        self._dir = tempfile.mkdtemp(prefix="cupy_poolmem-")  # mode 0700
+        self.address = os.path.join(self._dir, "s")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(self.address)
+        os.chmod(self.address, 0o600)
+        self._sock.listen(128)
+        self._authkey, self._on_conn, self._timeout = authkey, on_conn, handshake_timeout
+        self.closed = False
+        self.refused = 0
+        threading.Thread(target=self._accept, name="cupy_poolmem-listen", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                if self.closed:
+                    return
+                time.sleep(0.01)
+                continue
+            threading.Thread(
+                target=self._handshake, args=(sock,), name="cupy_poolmem-peer", daemon=True
+            ).start()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        try:
+            conn = _wrap(sock, self._authkey, True, self._timeout)
+        except Exception:  # silent, slow, foreign or unauthenticated peer: refused
+            self.refused += 1
+            sock.close()
+            return
+        self._on_conn(conn)
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self._sock.close()
+        finally:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def connect(address: str, authkey: bytes, timeout: float = 10.0) -> Conn:
+    """Connect to an exporter's listener and authenticate (OSError when unreachable)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        _set_timeouts(sock, timeout)
+        sock.connect(address)
+    except BaseException:
+        sock.close()
+        raise
+    return _wrap(sock, authkey, False, timeout)
+
+
+class Sender:
+    """One connection's outgoing frames, sent in order by a thread of its own.
+
+    ``post`` never blocks and is safe from ``__del__``.  At most ``limit`` frames wait;
+    beyond that a frame is dropped and counted (every frame the protocol posts is one
+    whose loss keeps memory held, never frees it early).
+    """
+
+    def __init__(self, conn: Conn, name: str, limit: int = 65536) -> None:
+        self.conn = conn
+        self.name = name
+        self.limit = limit
+        self.dropped = 0
+        self._q: deque[Any] = deque()
+        self._cv = threading.Condition(threading.RLock())
+        self._thread: threading.Thread | None = None
+        self._busy = False
+        self.dead = False
+
+    def post(self, frame: Any) -> None:
+        if self.dead:
+            return
+        if len(self._q) >= self.limit:
+            self.dropped += 1
+            if self.dropped == 1:
+                warnings.warn(
+                    f"cupy_poolmem: the sharing peer behind {self.name} is not reading; "
+                    "protocol messages are dropped (memory stays held until it exits)",
+                    ResourceWarning,
+                    stacklevel=2,
+                )
+            return
+        self._q.append(frame)
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._q:
+                    self._busy = False
+                    self._cv.notify_all()
+                    self._cv.wait()
+                self._busy = True
+            frames = []
+            while self._q:
+                frames.append(self._q.popleft())
+            try:
+                self.conn.send(_wire.encode_batch(frames))
+            except (OSError, ValueError):
+                self.dead = True  # the other process exited: nothing to tell it any more
+                self._q.clear()
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+                return
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every posted frame was handed to the socket; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while (self._q or self._busy) and not self.dead:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True

@@ -1,0 +1,237 @@
+"""Wire format: the descriptor a pickled array carries, and the protocol's frames.
+
+Two things travel.  A :class:`Descriptor` rides inside the user's pickled message
+(through whatever channel multiprocessing uses); it holds only plain values and is
+checked field by field before anything is mapped.  Protocol *frames* travel over the
+sharing connections between a receiver and an exporter; each is a fixed ``struct``
+layout named by its first byte, and nothing a peer sends is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+from .._errors import SharingError
+
+__all__ = [
+    "VERSION",
+    "Descriptor",
+    "check_descriptor",
+    "Claim",
+    "Hit",
+    "Drop",
+    "Unmap",
+    "Register",
+    "Reply",
+    "Evict",
+    "encode",
+    "encode_batch",
+    "decode",
+    "ProtocolError",
+    "POOL_DEVICE",
+    "POOL_PINNED",
+    "POOL_MANAGED",
+    "OK",
+    "REFUSED",
+    "NOT_HELD",
+]
+
+VERSION = 3  # descriptor and frame format; a mismatch is a clear SharingError
+POOL_DEVICE, POOL_PINNED, POOL_MANAGED = 0, 1, 2  # the hot path's KIND_* values
+TICKET_BYTES = 16
+HANDLE_BYTES = 64  # export records and IPC event handles
+
+
+class ProtocolError(SharingError):
+    """A peer sent a frame or descriptor that does not follow the protocol."""
+
+
+class Descriptor(NamedTuple):
+    """What one shared array carries to its receiver (pickled by multiprocessing).
+
+    ``ticket`` is 16 random bytes the exporter registered for this message; ``event``
+    is the sender's IPC event handle covering the writes enqueued before the send
+    (``None`` when the sender already waited for them, as a forwarder does).
+    """
+
+    version: int
+    kind: str  # "cupy" or "numpy"
+    address: str  # the exporter's listener
+    pool_uuid: str
+    device_uuid: str  # "" for host (pinned) pools
+    pool_kind: int
+    export_id: int
+    export_data: bytes
+    size: int
+    ticket: bytes
+    event: bytes | None
+    offset: int
+    shape: tuple
+    strides: tuple
+    dtype: str
+
+
+def check_descriptor(d: object) -> Descriptor:
+    """Return ``d`` if it is a well-formed descriptor of this version, else raise."""
+    if not isinstance(d, Descriptor):
+        raise ProtocolError(
+            f"a shared array arrived in a format this cupy_poolmem cannot read "
+            f"({type(d).__name__}); install one cupy_poolmem version in every process"
+        )
+    if d.version != VERSION:
+        raise ProtocolError(
+            f"message format {d.version} from a different cupy_poolmem version (this one "
+            f"reads format {VERSION}); install one cupy_poolmem version in every process"
+        )
+    ok = (
+        d.kind in ("cupy", "numpy")
+        and isinstance(d.address, str)
+        and isinstance(d.pool_uuid, str)
+        and isinstance(d.device_uuid, str)
+        and d.pool_kind in (POOL_DEVICE, POOL_PINNED, POOL_MANAGED)
+        and isinstance(d.export_id, int)
+        and 0 < d.export_id < 2**64
+        and isinstance(d.export_data, bytes)
+        and len(d.export_data) == HANDLE_BYTES
+        and isinstance(d.size, int)
+        and d.size > 0
+        and isinstance(d.ticket, bytes)
+        and len(d.ticket) == TICKET_BYTES
+        and (d.event is None or (isinstance(d.event, bytes) and len(d.event) == HANDLE_BYTES))
+        and isinstance(d.offset, int)
+        and 0 <= d.offset <= d.size
+    )
+    if not ok:
+        raise ProtocolError("a shared array's descriptor is malformed; it was not mapped")
+    return d
+
+
+# -- frames ---------------------------------------------------------------------------------
+class Claim(NamedTuple):
+    """Receiver -> exporter: map this block for my ticket (reply awaited before mapping).
+
+    ``want_fd``: send the pool's file descriptor with the reply (first block of a pool
+    in this process); ``keep``: the receiver mapped this block before and may keep the
+    new mapping idle after use (the exporter then asks for it back when it frees it).
+    """
+
+    seq: int
+    export_id: int
+    ticket: bytes
+    want_fd: bool
+    keep: bool
+
+
+class Hit(NamedTuple):
+    """Receiver -> exporter: ticket received; I hold a lease on this block already."""
+
+    export_id: int
+    ticket: bytes
+
+
+class Drop(NamedTuple):
+    """Receiver -> exporter: ticket received, but the message could not be taken."""
+
+    export_id: int
+    ticket: bytes
+
+
+class Unmap(NamedTuple):
+    """Receiver -> exporter: one mapping gone; its free precedes ``event`` (or none)."""
+
+    export_id: int
+    event: bytes | None
+
+
+class Register(NamedTuple):
+    """Forwarder -> exporter: a message with ``ticket`` is on its way (reply awaited)."""
+
+    seq: int
+    export_id: int
+    ticket: bytes
+
+
+class Reply(NamedTuple):
+    """Exporter -> receiver: the answer to a Claim or Register; a pool fd may follow."""
+
+    seq: int
+    status: int
+    has_fd: bool
+
+
+class Evict(NamedTuple):
+    """Exporter -> receiver: I freed this block; unmap it once your arrays are gone."""
+
+    export_id: int
+
+
+OK, REFUSED, NOT_HELD = 0, 1, 2  # Reply.status
+
+_CLAIM, _HIT, _DROP, _UNMAP, _REGISTER, _REPLY, _EVICT, _BATCH = 1, 2, 3, 4, 5, 16, 17, 32
+_LAYOUT: dict[int, tuple[struct.Struct, type]] = {
+    _CLAIM: (struct.Struct("<BIQ16sBB"), Claim),
+    _HIT: (struct.Struct("<BQ16s"), Hit),
+    _DROP: (struct.Struct("<BQ16s"), Drop),
+    _UNMAP: (struct.Struct("<BQ64sB"), Unmap),
+    _REGISTER: (struct.Struct("<BIQ16s"), Register),
+    _REPLY: (struct.Struct("<BIBB"), Reply),
+    _EVICT: (struct.Struct("<BQ"), Evict),
+}
+_OP = {cls: op for op, (_, cls) in _LAYOUT.items()}
+_LEN = struct.Struct("<H")
+_ZERO_HANDLE = bytes(HANDLE_BYTES)
+
+
+def encode(frame: NamedTuple) -> bytes:
+    """The bytes of one frame."""
+    op = _OP[type(frame)]
+    st = _LAYOUT[op][0]
+    if op == _UNMAP:
+        ev = frame.event  # type: ignore[attr-defined]
+        return st.pack(op, frame.export_id, ev or _ZERO_HANDLE, ev is not None)  # type: ignore[attr-defined]
+    return st.pack(op, *frame)
+
+
+def encode_batch(frames: list[NamedTuple]) -> bytes:
+    """Several frames in one message (what a sender thread found queued)."""
+    if len(frames) == 1:
+        return encode(frames[0])
+    parts = [bytes((_BATCH,))]
+    for f in frames:
+        b = encode(f)
+        parts.append(_LEN.pack(len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def _decode_one(buf: bytes) -> NamedTuple:
+    ent = _LAYOUT.get(buf[0]) if buf else None
+    if ent is None or len(buf) != ent[0].size:
+        raise ProtocolError(f"malformed sharing frame ({len(buf)} bytes, op {buf[:1]!r})")
+    st, cls = ent
+    _, *fields = st.unpack(buf)
+    if cls is Unmap:
+        return Unmap(fields[0], fields[1] if fields[2] else None)
+    if cls is Claim:
+        fields[-2:] = [bool(fields[-2]), bool(fields[-1])]
+    elif cls is Reply:
+        fields[-1] = bool(fields[-1])
+    return cls(*fields)
+
+
+def decode(buf: bytes) -> list[NamedTuple]:
+    """The frames in one received message; raises :class:`ProtocolError` if malformed."""
+    if not buf or buf[0] != _BATCH:
+        return [_decode_one(buf)]
+    out, i, n = [], 1, len(buf)
+    while i < n:
+        if i + 2 > n:
+            raise ProtocolError("truncated sharing batch")
+        (ln,) = _LEN.unpack_from(buf, i)
+        i += 2
+        if i + ln > n:
+            raise ProtocolError("truncated sharing batch")
+        out.append(_decode_one(buf[i : i + ln]))
+        i += ln
+    return out
