@@ -14,7 +14,15 @@ from ._context import context
 from ._exporter import LocalHold
 from ._importer import Imported
 
-__all__ = ["reduce_cupy", "reduce_numpy", "rebuild", "register_cupy", "register_numpy"]
+__all__ = [
+    "describe",
+    "receive",
+    "rebuild",
+    "reduce_cupy",
+    "reduce_numpy",
+    "register_cupy",
+    "register_numpy",
+]
 
 
 def _owner(mem: Any) -> Any:
@@ -37,8 +45,11 @@ def _shareable(owner: Any) -> bool:
     )
 
 
-def _describe(owner: Any, kind: str, offset: int, shape: tuple, strides: tuple, dtype: str) -> Any:
-    ctx = context()
+def describe(
+    ctx: Any, owner: Any, kind: str, offset: int, shape: tuple, strides: tuple, dtype: str
+) -> _wire.Descriptor:
+    """The descriptor of a new message for ``owner`` (a pool block, a received mapping's
+    owner, or a round-tripped array), its ticket registered with the exporter."""
     ctx.check_not_forked()
     if isinstance(owner, Imported):  # forward to a third process
         m = owner.m
@@ -88,6 +99,28 @@ def _describe(owner: Any, kind: str, offset: int, shape: tuple, strides: tuple, 
     )
 
 
+def receive(ctx: Any, d: _wire.Descriptor) -> tuple[Any, int]:
+    """Take the message ``d`` in this process: ``(owner, device)`` for the new array.
+
+    Back in its exporter, the owner holds the block locally; elsewhere it is the
+    importer's owner of a mapping, ordered after the sender's writes.
+    """
+    ctx.check_not_forked()
+    drv = ctx.driver
+    own = ctx.exporter_address()
+    if own is not None and d.address == own:  # back in the exporter: its own memory
+        hold = ctx.exporter.take_local(d.export_id, d.ticket)
+        dev = hold.rec.dev if hold.rec.dev >= 0 else drv.current_device()
+        if d.event is not None:
+            with drv.on_device(dev):
+                drv.sync_stream(hold.rec.stream_ptr)
+        return hold, dev
+    dev = drv.local_device(d.device_uuid) if d.device_uuid else drv.current_device()
+    with drv.on_device(dev):
+        stream = drv.current_stream()
+        return ctx.importer.receive(d, dev, stream, host_order=d.kind == "numpy"), dev
+
+
 def rebuild(desc: Any, *extra: Any) -> Any:
     """Receiver side of a shared array (also the round trip back to its exporter)."""
     import cupy
@@ -99,21 +132,7 @@ def rebuild(desc: Any, *extra: Any) -> Any:
             f"format {_wire.VERSION}); install one cupy_poolmem version in every process"
         )
     d = _wire.check_descriptor(desc)
-    ctx = context()
-    ctx.check_not_forked()
-    drv = ctx.driver
-    own = ctx.exporter_address()
-    if own is not None and d.address == own:  # back in the exporter: its own memory
-        owner: Any = ctx.exporter.take_local(d.export_id, d.ticket)
-        dev = owner.rec.dev if owner.rec.dev >= 0 else drv.current_device()
-        if d.event is not None:
-            with drv.on_device(dev):
-                drv.sync_stream(owner.rec.stream_ptr)
-    else:
-        dev = drv.local_device(d.device_uuid) if d.device_uuid else drv.current_device()
-        with drv.on_device(dev):
-            stream = drv.current_stream()
-            owner = ctx.importer.receive(d, dev, stream, host_order=d.kind == "numpy")
+    owner, dev = receive(context(), d)
     dt = np.dtype(d.dtype)
     if d.kind == "numpy":
         pmem = cupy.cuda.PinnedMemoryPointer(owner, 0)
@@ -146,7 +165,8 @@ def reduce_cupy(arr: Any) -> tuple:
         mem = arr.data.mem
         owner = _owner(mem)
     offset = arr.data.ptr - owner.ptr
-    return rebuild, (_describe(owner, "cupy", offset, arr.shape, arr.strides, arr.dtype.str),)
+    d = describe(context(), owner, "cupy", offset, arr.shape, arr.strides, arr.dtype.str)
+    return rebuild, (d,)
 
 
 def reduce_numpy(arr: Any) -> tuple:
@@ -161,7 +181,8 @@ def reduce_numpy(arr: Any) -> tuple:
     if owner is None or not _shareable(owner) or arr.size == 0:
         return arr.__reduce_ex__(4)
     offset = arr.__array_interface__["data"][0] - owner.ptr
-    return rebuild, (_describe(owner, "numpy", offset, arr.shape, arr.strides, arr.dtype.str),)
+    d = describe(context(), owner, "numpy", offset, arr.shape, arr.strides, arr.dtype.str)
+    return rebuild, (d,)
 
 
 def register_cupy() -> None:
