@@ -55,7 +55,7 @@ def consumer(cid: int, inbox, outbox) -> None:
             head = x[:8] * 2  # allocated in this consumer's pool
             outbox.put(("result", cid, i, ok, total, head))
             del x, head  # let go: the producer may now reuse the block
-        outbox.put(("done", cid, cupy_poolmem.sharing_stats()))
+        outbox.put(("done", cid, cupy_poolmem.sharing.stats()))
     except Exception:
         outbox.put(("error", cid, traceback.format_exc()))
 
@@ -162,9 +162,9 @@ def main() -> int:
 
     # Consumers gone: everything they held has been given back to this process.
     deadline = time.monotonic() + 10
-    while cupy_poolmem.sharing_stats()["limbo_bytes"] and time.monotonic() < deadline:
+    while cupy_poolmem.sharing.stats()["limbo_bytes"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    print("sharing:", cupy_poolmem.sharing_stats())
+    print("sharing:", cupy_poolmem.sharing.stats())
     print("pool:", alloc.pool().stats())
     for b in bad:
         print("ERROR:", b, file=sys.stderr)

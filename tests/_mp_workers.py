@@ -198,11 +198,11 @@ def resend_reader(q_in, q_out, keep=None):
             cmd, i, arr = msg
             if cmd == "check":
                 bad = [k for k, a in held.items() if not bool((a[1:] == k).all())]
-                q_out.put(("checked", bad, cpm.sharing_stats()))
+                q_out.put(("checked", bad, cpm.sharing.stats()))
                 continue
             if cmd == "release":
                 held.clear()
-                q_out.put(("released", None, cpm.sharing_stats()))
+                q_out.put(("released", None, cpm.sharing.stats()))
                 continue
             ok = bool((arr[1:] == i).all())
             ptr = int(arr.data.ptr)
@@ -211,14 +211,15 @@ def resend_reader(q_in, q_out, keep=None):
             if cmd == "hold":
                 held[i] = arr
             del arr, msg
-            q_out.put(("ok", (i, ok, ptr), cpm.sharing_stats()))
+            q_out.put(("ok", (i, ok, ptr), cpm.sharing.stats()))
     except Exception:
         q_out.put(("error", traceback.format_exc(), None))
 
 
 def exiting_producer_twice(q_out, done):
-    """Send one array twice, then exit (no exit wait) once told to."""
+    """Send one array twice, then exit (a short exit wait) once told to."""
     cupy, cpm = _setup()
+    cpm.sharing.exit_timeout = 0.5  # the second message is never read before exit
     x = cupy.full(1 << 20, 4, dtype=cupy.int32)
     q_out.put(x)
     q_out.put(x)

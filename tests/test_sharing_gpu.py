@@ -161,7 +161,7 @@ def test_early_drop_under_allocation_pressure_1000_in_flight():
         assert tag == "done" and bad == [], bad[:10]
     finally:
         _join(p)
-    assert _wait_for(lambda: cpm.sharing_stats()["limbo_bytes"] == 0)
+    assert _wait_for(lambda: cpm.sharing.stats()["limbo_bytes"] == 0)
 
 
 def test_consumer_sigkill_reclaims_memory():
@@ -183,7 +183,7 @@ def test_consumer_sigkill_reclaims_memory():
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
         assert _wait_for(lambda: pool.stats().held_for_sharing_bytes == base_held, 10.0)
-        assert cpm.sharing_stats()["limbo_bytes"] == 0
+        assert cpm.sharing.stats()["limbo_bytes"] == 0
     finally:
         if p.is_alive():
             p.kill()
@@ -320,8 +320,8 @@ def test_receiver_without_gpu_gets_clear_error():
         a.send(x)
         name, text = a.recv()
         assert name == "NoGPUError" and "no GPU" in text
-        exp = x.data.mem._owner.share
-        assert _wait_for(lambda: not exp.refs)  # the failed receiver gave its ticket back
+        rec = x.data.mem._owner.share
+        assert _wait_for(lambda: not rec.tickets)  # the failed receiver gave its ticket back
     finally:
         _join(p)
 
@@ -444,10 +444,10 @@ def test_resent_block_stays_mapped_then_exporter_takes_it_back():
             # first receipt: unmapped when dropped; from the second on: kept idle
             assert stats["idle_mappings"] == (0 if i == 1 else 1), (i, stats)
         assert len(set(ptrs[1:])) == 1  # one mapping reused for every re-send
-        assert _wait_for(lambda: cpm.sharing_stats()["leases"] == 1)
+        assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 1)
         del x  # the exporter frees: the idle mapping is asked back, then the block freed
         assert _wait_for(lambda: pool.stats().held_for_sharing_bytes == base_held, 10.0)
-        assert cpm.sharing_stats()["leases"] == 0
+        assert cpm.sharing.stats()["leases"] == 0
         q_in.put(("check", 0, None))
         _, bad, stats = _reply(q_out)
         assert stats["idle_mappings"] == 0 and stats["imported_blocks"] == 0
@@ -475,7 +475,7 @@ def test_eviction_waits_for_arrays_in_use_under_pressure():
         q_in.put(("release", 0, None))
         _reply(q_out)
         assert _wait_for(lambda: pool.stats().held_for_sharing_bytes == base_held, 10.0)
-        assert cpm.sharing_stats()["leases"] == 0
+        assert cpm.sharing.stats()["leases"] == 0
         q_in.put(("check", 0, None))
         _, _, stats = _reply(q_out)
         assert stats["idle_mappings"] == 0 and stats["imported_blocks"] == 0
@@ -492,8 +492,8 @@ def test_keep_mappings_bounds_the_cache_and_zero_disables_it():
                     assert ok
             assert stats["idle_mappings"] == want, (keep, stats)
             # leases held in this exporter match the receiver's cache
-            assert _wait_for(lambda n=want: cpm.sharing_stats()["leases"] == n), keep
-        assert _wait_for(lambda: cpm.sharing_stats()["leases"] == 0)  # receiver exited
+            assert _wait_for(lambda n=want: cpm.sharing.stats()["leases"] == n), keep
+        assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 0)  # receiver exited
     with pytest.raises(cpm.InvalidOptionError, match="keep_mappings=-1"):
         cpm.sharing.keep_mappings = -1
 
@@ -506,17 +506,17 @@ def test_sigkill_gives_back_idle_mappings():
         for _ in range(2):
             q_in.put(("drop", 3, x))
             _reply(q_out)
-        assert _wait_for(lambda: cpm.sharing_stats()["leases"] == 1)
+        assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 1)
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
-        assert _wait_for(lambda: cpm.sharing_stats()["leases"] == 0, 10.0)
+        assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 0, 10.0)
         del x
         assert pool.stats().held_for_sharing_bytes == base_held  # freed at once
 
 
 def test_message_after_exporter_exit_raises_sharing_error():
     """Deterministic: a message unpickled after its exporter exited raises, mapped or not."""
-    from cupy_poolmem import _sharing
+    from cupy_poolmem._sharing import context
 
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
@@ -532,7 +532,8 @@ def test_message_after_exporter_exit_raises_sharing_error():
         q.get(timeout=TIMEOUT)  # the same block, still mapped here
     assert int(x[:10].sum()) == 40  # what was received stays valid
     del x
-    assert not any(m.client is client for m in _sharing._maps.values())
+    assert not any(m.client is client for m in context().importer.maps.values())
+    assert _wait_for(lambda: client.address not in context().importer.clients)
 
 
 def test_block_reused_after_unmap_waits_for_the_receivers_last_work():
@@ -547,8 +548,8 @@ def test_block_reused_after_unmap_waits_for_the_receivers_last_work():
         x = cupy.ones(n, dtype=cupy.float32)
         q_in.put(x)
         assert q_out.get(timeout=TIMEOUT) == "dropped"  # its sum is still queued
-        exp = x.data.mem._owner.share
-        assert _wait_for(lambda: not exp.refs and not exp.leases and exp.events)
+        rec = x.data.mem._owner.share
+        assert _wait_for(lambda: not rec.tickets and not rec.leases and rec.events)
         ptr = x.data.ptr
         del x  # nobody holds it: straight back to this pool's reuse cache
         z = cupy.empty(n, dtype=cupy.float32)

@@ -211,7 +211,7 @@ class Importer:
                 if c is None:
                     try:
                         conn = connect(address, self.authkey)
-                    except (OSError, EOFError) as exc:
+                    except Exception as exc:  # gone, refused, or not of this family
                         raise SharingError(f"{_GONE} ({type(exc).__name__}: {exc})") from None
                     c = self.clients[address] = Client(self, address, conn)
         if c.closed:
