@@ -68,8 +68,6 @@ Invariants (every change to this package must keep them):
 
 from __future__ import annotations
 
-from multiprocessing import util as _mp_util
-
 from ._context import SharingContext, context, settings
 from ._settings import SharingSettings
 
@@ -100,6 +98,3 @@ def install() -> None:
         if getattr(p, "ipc", False):
             _on_ipc_pool(p)
     register_cupy()
-    # After multiprocessing's own exit finalizers (queue feeders flush and join at
-    # priority -5): the messages they wrote are out when the wait begins.
-    _mp_util.Finalize(None, lambda: context().at_exit(), exitpriority=-100)

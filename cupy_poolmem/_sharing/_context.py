@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from multiprocessing import current_process
+from multiprocessing import util as _mp_util
 from typing import Any
 
 from .._errors import PoolmemError
@@ -53,6 +54,12 @@ class SharingContext:
             with self._lock:
                 if self._exporter is None:
                     self._exporter = Exporter(drv, self.settings, _authkey())
+                    if self is _holder[0]:
+                        # Registered here, not at import: a process started by fork or
+                        # forkserver clears the finalizers it inherited.  It runs after
+                        # multiprocessing's own exit finalizers (queue feeders flush and
+                        # join at priority -5): the messages they wrote are out by then.
+                        _mp_util.Finalize(None, self.at_exit, exitpriority=-100)
         return self._exporter
 
     @property
