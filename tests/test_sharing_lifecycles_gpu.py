@@ -150,7 +150,7 @@ def test_one_pickled_message_delivered_to_several_receivers():
         for q_in, q_out in qs:
             q_in.put("drop")
             assert q_out.get(timeout=TIMEOUT)[0] == "dropped"
-        assert _wait_for(_settled)  # every receiver let go: the block was freed
+        assert _wait_for(_settled), cpm.sharing.stats()  # every receiver let go: freed
         y = cupy.full(1 << 18, 5, dtype=cupy.int32)  # most likely the same block again
         q_in, q_out = qs[0]
         q_in.put(data)  # a late copy of the old message
@@ -177,7 +177,7 @@ def test_one_array_put_many_times():
         assert stats["imported_blocks"] == 0 and stats["idle_mappings"] <= 1
     finally:
         _join(p)
-    assert _wait_for(_settled)
+    assert _wait_for(_settled), cpm.sharing.stats()
 
 
 def test_64_receivers_of_one_exporter():
@@ -199,7 +199,7 @@ def test_64_receivers_of_one_exporter():
     finally:
         _join(*procs, timeout=300)
     del xs
-    assert _wait_for(_settled, 30.0)
+    assert _wait_for(_settled, 30.0), cpm.sharing.stats()
 
 
 def test_10000_messages_in_flight():
@@ -219,7 +219,7 @@ def test_10000_messages_in_flight():
         del g
     finally:
         _join(p, timeout=300)
-    assert _wait_for(_settled, 30.0)
+    assert _wait_for(_settled, 30.0), cpm.sharing.stats()
 
 
 # -- forwarding and round trips ---------------------------------------------------------------
@@ -243,7 +243,7 @@ def test_forwarder_that_exits_before_the_third_process_unpickles():
         go.set()
         _join(mid, last)
     del x
-    assert _wait_for(_settled)
+    assert _wait_for(_settled), cpm.sharing.stats()
 
 
 def test_put_and_get_in_the_same_process_is_its_own_memory():
@@ -256,7 +256,7 @@ def test_put_and_get_in_the_same_process_is_its_own_memory():
     cupy.cuda.get_current_stream().synchronize()
     assert float(y[0]) == 8.0  # the round-tripped view keeps the memory
     del y
-    assert _wait_for(_settled)
+    assert _wait_for(_settled), cpm.sharing.stats()
 
 
 # -- receivers that die, exporters that come and go ------------------------------------------------
@@ -349,7 +349,7 @@ def test_message_written_to_disk_and_loaded_later_is_refused(tmp_path):
     path.write_bytes(bytes(ForkingPickler.dumps(x)))
     with _setting("inflight_timeout", 0.2):
         del x
-        assert _wait_for(_settled, 10.0)
+        assert _wait_for(_settled, 10.0), cpm.sharing.stats()
     y = cupy.full(1 << 18, 8, dtype=cupy.int32)  # the same block, other data
     q_out = SPAWN.Queue()
     p = SPAWN.Process(target=L.load_file_expecting_stale, args=(str(path), q_out))
@@ -369,7 +369,7 @@ def test_message_that_fails_to_pickle_halfway_does_not_pin_memory():
             ForkingPickler.dumps((x, lambda: 0))  # x's ticket is registered, then it fails
         assert cpm.sharing.stats()["tickets_out"] == 1
         del x
-        assert _wait_for(_settled, 10.0)
+        assert _wait_for(_settled, 10.0), cpm.sharing.stats()
 
 
 def test_reimport_while_the_previous_unmap_is_queued():
@@ -386,7 +386,7 @@ def test_reimport_while_the_previous_unmap_is_queued():
     finally:
         _join(p)
     del x
-    assert _wait_for(_settled)
+    assert _wait_for(_settled), cpm.sharing.stats()
 
 
 def test_received_array_collected_during_stream_capture():
@@ -403,7 +403,7 @@ def test_received_array_collected_during_stream_capture():
     finally:
         _join(p)
     del x
-    assert _wait_for(_settled)
+    assert _wait_for(_settled), cpm.sharing.stats()
 
 
 def test_close_of_a_pool_with_blocks_in_limbo_keeps_them_mapped():
@@ -439,5 +439,5 @@ def test_sharing_socket_is_private():
     assert os.stat(os.path.dirname(addr)).st_mode & 0o777 == 0o700
     with _setting("inflight_timeout", 0.1):
         del x
-        assert _wait_for(_settled, 10.0)
+        assert _wait_for(_settled, 10.0), cpm.sharing.stats()
     np.testing.assert_equal(os.stat(addr).st_mode & 0o077, 0)

@@ -68,7 +68,7 @@ Invariants (every change to this package must keep them):
 
 from __future__ import annotations
 
-from ._context import SharingContext, context, settings
+from ._context import SharingContext, context, register_exit_wait, settings
 from ._settings import SharingSettings
 
 __all__ = ["settings", "SharingSettings", "SharingContext", "context", "install"]
@@ -98,3 +98,4 @@ def install() -> None:
         if getattr(p, "ipc", False):
             _on_ipc_pool(p)
     register_cupy()
+    register_exit_wait()

@@ -54,12 +54,6 @@ class SharingContext:
             with self._lock:
                 if self._exporter is None:
                     self._exporter = Exporter(drv, self.settings, _authkey())
-                    if self is _holder[0]:
-                        # Registered here, not at import: a process started by fork or
-                        # forkserver clears the finalizers it inherited.  It runs after
-                        # multiprocessing's own exit finalizers (queue feeders flush and
-                        # join at priority -5): the messages they wrote are out by then.
-                        _mp_util.Finalize(None, self.at_exit, exitpriority=-100)
         return self._exporter
 
     @property
@@ -186,6 +180,28 @@ def _reset_after_fork(cuda_in_use: bool) -> None:
         pass
 
 
+def _at_exit() -> None:
+    context().at_exit()
+
+
+def register_exit_wait() -> None:
+    """Run the exit wait when this process exits (once per process).
+
+    It must be registered before the process starts exiting (multiprocessing runs
+    the finalizers registered at that moment), and again in a child started by fork
+    or forkserver, which clears the finalizers it inherited.  It runs after
+    multiprocessing's own exit finalizers: queue feeders flush and join at priority
+    -5, so the messages they wrote are out when the wait begins.
+    """
+    pid = os.getpid()
+    if _exit_registered.get("pid") != pid:
+        _exit_registered["pid"] = pid
+        _mp_util.Finalize(None, _at_exit, exitpriority=-100)
+
+
+_exit_registered: dict[str, int] = {}
+
+
 def _trim() -> None:
     context().trim()
 
@@ -206,3 +222,7 @@ if hasattr(os, "register_at_fork"):
         _reset_after_fork(bool(pools) or _holder[0]._driver is not None)
 
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+# A child that multiprocessing started by fork or forkserver clears the finalizers it
+# inherited, then runs these: the exit wait is registered again there.
+_mp_util.register_after_fork(settings, lambda _s: register_exit_wait())

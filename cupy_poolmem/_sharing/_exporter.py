@@ -217,7 +217,7 @@ class Exporter:
         return ticket
 
     def _record_event(self, rec: Record) -> bytes:
-        dev = rec.dev if rec.dev >= 0 else getattr(rec.stream, "device_id", 0)
+        dev = self._dev(rec)
         with self.driver.on_device(dev):
             return self.driver.record_ipc_event(dev, rec.stream_ptr)[1]
 
@@ -304,9 +304,12 @@ class Exporter:
         except Exception:  # the unmapping process died: its work died with it
             pass
 
-    @staticmethod
-    def _dev(rec: Record) -> int:
-        return rec.dev if rec.dev >= 0 else max(getattr(rec.stream, "device_id", 0), 0)
+    def _dev(self, rec: Record) -> int:
+        """The device of a block's stream (a host pool's block: its stream's device)."""
+        if rec.dev >= 0:
+            return rec.dev
+        dev = getattr(rec.stream, "device_id", -1)
+        return dev if dev >= 0 else self.driver.current_device()
 
     # -- round trips (an array back in its exporter) ---------------------------------------
     def take_local(self, export_id: int, ticket: bytes) -> LocalHold:

@@ -10,6 +10,7 @@ imported once however it arrives (invariant 7).  State changes happen under
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -95,8 +96,11 @@ class Imported:
     def __del__(self) -> None:
         try:
             self.importer.dropped(self.m, self.stream)
-        except Exception:  # interpreter shutdown: the mappings go with the process
-            pass
+        except Exception as exc:
+            if not sys.is_finalizing():  # at shutdown the mappings go with the process
+                from ._exporter import _warn_kept
+
+                _warn_kept("letting go of a received array", exc)
 
 
 class Client:
@@ -219,6 +223,13 @@ class Importer:
         return c
 
     # -- receiving -----------------------------------------------------------------------------
+    def give_back(self, d: _wire.Descriptor) -> None:
+        """This process cannot take message ``d`` (no GPU, ...): return its ticket now."""
+        try:
+            self.client(d.address).sender.post(_wire.Drop(d.export_id, d.ticket))
+        except Exception:
+            pass  # the exporter is gone: nothing to return
+
     def receive(
         self, d: _wire.Descriptor, dev: int, stream: Any, host_order: bool = False
     ) -> Imported:

@@ -115,7 +115,11 @@ def receive(ctx: Any, d: _wire.Descriptor) -> tuple[Any, int]:
             with drv.on_device(dev):
                 drv.sync_stream(hold.rec.stream_ptr)
         return hold, dev
-    dev = drv.local_device(d.device_uuid) if d.device_uuid else drv.current_device()
+    try:
+        dev = drv.local_device(d.device_uuid) if d.device_uuid else drv.current_device()
+    except BaseException:
+        ctx.importer.give_back(d)  # this process cannot take it: the ticket is returned
+        raise
     with drv.on_device(dev):
         stream = drv.current_stream()
         return ctx.importer.receive(d, dev, stream, host_order=d.kind == "numpy"), dev
