@@ -416,8 +416,13 @@ def _pointer_info(ptr: int) -> tuple[int, int, bool]:
     drv = _drv()
     attr = drv.CUpointer_attribute
     p = drv.CUdeviceptr(int(ptr))
-    err, managed = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_IS_MANAGED, p)
-    if int(err) == 0 and managed:
+    result = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_IS_MANAGED, p)
+    if int(result[0]) == int(drv.CUresult.CUDA_ERROR_INVALID_VALUE):
+        raise InvalidOptionError(
+            f"address {int(ptr):#x} is not CUDA memory (pageable host memory?): no GPU "
+            "accesses it directly, so there is no access to check"
+        )
+    if check_driver(result, "cuPointerGetAttribute"):
         return -2, 0, True
     mtype = check_driver(
         drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p),
@@ -474,6 +479,8 @@ def check_access(array: Any, device: Any = None) -> None:
         The memory's pool grants ``device`` no access (grant it: ``pool.peer_access``).
     UnsupportedError
         The two GPUs cannot access each other at all; both are named.
+    InvalidOptionError
+        The memory is not CUDA memory (pageable host memory).
 
     Notes
     -----

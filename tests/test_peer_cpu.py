@@ -447,6 +447,63 @@ def test_check_access_on_other_memory(pointers):
         cpm.check_access([1, 2, 3], device=1)
 
 
+class FakeDriver:
+    """What _pointer_info asks cuda.bindings.driver, answered from a table by pointer."""
+
+    class CUpointer_attribute:
+        CU_POINTER_ATTRIBUTE_IS_MANAGED = "managed"
+        CU_POINTER_ATTRIBUTE_MEMORY_TYPE = "type"
+        CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE = "pool"
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = "ordinal"
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+
+    class CUmemorytype:
+        CU_MEMORYTYPE_HOST = 1
+        CU_MEMORYTYPE_DEVICE = 2
+        CU_MEMORYTYPE_UNIFIED = 4
+
+    CUdeviceptr = int
+    HOST, DEVICE, UNIFIED = 1, 2, 4
+
+    def __init__(self) -> None:
+        self.table: dict[int, dict[str, tuple]] = {}
+
+    def add(self, ptr, *, managed=False, mtype=DEVICE, pool=None, ordinal=0, valid=True):
+        if not valid:
+            self.table[ptr] = {"managed": (1, None)}
+            return
+        self.table[ptr] = {
+            "managed": (0, managed),
+            "type": (0, mtype),
+            "pool": (0, pool) if pool else (1, None),  # not pool memory: an error
+            "ordinal": (0, ordinal),
+        }
+
+    def cuPointerGetAttribute(self, attr, ptr):
+        return self.table[ptr][attr]
+
+
+def test_pointer_info_classifies_memory(monkeypatch):
+    drv = FakeDriver()
+    monkeypatch.setattr(_device, "_drv", lambda: drv)
+    drv.add(0x10, managed=True)
+    drv.add(0x20, mtype=drv.UNIFIED)
+    drv.add(0x30, mtype=drv.HOST, pool=0xF0)
+    drv.add(0x40, pool=0xA0, ordinal=1)
+    drv.add(0x50, ordinal=3)  # cudaMalloc: no pool
+    drv.add(0x60, valid=False)  # pageable host memory
+    assert _device._pointer_info(0x10) == (-2, 0, True)
+    assert _device._pointer_info(0x20) == (-2, 0, True)
+    assert _device._pointer_info(0x30) == (-1, 0xF0, False)
+    assert _device._pointer_info(0x40) == (1, 0xA0, False)
+    assert _device._pointer_info(0x50) == (3, 0, False)
+    with pytest.raises(cpm.InvalidOptionError, match="0x60 is not CUDA memory"):
+        _device._pointer_info(0x60)
+
+
 # ---------------------------------------------------------------- doctor
 def test_doctor_peer_table():
     rows = _doctor._peer_rows([[True, True, False], [True, True, False], [False, False, True]])
