@@ -480,7 +480,7 @@ def check_access(array: Any, device: Any = None) -> None:
     UnsupportedError
         The two GPUs cannot access each other at all; both are named.
     InvalidOptionError
-        The memory is not CUDA memory (pageable host memory).
+        The driver does not know the memory (pageable host memory, on most systems).
 
     Notes
     -----
