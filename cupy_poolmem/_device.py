@@ -442,9 +442,9 @@ def _pointer_info(ptr: int) -> tuple[int, int, bool]:
 
 
 def _data_pointer(array: Any) -> int:
-    data = getattr(array, "data", None)
-    if hasattr(data, "ptr"):  # cupy.ndarray
-        return int(data.ptr)
+    ptr = getattr(getattr(array, "data", None), "ptr", None)
+    if ptr is not None:  # cupy.ndarray
+        return int(ptr)
     for attr in ("__cuda_array_interface__", "__array_interface__"):
         iface = getattr(array, attr, None)
         if iface is not None:
