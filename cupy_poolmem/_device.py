@@ -312,7 +312,8 @@ def resolve_peer_access(value: Any, owner: int, *, name: str = "peer_access") ->
         ordinals or ``cupy.cuda.Device`` objects: exactly those (``owner`` itself is
         ignored: a pool's own GPU always has access).
     owner : int
-        The pool's device.
+        The pool's device, or ``-1`` for a host (pinned) pool: every GPU can be
+        granted access to host memory, so no pair is checked.
     name : str
         The option's name, for error messages.
 
@@ -345,7 +346,9 @@ def resolve_peer_access(value: Any, owner: int, *, name: str = "peer_access") ->
     if isinstance(value, str):
         word = value.strip().lower()
         if word == "all":
-            return tuple(d for d in range(n) if d != owner and can_access_peer(d, owner))
+            return tuple(
+                d for d in range(n) if d != owner and (owner < 0 or can_access_peer(d, owner))
+            )
         if word == "none":
             return ()
         raise InvalidOptionError(
@@ -361,7 +364,7 @@ def resolve_peer_access(value: Any, owner: int, *, name: str = "peer_access") ->
     wanted = {_ordinal(item, name, n) for item in value}
     wanted.discard(owner)
     for d in sorted(wanted):
-        if not can_access_peer(d, owner):
+        if owner >= 0 and not can_access_peer(d, owner):
             raise _cannot_access(d, owner, f" (asked for by {name}={list(value)!r})")
     return tuple(sorted(wanted))
 
@@ -537,7 +540,7 @@ class AccessGrants:
             done = self._pairs.setdefault(h, set())
             if device in done:
                 return False
-            if not can_access_peer(device, owner):
+            if owner >= 0 and not can_access_peer(device, owner):
                 raise _cannot_access(device, owner, f" (imported pool {h:#x})")
             grant_access(h, [device])
             done.add(device)
@@ -586,8 +589,9 @@ def ensure_access(pool_handle: int, device: int, owner: int) -> None:
     device : int
         The GPU that will use the memory (this process's ordinal).
     owner : int
-        The pool's own GPU in this process (found by UUID).  Needed because a pool
-        handle does not tell which device it lives on; ``device == owner`` is a no-op.
+        The pool's own GPU in this process (found by UUID), or ``-1`` for an imported
+        pinned (host) pool.  Needed because a pool handle does not tell which device
+        it lives on; ``device == owner`` is a no-op.
 
     Raises
     ------
@@ -610,7 +614,9 @@ def ensure_peer_access(pool_handle: int, owner: int, peer_access: Any = "all") -
     Like :func:`ensure_access` for a whole set at once: ``"all"`` (default) grants every
     visible GPU that can access ``owner``'s memory, skipping pairs that cannot, so a
     received array works from any GPU CuPy lets read it; lists are validated as for
-    ``DevicePool(peer_access=...)``.  Returns the devices granted (``owner`` excluded).
+    ``DevicePool(peer_access=...)``.  ``owner=-1`` (an imported pinned pool) grants
+    every GPU named.  Returns the devices granted (``owner`` excluded).  The place to
+    call it is right after a pool is imported, before its first pointer is used.
     """
     return _grants.ensure_peers(pool_handle, owner, peer_access)
 

@@ -341,6 +341,15 @@ def test_ensure_peer_access_grants_all_capable_in_one_call(grants):
         _device.ensure_peer_access(0xD0, 2, peer_access=[1])
 
 
+def test_host_pools_need_no_peer_path(grants):
+    g, calls = grants
+    assert _device.resolve_peer_access("all", -1) == (0, 1, 2, 3)
+    assert _device.resolve_peer_access([0, 2], -1) == (0, 2)
+    assert _device.ensure_peer_access(0xF0, -1) == (0, 1, 2, 3)
+    _device.ensure_access(0xF1, 2, -1)
+    assert calls == [(0xF0, [0, 1, 2, 3]), (0xF1, [2])]
+
+
 def test_forget_access_makes_the_next_grant_real(grants):
     g, calls = grants
     _device.ensure_access(0xA0, 1, 0)
