@@ -4,6 +4,12 @@ Prints one table: microseconds per operation and the ratio to CuPy's MemoryPool,
 all measured in this process and run, round-robin (each allocator's best of four
 rounds, so drift hits every row alike).  The DevicePool rows run with observability
 off (the default: no cost); the last rows switch statistics and a tracked log on.  ``python benchmarks/alloc.py [--quick]``
+
+With two GPUs or more, DevicePool rows with ``peer_access='all'`` (the default: GPU 0's
+pool is mapped on every peer too) and ``peer_access=None`` are measured side by side,
+and a second table gives what granting costs: pool creation, pool growth (new memory
+is mapped on each granted GPU), steady-state allocation, and a grant given to a pool
+already holding 1 GiB.
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import statistics  # noqa: E402
+import time  # noqa: E402
 
 import cupy  # noqa: E402
 from _common import header, median_time, table  # noqa: E402
@@ -47,6 +56,13 @@ def peers() -> list[tuple[str, object, object]]:
     out.append(("cupy_poolmem set_allocator() dispatch", alloc, alloc.close))
     nocache = cupy_poolmem.DevicePool(reuse_cache=0)
     out.append(("cupy_poolmem DevicePool reuse_cache=0", nocache.malloc, nocache.close))
+    n_gpus = cupy_poolmem.device_count()
+    if n_gpus > 1:
+        # Same pools, granted to the peers or not (GPU 0's pool; the rows above are 'all').
+        for pa in ("all", None):
+            p = cupy_poolmem.DevicePool(peer_access=pa)
+            label = f"'all' ({len(p.peer_access)} peers)" if pa else "None"
+            out.append((f"DevicePool peer_access={label}", p.malloc, p.close))
     # Observability switched on: what statistics() and a tracked log cost per allocation.
     spool = cupy_poolmem.DevicePool()
     out.append(
@@ -139,6 +155,91 @@ def measure_interleaved(entries: list, n: int, rounds: int = 4) -> list[list[flo
     return best
 
 
+def _peer_costs(quick: bool) -> str | None:
+    """Microseconds for what a peer grant touches, GPU 0's pool without and with grants."""
+    if cupy_poolmem.device_count() < 2:
+        return None
+    peers = cupy_poolmem.DevicePool(0, peer_access="all")
+    n_peers = len(peers.peer_access)
+    peers.close()
+    if n_peers == 0:
+        return "(peer access costs not measured: no GPU can access GPU 0's memory)"
+    reps = 8 if quick else 24
+    sync = cupy.cuda.runtime.deviceSynchronize
+
+    def create(pa: object) -> float:
+        t0 = time.perf_counter()
+        p = cupy_poolmem.DevicePool(0, peer_access=pa)
+        dt = time.perf_counter() - t0
+        p.close()
+        return dt
+
+    def grow(pa: object, size: int = 256 << 20) -> float:
+        p = cupy_poolmem.DevicePool(0, peer_access=pa, reuse_cache=0)
+        runs = []
+        for _ in range(reps):
+            p.trim()  # nothing reserved: the next malloc maps new memory
+            t0 = time.perf_counter()
+            m = p.malloc(size)
+            sync()
+            runs.append(time.perf_counter() - t0)
+            del m
+            sync()
+        p.close()
+        return statistics.median(runs)
+
+    def steady(pa: object, size: int) -> float:
+        p = cupy_poolmem.DevicePool(0, peer_access=pa)
+        with cupy.cuda.using_allocator(p.malloc):
+            dt = median_time(lambda: cupy.empty(size, dtype=cupy.uint8), 2000 if quick else 6000)
+        sync()
+        p.close()
+        return dt
+
+    def grant_later(size: int = 1 << 30) -> float:
+        p = cupy_poolmem.DevicePool(0, peer_access=None)
+        m = p.malloc(size)
+        sync()
+        runs = []
+        for _ in range(max(3, reps // 4)):
+            t0 = time.perf_counter()
+            p.peer_access = "all"
+            runs.append(time.perf_counter() - t0)
+            p.peer_access = None
+        del m
+        sync()
+        p.close()
+        return statistics.median(runs)
+
+    with cupy.cuda.Device(0):
+        rows = []
+        measures = [
+            (
+                "create DevicePool (then close)",
+                lambda pa: statistics.median(create(pa) for _ in range(reps)),
+            ),
+            ("grow by 256 MiB (malloc after trim, synced)", grow),
+            ("cupy.empty(1 MiB) + free, steady", lambda pa: steady(pa, 1 << 20)),
+            ("cupy.empty(64 MiB) + free, steady", lambda pa: steady(pa, 64 << 20)),
+        ]
+        for name, fn in measures:
+            best = {}
+            for _ in range(2):  # alternate, keep each one's best
+                for pa in (None, "all"):
+                    best[pa] = min(best.get(pa, float("inf")), fn(pa))
+            none, every = best[None], best["all"]
+            rows.append(
+                [name, f"{none * 1e6:9.2f} us", f"{every * 1e6:9.2f} us", f"{every / none:.2f}x"]
+            )
+        later = grant_later()
+        rows.append(
+            ["set peer_access='all' on a pool holding 1 GiB", "-", f"{later * 1e6:9.2f} us", "-"]
+        )
+    return table(
+        ["GPU 0 pool", "peer_access=None", f"peer_access='all' ({n_peers} peers)", "ratio"], rows
+    )
+
+
 def main() -> None:
     if "--child" in sys.argv:
         return _child(int(sys.argv[sys.argv.index("--child") + 1]))
@@ -162,6 +263,11 @@ def main() -> None:
         if cleanup:
             cleanup()
     print(table(["allocator"] + [c[0] for c in CASES] + ["chain 10k f32"], rows))
+    costs = _peer_costs(quick)
+    if costs:
+        print()
+        print("peer access costs: microseconds (ratio of 'all' to None)")
+        print(costs)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from ._allocator import (
     set_pinned_memory_allocator,
     using,
 )
-from ._device import device_count, nearest_numa_node
+from ._device import check_access, device_count, nearest_numa_node
 from ._errors import (
     CUDADriverError,
     InvalidOptionError,
@@ -93,6 +93,7 @@ __all__ = [
     "track",
     "sharing",
     "all_pools",
+    "check_access",
     "device_count",
     "format_bytes",
     "get_pinned_pool",

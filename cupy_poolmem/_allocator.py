@@ -9,7 +9,7 @@ from typing import Any
 
 import cupy
 
-from ._device import nearest_numa_node, require_gpu
+from ._device import nearest_numa_node, require_gpu, resolve_peer_access
 from ._errors import OptionTypeError, PoolClosedError
 from ._pools import DevicePool, PinnedPool, Pool, _hp
 
@@ -81,8 +81,14 @@ def set_allocator(**pool_options: Any) -> PoolAllocator:
     ----------
     **pool_options
         Passed to :class:`DevicePool` for each device (``max_size``,
-        ``release_threshold``, ``ipc``).  ``ipc`` defaults to ``True`` so arrays can be
-        shared with other processes without a copy.
+        ``release_threshold``, ``ipc``, ``peer_access``).  ``ipc`` defaults to ``True``
+        so arrays can be shared with other processes without a copy.
+        ``peer_access`` defaults to ``"all"``: each pool's memory is readable and
+        writable from every GPU that can access its GPU, so code that uses an array
+        from another GPU works as with CuPy's own pool; ``None`` keeps each pool's
+        memory to its own GPU, a list names the GPUs.  Checked for every pair of GPUs
+        here, so a pair that cannot access each other fails now, not at a later
+        allocation.
 
     Returns
     -------
@@ -96,7 +102,10 @@ def set_allocator(**pool_options: Any) -> PoolAllocator:
     >>> x = cupy.arange(10)  # allocated from the pool of the current device  # doctest: +SKIP
     """
     pool_options.setdefault("ipc", True)
+    pool_options.setdefault("peer_access", "all")
     _validate_options(DevicePool, pool_options)
+    for dev in range(require_gpu()):
+        resolve_peer_access(pool_options["peer_access"], dev)
     alloc = PoolAllocator(lambda dev: DevicePool(device=dev, **pool_options), "device")
     alloc.pool()  # create the current device's pool now: bad options fail here
     cupy.cuda.set_allocator(alloc)

@@ -2,8 +2,9 @@
 
 Ordinals and UUIDs (so ``CUDA_VISIBLE_DEVICES`` orders may differ between processes),
 the host NUMA node nearest a GPU, binding a device's primary context to a thread, and
-granting devices access to a memory pool.  Nothing here allocates or keeps state
-beyond small per-process caches of facts that never change while a process lives.
+granting devices access to a memory pool (peer access).  Nothing here allocates or
+keeps state beyond small per-process caches: facts that never change while a process
+lives, and the record of the access this process granted to imported pools.
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ import threading
 import uuid as _uuid
 from typing import Any
 
-from ._errors import InvalidOptionError, NoGPUError, OptionTypeError, SharingError, check_driver
+from ._errors import (
+    InvalidOptionError,
+    NoGPUError,
+    OptionTypeError,
+    SharingError,
+    UnsupportedError,
+    WrongDeviceError,
+    check_driver,
+)
 
 __all__ = [
     "device_count",
@@ -24,6 +33,16 @@ __all__ = [
     "on_device",
     "grant_access",
     "can_access_peer",
+    "peer_topology",
+    "resolve_peer_access",
+    "has_access",
+    "require_access",
+    "check_access",
+    "AccessGrants",
+    "ensure_access",
+    "ensure_peer_access",
+    "forget_access",
+    "granted_access",
 ]
 
 
@@ -231,3 +250,382 @@ def grant_access(pool_handle: int, devices: list[int], *, read_write: bool = Tru
             drv.cuMemPoolSetAccess(drv.CUmemoryPool(int(pool_handle)), descs, len(descs)),
             "cuMemPoolSetAccess",
         )
+
+
+# --------------------------------------------------------------------------------------
+# Peer access: which GPUs may read and write a pool's memory
+# --------------------------------------------------------------------------------------
+# Memory from a CUDA pool is mapped only on the pool's own device until
+# cuMemPoolSetAccess grants other devices access; cudaDeviceEnablePeerAccess (what CuPy
+# calls) does not cover pool memory, and the grants of an exporting process do not
+# carry over to the processes that import its pool.
+
+
+def peer_topology(n: int | None = None) -> list[list[bool]]:
+    """``m[i][j]``: whether GPU ``i`` can read and write memory of GPU ``j`` (diagonal True).
+
+    What ``cudaDeviceCanAccessPeer`` says for every ordered pair of the ``n`` visible
+    devices (default: all of them).
+    """
+    n = device_count() if n is None else n
+    return [[can_access_peer(i, j) for j in range(n)] for i in range(n)]
+
+
+def _ordinal(item: Any, name: str, n: int) -> int:
+    d = item
+    if not isinstance(d, int):
+        if hasattr(d, "id"):
+            d = d.id
+        elif hasattr(d, "device_id"):
+            d = d.device_id
+    if isinstance(d, bool) or not isinstance(d, int):
+        raise OptionTypeError(
+            f"{name} lists devices as ordinals (int) or cupy.cuda.Device objects; "
+            f"got {item!r} of type {type(item).__name__}"
+        )
+    if not 0 <= d < n:
+        raise InvalidOptionError(
+            f"{name} names device {d}, but this process sees {n} device(s)"
+            + (f", ordinals 0..{n - 1}" if n else "")
+        )
+    return d
+
+
+def _cannot_access(device: int, owner: int, what: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"GPU {device} cannot access memory of GPU {owner}{what}: "
+        f"cudaDeviceCanAccessPeer({device}, {owner}) is 0 (no NVLink or PCIe peer path "
+        "between them, or peer access disabled on this system; `python -m cupy_poolmem` "
+        f"shows the topology). Use the memory on GPU {owner}, or copy it through the host."
+    )
+
+
+def resolve_peer_access(value: Any, owner: int, *, name: str = "peer_access") -> tuple[int, ...]:
+    """The devices, other than ``owner``, that ``value`` lets access a pool on GPU ``owner``.
+
+    Parameters
+    ----------
+    value : "all", None, or a list of devices
+        ``"all"`` (or ``True``): every visible GPU that can access ``owner``'s memory
+        (``cudaDeviceCanAccessPeer``); pairs that cannot are skipped.  ``None``,
+        ``"none"``, ``False`` or an empty list: no other GPU.  A list, tuple or set of
+        ordinals or ``cupy.cuda.Device`` objects: exactly those (``owner`` itself is
+        ignored: a pool's own GPU always has access).
+    owner : int
+        The pool's device, or ``-1`` for a host (pinned) pool: every GPU can be
+        granted access to host memory, so no pair is checked.
+    name : str
+        The option's name, for error messages.
+
+    Returns
+    -------
+    tuple of int
+        Sorted device ordinals, ``owner`` excluded.
+
+    Raises
+    ------
+    OptionTypeError
+        ``value`` is of the wrong type (a bare ordinal must be written ``[1]``).
+    InvalidOptionError
+        An unknown word, or an ordinal this process cannot see.
+    UnsupportedError
+        A listed GPU cannot access ``owner``'s memory; the message names both.
+
+    Examples
+    --------
+    >>> resolve_peer_access("all", 0)  # doctest: +SKIP
+    (1, 2, 3)
+    >>> resolve_peer_access([0, 2], 0)  # doctest: +SKIP
+    (2,)
+    """
+    if value is None or value is False:
+        return ()
+    if value is True:
+        value = "all"
+    n = device_count()
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word == "all":
+            return tuple(
+                d for d in range(n) if d != owner and (owner < 0 or can_access_peer(d, owner))
+            )
+        if word == "none":
+            return ()
+        raise InvalidOptionError(
+            f"{name}={value!r} is not a valid choice: use 'all' (every GPU the hardware "
+            "allows), None (no other GPU) or a list of device ordinals such as [0, 1]"
+        )
+    if not isinstance(value, (list, tuple, set, frozenset, range)):
+        hint = f"; write [{value}] for one device" if isinstance(value, int) else ""
+        raise OptionTypeError(
+            f"{name} must be 'all', None or a list of device ordinals; got {value!r} "
+            f"of type {type(value).__name__}{hint}"
+        )
+    wanted = {_ordinal(item, name, n) for item in value}
+    wanted.discard(owner)
+    for d in sorted(wanted):
+        if owner >= 0 and not can_access_peer(d, owner):
+            raise _cannot_access(d, owner, f" (asked for by {name}={list(value)!r})")
+    return tuple(sorted(wanted))
+
+
+def has_access(pool_handle: int, device: int) -> bool:
+    """Whether GPU ``device`` may read and write the memory of the pool ``pool_handle``.
+
+    One ``cuMemPoolGetAccess`` query (the driver's current state, whoever set it).
+    """
+    drv = _drv()
+    loc = drv.CUmemLocation()
+    loc.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    loc.id = int(device)
+    flags = check_driver(
+        drv.cuMemPoolGetAccess(drv.CUmemoryPool(int(pool_handle)), loc), "cuMemPoolGetAccess"
+    )
+    return int(flags) != int(drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_NONE)
+
+
+def require_access(pool_handle: int, owner: int, device: int, what: str = "pool memory") -> None:
+    """Raise unless GPU ``device`` can use memory of the pool ``pool_handle`` (on ``owner``).
+
+    ``owner`` is the pool's GPU, or ``-1`` for a host (pinned) pool.  Raises
+    :class:`UnsupportedError` when the hardware cannot (both GPUs named) and
+    :class:`WrongDeviceError` when it could but the pool grants ``device`` no access:
+    the check that prevents a kernel from faulting with ``cudaErrorIllegalAddress``,
+    which breaks the CUDA context for good.
+    """
+    if device == owner:
+        return
+    if owner >= 0 and not can_access_peer(device, owner):
+        raise _cannot_access(device, owner, f" ({what})")
+    if has_access(pool_handle, device):
+        return
+    if owner < 0:
+        raise WrongDeviceError(
+            f"{what} (a pinned host pool) is not accessible from GPU {device}: the pool "
+            f"grants that GPU no access. Create the PinnedPool with devices=[..., {device}] "
+            "(the default grants every visible GPU)."
+        )
+    raise WrongDeviceError(
+        f"{what} on GPU {owner} is not accessible from GPU {device}: its pool grants GPU "
+        f"{device} no access, so a kernel there would fail with cudaErrorIllegalAddress "
+        "(which breaks the CUDA context for good). Grant it with "
+        f"pool.peer_access = [{device}] or 'all', or cupy_poolmem.set_allocator("
+        "peer_access='all') (the default); or copy the data on its own GPU first."
+    )
+
+
+def _pointer_info(ptr: int) -> tuple[int, int, bool]:
+    """``(owner, pool_handle, managed)`` of a CUDA pointer; owner ``-1`` for host memory."""
+    drv = _drv()
+    attr = drv.CUpointer_attribute
+    p = drv.CUdeviceptr(int(ptr))
+    result = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_IS_MANAGED, p)
+    if int(result[0]) == int(drv.CUresult.CUDA_ERROR_INVALID_VALUE):
+        raise InvalidOptionError(
+            f"address {int(ptr):#x} is not CUDA memory (pageable host memory?): no GPU "
+            "accesses it directly, so there is no access to check"
+        )
+    if check_driver(result, "cuPointerGetAttribute"):
+        return -2, 0, True
+    mtype = check_driver(
+        drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, p),
+        "cuPointerGetAttribute",
+    )
+    if int(mtype) == int(drv.CUmemorytype.CU_MEMORYTYPE_UNIFIED):
+        return -2, 0, True
+    err, pool = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, p)
+    pool = int(pool) if int(err) == 0 and pool is not None else 0
+    if int(mtype) == int(drv.CUmemorytype.CU_MEMORYTYPE_HOST):
+        return -1, pool, False
+    owner = check_driver(
+        drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, p),
+        "cuPointerGetAttribute",
+    )
+    return int(owner), pool, False
+
+
+def _data_pointer(array: Any) -> int:
+    ptr = getattr(getattr(array, "data", None), "ptr", None)
+    if ptr is not None:  # cupy.ndarray
+        return int(ptr)
+    for attr in ("__cuda_array_interface__", "__array_interface__"):
+        iface = getattr(array, attr, None)
+        if iface is not None:
+            return int(iface["data"][0] or 0)
+    raise OptionTypeError(
+        "check_access takes a cupy.ndarray, an object with __cuda_array_interface__ or a "
+        f"numpy array on pinned memory; got {type(array).__name__}"
+    )
+
+
+def check_access(array: Any, device: Any = None) -> None:
+    """Raise a clear error unless GPU ``device`` can read and write ``array``'s memory.
+
+    A kernel that reads pool memory its GPU was not granted fails with
+    ``cudaErrorIllegalAddress``, and that error breaks the CUDA context for the rest of
+    the process.  CuPy cannot see pool grants (it checks only that the two GPUs are
+    peer capable), so call this before using an array from a GPU other than its own
+    when you cannot be sure of the grants (``peer_access=None`` pools, memory from
+    other libraries).
+
+    Parameters
+    ----------
+    array : cupy.ndarray, object with ``__cuda_array_interface__``, or numpy.ndarray
+        Device memory (any pool, or plain ``cudaMalloc``), managed memory, or host
+        memory from a pinned pool.
+    device : int or cupy.cuda.Device, optional
+        The GPU that will use it; default the current device.
+
+    Raises
+    ------
+    WrongDeviceError
+        The memory's pool grants ``device`` no access (grant it: ``pool.peer_access``).
+    UnsupportedError
+        The two GPUs cannot access each other at all; both are named.
+    InvalidOptionError
+        The driver does not know the memory (pageable host memory, on most systems).
+
+    Notes
+    -----
+    Managed memory passes (every GPU can use it).  Device memory that is not from a
+    pool passes when the two GPUs are peer capable: CuPy enables peer access for it.
+
+    Examples
+    --------
+    >>> pool = cupy_poolmem.DevicePool(device=0, peer_access=None)  # doctest: +SKIP
+    >>> with cupy_poolmem.using(pool):  # doctest: +SKIP
+    ...     x = cupy.ones(10)
+    >>> cupy_poolmem.check_access(x, device=1)  # doctest: +SKIP
+    Traceback (most recent call last):
+    WrongDeviceError: memory of a cupy.ndarray on GPU 0 is not accessible from GPU 1: ...
+    """
+    dev = check_device(device)
+    ptr = _data_pointer(array)
+    if ptr == 0:  # empty: nothing to access
+        return
+    with on_device(dev):
+        owner, pool, managed = _pointer_info(ptr)
+    if managed:
+        return
+    what = f"memory of a {type(array).__module__.split('.')[0]}.{type(array).__name__}"
+    if pool == 0:  # cudaMalloc or registered memory: device-level peer access applies
+        if owner >= 0 and owner != dev and not can_access_peer(dev, owner):
+            raise _cannot_access(dev, owner, f" ({what})")
+        return
+    require_access(pool, owner, dev, what)
+
+
+class AccessGrants:
+    """The read-write grants this process gave devices on pools it did not create.
+
+    One instance per process (module ``_grants``) records each ``(pool, device)`` pair
+    once, under one lock, so importers of a shared pool (array sharing, the Numba
+    plugin, dask transfers) call ``cuMemPoolSetAccess`` once per pair however often
+    they receive memory from that pool.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._pairs: dict[int, set[int]] = {}
+
+    def ensure(self, pool_handle: int, device: int, owner: int) -> bool:
+        """Grant ``device`` access to ``pool_handle`` (on ``owner``) unless done; True if now."""
+        h, device, owner = int(pool_handle), int(device), int(owner)
+        if device == owner:
+            return False
+        done = self._pairs.get(h)
+        if done is not None and device in done:  # the common case: no lock
+            return False
+        with self._lock:
+            done = self._pairs.setdefault(h, set())
+            if device in done:
+                return False
+            if owner >= 0 and not can_access_peer(device, owner):
+                raise _cannot_access(device, owner, f" (imported pool {h:#x})")
+            grant_access(h, [device])
+            done.add(device)
+            return True
+
+    def ensure_peers(self, pool_handle: int, owner: int, peer_access: Any = "all") -> tuple:
+        """Grant every device ``peer_access`` names (default: all capable) in one call."""
+        h = int(pool_handle)
+        targets = resolve_peer_access(peer_access, int(owner))
+        with self._lock:
+            done = self._pairs.setdefault(h, set())
+            new = [d for d in targets if d not in done]
+            if new:
+                grant_access(h, new)
+                done.update(new)
+        return targets
+
+    def forget(self, pool_handle: int) -> None:
+        """Drop the record of ``pool_handle`` (call when the pool is closed)."""
+        with self._lock:
+            self._pairs.pop(int(pool_handle), None)
+
+    def granted(self) -> dict[int, tuple[int, ...]]:
+        """``{pool handle: devices granted}``, a snapshot."""
+        with self._lock:
+            return {h: tuple(sorted(d)) for h, d in self._pairs.items() if d}
+
+
+_grants = AccessGrants()
+
+
+def ensure_access(pool_handle: int, device: int, owner: int) -> None:
+    """Give GPU ``device`` read-write access to the pool ``pool_handle``, once per process.
+
+    For importers of a pool another process created (array sharing, Numba IPC
+    handles, dask transfers): an imported pool is mapped only on its own GPU, whatever
+    the exporter granted, so a GPU that uses received memory needs its own grant.  The
+    first call for a ``(pool_handle, device)`` pair calls ``cuMemPoolSetAccess``; later
+    calls return at once (a lock-protected record, :class:`AccessGrants`).  A grant
+    covers the pool's existing and future allocations.
+
+    Parameters
+    ----------
+    pool_handle : int
+        The ``CUmemoryPool`` (for example ``int(mr.handle)`` of the imported resource).
+    device : int
+        The GPU that will use the memory (this process's ordinal).
+    owner : int
+        The pool's own GPU in this process (found by UUID), or ``-1`` for an imported
+        pinned (host) pool.  Needed because a pool handle does not tell which device
+        it lives on; ``device == owner`` is a no-op.
+
+    Raises
+    ------
+    UnsupportedError
+        ``cudaDeviceCanAccessPeer(device, owner)`` is 0; the message names both GPUs.
+    CUDADriverError
+        ``cuMemPoolSetAccess`` failed (the CUDA error name is kept).
+
+    Examples
+    --------
+    >>> mr = cuda.core.DeviceMemoryResource.from_allocation_handle(0, fd)  # doctest: +SKIP
+    >>> ensure_access(int(mr.handle), device=1, owner=0)  # doctest: +SKIP
+    """
+    _grants.ensure(pool_handle, device, owner)
+
+
+def ensure_peer_access(pool_handle: int, owner: int, peer_access: Any = "all") -> tuple:
+    """Grant every GPU ``peer_access`` names access to an imported pool, once per pair.
+
+    Like :func:`ensure_access` for a whole set at once: ``"all"`` (default) grants every
+    visible GPU that can access ``owner``'s memory, skipping pairs that cannot, so a
+    received array works from any GPU CuPy lets read it; lists are validated as for
+    ``DevicePool(peer_access=...)``.  ``owner=-1`` (an imported pinned pool) grants
+    every GPU named.  Returns the devices granted (``owner`` excluded).  The place to
+    call it is right after a pool is imported, before its first pointer is used.
+    """
+    return _grants.ensure_peers(pool_handle, owner, peer_access)
+
+
+def forget_access(pool_handle: int) -> None:
+    """Forget the grants recorded for ``pool_handle`` (when that pool is closed)."""
+    _grants.forget(pool_handle)
+
+
+def granted_access() -> dict[int, tuple[int, ...]]:
+    """The grants this process gave on imported pools: ``{pool handle: devices}``."""
+    return _grants.granted()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +76,62 @@ def _gpu_rows(n: int) -> list[str]:
     return rows
 
 
+def _peer_rows(matrix: list[list[bool]]) -> list[str]:
+    """The peer topology as a table: may the row's GPU use the column GPU's memory?"""
+    n = len(matrix)
+    if n < 2:
+        return ["  peer access: one GPU, nothing to grant"]
+    head = "".join(f"{'GPU ' + str(j):>7s}" for j in range(n))
+    rows = [
+        "  peer access (cudaDeviceCanAccessPeer: may the row's GPU read and write the "
+        "column GPU's memory?)",
+        f"    {'':7s}{head}",
+    ]
+    for i, row in enumerate(matrix):
+        cells = "".join(
+            f"{'-' if i == j else ('yes' if ok else 'NO'):>7s}" for j, ok in enumerate(row)
+        )
+        rows.append(f"    {'GPU ' + str(i):7s}{cells}")
+    missing = [(i, j) for i in range(n) for j in range(n) if i != j and not matrix[i][j]]
+    if missing:
+        rows.append(
+            "    pairs marked NO cannot share memory: peer_access='all' skips them, a list "
+            "that names them raises UnsupportedError; copy through the host instead"
+        )
+    return rows
+
+
+def _pool_access(pool: Any) -> str:
+    """What one pool grants, in words."""
+    kind = getattr(pool, "_kind_name", "")
+    if kind == "managed":
+        return "every GPU (managed memory migrates to the GPU that uses it)"
+    try:
+        if kind == "pinned":
+            devs = list(getattr(pool, "devices", []))
+            return "GPUs " + ", ".join(map(str, devs)) if devs else "no GPU"
+        peers = list(pool.peer_access)
+    except Exception as exc:  # a closed pool, a failing query
+        return f"unknown ({type(exc).__name__}: {exc})"
+    own = f"GPU {pool.device_id}"
+    return own + (" and peers " + ", ".join(map(str, peers)) if peers else " only")
+
+
+def _access_rows(pools: list[Any], imported: dict[int, tuple[int, ...]]) -> list[str]:
+    """What the pools of this process grant, and the grants given to imported pools."""
+    rows = ["  pool access grants (set_allocator() default: peer_access='all', every GPU above)"]
+    if not pools:
+        rows.append("    no pool alive in this process yet")
+    for p in pools:
+        rows.append(f"    {p._describe()}: {_pool_access(p)}")
+    if imported:
+        pairs = sum(len(d) for d in imported.values())
+        rows.append(
+            f"    imported pools: {len(imported)} with grants to other GPUs ({pairs} in all)"
+        )
+    return rows
+
+
 def self_check(out: Callable[[str], Any] = print) -> bool:
     """Write a pattern through each pool kind, read it back; return ``True`` if all pass."""
     import cupy
@@ -119,9 +176,33 @@ def self_check(out: Callable[[str], Any] = print) -> bool:
                 (d * 2).get(out=h2)
                 return bool((h2 == np.arange(n, dtype=np.uint32) * 2).all())
 
+    def peer_check() -> bool:
+        # GPU 1 reads and writes GPU 0's pool memory through the grant peer_access makes.
+        with DevicePool(0) as p0, DevicePool(1) as p1:
+            with cupy.cuda.Device(0), cupy.cuda.using_allocator(p0.malloc):
+                x = cupy.arange(n, dtype=cupy.uint32)
+                cupy.cuda.Device(0).synchronize()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # CuPy: peer access activated automatically
+                with cupy.cuda.Device(1), cupy.cuda.using_allocator(p1.malloc):
+                    y = x * 2
+                    x += 1
+                    cupy.cuda.Device(1).synchronize()
+            with cupy.cuda.Device(1):
+                good = bool((y.get() == np.arange(n, dtype=np.uint32) * 2).all())
+                del y
+            with cupy.cuda.Device(0):
+                good &= bool((x.get() == np.arange(n, dtype=np.uint32) + 1).all())
+                del x
+            return good
+
     check("device", dev_check(DevicePool))
     check("pinned", pinned_check)
     check("managed", dev_check(ManagedPool))
+    from ._device import can_access_peer, device_count
+
+    if device_count() > 1 and can_access_peer(1, 0):
+        check("peer", peer_check)
     return ok
 
 
@@ -171,6 +252,11 @@ def doctor(out: Callable[[str], Any] = print, check: bool = True) -> int:
         return 2
     out(f"  {'GPUs':14s} {n}")
     for row in _gpu_rows(n):
+        out(row)
+    from ._device import granted_access, peer_topology
+    from ._pools import all_pools
+
+    for row in _peer_rows(peer_topology(n)) + _access_rows(all_pools(), granted_access()):
         out(row)
     if not check:
         return 0

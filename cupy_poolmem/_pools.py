@@ -7,6 +7,7 @@ attributes, stay as they were.  The per-allocation work is in ``_hotpath.pyx``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -18,7 +19,14 @@ import cuda.core as cc
 import cupy
 from cuda.bindings import driver as _drv
 
-from ._device import check_device, grant_access, nearest_numa_node, require_gpu
+from ._device import (
+    check_device,
+    device_count,
+    grant_access,
+    nearest_numa_node,
+    require_gpu,
+    resolve_peer_access,
+)
 from ._errors import (
     CUDADriverError,
     InvalidOptionError,
@@ -106,6 +114,7 @@ class Pool(_hp.PoolCore):
 
     _kind_name = "pool"
     _serial_counter = 0
+    _held_for_sharing = 0  # bytes of freed blocks other processes still map (limbo)
 
     def _setup(
         self,
@@ -355,6 +364,13 @@ class DevicePool(Pool):
         Same-stream reuse is what stream ordering already allows, so this changes
         speed only.  Flushed on out-of-memory, :meth:`trim` and :meth:`close`.
         Default ``"1GiB"``; ``0`` disables it.
+    peer_access : "all", None or list of int
+        Other GPUs that may read and write this pool's memory (kernels and copies
+        there).  ``"all"`` (default): every GPU that ``cudaDeviceCanAccessPeer`` allows,
+        as CuPy's own pool gives.  ``None`` (or ``[]``): this GPU only.  A list of
+        ordinals: exactly those; a GPU that cannot access this one raises
+        :class:`~cupy_poolmem.UnsupportedError` naming both.  Settable later with
+        :attr:`peer_access`.
 
     Notes
     -----
@@ -362,6 +378,11 @@ class DevicePool(Pool):
     :class:`cupy.cuda.MemoryPointer`; the memory is freed, stream-ordered, on that
     same stream once the last array using it is gone.  Calling ``malloc`` while
     another device is current raises :class:`~cupy_poolmem.WrongDeviceError`.
+
+    Pool memory is mapped only on the GPUs the pool grants (``cuMemPoolSetAccess``);
+    ``cudaDeviceEnablePeerAccess``, which CuPy calls, does not cover it.  A kernel on
+    a GPU without a grant fails with ``cudaErrorIllegalAddress``;
+    :func:`~cupy_poolmem.check_access` tells beforehand.
 
     Examples
     --------
@@ -382,10 +403,12 @@ class DevicePool(Pool):
         release_threshold: int | str | None = None,
         ipc: bool = False,
         reuse_cache: int | str = "1GiB",
+        peer_access: Any = "all",
     ) -> None:
         dev = check_device(device)
         ipc = _check_bool(ipc, "ipc")
         cache = parse_bytes(reuse_cache, name="reuse_cache")
+        peers = resolve_peer_access(peer_access, dev)
         with cupy.cuda.Device(dev) as d:
             total = d.mem_info[1]
             max_b = parse_bytes(max_size, name="max_size", total=total, allow_none=True) or 0
@@ -401,8 +424,83 @@ class DevicePool(Pool):
                 )
             except Exception as exc:
                 raise _wrap(exc, "creating a device pool") from exc
+            self._peers_set = False
+            if peers or device_count() > 1:
+                # Always set on a multi-GPU machine: a new pool can come back with the
+                # handle of a destroyed one, and with its peer access (nvbug 5698116).
+                try:
+                    self._peers_set = _set_peers(mr, dev, peers)
+                except BaseException:
+                    mr.close()
+                    raise
             self.ipc = ipc
             self._setup(mr, dev, _hp.KIND_DEVICE, release_threshold, max_b, cache)
+
+    @property
+    def peer_access(self) -> tuple[int, ...]:
+        """The other GPUs that may read and write this pool's memory, as the driver says.
+
+        Assign ``"all"``, ``None`` or a list of ordinals (as for the constructor) to
+        change it; the change covers the memory already allocated too.  Removing a GPU
+        (``PROT_NONE``) is allowed only when no work on it still uses the pool's memory:
+        a kernel there would then fail with ``cudaErrorIllegalAddress``.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool(device=0, peer_access=None)  # doctest: +SKIP
+        >>> pool.peer_access  # doctest: +SKIP
+        ()
+        >>> pool.peer_access = [1]  # doctest: +SKIP
+        >>> pool.peer_access  # doctest: +SKIP
+        (1,)
+        """
+        try:
+            return _granted_peers(self._mr)
+        except Exception as exc:
+            if self.closed:
+                return ()
+            raise _wrap(exc, "querying a device pool's peer access") from exc
+
+    @peer_access.setter
+    def peer_access(self, value: Any) -> None:
+        peers = resolve_peer_access(value, self.device_id)
+        if self.closed and self.n_allocs == self.n_frees:
+            self._raise_closed()
+        granted = _set_peers(self._mr, self.device_id, peers)
+        self._peers_set = granted or getattr(self, "_peers_set", False)
+
+    def _drained(self) -> None:
+        if getattr(self, "_peers_set", False):
+            # Revoke before the pool is destroyed: the driver may hand its handle to the
+            # next pool created with the grants still set (nvbug 5698116), which
+            # cuda.core 1.2 does not undo.
+            with contextlib.suppress(Exception):
+                self._mr.peer_accessible_by = ()
+        super()._drained()
+
+
+def _granted_peers(mr: Any) -> tuple[int, ...]:
+    """The devices a cuda.core ``DeviceMemoryResource`` grants access (driver state)."""
+    return tuple(sorted(int(getattr(d, "device_id", d)) for d in mr.peer_accessible_by))
+
+
+def _set_peers(mr: Any, owner: int, peers: tuple[int, ...]) -> bool:
+    """Make ``peers`` exactly the GPUs granted access to ``mr``; True if any is granted.
+
+    cuda.core's ``peer_accessible_by`` compares with the driver's state and makes one
+    ``cuMemPoolSetAccess`` call for the difference (grants read-write, revokes with
+    ``PROT_NONE``); ``peers`` was checked with ``cudaDeviceCanAccessPeer`` already.
+    """
+    try:
+        mr.peer_accessible_by = peers
+    except ValueError as exc:  # cuda.core's own check (it asks the owner -> peer direction)
+        raise UnsupportedError(
+            f"GPU {owner}'s pool cannot be made accessible from GPU(s) "
+            f"{', '.join(map(str, peers))}: {exc}"
+        ) from exc
+    except Exception as exc:
+        raise _wrap(exc, "setting a device pool's peer access") from exc
+    return bool(peers)
 
 
 class PinnedPool(Pool):

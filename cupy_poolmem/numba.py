@@ -80,7 +80,7 @@ import cupy
 from cuda.bindings import driver as _drv
 
 from ._allocator import get_pinned_pool, get_pool, set_allocator, set_pinned_memory_allocator
-from ._device import grant_access, local_device, require_gpu
+from ._device import ensure_access, local_device, require_access, require_gpu
 from ._errors import (
     InvalidOptionError,
     OptionTypeError,
@@ -350,7 +350,11 @@ class PoolIpcHandle(IpcHandle):
         each allocation once (cached by export record, reference-counted across
         handles): importing one allocation twice would break the first import.
         ``open()`` returns a Numba device pointer on the exporter's GPU (found by
-        UUID, so ``CUDA_VISIBLE_DEVICES`` may differ between processes); ``close()``
+        UUID, so ``CUDA_VISIBLE_DEVICES`` may differ between processes).  Opened in a
+        context on another GPU, it first grants that GPU access to the imported pool
+        (once per pool and GPU: an imported pool is mapped on its own GPU only);
+        :class:`~cupy_poolmem.UnsupportedError` names both GPUs when they cannot
+        access each other.  ``close()``
         frees the import, stream-ordered on the legacy default stream, and waits for
         it, so once ``close()`` returns the exporter may free the memory.
 
@@ -495,6 +499,10 @@ class PoolIpcHandle(IpcHandle):
             In the exporting process's own handle, or when already open.
         SharingError
             The exporter's GPU is not visible here, or the import failed.
+        UnsupportedError
+            The context's GPU cannot access the exporter's GPU (both are named).
+        WrongDeviceError
+            Unpickled in the exporting process, on a GPU the pool grants no access.
         """
         if self.base is not None:
             raise ValueError(
@@ -514,6 +522,8 @@ class PoolIpcHandle(IpcHandle):
                 None,
             )
             if local is not None:  # unpickled in the exporting process: no import needed
+                if ctx_dev != local.device_id:  # the pool's own grants decide; say so now
+                    require_access(local.handle, local.device_id, ctx_dev, repr(local))
                 self._release_fd()
                 self._local = True
                 return MemoryPointer(
@@ -531,8 +541,8 @@ class PoolIpcHandle(IpcHandle):
         finally:
             self._release_fd()
         self._rec = rec
-        if ctx_dev != dev:
-            _grant_access(rec.pool.handle, ctx_dev)
+        if ctx_dev != dev:  # an imported pool is mapped on its own GPU only
+            ensure_access(rec.pool.handle, ctx_dev, dev)
         mp = MemoryPointer(
             weakref.proxy(context), _drv.CUdeviceptr(rec.ptr + self.offset), self.size
         )
@@ -579,25 +589,6 @@ def _pool_uuid(pool: Pool) -> _uuid.UUID | None:
     with contextlib.suppress(Exception):
         return pool.memory_resource.uuid
     return None
-
-
-_granted: set[tuple[int, int]] = set()
-
-
-def _grant_access(pool_handle: int, device: int) -> None:
-    """Let ``device`` read and write an imported pool (peer access), once per pair."""
-    key = (pool_handle, device)
-    if key in _granted:
-        return
-    try:
-        grant_access(pool_handle, [device])
-    except Exception as exc:
-        raise SharingError(
-            f"device {device} cannot access the exporter's pool (no peer "
-            f"access?): {exc}; open the handle with the exporter's GPU "
-            "current"
-        ) from exc
-    _granted.add(key)
 
 
 def _rebuild_pool_ipc_handle(

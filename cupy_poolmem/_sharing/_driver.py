@@ -15,7 +15,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .._device import device_uuid, local_device, on_device
+from .._device import (
+    device_count,
+    device_uuid,
+    ensure_peer_access,
+    forget_access,
+    local_device,
+    on_device,
+)
 from .._errors import check_driver
 from ._wire import POOL_PINNED
 
@@ -85,6 +92,19 @@ class Driver:
         else:
             mr = cc.DeviceMemoryResource.from_allocation_handle(dev, fd)
         return int(mr.handle), mr
+
+    def grant_peers(self, pool_handle: int, owner: int) -> None:
+        """Let every GPU that can access ``owner``'s memory use an imported pool (once).
+
+        An imported pool is mapped on its own GPU only; a received array may be used
+        from any GPU CuPy lets read it (``owner=-1``: a host pool).
+        """
+        if device_count() > 1:
+            ensure_peer_access(pool_handle, owner)
+
+    def forget_pool(self, pool_handle: int) -> None:
+        """The imported pool is closed: forget what was granted on it."""
+        forget_access(pool_handle)
 
     def close_pool(self, keepalive: Any) -> None:
         """Let go of an imported pool (no mapping of it is left)."""

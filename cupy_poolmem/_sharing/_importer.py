@@ -346,6 +346,7 @@ class Importer:
                 "send it again from the exporting process"
             )
         handle, keepalive = self.driver.import_pool(fd, kind, dev)
+        self.driver.grant_peers(handle, dev if kind != _wire.POOL_PINNED else -1)
         with self.lock:
             pool = self.pools.get(uuid)
             if pool is None:
@@ -509,6 +510,7 @@ class Importer:
             except Exception:
                 pass
         for p in pools:
+            self.driver.forget_pool(p.handle)
             self.driver.close_pool(p.keepalive)
 
     # -- frees during graph capture ----------------------------------------------------------------
