@@ -61,6 +61,19 @@ def _settled():
     return s["tickets_out"] == 0 and s["leases"] == 0 and s["limbo_bytes"] == 0
 
 
+def _why():
+    """What the exporter still holds, for an assertion message."""
+    from cupy_poolmem._sharing import context
+
+    exp = context().exporter
+    with exp.lock:
+        recs = [
+            (r.export_id, len(r.tickets), len(r.claimed), dict(r.leases), r.local, r.in_limbo)
+            for r in exp.records.values()
+        ]
+    return f"{dict(cpm.sharing.stats())} records={recs}"
+
+
 @contextlib.contextmanager
 def _setting(name, value):
     old = getattr(cpm.sharing, name)
@@ -150,7 +163,7 @@ def test_one_pickled_message_delivered_to_several_receivers():
         for q_in, q_out in qs:
             q_in.put("drop")
             assert q_out.get(timeout=TIMEOUT)[0] == "dropped"
-        assert _wait_for(_settled), cpm.sharing.stats()  # every receiver let go: freed
+        assert _wait_for(_settled), _why()  # every receiver let go: freed
         y = cupy.full(1 << 18, 5, dtype=cupy.int32)  # most likely the same block again
         q_in, q_out = qs[0]
         q_in.put(data)  # a late copy of the old message
@@ -177,7 +190,7 @@ def test_one_array_put_many_times():
         assert stats["imported_blocks"] == 0 and stats["idle_mappings"] <= 1
     finally:
         _join(p)
-    assert _wait_for(_settled), cpm.sharing.stats()
+    assert _wait_for(_settled), _why()
 
 
 def test_64_receivers_of_one_exporter():
@@ -199,7 +212,7 @@ def test_64_receivers_of_one_exporter():
     finally:
         _join(*procs, timeout=300)
     del xs
-    assert _wait_for(_settled, 30.0), cpm.sharing.stats()
+    assert _wait_for(_settled, 30.0), _why()
 
 
 def test_10000_messages_in_flight():
@@ -219,7 +232,7 @@ def test_10000_messages_in_flight():
         del g
     finally:
         _join(p, timeout=300)
-    assert _wait_for(_settled, 30.0), cpm.sharing.stats()
+    assert _wait_for(_settled, 30.0), _why()
 
 
 # -- forwarding and round trips ---------------------------------------------------------------
@@ -243,7 +256,7 @@ def test_forwarder_that_exits_before_the_third_process_unpickles():
         go.set()
         _join(mid, last)
     del x
-    assert _wait_for(_settled), cpm.sharing.stats()
+    assert _wait_for(_settled), _why()
 
 
 def test_put_and_get_in_the_same_process_is_its_own_memory():
@@ -256,7 +269,7 @@ def test_put_and_get_in_the_same_process_is_its_own_memory():
     cupy.cuda.get_current_stream().synchronize()
     assert float(y[0]) == 8.0  # the round-tripped view keeps the memory
     del y
-    assert _wait_for(_settled), cpm.sharing.stats()
+    assert _wait_for(_settled), _why()
 
 
 # -- receivers that die, exporters that come and go ------------------------------------------------
@@ -284,6 +297,17 @@ def _fd_count():
     return len(os.listdir("/proc/self/fd"))
 
 
+def _fd_kinds():
+    kinds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}").split("[")[0].split(":")[0]
+        except OSError:
+            continue
+        kinds[target] = kinds.get(target, 0) + 1
+    return kinds
+
+
 def test_24_short_lived_exporters_leave_nothing_behind():
     q = SPAWN.Queue()
     warm = SPAWN.Process(target=L.short_lived_producer, args=(q, 1))  # first import: CUDA up
@@ -294,6 +318,7 @@ def test_24_short_lived_exporters_leave_nothing_behind():
     _join(warm)
     assert _wait_for(lambda: cpm.sharing.stats()["clients"] == 0)
     base_fds = _fd_count()
+    base_kinds = _fd_kinds()
     for batch in range(3):
         procs = [
             SPAWN.Process(target=L.short_lived_producer, args=(q, 8 * batch + k)) for k in range(8)
@@ -318,7 +343,11 @@ def test_24_short_lived_exporters_leave_nothing_behind():
             and _fd_count() <= base_fds
         )
 
-    assert _wait_for(back_to_baseline, 30.0), (cpm.sharing.stats(), _fd_count(), base_fds)
+    assert _wait_for(back_to_baseline, 30.0), (
+        dict(cpm.sharing.stats()),
+        base_kinds,
+        _fd_kinds(),
+    )
 
 
 # -- messages that go wrong ----------------------------------------------------------------------
@@ -349,7 +378,7 @@ def test_message_written_to_disk_and_loaded_later_is_refused(tmp_path):
     path.write_bytes(bytes(ForkingPickler.dumps(x)))
     with _setting("inflight_timeout", 0.2):
         del x
-        assert _wait_for(_settled, 10.0), cpm.sharing.stats()
+        assert _wait_for(_settled, 10.0), _why()
     y = cupy.full(1 << 18, 8, dtype=cupy.int32)  # the same block, other data
     q_out = SPAWN.Queue()
     p = SPAWN.Process(target=L.load_file_expecting_stale, args=(str(path), q_out))
@@ -369,7 +398,7 @@ def test_message_that_fails_to_pickle_halfway_does_not_pin_memory():
             ForkingPickler.dumps((x, lambda: 0))  # x's ticket is registered, then it fails
         assert cpm.sharing.stats()["tickets_out"] == 1
         del x
-        assert _wait_for(_settled, 10.0), cpm.sharing.stats()
+        assert _wait_for(_settled, 10.0), _why()
 
 
 def test_reimport_while_the_previous_unmap_is_queued():
@@ -386,7 +415,7 @@ def test_reimport_while_the_previous_unmap_is_queued():
     finally:
         _join(p)
     del x
-    assert _wait_for(_settled), cpm.sharing.stats()
+    assert _wait_for(_settled), _why()
 
 
 def test_received_array_collected_during_stream_capture():
@@ -403,7 +432,7 @@ def test_received_array_collected_during_stream_capture():
     finally:
         _join(p)
     del x
-    assert _wait_for(_settled), cpm.sharing.stats()
+    assert _wait_for(_settled), _why()
 
 
 def test_close_of_a_pool_with_blocks_in_limbo_keeps_them_mapped():
@@ -439,5 +468,5 @@ def test_sharing_socket_is_private():
     assert os.stat(os.path.dirname(addr)).st_mode & 0o777 == 0o700
     with _setting("inflight_timeout", 0.1):
         del x
-        assert _wait_for(_settled, 10.0), cpm.sharing.stats()
+        assert _wait_for(_settled, 10.0), _why()
     np.testing.assert_equal(os.stat(addr).st_mode & 0o077, 0)

@@ -419,20 +419,20 @@ class Exporter:
                 rec.tickets.pop(f.ticket, None)
             elif isinstance(f, _wire.Unmap):
                 n = rec.leases.get(cid, 0) - 1
-                if n > 0:
-                    rec.leases[cid] = n
-                elif n == 0:
-                    rec.leases.pop(cid, None)
-                    rec.keepers.discard(cid)
-                else:
+                if n < 0:
                     return  # not a lease of this peer: ignored
-                rec.asked.discard(cid)
-                if f.event is not None:
+                if f.event is not None:  # opened first: if that fails the lease stays
                     ev = peer.events.get(f.event)
                     if ev is None:
                         with self.driver.on_device(self._dev(rec)):
                             ev = peer.events[f.event] = self.driver.open_event(f.event)
                     rec.events[(cid, f.event)] = ev
+                if n > 0:
+                    rec.leases[cid] = n
+                else:
+                    rec.leases.pop(cid, None)
+                    rec.keepers.discard(cid)
+                rec.asked.discard(cid)
         self._settle(rec)
 
     def _on_claim(self, peer: Peer, f: _wire.Claim) -> None:
