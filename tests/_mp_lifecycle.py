@@ -124,6 +124,7 @@ def load_and_hold(q_in, q_out):
                 continue
             held.append(a)
             q_out.put(("got", int(a.sum())))
+            del a
     except BaseException:
         q_out.put(("error", traceback.format_exc()))
 
