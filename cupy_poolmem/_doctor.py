@@ -75,6 +75,17 @@ def _gpu_rows(n: int) -> list[str]:
     return rows
 
 
+def _managed_row(device: int) -> str:
+    """Which backend ManagedPool uses on ``device`` and why (runs the one-time probe)."""
+    try:
+        from ._pools import managed_backend
+
+        backend, reason = managed_backend(device)
+        return f"  GPU {device} managed backend: {backend!r} ({reason})"
+    except Exception as exc:
+        return f"  GPU {device} managed backend: unavailable ({type(exc).__name__}: {exc})"
+
+
 def self_check(out: Callable[[str], Any] = print) -> bool:
     """Write a pattern through each pool kind, read it back; return ``True`` if all pass."""
     import cupy
@@ -172,6 +183,8 @@ def doctor(out: Callable[[str], Any] = print, check: bool = True) -> int:
     out(f"  {'GPUs':14s} {n}")
     for row in _gpu_rows(n):
         out(row)
+    for i in range(n):
+        out(_managed_row(i))
     if not check:
         return 0
     out("self-check (write a pattern, read it back):")
