@@ -325,7 +325,7 @@ cdef class PoolCore:
             lst.append((ptr, stream))
             self.cached_bytes += size
             return
-        self._free(ptr, stream_ptr)
+        self._free(ptr, stream_ptr, stream)
 
     def flush_cache(self):
         """Free every block held in the reuse cache (stream-ordered); returns bytes freed."""
@@ -334,7 +334,7 @@ cdef class PoolCore:
         self.cached_bytes = 0
         for (sptr, size), entries in cache.items():
             for ptr, stream in entries:
-                self._free(ptr, sptr)
+                self._free(ptr, sptr, stream)
         return freed
 
     def _try_alloc(self, size_t size, uintptr_t stream_ptr):
@@ -346,7 +346,8 @@ cdef class PoolCore:
         err = cuMemAllocFromPoolAsync(&dptr, size, self._pool, <CUstream>stream_ptr)
         return int(err), int(dptr)
 
-    cdef _free(self, uintptr_t ptr, uintptr_t stream_ptr):
+    cdef _free(self, uintptr_t ptr, uintptr_t stream_ptr, object stream):
+        # ``stream``: the stream object when the caller has it (kept alive while held).
         cdef CUresult err
         cdef CUstreamCaptureStatus cap = 0
         if stream_ptr > 1:
@@ -354,18 +355,18 @@ cdef class PoolCore:
             # the capture): hold it until the capture ends.
             err = cuStreamIsCapturing(<CUstream>stream_ptr, &cap)
             if err != 0 or cap != 0:
-                self._hold_free(ptr, stream_ptr, int(err))
+                self._hold_free(ptr, stream_ptr, int(err), stream)
                 return
         if self._pool == NULL:
             self._backend_free(ptr, stream_ptr)
             return
         err = cuMemFreeAsync(<CUdeviceptr>ptr, <CUstream>stream_ptr)
         if err != 0:
-            self._free_failed(ptr, stream_ptr, int(err))
+            self._free_failed(ptr, stream_ptr, int(err), stream)
 
-    def _free_now(self, uintptr_t ptr, uintptr_t stream_ptr):
+    def _free_now(self, uintptr_t ptr, uintptr_t stream_ptr, stream=None):
         """Free a block a hook kept earlier (limbo, deferred pinned frees)."""
-        self._free(ptr, stream_ptr)
+        self._free(ptr, stream_ptr, stream)
 
     def _free_direct(self, uintptr_t ptr, uintptr_t stream_ptr):
         """The driver (or backend) free without the capture check; returns the CUresult."""
@@ -387,10 +388,10 @@ cdef class PoolCore:
     def _wait_recorded(self, stream, recorded):
         raise RuntimeError("record_stream needs a cupy_poolmem pool")
 
-    def _hold_free(self, ptr, stream_ptr, err):
+    def _hold_free(self, ptr, stream_ptr, err, stream):
         self.n_free_errors += 1
 
-    def _free_failed(self, ptr, stream_ptr, err):
+    def _free_failed(self, ptr, stream_ptr, err, stream):
         self.n_free_errors += 1
 
     def _drain_capture_held(self):

@@ -172,15 +172,15 @@ class PoolCore:
             self._cache.setdefault((stream_ptr, size), []).append((ptr, stream))
             self.cached_bytes += size
             return
-        self._free_now(ptr, stream_ptr)
+        self._free_now(ptr, stream_ptr, stream)
 
     def flush_cache(self) -> int:
         """Free every block held in the reuse cache (stream-ordered); returns bytes freed."""
         freed, cache = self.cached_bytes, self._cache
         self._cache, self.cached_bytes = {}, 0
         for (sptr, _size), entries in cache.items():
-            for ptr, _stream in entries:
-                self._free_now(ptr, sptr)
+            for ptr, stream in entries:
+                self._free_now(ptr, sptr, stream)
         return freed
 
     def malloc(self, size: Any) -> Any:
@@ -248,19 +248,20 @@ class PoolCore:
         err, p = _alloc(size, self._pool, stream_ptr)
         return int(err), (int(p) if not err else 0)
 
-    def _free_now(self, ptr: int, stream_ptr: int) -> None:
+    def _free_now(self, ptr: int, stream_ptr: int, stream: Any = None) -> None:
         """Free a block a hook kept earlier (limbo, deferred pinned frees)."""
+        # ``stream``: the stream object when the caller has it (kept alive while held).
         if stream_ptr > 1:
             err, cap = _is_capturing(stream_ptr)
             if err or cap:
-                self._hold_free(ptr, stream_ptr, int(err))
+                self._hold_free(ptr, stream_ptr, int(err), stream)
                 return
         if self._pool is None:
             self._backend_free(ptr, stream_ptr)
             return
         (err,) = _free(ptr, stream_ptr)
         if err:
-            self._free_failed(ptr, stream_ptr, int(err))
+            self._free_failed(ptr, stream_ptr, int(err), stream)
 
     def _free_direct(self, ptr: int, stream_ptr: int) -> int:
         """The driver (or backend) free without the capture check; returns the CUresult."""
@@ -283,10 +284,10 @@ class PoolCore:
     def _wait_recorded(self, stream: Any, recorded: Any) -> None:
         raise RuntimeError("record_stream needs a cupy_poolmem pool")
 
-    def _hold_free(self, ptr: int, stream_ptr: int, err: int) -> None:
+    def _hold_free(self, ptr: int, stream_ptr: int, err: int, stream: Any) -> None:
         self.n_free_errors += 1
 
-    def _free_failed(self, ptr: int, stream_ptr: int, err: int) -> None:
+    def _free_failed(self, ptr: int, stream_ptr: int, err: int, stream: Any) -> None:
         self.n_free_errors += 1
 
     def _drain_capture_held(self) -> None:

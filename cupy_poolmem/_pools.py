@@ -289,7 +289,7 @@ class Pool(_hp.PoolCore):
             )
         if state == _streams.CAPTURE_NONE:  # capture ended in between: the plain path
             return self.malloc(size)
-        _streams.note_capture(sptr)
+        _streams.note_capture(sptr, stream)
         if size == 0:
             return self._make_block(0, 0, stream, 0)
         if self.kind == _hp.KIND_PINNED:
@@ -348,23 +348,23 @@ class Pool(_hp.PoolCore):
     def _free_flagged(self, ptr: int, size: int, stream: Any, flags: int) -> bool:
         """Free path of blocks with FLAG_CAPTURED or FLAG_ADVISED; True when handled."""
         if flags & _hp.FLAG_CAPTURED:
-            self._free_captured(ptr, size, int(stream.ptr))
+            self._free_captured(ptr, size, stream)
             return True
         if flags & _hp.FLAG_ADVISED:
             self._reset_advice(ptr, size)
         return False
 
-    def _free_captured(self, ptr: int, size: int, sptr: int) -> None:
+    def _free_captured(self, ptr: int, size: int, stream: Any) -> None:
         """Free graph-owned memory: a free node inside its own capture, else after it."""
         with self._lock:
-            cap_id, sptr = self._graph_blocks.pop(ptr, (0, sptr))
+            cap_id, sptr = self._graph_blocks.pop(ptr, (0, int(stream.ptr)))
             self._graph_bytes -= size
         state, now_id = _streams.capture_info(sptr)
         if state == _streams.CAPTURE_INVALIDATED:
             return  # the graph is discarded with its allocations: nothing to free
         if state == _streams.CAPTURE_ACTIVE and now_id != cap_id:
             with self._lock:  # another capture on that stream: free once it is over
-                self._capture_held.append(("graph", ptr, size, sptr, None))
+                self._capture_held.append(("graph", ptr, size, sptr, stream))
                 self.n_capture_held = len(self._capture_held)
             return
         # In its capture: a free node.  After it: a plain stream-ordered free, which
@@ -379,20 +379,24 @@ class Pool(_hp.PoolCore):
 
         _reset_advice(ptr, size, self.device_id)
 
-    def _hold_free(self, ptr: int, stream_ptr: int, err: int) -> None:
-        """A driver free on a capturing stream: keep it until the capture ends."""
+    def _hold_free(self, ptr: int, stream_ptr: int, err: int, stream: Any = None) -> None:
+        """A driver free on a capturing stream: keep it until the capture ends.
+
+        ``stream`` (the stream object, when the caller had it) stays referenced with the
+        entry, so the handle is still valid when the free is done.
+        """
         if err and err not in _streams.CAPTURE_ERRORS:
             # Not a capture: the query failed (a destroyed stream?); free directly.
             if self._free_direct(ptr, stream_ptr):
                 self.n_free_errors += 1
             return
         with self._lock:
-            self._capture_held.append(("free", ptr, 0, stream_ptr, None))
+            self._capture_held.append(("free", ptr, 0, stream_ptr, stream))
             self.n_capture_held = len(self._capture_held)
 
-    def _free_failed(self, ptr: int, stream_ptr: int, err: int) -> None:
+    def _free_failed(self, ptr: int, stream_ptr: int, err: int, stream: Any = None) -> None:
         if err in _streams.CAPTURE_ERRORS:  # the legacy stream during a capture
-            self._hold_free(ptr, stream_ptr, err)
+            self._hold_free(ptr, stream_ptr, err, stream)
         else:
             self.n_free_errors += 1
 
@@ -410,7 +414,7 @@ class Pool(_hp.PoolCore):
                 keep.append(entry)
                 continue
             if what == "pinned":
-                self._defer_free(ptr, size, stream)
+                self._defer_free(ptr, size, stream)  # type: ignore[attr-defined]
                 continue
             if what == "graph":
                 err = int(_drv.cuMemFreeAsync(ptr, sptr)[0])
@@ -780,7 +784,7 @@ class PinnedPool(Pool):
                 self._pending.popleft()
             for e in events:
                 e.synchronize()
-            self._free_now(ptr, stream.ptr)
+            self._free_now(ptr, stream.ptr, stream)
             done += 1
 
     def _reclaim(self) -> None:

@@ -33,7 +33,9 @@ CAPTURE_INVALIDATED = 2
 CAPTURE_ERRORS = frozenset(range(900, 909))
 
 _lock = threading.Lock()
-_capturing: dict[int, None] = {}  # streams seen capturing by the pools (pruned lazily)
+# Streams seen capturing by the pools, with their stream objects: a handle is only
+# queried while its object (hence the stream) is alive.  Pruned once not capturing.
+_capturing: dict[int, Any] = {}
 
 
 def _drv() -> Any:
@@ -109,10 +111,10 @@ def capture_info(stream_ptr: int) -> tuple[int, int]:
     return status, (int(res[2]) if status == CAPTURE_ACTIVE else 0)
 
 
-def note_capture(stream_ptr: int) -> None:
+def note_capture(stream_ptr: int, stream: Any) -> None:
     """Remember a stream the pools saw capturing (for :func:`any_capture_underway`)."""
     with _lock:
-        _capturing[stream_ptr] = None
+        _capturing[stream_ptr] = stream
 
 
 def any_capture_underway() -> bool:

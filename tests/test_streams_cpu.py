@@ -81,6 +81,7 @@ def test_free_of_a_block_from_before_the_capture_waits_for_its_end(world):
     world.status[S] = (1, 7)
     del m  # a driver free now would be a free node of non-graph memory
     assert old not in _frees(world) and p.n_capture_held == 1
+    assert p._capture_held[0][4] is world.current  # the stream object is kept with it
     keep = p.malloc(64)  # allocations in the capture do not release it
     assert old not in _frees(world)
     del world.status[S]
