@@ -218,8 +218,35 @@ def test_arrays_made_in_a_capture_are_read_after_a_launch_and_freed_after_it(ipc
         assert pool.stats().graph_bytes == 0
         g.launch(s)  # refused by the driver if the first launch's allocation were live
         s.synchronize()
-        assert pool.stats().used_bytes == x.nbytes
+        assert pool.stats().used_bytes == x.nbytes and pool.n_free_errors == 0
         del g
+
+
+@pytest.mark.parametrize("ipc", [False, True])
+def test_arrays_made_in_a_capture_outlive_the_destroyed_graph(ipc):
+    n = 1 << 20
+    s = cupy.cuda.Stream(non_blocking=True)
+    with cpm.DevicePool(ipc=ipc) as pool, cpm.using(pool), s:
+        x = cupy.arange(n, dtype=cupy.int32)
+        y = x + 5  # warm-up
+        del y
+        s.synchronize()
+        graph0 = _graph_mem_used()
+        s.begin_capture()
+        y = x + 5
+        g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+        del g  # the graph goes; its output stays until freed
+        s.synchronize()
+        assert (y.get() == np.arange(n) + 5).all()
+        del y  # freed after the graph was destroyed
+        s.synchronize()
+        assert pool.n_free_errors == 0 and pool.stats().graph_bytes == 0
+        deadline = time.monotonic() + 5
+        while _graph_mem_used() > graph0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _graph_mem_used() <= graph0
 
 
 def test_a_block_from_before_the_capture_dropped_during_it_is_freed_after_it():
