@@ -24,6 +24,7 @@ from ._device import check_access, device_count, nearest_numa_node
 from ._errors import (
     CUDADriverError,
     InvalidOptionError,
+    InvalidSizeError,
     NoGPUError,
     OptionTypeError,
     OutOfPoolMemoryError,
@@ -41,11 +42,13 @@ from ._pools import (
     Pool,
     all_pools,
     hotpath_implementation,
+    managed_backend,
 )
 from ._poolstats import PoolStats
 from ._sharing import install as _install_sharing
 from ._sharing import settings as sharing
 from ._sizes import format_bytes, parse_bytes
+from ._streams import record_stream
 from .managed import advise, prefetch
 from .stats import (
     current_tag,
@@ -65,6 +68,7 @@ __all__ = [
     "CUDADriverError",
     "DevicePool",
     "InvalidOptionError",
+    "InvalidSizeError",
     "ManagedPool",
     "NoGPUError",
     "OptionTypeError",
@@ -99,9 +103,11 @@ __all__ = [
     "get_pinned_pool",
     "get_pool",
     "hotpath_implementation",
+    "managed_backend",
     "nearest_numa_node",
     "parse_bytes",
     "prefetch",
+    "record_stream",
     "set_allocator",
     "set_pinned_memory_allocator",
     "using",

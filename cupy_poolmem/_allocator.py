@@ -11,7 +11,7 @@ import cupy
 
 from ._device import nearest_numa_node, require_gpu, resolve_peer_access
 from ._errors import OptionTypeError, PoolClosedError
-from ._pools import DevicePool, PinnedPool, Pool, _hp
+from ._pools import DevicePool, PinnedPool, Pool, _hp, _raise_bad_size
 
 __all__ = [
     "set_allocator",
@@ -48,6 +48,9 @@ class PoolAllocator(_hp.Dispatch):
         # Calling the allocator runs Dispatch.__call__ (C level in the Cython build):
         # no Python frame between CuPy and the pool.
         super().__init__(self._create, require_gpu())
+
+    def _bad_size(self, size: Any) -> None:
+        _raise_bad_size(size, f"PoolAllocator({self.kind!r})")
 
     def _create(self, device: int) -> Pool:
         with self._plock:
@@ -207,6 +210,8 @@ def using(pool: Pool | Callable[[int], Any]) -> Iterator[Any]:
     ...     x = cupy.ones(100)
     """
     if isinstance(pool, PinnedPool):
+        if pool.closed:
+            pool._raise_closed()
         # CuPy has no getter for the pinned allocator: restore ours, or CuPy's default.
         prev = _current["pinned"] or cupy.get_default_pinned_memory_pool().malloc
         cupy.cuda.set_pinned_memory_allocator(pool.malloc)
@@ -215,6 +220,8 @@ def using(pool: Pool | Callable[[int], Any]) -> Iterator[Any]:
         finally:
             cupy.cuda.set_pinned_memory_allocator(prev)
         return
+    if isinstance(pool, Pool) and pool.closed:
+        pool._raise_closed()
     malloc = pool.malloc if isinstance(pool, Pool) else pool
     if not callable(malloc):
         raise OptionTypeError(

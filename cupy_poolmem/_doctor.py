@@ -132,6 +132,17 @@ def _access_rows(pools: list[Any], imported: dict[int, tuple[int, ...]]) -> list
     return rows
 
 
+def _managed_row(device: int) -> str:
+    """Which backend ManagedPool uses on ``device`` and why (runs the one-time probe)."""
+    try:
+        from ._pools import managed_backend
+
+        backend, reason = managed_backend(device)
+        return f"  GPU {device} managed backend: {backend!r} ({reason})"
+    except Exception as exc:
+        return f"  GPU {device} managed backend: unavailable ({type(exc).__name__}: {exc})"
+
+
 def self_check(out: Callable[[str], Any] = print) -> bool:
     """Write a pattern through each pool kind, read it back; return ``True`` if all pass."""
     import cupy
@@ -258,6 +269,8 @@ def doctor(out: Callable[[str], Any] = print, check: bool = True) -> int:
 
     for row in _peer_rows(peer_topology(n)) + _access_rows(all_pools(), granted_access()):
         out(row)
+    for i in range(n):
+        out(_managed_row(i))
     if not check:
         return 0
     out("self-check (write a pattern, read it back):")

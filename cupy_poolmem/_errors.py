@@ -18,6 +18,7 @@ __all__ = [
     "WrongDeviceError",
     "InvalidOptionError",
     "OptionTypeError",
+    "InvalidSizeError",
     "NoGPUError",
     "UnsupportedError",
     "CUDADriverError",
@@ -48,6 +49,15 @@ class InvalidOptionError(PoolmemError, ValueError):
 
 class OptionTypeError(PoolmemError, TypeError):
     """An option has a value of the wrong type."""
+
+
+class InvalidSizeError(PoolmemError, OverflowError, ValueError):
+    """An allocation size is negative or does not fit in ``size_t``.
+
+    Derives from :class:`OverflowError`, what CuPy's own allocators raise for such a
+    size, and from :class:`ValueError`.  A size that is not an integer raises
+    :class:`OptionTypeError` (a :class:`TypeError`) instead.
+    """
 
 
 class NoGPUError(PoolmemError, RuntimeError):
@@ -98,7 +108,7 @@ class OutOfPoolMemoryError(PoolmemError, _CupyOutOfMemoryError):
         The pool's :class:`~cupy_poolmem.PoolStats` when the error was raised.
     """
 
-    def __init__(self, pool: str, size: int, stats: Any = None) -> None:
+    def __init__(self, pool: str, size: int, stats: Any = None, detail: str | None = None) -> None:
         self.pool, self.size, self.stats = pool, int(size), stats
         used = getattr(stats, "used_bytes", 0)
         reserved = getattr(stats, "reserved_bytes", 0)
@@ -109,7 +119,9 @@ class OutOfPoolMemoryError(PoolmemError, _CupyOutOfMemoryError):
         self.args = (
             f"{pool}: out of memory allocating {int(size):,} bytes "
             f"(used {used:,} bytes, reserved {reserved:,} bytes, limit {lim}) "
-            "after garbage collection, collecting shared blocks and trimming the pool",
+            + (
+                detail or "after garbage collection, collecting shared blocks and trimming the pool"
+            ),
         )
 
     def __str__(self) -> str:
@@ -124,12 +136,12 @@ class PinnedOutOfMemoryError(PoolmemError, _CUDARuntimeError):
     to a synchronous copy, so the fallback keeps working with a :class:`PinnedPool`.
     """
 
-    def __init__(self, pool: str, size: int, stats: Any = None) -> None:
+    def __init__(self, pool: str, size: int, stats: Any = None, detail: str | None = None) -> None:
         _CUDARuntimeError.__init__(self, _CUDA_ERROR_MEMORY_ALLOCATION)
         self.pool, self.size, self.stats = pool, int(size), stats
         self.args = (
             f"{pool}: out of pinned memory allocating {int(size):,} bytes "
-            "(cudaErrorMemoryAllocation)",
+            "(cudaErrorMemoryAllocation)" + (f": {detail}" if detail else ""),
         )
 
     def __str__(self) -> str:

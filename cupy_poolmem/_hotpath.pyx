@@ -8,6 +8,15 @@ pure-Python twin used when this extension is not built; keep the two in step.
 
 Stream rule (documented for users): a block is allocated on CuPy's current stream
 and freed, stream-ordered, on that same stream when its last reference goes away.
+Streams recorded with ``record_stream`` make that free wait for their work first.
+
+Graph capture: handles 0 and 1 name the legacy default stream, which cannot be
+captured.  For any other stream the allocation asks the driver once whether it is
+capturing (``cuStreamIsCapturing``) before the reuse cache is looked at; a capturing
+stream goes to the pool's ``_capture_malloc`` slow path, which hands out graph-owned
+memory flagged ``FLAG_CAPTURED``.  Such a block never enters the reuse cache, and no
+cached block is ever handed to a capture.  A driver free on a stream that is
+capturing is held by the pool until the capture ends.
 """
 
 cimport cython
@@ -22,8 +31,9 @@ from cupy.cuda.pinned_memory import PinnedMemoryPointer as _PinnedMemoryPointer
 from cupy.cuda.stream import get_current_stream as _get_current_stream
 
 import cuda.bindings.cydriver as _cydriver
+from operator import index as _operator_index
 
-# The three driver calls of the hot path, taken from cuda.bindings' compiled
+# The four driver calls of the hot path, taken from cuda.bindings' compiled
 # ``cydriver`` module (its exported C functions, which load libcuda themselves).
 # Resolving them at import time, with their signatures checked, means this module
 # needs no CUDA header to build and works with any cuda-bindings release that
@@ -34,9 +44,11 @@ ctypedef int CUdevice
 ctypedef unsigned long long CUdeviceptr
 ctypedef void* CUmemoryPool
 ctypedef void* CUstream
+ctypedef int CUstreamCaptureStatus
 ctypedef CUresult (*_alloc_fn)(CUdeviceptr*, size_t, CUmemoryPool, CUstream) except ?500 nogil
 ctypedef CUresult (*_free_fn)(CUdeviceptr, CUstream) except ?500 nogil
 ctypedef CUresult (*_ctxdev_fn)(CUdevice*) except ?500 nogil
+ctypedef CUresult (*_capturing_fn)(CUstream, CUstreamCaptureStatus*) except ?500 nogil
 
 
 cdef void* _driver_fn(str name, bytes signature) except NULL:
@@ -55,6 +67,8 @@ cdef _free_fn cuMemFreeAsync = <_free_fn>_driver_fn(
     "cuMemFreeAsync", b"CUresult (CUdeviceptr, CUstream)")
 cdef _ctxdev_fn cuCtxGetDevice = <_ctxdev_fn>_driver_fn(
     "cuCtxGetDevice", b"CUresult (CUdevice *)")
+cdef _capturing_fn cuStreamIsCapturing = <_capturing_fn>_driver_fn(
+    "cuStreamIsCapturing", b"CUresult (CUstream, CUstreamCaptureStatus *)")
 
 # CuPy exports its C function for the current stream's handle; calling it directly
 # costs nanoseconds where get_current_stream() costs a Python call.
@@ -77,6 +91,16 @@ KIND_DEVICE = 0
 KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "cython"
+# Bumped whenever the interface the pools use changes: a stale build is not used.
+VERSION = 2
+
+# Block.flags: why a block's free leaves the plain path (one test when none is set).
+FLAG_RECORDED = 1   # record_stream: the free waits for the recorded streams first
+FLAG_CAPTURED = 2   # graph-owned memory from a stream capture: never cached
+FLAG_ADVISED = 4    # managed memory given hints: they are reset before reuse
+cdef unsigned int _FLAG_RECORDED = 1
+cdef unsigned int _FLAG_ADVISED = 4
+cdef unsigned int _FLAG_SPECIAL = 2 | 4
 
 # Set by cupy_poolmem._sharing: called as fn(ptr, size, stream, share) for a block
 # that was exported to other processes; returns True when it kept the block (limbo).
@@ -86,6 +110,15 @@ _shared_release = None
 def set_shared_release(fn):
     global _shared_release
     _shared_release = fn
+
+
+cdef object _index(object owner, object size):
+    """A size that is not exactly an int: ``__index__`` (no float truncation), as the twin."""
+    try:
+        return _operator_index(size)
+    except TypeError:
+        owner._bad_size(size)
+        raise
 
 
 @cython.freelist(256)
@@ -99,7 +132,34 @@ cdef class Block:
     cdef readonly PoolCore core
     cdef public object share   # sharing record once exported (see _sharing.py)
     cdef public object info    # tracking record (tag, call site) when observed
+    cdef readonly unsigned int flags  # FLAG_* bits; 0 on the plain path
+    cdef object _recorded      # None, or [(stream handle, device, stream object), ...]
     cdef object __weakref__
+
+    @property
+    def recorded_streams(self):
+        """The streams given to ``record_stream`` for this block, as a tuple."""
+        if self._recorded is None:
+            return ()
+        return tuple(e[2] for e in self._recorded)
+
+    def wait_recorded(self, stream):
+        """Make ``stream`` wait (on the device) for the work now on the recorded streams."""
+        if self._recorded is not None:
+            self.core._wait_recorded(stream, self._recorded)
+
+    def _record(self, entry):
+        """Add a ``(handle, device, stream)`` entry (``record_stream`` validated it)."""
+        if self._recorded is None:
+            self._recorded = []
+        for e in self._recorded:
+            if e[0] == entry[0] and e[1] == entry[1]:
+                return
+        self._recorded.append(entry)
+        self.flags |= _FLAG_RECORDED
+
+    def _mark_advised(self):
+        self.flags |= _FLAG_ADVISED
 
     def __dealloc__(self):
         cdef PoolCore core = self.core
@@ -108,6 +168,10 @@ cdef class Block:
         core.n_frees += 1
         core.live_bytes -= self.size
         try:
+            if self.flags & _FLAG_RECORDED:
+                # First, so every later path (cache, sharing limbo, pinned deferral,
+                # the driver free) is ordered after the recorded streams' work.
+                core._wait_recorded(self.stream, self._recorded)
             if core.observer is not None:
                 core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
             if self.share is not None and _shared_release is not None:
@@ -115,6 +179,9 @@ cdef class Block:
                     return
             if core.release_hook is not None:
                 if core.release_hook(self.ptr, self.size, self.stream):
+                    return
+            if self.flags & _FLAG_SPECIAL:
+                if core._free_flagged(self.ptr, self.size, self.stream, self.flags):
                     return
         except BaseException:
             # Never free memory whose fate a hook could not decide: leaking is safe,
@@ -152,6 +219,8 @@ cdef class PoolCore:
     cdef public size_t cache_max_block
     cdef readonly size_t cached_bytes
     cdef public size_t soft_limit    # 0, or max live bytes (checked before the driver)
+    cdef public size_t n_capture_held  # driver frees held until a capture ends
+    cdef public object _backend      # allocator object when there is no CUDA pool
 
     def _attach(self, uintptr_t pool_handle, int device_id, int kind):
         self._pool = <CUmemoryPool>pool_handle
@@ -167,15 +236,23 @@ cdef class PoolCore:
         """Refuse allocations without touching CUDA (after a fork)."""
         self.closed = True
 
-    def malloc(self, size_t size):
+    def malloc(self, size):
         """Allocate ``size`` bytes on CuPy's current stream; see the pool's docstring."""
-        return self._malloc(size, False)
+        cdef size_t n
+        if type(size) is not int:
+            size = _index(self, size)
+        try:
+            n = size
+        except OverflowError:
+            self._bad_size(size)
+            raise
+        return self._malloc(n, False)
 
     cdef object _malloc(self, size_t size, bint device_checked):
         cdef CUdevice cur = -1
         cdef CUdeviceptr dptr = 0
         cdef CUresult err
-        cdef Block b
+        cdef CUstreamCaptureStatus cap = 0
         cdef uintptr_t sptr
         cdef list hit
         if self.closed:
@@ -185,6 +262,10 @@ cdef class PoolCore:
             if err != 0 or cur != self.device_id:
                 self._raise_wrong_device(int(cur))
         sptr = _current_stream_ptr()
+        if sptr > 1:  # 0 and 1 are the legacy stream, which cannot capture
+            err = cuStreamIsCapturing(<CUstream>sptr, &cap)
+            if err != 0 or cap != 0:
+                return self._capture_malloc(size, int(err), int(cap))
         stream = None
         if size != 0:
             if self.soft_limit and self.live_bytes + size > self.soft_limit:
@@ -198,17 +279,31 @@ cdef class PoolCore:
             if dptr == 0:
                 stream = _get_current_stream()
                 sptr = stream.ptr
-                err = cuMemAllocFromPoolAsync(&dptr, size, self._pool, <CUstream>sptr)
-                if err != 0:
-                    dptr = self._alloc_failed(int(err), size, stream)
+                if self.n_capture_held:
+                    self._drain_capture_held()
+                if self._pool != NULL:
+                    err = cuMemAllocFromPoolAsync(&dptr, size, self._pool, <CUstream>sptr)
+                    if err != 0:
+                        dptr = self._alloc_failed(int(err), size, stream)
+                else:
+                    dptr = self._backend_alloc(size, stream)
         else:
             stream = _get_current_stream()
-        b = Block.__new__(Block)
+        return self._wrap(dptr, size, sptr, stream, 0)
+
+    def _make_block(self, uintptr_t ptr, size_t size, stream, unsigned int flags):
+        """A live block for memory a slow path allocated (graph capture)."""
+        return self._wrap(ptr, size, stream.ptr, stream, flags)
+
+    cdef object _wrap(self, CUdeviceptr dptr, size_t size, uintptr_t sptr, object stream,
+                      unsigned int flags):
+        cdef Block b = Block.__new__(Block)
         b.ptr = dptr
         b.size = size
         b.stream_ptr = sptr
         b.stream = stream
         b.core = self
+        b.flags = flags
         self.n_allocs += 1
         self.live_bytes += size
         if self.live_bytes > self.peak_live_bytes:
@@ -230,7 +325,7 @@ cdef class PoolCore:
             lst.append((ptr, stream))
             self.cached_bytes += size
             return
-        self._free(ptr, stream_ptr)
+        self._free(ptr, stream_ptr, stream)
 
     def flush_cache(self):
         """Free every block held in the reuse cache (stream-ordered); returns bytes freed."""
@@ -239,26 +334,78 @@ cdef class PoolCore:
         self.cached_bytes = 0
         for (sptr, size), entries in cache.items():
             for ptr, stream in entries:
-                self._free(ptr, sptr)
+                self._free(ptr, sptr, stream)
         return freed
 
     def _try_alloc(self, size_t size, uintptr_t stream_ptr):
         """One raw attempt: returns ``(CUresult, ptr)``; used by the slow paths."""
         cdef CUdeviceptr dptr = 0
-        cdef CUresult err = cuMemAllocFromPoolAsync(
-            &dptr, size, self._pool, <CUstream>stream_ptr)
+        cdef CUresult err
+        if self._pool == NULL:
+            return self._backend_try(size, stream_ptr)
+        err = cuMemAllocFromPoolAsync(&dptr, size, self._pool, <CUstream>stream_ptr)
         return int(err), int(dptr)
 
-    cdef _free(self, uintptr_t ptr, uintptr_t stream_ptr):
-        cdef CUresult err = cuMemFreeAsync(<CUdeviceptr>ptr, <CUstream>stream_ptr)
+    cdef _free(self, uintptr_t ptr, uintptr_t stream_ptr, object stream):
+        # ``stream``: the stream object when the caller has it (kept alive while held).
+        cdef CUresult err
+        cdef CUstreamCaptureStatus cap = 0
+        if stream_ptr > 1:
+            # A free on a capturing stream would become a graph node (or invalidate
+            # the capture): hold it until the capture ends.
+            err = cuStreamIsCapturing(<CUstream>stream_ptr, &cap)
+            if err != 0 or cap != 0:
+                self._hold_free(ptr, stream_ptr, int(err), stream)
+                return
+        if self._pool == NULL:
+            self._backend_free(ptr, stream_ptr)
+            return
+        err = cuMemFreeAsync(<CUdeviceptr>ptr, <CUstream>stream_ptr)
         if err != 0:
-            self.n_free_errors += 1
+            self._free_failed(ptr, stream_ptr, int(err), stream)
 
-    def _free_now(self, uintptr_t ptr, uintptr_t stream_ptr):
+    def _free_now(self, uintptr_t ptr, uintptr_t stream_ptr, stream=None):
         """Free a block a hook kept earlier (limbo, deferred pinned frees)."""
-        self._free(ptr, stream_ptr)
+        self._free(ptr, stream_ptr, stream)
+
+    def _free_direct(self, uintptr_t ptr, uintptr_t stream_ptr):
+        """The driver (or backend) free without the capture check; returns the CUresult."""
+        if self._pool == NULL:
+            self._backend_free(ptr, stream_ptr)
+            return 0
+        return int(cuMemFreeAsync(<CUdeviceptr>ptr, <CUstream>stream_ptr))
 
     # Slow paths, overridden by the Python pool classes.
+    def _bad_size(self, size):
+        pass  # the caller re-raises the conversion error
+
+    def _capture_malloc(self, size, err, status):
+        raise RuntimeError(f"stream capture (CUresult {err}, status {status})")
+
+    def _free_flagged(self, ptr, size, stream, flags):
+        return False
+
+    def _wait_recorded(self, stream, recorded):
+        raise RuntimeError("record_stream needs a cupy_poolmem pool")
+
+    def _hold_free(self, ptr, stream_ptr, err, stream):
+        self.n_free_errors += 1
+
+    def _free_failed(self, ptr, stream_ptr, err, stream):
+        self.n_free_errors += 1
+
+    def _drain_capture_held(self):
+        pass
+
+    def _backend_alloc(self, size, stream):
+        raise MemoryError("no allocator")
+
+    def _backend_try(self, size, stream_ptr):
+        return 2, 0
+
+    def _backend_free(self, ptr, stream_ptr):
+        self.n_free_errors += 1
+
     def _raise_closed(self):
         raise RuntimeError("pool is closed")
 
@@ -281,14 +428,25 @@ cdef class Dispatch:
         self._mallocs = [None] * n_devices
         self._create = create
 
-    def __call__(self, size_t size):
+    def __call__(self, size):
         cdef CUdevice d = 0
+        cdef size_t n
+        if type(size) is not int:
+            size = _index(self, size)
+        try:
+            n = size
+        except OverflowError:
+            self._bad_size(size)
+            raise
         if cuCtxGetDevice(&d) != 0 or d >= len(self._mallocs):
-            return self._slow(-1).malloc(size)
+            return self._slow(-1).malloc(n)
         p = self._mallocs[d]
         if p is None:
             p = self._slow(d)
-        return (<PoolCore>p)._malloc(size, (<PoolCore>p).device_id == d)
+        return (<PoolCore>p)._malloc(n, (<PoolCore>p).device_id == d)
+
+    def _bad_size(self, size):
+        pass  # the caller re-raises the conversion error
 
     def _slow(self, int d):
         if d < 0:

@@ -1,11 +1,14 @@
 """Pure-Python twin of ``_hotpath.pyx``, used when the extension is not built.
 
 Same classes, same behaviour, roughly 1.6x slower per allocation (see
-``benchmarks/alloc.py``).  Keep the two files in step.
+``benchmarks/alloc.py``).  Keep the two files in step: ``tests/test_hotpath_cpu.py``
+compares their names and signatures, and ``.ci/gpu tests`` runs the GPU suites of
+the pools, sharing and Dask a second time with ``CUPY_POOLMEM_PURE_PYTHON=1``.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from cuda.bindings import driver as _drv
@@ -18,11 +21,20 @@ KIND_DEVICE = 0
 KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
+# Bumped whenever the interface the pools use changes: a stale build is not used.
+VERSION = 2
+
+FLAG_RECORDED = 1
+FLAG_CAPTURED = 2
+FLAG_ADVISED = 4
+_FLAG_SPECIAL = FLAG_CAPTURED | FLAG_ADVISED
+_SIZE_MAX = 2**64 - 1
 
 _shared_release = None
 _alloc = _drv.cuMemAllocFromPoolAsync
 _free = _drv.cuMemFreeAsync
 _ctx_device = _drv.cuCtxGetDevice
+_is_capturing = _drv.cuStreamIsCapturing
 
 
 def set_shared_release(fn: Any) -> None:
@@ -30,10 +42,56 @@ def set_shared_release(fn: Any) -> None:
     _shared_release = fn
 
 
+def _as_size(size: Any) -> int:
+    """What Cython's ``size_t`` conversion does: ``__index__``, then the range check."""
+    n = operator.index(size)  # TypeError for floats, strings, None ...
+    if n < 0:
+        raise OverflowError("can't convert negative value to size_t")
+    if n > _SIZE_MAX:
+        raise OverflowError("int too big to convert")
+    return n
+
+
 class Block:
     """One live pool allocation; CuPy's memory object owns it through ``UnownedMemory``."""
 
-    __slots__ = ("ptr", "size", "stream_ptr", "stream", "core", "share", "info", "__weakref__")
+    __slots__ = (
+        "ptr",
+        "size",
+        "stream_ptr",
+        "stream",
+        "core",
+        "share",
+        "info",
+        "flags",
+        "_recorded",
+        "__weakref__",
+    )
+
+    @property
+    def recorded_streams(self) -> tuple:
+        """The streams given to ``record_stream`` for this block, as a tuple."""
+        if self._recorded is None:
+            return ()
+        return tuple(e[2] for e in self._recorded)
+
+    def wait_recorded(self, stream: Any) -> None:
+        """Make ``stream`` wait (on the device) for the work now on the recorded streams."""
+        if self._recorded is not None:
+            self.core._wait_recorded(stream, self._recorded)
+
+    def _record(self, entry: Any) -> None:
+        """Add a ``(handle, device, stream)`` entry (``record_stream`` validated it)."""
+        if self._recorded is None:
+            self._recorded = []
+        for e in self._recorded:
+            if e[0] == entry[0] and e[1] == entry[1]:
+                return
+        self._recorded.append(entry)
+        self.flags |= FLAG_RECORDED
+
+    def _mark_advised(self) -> None:
+        self.flags |= FLAG_ADVISED
 
     def __del__(self) -> None:
         core = self.core
@@ -42,6 +100,8 @@ class Block:
         core.n_frees += 1
         core.live_bytes -= self.size
         try:
+            if self.flags & FLAG_RECORDED:
+                core._wait_recorded(self.stream, self._recorded)
             if core.observer is not None:
                 core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
             if self.share is not None and _shared_release is not None:
@@ -49,6 +109,9 @@ class Block:
                     return
             if core.release_hook is not None:
                 if core.release_hook(self.ptr, self.size, self.stream):
+                    return
+            if self.flags & _FLAG_SPECIAL:
+                if core._free_flagged(self.ptr, self.size, self.stream, self.flags):
                     return
         except BaseException:
             core.n_free_errors += 1
@@ -61,7 +124,7 @@ class Block:
 class PoolCore:
     """The per-pool state the hot path needs; Python pool classes subclass it.
 
-    See ``_hotpath.pyx`` for the reuse cache.
+    See ``_hotpath.pyx`` for the reuse cache and the capture check.
     """
 
     def __init__(self) -> None:  # pragma: no cover - subclasses call _attach
@@ -83,9 +146,11 @@ class PoolCore:
     cache_max_block = 0
     cached_bytes = 0
     soft_limit = 0
+    n_capture_held = 0
+    _backend: Any = None
 
     def _attach(self, pool_handle: int, device_id: int, kind: int) -> None:
-        self._pool = _drv.CUmemoryPool(pool_handle)
+        self._pool = _drv.CUmemoryPool(pool_handle) if pool_handle else None
         self.device_id = device_id
         self.kind = kind
         self._cache: dict = {}
@@ -107,29 +172,37 @@ class PoolCore:
             self._cache.setdefault((stream_ptr, size), []).append((ptr, stream))
             self.cached_bytes += size
             return
-        self._free_now(ptr, stream_ptr)
+        self._free_now(ptr, stream_ptr, stream)
 
     def flush_cache(self) -> int:
         """Free every block held in the reuse cache (stream-ordered); returns bytes freed."""
         freed, cache = self.cached_bytes, self._cache
         self._cache, self.cached_bytes = {}, 0
         for (sptr, _size), entries in cache.items():
-            for ptr, _stream in entries:
-                self._free_now(ptr, sptr)
+            for ptr, stream in entries:
+                self._free_now(ptr, sptr, stream)
         return freed
 
-    def malloc(self, size: int) -> Any:
+    def malloc(self, size: Any) -> Any:
         """Allocate ``size`` bytes on CuPy's current stream; see the pool's docstring."""
+        if size.__class__ is not int or size < 0 or size > _SIZE_MAX:
+            try:
+                size = _as_size(size)
+            except (TypeError, OverflowError):
+                self._bad_size(size)
+                raise
         if self.closed:
             self._raise_closed()
-        if size < 0:
-            raise OverflowError(f"can't allocate a negative size ({size})")
         if self.kind != KIND_PINNED:
             err, cur = _ctx_device()
             if err or int(cur) != self.device_id:
                 self._raise_wrong_device(int(cur) if not err else -1)
         stream = _get_current_stream()
         sptr = stream.ptr
+        if sptr > 1:  # 0 and 1 are the legacy stream, which cannot capture
+            err, cap = _is_capturing(sptr)
+            if err or cap:
+                return self._capture_malloc(size, int(err), int(cap))
         dptr = 0
         if size:
             if self.soft_limit and self.live_bytes + size > self.soft_limit:
@@ -140,11 +213,24 @@ class PoolCore:
                     dptr, _ = hit.pop()
                     self.cached_bytes -= size
             if not dptr:
-                err, p = _alloc(size, self._pool, sptr)
-                dptr = int(p) if not err else self._alloc_failed(int(err), size, stream)
+                if self.n_capture_held:
+                    self._drain_capture_held()
+                if self._pool is not None:
+                    err, p = _alloc(size, self._pool, sptr)
+                    dptr = int(p) if not err else self._alloc_failed(int(err), size, stream)
+                else:
+                    dptr = self._backend_alloc(size, stream)
+        return self._wrap(dptr, size, sptr, stream, 0)
+
+    def _make_block(self, ptr: int, size: int, stream: Any, flags: int) -> Any:
+        """A live block for memory a slow path allocated (graph capture)."""
+        return self._wrap(ptr, size, stream.ptr, stream, flags)
+
+    def _wrap(self, dptr: int, size: int, sptr: int, stream: Any, flags: int) -> Any:
         b = Block()
         b.ptr, b.size, b.stream_ptr, b.stream, b.core = dptr, size, sptr, stream, self
-        b.share = b.info = None
+        b.share = b.info = b._recorded = None
+        b.flags = flags
         self.n_allocs += 1
         self.live_bytes += size
         if self.live_bytes > self.peak_live_bytes:
@@ -156,13 +242,65 @@ class PoolCore:
         return _MemoryPointer(_UnownedMemory(dptr, size, b, self.device_id), 0)
 
     def _try_alloc(self, size: int, stream_ptr: int) -> tuple[int, int]:
+        """One raw attempt: returns ``(CUresult, ptr)``; used by the slow paths."""
+        if self._pool is None:
+            return self._backend_try(size, stream_ptr)
         err, p = _alloc(size, self._pool, stream_ptr)
         return int(err), (int(p) if not err else 0)
 
-    def _free_now(self, ptr: int, stream_ptr: int) -> None:
+    def _free_now(self, ptr: int, stream_ptr: int, stream: Any = None) -> None:
+        """Free a block a hook kept earlier (limbo, deferred pinned frees)."""
+        # ``stream``: the stream object when the caller has it (kept alive while held).
+        if stream_ptr > 1:
+            err, cap = _is_capturing(stream_ptr)
+            if err or cap:
+                self._hold_free(ptr, stream_ptr, int(err), stream)
+                return
+        if self._pool is None:
+            self._backend_free(ptr, stream_ptr)
+            return
         (err,) = _free(ptr, stream_ptr)
         if err:
-            self.n_free_errors += 1
+            self._free_failed(ptr, stream_ptr, int(err), stream)
+
+    def _free_direct(self, ptr: int, stream_ptr: int) -> int:
+        """The driver (or backend) free without the capture check; returns the CUresult."""
+        if self._pool is None:
+            self._backend_free(ptr, stream_ptr)
+            return 0
+        (err,) = _free(ptr, stream_ptr)
+        return int(err)
+
+    # Slow paths, overridden by the Python pool classes.
+    def _bad_size(self, size: Any) -> None:
+        pass  # the caller re-raises the conversion error
+
+    def _capture_malloc(self, size: int, err: int, status: int) -> Any:
+        raise RuntimeError(f"stream capture (CUresult {err}, status {status})")
+
+    def _free_flagged(self, ptr: int, size: int, stream: Any, flags: int) -> bool:
+        return False
+
+    def _wait_recorded(self, stream: Any, recorded: Any) -> None:
+        raise RuntimeError("record_stream needs a cupy_poolmem pool")
+
+    def _hold_free(self, ptr: int, stream_ptr: int, err: int, stream: Any) -> None:
+        self.n_free_errors += 1
+
+    def _free_failed(self, ptr: int, stream_ptr: int, err: int, stream: Any) -> None:
+        self.n_free_errors += 1
+
+    def _drain_capture_held(self) -> None:
+        pass
+
+    def _backend_alloc(self, size: int, stream: Any) -> int:
+        raise MemoryError("no allocator")
+
+    def _backend_try(self, size: int, stream_ptr: int) -> tuple[int, int]:
+        return 2, 0
+
+    def _backend_free(self, ptr: int, stream_ptr: int) -> None:
+        self.n_free_errors += 1
 
     def _raise_closed(self) -> None:
         raise RuntimeError("pool is closed")
@@ -184,15 +322,26 @@ class Dispatch:
         self._mallocs: list[Any] = [None] * n_devices
         self._create = create
 
-    def __call__(self, size: int) -> Any:
+    def __call__(self, size: Any) -> Any:
+        if size.__class__ is not int or size < 0 or size > _SIZE_MAX:
+            try:
+                size = _as_size(size)
+            except (TypeError, OverflowError):
+                self._bad_size(size)
+                raise
         err, d = _ctx_device()
-        d = int(d)
-        if err or d >= len(self._mallocs):
+        # As the Cython version: no current context (a fresh thread) or an ordinal
+        # past the table goes to the slow path, which asks CuPy for the device.
+        if err or int(d) >= len(self._mallocs):
             return self._slow(-1).malloc(size)
+        d = int(d)
         p = self._mallocs[d]
         if p is None:
             p = self._slow(d)
         return p.malloc(size)
+
+    def _bad_size(self, size: Any) -> None:
+        pass  # the caller re-raises the conversion error
 
     def _slow(self, d: int) -> Any:
         if d < 0:

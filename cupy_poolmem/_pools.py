@@ -19,6 +19,7 @@ import cuda.core as cc
 import cupy
 from cuda.bindings import driver as _drv
 
+from . import _streams
 from ._device import (
     check_device,
     device_count,
@@ -30,6 +31,7 @@ from ._device import (
 from ._errors import (
     CUDADriverError,
     InvalidOptionError,
+    InvalidSizeError,
     OptionTypeError,
     OutOfPoolMemoryError,
     PinnedOutOfMemoryError,
@@ -48,6 +50,11 @@ else:
         from . import _hotpath as _hp  # type: ignore[no-redef]
     except (ImportError, TypeError, ValueError):  # not built, or built against other ABIs
         from . import _hotpath_py as _hp  # type: ignore[no-redef]
+    else:
+        from . import _hotpath_py as _twin
+
+        if getattr(_hp, "VERSION", None) != _twin.VERSION:  # built from an older source
+            _hp = _twin  # type: ignore[assignment]
 
 __all__ = [
     "DevicePool",
@@ -56,11 +63,13 @@ __all__ = [
     "Pool",
     "all_pools",
     "hotpath_implementation",
+    "managed_backend",
 ]
 
 _UINT64_MAX = 2**64 - 1
 _CACHE_MAX_BLOCK = 64 << 20  # blocks above this size always go back to the CUDA pool
 _CUDA_ERROR_OUT_OF_MEMORY = 2
+_CUDA_ERROR_NOT_SUPPORTED = 801
 _A = _drv.CUmemPool_attribute
 
 # Every pool alive in this process (statistics(), logs and sharing walk it).
@@ -102,6 +111,48 @@ def _pool_handle(mr: Any) -> Any:
     return _drv.CUmemoryPool(int(mr.handle))
 
 
+def _raise_bad_size(size: Any, who: str) -> None:
+    """The typed error for a size CuPy's ``size_t`` conversion refused."""
+    import operator
+
+    try:
+        n = operator.index(size)
+    except TypeError:
+        raise OptionTypeError(
+            f"{who}(size={size!r}): the size must be an integer number of bytes, not "
+            f"{type(size).__name__}; pass int(nbytes)"
+        ) from None
+    what = "negative" if n < 0 else f"larger than {_UINT64_MAX:,} (size_t)"
+    raise InvalidSizeError(
+        f"{who}(size={n}): the size is {what}; pass the number of bytes to allocate, "
+        "an integer >= 0"
+    ) from None
+
+
+_graph_templates: dict[int, Any] = {}
+
+
+def _graph_template(device: int) -> Any:
+    """A pool without IPC whose properties graph allocation nodes of ``device`` can use.
+
+    Created on first need, which is during a capture: under the relaxed capture mode
+    so that a global-mode capture does not forbid it.  It never allocates itself.
+    """
+    mr = _graph_templates.get(device)
+    if mr is None:
+        with _streams.relaxed_capture_mode():
+            mr = cc.DeviceMemoryResource(device, cc.DeviceMemoryResourceOptions(ipc_enabled=False))
+        mr = _graph_templates.setdefault(device, mr)
+    return _pool_handle(mr)
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def _set_attr(mr: Any, attr: Any, value: int) -> None:
     check_driver(
         _drv.cuMemPoolSetAttribute(_pool_handle(mr), attr, _drv.cuuint64_t(value)),
@@ -131,7 +182,13 @@ class Pool(_hp.PoolCore):
         Pool._serial_counter += 1
         self._serial = Pool._serial_counter
         self._held_for_sharing = 0
-        self._attach(int(mr.handle), device, kind)
+        self._capacity = 0  # bytes no allocation can exceed (0: unknown)
+        self._graph_blocks: dict[int, tuple[int, int]] = {}  # ptr -> (capture id, stream)
+        self._graph_bytes = 0
+        self.n_graph_allocs = 0
+        self._capture_held: list[tuple] = []  # frees waiting for a capture to end
+        self._alloc_call = "cuMemAllocFromPoolAsync"
+        self._attach(int(mr.handle) if mr is not None else 0, device, kind)
         self.soft_limit = max_size  # enforced in the hot path too (host pools ignore maxSize)
         self.cache_limit = reuse_cache
         self.cache_max_block = min(reuse_cache, _CACHE_MAX_BLOCK)
@@ -175,9 +232,25 @@ class Pool(_hp.PoolCore):
             "cupy_poolmem.set_allocator(), which keeps one pool per device."
         )
 
+    def _bad_size(self, size: Any) -> None:
+        _raise_bad_size(size, f"{self._describe()}.malloc")
+
+    def _oom_error(self, size: int, detail: str | None = None) -> Exception:
+        cls = PinnedOutOfMemoryError if self.kind == _hp.KIND_PINNED else OutOfPoolMemoryError
+        return cls(self._describe(), size, self.stats(), detail)
+
     def _alloc_failed(self, err: int, size: int, stream: Any) -> int:
+        if self._capacity and size > self._capacity:
+            # Nothing to reclaim can help: say so instead of trimming everything first.
+            self.n_oom += 1
+            raise self._oom_error(
+                size,
+                f"- that is more than the {format_bytes(self._capacity)} "
+                f"{'of host memory' if self.kind == _hp.KIND_PINNED else 'the device has'}; "
+                "check the size (a unit or shape mistake?) or split the allocation",
+            )
         if err != _CUDA_ERROR_OUT_OF_MEMORY:
-            check_driver((_drv.CUresult(err),), "cuMemAllocFromPoolAsync")
+            check_driver((_drv.CUresult(err),), self._alloc_call)
         self.n_oom += 1
         self._reclaim()
         if self.soft_limit and self.live_bytes + size > self.soft_limit:
@@ -187,12 +260,15 @@ class Pool(_hp.PoolCore):
         if err == 0:
             return ptr
         if err != _CUDA_ERROR_OUT_OF_MEMORY:
-            check_driver((_drv.CUresult(err),), "cuMemAllocFromPoolAsync")
-        cls = PinnedOutOfMemoryError if self.kind == _hp.KIND_PINNED else OutOfPoolMemoryError
-        raise cls(self._describe(), size, self.stats())
+            check_driver((_drv.CUresult(err),), self._alloc_call)
+        raise self._oom_error(size)
 
     def _reclaim(self) -> None:
-        """Before an out-of-memory retry: collect garbage, shared blocks, then trim."""
+        """Before an out-of-memory retry: collect garbage, shared blocks, then trim.
+
+        While a stream capture is under way nothing here synchronises (that would
+        invalidate the capture): the trim then releases only what is already free.
+        """
         gc.collect()
         self.flush_cache()
         for cb in list(_OOM_CALLBACKS):
@@ -200,7 +276,172 @@ class Pool(_hp.PoolCore):
                 cb()
             except Exception:  # a failing collector must not hide the OOM
                 pass
-        self.trim()
+        self._drain_capture_held()
+        self.trim(sync=not _streams.any_capture_underway())
+
+    # -- streams: record_stream and graph capture (slow paths of the hot path) --------
+    def _wait_recorded(self, stream: Any, recorded: list) -> None:
+        """Make ``stream`` wait for the work now on the streams in ``recorded``."""
+        dev = self.device_id if self.device_id >= 0 else -1
+        ptr, sdev, _ = _streams.as_stream(stream, device=dev)
+        _streams.wait_streams(ptr, sdev, recorded)
+
+    def _capture_malloc(self, size: int, err: int, status: int) -> Any:
+        """An allocation on a stream the driver says is capturing (or could not say)."""
+        stream = cupy.cuda.get_current_stream()
+        if err:
+            check_driver((_drv.CUresult(err),), "cuStreamIsCapturing")
+        sptr = int(stream.ptr)
+        state, cap_id = _streams.capture_info(sptr)
+        if state == _streams.CAPTURE_INVALIDATED:
+            raise CUDADriverError(
+                "cuStreamIsCapturing",
+                901,
+                "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+                f"the capture on stream {sptr:#x} was invalidated by an earlier error; "
+                "end it with stream.end_capture() (which raises) and capture again",
+            )
+        if state == _streams.CAPTURE_NONE:  # capture ended in between: the plain path
+            return self.malloc(size)
+        _streams.note_capture(sptr, stream)
+        if size == 0:
+            return self._make_block(0, 0, stream, 0)
+        if self.kind == _hp.KIND_PINNED:
+            raise UnsupportedError(
+                f"{self._describe()}: pinned host memory cannot be allocated while stream "
+                f"{sptr:#x} is capturing a CUDA graph (a graph copy reads its host buffer "
+                "at every launch, and graph memory is not host-accessible). Allocate pinned "
+                "buffers before begin_capture() and keep them alive while the graph is used."
+            )
+        if self.kind == _hp.KIND_MANAGED:
+            raise UnsupportedError(
+                f"{self._describe()}: managed memory cannot be allocated while stream "
+                f"{sptr:#x} is capturing a CUDA graph (graph memory is device memory). "
+                "Allocate managed arrays before begin_capture(), or capture with a DevicePool."
+            )
+        ptr = self._graph_alloc(size, sptr)
+        with self._lock:
+            self._graph_blocks[ptr] = (cap_id, sptr)
+            self._graph_bytes += size
+            self.n_graph_allocs += 1
+        return self._make_block(ptr, size, stream, _hp.FLAG_CAPTURED)
+
+    def _graph_alloc(self, size: int, sptr: int) -> int:
+        """Graph-owned memory: an allocation node of the capture on ``sptr``."""
+        err, ptr = self._graph_try(size, sptr)
+        if err == _CUDA_ERROR_OUT_OF_MEMORY:
+            # Graph memory comes from the device, beside this pool: give back what the
+            # pool holds unused (no synchronisation during a capture) and retry once.
+            self.n_oom += 1
+            gc.collect()
+            self.flush_cache()
+            self.trim(sync=False)
+            err, ptr = self._graph_try(size, sptr)
+            if err == _CUDA_ERROR_OUT_OF_MEMORY:
+                raise self._oom_error(
+                    size,
+                    "for a CUDA graph being captured (graph memory, beside the pool's own), "
+                    "after returning the pool's unused memory to the device",
+                )
+        if err:
+            check_driver((_drv.CUresult(err),), "cuMemAllocAsync (stream capture)")
+        return ptr
+
+    def _graph_try(self, size: int, sptr: int) -> tuple[int, int]:
+        if not getattr(self, "ipc", False):
+            # The pool's own properties for the allocation node.
+            err, p = _drv.cuMemAllocFromPoolAsync(size, _pool_handle(self._mr), sptr)
+        else:
+            # IPC pools cannot make graph nodes (CUDA_ERROR_NOT_SUPPORTED): the
+            # device's current pool (its default unless someone changed it) can.
+            err, p = _drv.cuMemAllocAsync(size, sptr)
+            if int(err) == _CUDA_ERROR_NOT_SUPPORTED:
+                err, p = _drv.cuMemAllocFromPoolAsync(size, _graph_template(self.device_id), sptr)
+        return int(err), (int(p) if not int(err) else 0)
+
+    def _free_flagged(self, ptr: int, size: int, stream: Any, flags: int) -> bool:
+        """Free path of blocks with FLAG_CAPTURED or FLAG_ADVISED; True when handled."""
+        if flags & _hp.FLAG_CAPTURED:
+            self._free_captured(ptr, size, stream)
+            return True
+        if flags & _hp.FLAG_ADVISED:
+            self._reset_advice(ptr, size)
+        return False
+
+    def _free_captured(self, ptr: int, size: int, stream: Any) -> None:
+        """Free graph-owned memory: a free node inside its own capture, else after it."""
+        with self._lock:
+            cap_id, sptr = self._graph_blocks.pop(ptr, (0, int(stream.ptr)))
+            self._graph_bytes -= size
+        state, now_id = _streams.capture_info(sptr)
+        if state == _streams.CAPTURE_INVALIDATED:
+            return  # the graph is discarded with its allocations: nothing to free
+        if state == _streams.CAPTURE_ACTIVE and now_id != cap_id:
+            with self._lock:  # another capture on that stream: free once it is over
+                self._capture_held.append(("graph", ptr, size, sptr, stream))
+                self.n_capture_held = len(self._capture_held)
+            return
+        # In its capture: a free node.  After it: a plain stream-ordered free, which
+        # must come after a launch of the graph (see the docs' rule).
+        err = int(_drv.cuMemFreeAsync(ptr, sptr)[0])
+        if err:
+            self.n_free_errors += 1
+
+    def _reset_advice(self, ptr: int, size: int) -> None:
+        """Hints given to a managed block do not follow it to its next array."""
+        from .managed import _reset_advice
+
+        _reset_advice(ptr, size, self.device_id)
+
+    def _hold_free(self, ptr: int, stream_ptr: int, err: int, stream: Any = None) -> None:
+        """A driver free on a capturing stream: keep it until the capture ends.
+
+        ``stream`` (the stream object, when the caller had it) stays referenced with the
+        entry, so the handle is still valid when the free is done.
+        """
+        if err and err not in _streams.CAPTURE_ERRORS:
+            # Not a capture: the query failed (a destroyed stream?); free directly.
+            if self._free_direct(ptr, stream_ptr):
+                self.n_free_errors += 1
+            return
+        with self._lock:
+            self._capture_held.append(("free", ptr, 0, stream_ptr, stream))
+            self.n_capture_held = len(self._capture_held)
+
+    def _free_failed(self, ptr: int, stream_ptr: int, err: int, stream: Any = None) -> None:
+        if err in _streams.CAPTURE_ERRORS:  # the legacy stream during a capture
+            self._hold_free(ptr, stream_ptr, err, stream)
+        else:
+            self.n_free_errors += 1
+
+    def _drain_capture_held(self) -> None:
+        """Do the frees held for captures that have ended since."""
+        with self._lock:
+            held, self._capture_held = self._capture_held, []
+            self.n_capture_held = 0
+        keep = []
+        for entry in held:
+            what, ptr, size, sptr, stream = entry
+            if _streams.capture_status(sptr) != _streams.CAPTURE_NONE or (
+                sptr <= 1 and _streams.any_capture_underway()
+            ):
+                keep.append(entry)
+                continue
+            if what == "pinned":
+                self._defer_free(ptr, size, stream)  # type: ignore[attr-defined]
+                continue
+            if what == "graph":
+                err = int(_drv.cuMemFreeAsync(ptr, sptr)[0])
+            else:
+                err = self._free_direct(ptr, sptr)
+            if err in _streams.CAPTURE_ERRORS:  # a capture the pools did not see
+                keep.append(entry)
+            elif err:
+                self.n_free_errors += 1
+        if keep:
+            with self._lock:
+                self._capture_held.extend(keep)
+                self.n_capture_held = len(self._capture_held)
 
     # -- public API ------------------------------------------------------------------
     @property
@@ -238,21 +479,28 @@ class Pool(_hp.PoolCore):
         >>> pool.stats().used_bytes  # doctest: +SKIP
         0
         """
-        a = self._mr.attributes
+        if self.n_capture_held:
+            self._drain_capture_held()
+        reserved, peak_reserved = self._reserved()
         return PoolStats(
             kind=self._kind_name,
             device=self.device_id,
             used_bytes=int(self.live_bytes),
             peak_used_bytes=int(self.peak_live_bytes),
-            reserved_bytes=int(a.reserved_mem_current),
-            peak_reserved_bytes=int(a.reserved_mem_high),
+            reserved_bytes=reserved,
+            peak_reserved_bytes=peak_reserved,
             n_allocs=int(self.n_allocs),
             n_frees=int(self.n_frees),
             held_for_sharing_bytes=int(self._held_for_sharing),
             max_size=self._max_size,
             release_threshold=self._release_threshold,
             cached_bytes=int(self.cached_bytes),
+            graph_bytes=int(self._graph_bytes),
         )
+
+    def _reserved(self) -> tuple[int, int]:
+        a = self._mr.attributes
+        return int(a.reserved_mem_current), int(a.reserved_mem_high)
 
     def reset_peak(self) -> None:
         """Reset the peak used/reserved counters to the current values."""
@@ -273,6 +521,8 @@ class Pool(_hp.PoolCore):
         """
         keep_b = parse_bytes(keep, name="keep")
         self.flush_cache()
+        if self.n_capture_held:
+            self._drain_capture_held()
         if sync:
             self._synchronize()
         before = int(self._mr.attributes.reserved_mem_current)
@@ -376,8 +626,12 @@ class DevicePool(Pool):
     -----
     ``malloc(size)`` allocates on CuPy's *current stream* and returns a
     :class:`cupy.cuda.MemoryPointer`; the memory is freed, stream-ordered, on that
-    same stream once the last array using it is gone.  Calling ``malloc`` while
-    another device is current raises :class:`~cupy_poolmem.WrongDeviceError`.
+    same stream once the last array using it is gone.  Work on another stream that
+    uses the array must be declared with :func:`~cupy_poolmem.record_stream` (or
+    ordered by hand) before the array is dropped.  During a CUDA graph capture the
+    pool hands out graph-owned memory (see the "Streams and graphs" section of the
+    device-pool guide).  Calling ``malloc`` while another device is current raises
+    :class:`~cupy_poolmem.WrongDeviceError`.
 
     Pool memory is mapped only on the GPUs the pool grants (``cuMemPoolSetAccess``);
     ``cudaDeviceEnablePeerAccess``, which CuPy calls, does not cover it.  A kernel on
@@ -435,6 +689,7 @@ class DevicePool(Pool):
                     raise
             self.ipc = ipc
             self._setup(mr, dev, _hp.KIND_DEVICE, release_threshold, max_b, cache)
+            self._capacity = int(total)
 
     @property
     def peer_access(self) -> tuple[int, ...]:
@@ -584,26 +839,45 @@ class PinnedPool(Pool):
         self._pending: deque = deque()
         self._pending_lock = threading.Lock()
         self._setup(mr, -1, _hp.KIND_PINNED, release_threshold, max_b)
+        self._capacity = _host_memory_bytes()
         self.release_hook = self._defer_free
 
     def _describe(self) -> str:
         return f"PinnedPool(numa_node={self.numa_node})"
 
     def _defer_free(self, ptr: int, size: int, stream: Any) -> bool:
-        """Hold a freed block until its stream's work is done (see class Notes)."""
+        """Hold a freed block until its stream's work is done (see class Notes).
+
+        A block whose stream is capturing a graph waits for the capture to end
+        first: an event recorded there would be part of the graph.
+        """
+        if _streams.capture_status(int(stream.ptr)) != _streams.CAPTURE_NONE:
+            with self._lock:
+                self._capture_held.append(("pinned", ptr, size, int(stream.ptr), stream))
+                self.n_capture_held = len(self._capture_held)
+            return True
         events = []
-        with cupy.cuda.Device(stream.device_id):
+        # CuPy's null stream names no device (-1): the current one is the block's.
+        dev = stream.device_id if stream.device_id >= 0 else cupy.cuda.runtime.getDevice()
+        with cupy.cuda.Device(dev):
             ev = cupy.cuda.Event(disable_timing=True)
             ev.record(stream)
             events.append(ev)
             cur = cupy.cuda.get_current_stream()
-            if cur.ptr != stream.ptr and cur.device_id == stream.device_id:
+            if (
+                cur.ptr != stream.ptr
+                and cur.device_id in (stream.device_id, -1)
+                and _streams.capture_status(int(cur.ptr)) == _streams.CAPTURE_NONE
+            ):
                 ev2 = cupy.cuda.Event(disable_timing=True)
                 ev2.record(cur)
                 events.append(ev2)
         with self._pending_lock:
             self._pending.append((events, ptr, stream))
-        self._release_done()
+        try:
+            self._release_done()
+        except Exception:  # e.g. an event query refused during a global-mode capture
+            pass
         return True
 
     def _release_done(self, wait: bool = False) -> int:
@@ -619,7 +893,7 @@ class PinnedPool(Pool):
                 self._pending.popleft()
             for e in events:
                 e.synchronize()
-            self._free_now(ptr, stream.ptr)
+            self._free_now(ptr, stream.ptr, stream)
             done += 1
 
     def _reclaim(self) -> None:
@@ -636,10 +910,10 @@ class PinnedPool(Pool):
 
 
 class ManagedPool(Pool):
-    """A stream-ordered pool of managed (unified) memory, preferring one GPU.
+    """A pool of managed (unified) memory, preferring one GPU, that takes advice.
 
-    Needs a CUDA 13 driver and cuda-bindings 13.  Use :func:`cupy_poolmem.prefetch`
-    and :func:`cupy_poolmem.advise` to place arrays.
+    Use :func:`cupy_poolmem.prefetch` and :func:`cupy_poolmem.advise` to place its
+    arrays: both work on this pool's memory with every driver.
 
     Parameters
     ----------
@@ -648,13 +922,38 @@ class ManagedPool(Pool):
         the current device.
     max_size, release_threshold, reuse_cache
         As for :class:`DevicePool`.  ``max_size`` caps the bytes live at once
-        (checked by the pool itself: the driver has no cap for managed pools).
+        (checked by the pool itself: the driver has no cap for managed memory).
+    backend : {"auto", "pool", "managed"}
+        ``"pool"``: a CUDA managed memory pool (stream-ordered, CUDA 13).
+        ``"managed"``: ``cuMemAllocManaged`` blocks cached for reuse, with reuse on
+        another stream ordered by events.  ``"auto"`` (default) uses the pool where
+        the driver takes advice on its memory, found by a one-time probe of 4 KiB
+        per device, and ``"managed"`` elsewhere (driver 580 / CUDA 13.0 refuses
+        advice on managed-pool memory; CUDA 12 has no managed pools).
+
+    Attributes
+    ----------
+    backend : str
+        ``"pool"`` or ``"managed"``, the backend in use.
+    backend_reason : str
+        Why: the probe's finding, or that it was asked for.
+
+    Notes
+    -----
+    Hints given with :func:`advise` belong to an array: when its block is freed,
+    the pool resets them (preferred location back to the pool's device, no
+    read-mostly, no accessed-by) before the block serves another array.  Managed
+    memory cannot be allocated during a CUDA graph capture
+    (:class:`UnsupportedError`); allocate it before ``begin_capture()``.
 
     Examples
     --------
     >>> managed = cupy_poolmem.ManagedPool(device=0)  # doctest: +SKIP
-    >>> cupy.cuda.set_allocator(managed.malloc)  # doctest: +SKIP
-    >>> x = cupy.zeros(1 << 20)  # doctest: +SKIP
+    >>> managed.backend  # doctest: +SKIP
+    'managed'
+    >>> with cupy_poolmem.using(managed):  # doctest: +SKIP
+    ...     x = cupy.zeros(1 << 20)
+    >>> cupy_poolmem.advise(x, preferred_location=0, accessed_by=[0])  # doctest: +SKIP
     >>> cupy_poolmem.prefetch(x, device="cpu")  # doctest: +SKIP
     """
 
@@ -666,23 +965,186 @@ class ManagedPool(Pool):
         max_size: int | str | None = None,
         release_threshold: int | str | None = None,
         reuse_cache: int | str = "1GiB",
+        backend: str = "auto",
     ) -> None:
+        from . import _managed_alloc as ma
+
+        if not isinstance(backend, str):
+            raise OptionTypeError(
+                f"backend must be 'auto', 'pool' or 'managed'; got {backend!r} of type "
+                f"{type(backend).__name__}"
+            )
+        if backend not in ("auto", "pool", "managed"):
+            raise InvalidOptionError(
+                f"backend={backend!r} is not one of 'auto', 'pool' (a CUDA managed memory "
+                "pool) or 'managed' (cached cuMemAllocManaged blocks)"
+            )
         dev = check_device(device)
         cache = parse_bytes(reuse_cache, name="reuse_cache")
-        _require_cuda13("ManagedPool")
         with cupy.cuda.Device(dev) as d:
-            max_b = (
-                parse_bytes(max_size, name="max_size", total=d.mem_info[1], allow_none=True) or 0
-            )
+            total = d.mem_info[1]
+            max_b = parse_bytes(max_size, name="max_size", total=total, allow_none=True) or 0
             parse_bytes(release_threshold, name="release_threshold", allow_none=True)
-            try:
-                opts = cc.ManagedMemoryResourceOptions(
-                    preferred_location=dev, preferred_location_type="device"
-                )
-                mr = cc.ManagedMemoryResource(opts)
-            except Exception as exc:
-                raise _wrap(exc, "creating a managed pool") from exc
+            ma.require_managed_memory(dev)
+            mr, reason = None, ""
+            if backend == "auto":
+                known = ma.recorded_choice(dev)
+                missing = _cuda13_missing()
+                if known is not None:
+                    choice, reason = known
+                elif missing:
+                    choice, reason = ma.record_choice(
+                        dev, "managed", f"managed memory pools need CUDA 13 ({missing})"
+                    )
+                else:
+                    choice = "pool"
+            else:
+                choice, reason = backend, f"backend={backend!r} was asked for"
+            if choice == "pool":
+                if backend == "pool":
+                    _require_cuda13("ManagedPool(backend='pool')")
+                mr = _managed_resource(dev)
+                if backend == "auto" and ma.recorded_choice(dev) is None:
+                    ok, why = ma.probe_pool_advice(int(mr.handle), dev)
+                    choice, reason = ma.record_choice(dev, "pool" if ok else "managed", why)
+                    if choice != "pool":
+                        mr.close()
+                        mr = None
+            self.backend = choice
+            self.backend_reason = reason
+            if mr is None:
+                self._backend = ma.ManagedAllocator(dev)
             self._setup(mr, dev, _hp.KIND_MANAGED, release_threshold, max_b, cache)
+            if mr is None:
+                self._alloc_call = "cuMemAllocManaged"
+            self._capacity = int(total)
+
+    # -- the "managed" backend: what the CUDA pool's attributes give otherwise -------
+    def _backend_alloc(self, size: int, stream: Any) -> int:
+        err, ptr = self._backend.alloc(size, int(stream.ptr))
+        if err:
+            ptr = self._alloc_failed(err, size, stream)
+        return ptr
+
+    def _backend_try(self, size: int, stream_ptr: int) -> tuple[int, int]:
+        return self._backend.alloc(size, stream_ptr)
+
+    def _backend_free(self, ptr: int, stream_ptr: int) -> None:
+        try:
+            self._backend.free(ptr, stream_ptr)
+        except Exception:
+            self.n_free_errors += 1
+
+    @property
+    def memory_resource(self) -> Any:
+        """The cuda.core memory resource of the ``"pool"`` backend (``None`` otherwise)."""
+        return self._mr
+
+    @property
+    def handle(self) -> int:
+        """The ``CUmemoryPool`` handle as an int (``0`` for the ``"managed"`` backend)."""
+        return 0 if self._mr is None else int(self._mr.handle)
+
+    def set_release_threshold(self, value: int | str | None) -> None:
+        if self._mr is not None:
+            return super().set_release_threshold(value)
+        v = _UINT64_MAX if value is None else parse_bytes(value, name="release_threshold")
+        self._backend.release_threshold = v  # bytes of freed blocks kept cached
+        self._release_threshold = v
+
+    def _reserved(self) -> tuple[int, int]:
+        if self._mr is not None:
+            return super()._reserved()
+        return int(self._backend.reserved), int(self._backend.peak_reserved)
+
+    def reset_peak(self) -> None:
+        if self._mr is not None:
+            return super().reset_peak()
+        self.peak_live_bytes = self.live_bytes
+        self._backend.peak_reserved = self._backend.reserved
+
+    def trim(self, keep: int | str = 0, *, sync: bool = True) -> int:
+        if self._mr is not None:
+            return super().trim(keep, sync=sync)
+        keep_b = parse_bytes(keep, name="keep")
+        self.flush_cache()
+        if self.n_capture_held:
+            self._drain_capture_held()
+        if sync:
+            self._synchronize()
+        return self._backend.release(keep_b, wait=sync)
+
+    def _drained(self) -> None:
+        if self._mr is not None:
+            return super()._drained()
+        try:
+            self._backend.close()
+        except Exception:
+            pass
+
+    def _safe_used(self) -> int:
+        if self._mr is not None:
+            return super()._safe_used()
+        return int(self._backend.reserved - self._backend.cached)
+
+    def _describe(self) -> str:
+        return f"ManagedPool(device={self.device_id}, backend={self.backend!r})"
+
+
+def _cuda13_missing() -> str:
+    """Empty when managed pools are possible here, else what is missing."""
+    import cuda.bindings
+
+    drv_version = check_driver(_drv.cuDriverGetVersion(), "cuDriverGetVersion")
+    major = int(cuda.bindings.__version__.split(".")[0])
+    if drv_version >= 13000 and major >= 13:
+        return ""
+    return (
+        f"driver {drv_version // 1000}.{drv_version % 1000 // 10}, "
+        f"cuda-bindings {cuda.bindings.__version__}"
+    )
+
+
+def _managed_resource(dev: int) -> Any:
+    try:
+        opts = cc.ManagedMemoryResourceOptions(
+            preferred_location=dev, preferred_location_type="device"
+        )
+        return cc.ManagedMemoryResource(opts)
+    except Exception as exc:
+        raise _wrap(exc, "creating a managed pool") from exc
+
+
+def managed_backend(device: int | None = None) -> tuple[str, str]:
+    """The backend ``ManagedPool(backend="auto")`` uses on ``device``, and why.
+
+    Runs the one-time probe (a 4 KiB allocation from a temporary managed pool) when
+    no pool on that device has yet.
+
+    Examples
+    --------
+    >>> cupy_poolmem.managed_backend(0)  # doctest: +SKIP
+    ('managed', 'this driver refuses advice on managed-pool memory: ...')
+    """
+    from . import _managed_alloc as ma
+
+    dev = check_device(device)
+    known = ma.recorded_choice(dev)
+    if known is not None:
+        return known
+    with cupy.cuda.Device(dev):
+        ma.require_managed_memory(dev)
+        missing = _cuda13_missing()
+        if missing:
+            return ma.record_choice(
+                dev, "managed", f"managed memory pools need CUDA 13 ({missing})"
+            )
+        mr = _managed_resource(dev)
+        try:
+            ok, why = ma.probe_pool_advice(int(mr.handle), dev)
+        finally:
+            mr.close()
+    return ma.record_choice(dev, "pool" if ok else "managed", why)
 
 
 def _require_cuda13(what: str) -> None:

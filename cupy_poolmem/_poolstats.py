@@ -37,6 +37,10 @@ class PoolStats:
         Bytes the pool keeps reserved across synchronisations.
     cached_bytes : int
         Freed blocks held in the pool's reuse cache (part of ``reserved_bytes``).
+    graph_bytes : int
+        Live bytes of graph-owned memory this pool handed out during CUDA graph
+        captures (part of ``used_bytes``; the memory is the driver's graph memory,
+        not part of ``reserved_bytes``).
 
     Examples
     --------
@@ -60,6 +64,7 @@ class PoolStats:
     max_size: int = 0
     release_threshold: int = 0
     cached_bytes: int = 0
+    graph_bytes: int = 0
 
     @property
     def live_allocs(self) -> int:

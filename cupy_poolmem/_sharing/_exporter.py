@@ -188,6 +188,9 @@ class Exporter:
                 block.share = rec
             ticket = self._new_ticket(rec)
         try:
+            if getattr(block, "recorded_streams", ()):  # record_stream()ed streams write too
+                with self.driver.on_device(self._dev(rec)):
+                    block.wait_recorded(rec.stream)
             event = self._record_event(rec)
         except BaseException:
             self.drop_ticket(rec, ticket)
@@ -294,7 +297,7 @@ class Exporter:
                 self._wait(rec.stream_ptr, ev)
             hook = core.release_hook  # pinned pools hold blocks until their stream is done
             if hook is None or not hook(rec.ptr, rec.size, rec.stream):
-                core._free_now(rec.ptr, rec.stream_ptr)
+                core._free_now(rec.ptr, rec.stream_ptr, rec.stream)
         if core.closed and core.n_allocs == core.n_frees and not core._held_for_sharing:
             core._drained()
 

@@ -41,7 +41,10 @@ def _shareable(owner: Any) -> bool:
     if isinstance(owner, (Imported, LocalHold)):
         return True
     return (
-        isinstance(owner, _hp.Block) and getattr(owner.core, "ipc", False) and not owner.core.closed
+        isinstance(owner, _hp.Block)
+        and getattr(owner.core, "ipc", False)
+        and not owner.core.closed
+        and not owner.flags & _hp.FLAG_CAPTURED  # graph memory cannot be exported
     )
 
 

@@ -1,0 +1,265 @@
+"""Streams for the pools: stream arguments, capture state, cross-stream ordering.
+
+Everything here runs off the allocation hot path: ``record_stream`` and the frees of
+blocks it marked, the graph-capture slow paths of the pools, and frees held until a
+capture ends.
+
+Stream rules (see docs/device_pool.rst, "Streams and graphs"):
+
+- A block is freed, stream-ordered, on the stream it was allocated on.  Work on other
+  streams that still uses it must be declared with :func:`record_stream`; the free
+  then makes the allocation stream wait (device-side events) for the work enqueued on
+  each recorded stream up to the moment of the free.
+- Handles 0 (the legacy default stream) and 1 (``CU_STREAM_LEGACY``) can never be
+  captured, so the pools ask the driver about capture only for other streams.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from ._errors import InvalidOptionError, OptionTypeError, check_driver
+
+__all__ = ["record_stream"]
+
+CAPTURE_NONE = 0
+CAPTURE_ACTIVE = 1
+CAPTURE_INVALIDATED = 2
+# CUresult codes of the CUDA_ERROR_STREAM_CAPTURE_* family (and CAPTURED_EVENT):
+# a call that failed with one of them must be retried once no capture is under way.
+CAPTURE_ERRORS = frozenset(range(900, 909))
+
+_lock = threading.Lock()
+# Streams seen capturing by the pools, with their stream objects: a handle is only
+# queried while its object (hence the stream) is alive.  Pruned once not capturing.
+_capturing: dict[int, Any] = {}
+
+
+def _drv() -> Any:
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _current_device() -> int:
+    import cupy
+
+    return int(cupy.cuda.runtime.getDevice())
+
+
+def as_stream(obj: Any, name: str = "stream", device: int | None = None) -> tuple[int, int, Any]:
+    """``(handle, device, keepalive)`` for a stream argument.
+
+    Accepts a ``cupy.cuda.Stream`` or ``ExternalStream`` and any object with the CUDA
+    stream protocol (``__cuda_stream__``, as ``cuda.core`` streams have).  ``device``
+    is the ordinal used for streams that do not name one (CuPy's null stream); the
+    current device when ``None``.  The third item is the object itself, kept so the
+    stream outlives what uses its handle.
+    """
+    import cupy
+
+    if isinstance(obj, cupy.cuda.stream._BaseStream):
+        ptr, dev = int(obj.ptr), int(obj.device_id)
+    else:
+        proto = getattr(obj, "__cuda_stream__", None)
+        if proto is None or isinstance(obj, (int, str, bytes)):
+            raise OptionTypeError(
+                f"{name} must be a cupy.cuda.Stream (or ExternalStream) or an object with "
+                f"__cuda_stream__ such as a cuda.core Stream; got {obj!r} of type "
+                f"{type(obj).__name__}. Wrap a raw handle as cupy.cuda.ExternalStream(ptr, "
+                "device_id), or another library's stream with cupy.cuda.Stream.from_external()."
+            )
+        try:
+            version, handle = proto() if callable(proto) else proto
+            ptr = int(handle)
+        except Exception as exc:
+            raise OptionTypeError(
+                f"{name}={obj!r}: __cuda_stream__ did not return (version, handle) ({exc})"
+            ) from None
+        d = getattr(getattr(obj, "device", None), "device_id", None)
+        dev = -1 if d is None else int(d)
+    if dev < 0:
+        dev = _current_device() if device is None or device < 0 else device
+    return ptr, dev, obj
+
+
+def capture_status(stream_ptr: int) -> int:
+    """``CAPTURE_NONE``, ``CAPTURE_ACTIVE`` or ``CAPTURE_INVALIDATED`` for a stream.
+
+    A query the driver refuses because of a capture elsewhere (the legacy stream
+    while a blocking stream captures) counts as active: work there must wait too.
+    """
+    if stream_ptr <= 1:
+        return CAPTURE_NONE
+    err, status = _drv().cuStreamIsCapturing(stream_ptr)
+    if int(err):
+        return CAPTURE_ACTIVE if int(err) in CAPTURE_ERRORS else CAPTURE_NONE
+    return int(status)
+
+
+def capture_info(stream_ptr: int) -> tuple[int, int]:
+    """``(status, capture sequence id)`` of a stream (id 0 when not capturing)."""
+    if stream_ptr <= 1:
+        return CAPTURE_NONE, 0
+    res = _drv().cuStreamGetCaptureInfo(stream_ptr)
+    if int(res[0]):
+        return (CAPTURE_ACTIVE if int(res[0]) in CAPTURE_ERRORS else CAPTURE_NONE), 0
+    status = int(res[1])
+    return status, (int(res[2]) if status == CAPTURE_ACTIVE else 0)
+
+
+def note_capture(stream_ptr: int, stream: Any) -> None:
+    """Remember a stream the pools saw capturing (for :func:`any_capture_underway`)."""
+    with _lock:
+        _capturing[stream_ptr] = stream
+
+
+def any_capture_underway() -> bool:
+    """Whether a stream the pools saw capturing still is (synchronising would break it)."""
+    with _lock:
+        streams = list(_capturing)
+    live = [s for s in streams if capture_status(s) != CAPTURE_NONE]
+    if len(live) != len(streams):
+        with _lock:
+            for s in streams:
+                if s not in live:
+                    _capturing.pop(s, None)
+    return bool(live)
+
+
+@contextlib.contextmanager
+def relaxed_capture_mode() -> Iterator[None]:
+    """Let this thread make calls a global-mode capture forbids (creating a pool)."""
+    drv = _drv()
+    err, prev = drv.cuThreadExchangeStreamCaptureMode(
+        drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    )
+    try:
+        yield
+    finally:
+        if not int(err):
+            drv.cuThreadExchangeStreamCaptureMode(prev)
+
+
+def wait_streams(target_ptr: int, target_dev: int, sources: list) -> None:
+    """Make stream ``target_ptr`` wait, on the device, for the work now on ``sources``.
+
+    ``sources`` holds ``(handle, device, keepalive)`` entries.  One plain event per
+    source, recorded with that source's device current, waited on by the target,
+    then destroyed (the driver keeps it until the wait no longer needs it).  No host
+    synchronisation.
+    """
+    from ._device import on_device
+
+    drv = _drv()
+    flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+    for ptr, dev, _keep in sources:
+        if ptr == target_ptr and dev == target_dev:
+            continue
+        with on_device(dev):
+            ev = check_driver(drv.cuEventCreate(flags), "cuEventCreate")
+            try:
+                check_driver(drv.cuEventRecord(ev, ptr), "cuEventRecord")
+                if dev == target_dev:
+                    check_driver(drv.cuStreamWaitEvent(target_ptr, ev, 0), "cuStreamWaitEvent")
+                else:
+                    with on_device(target_dev):
+                        check_driver(drv.cuStreamWaitEvent(target_ptr, ev, 0), "cuStreamWaitEvent")
+            finally:
+                drv.cuEventDestroy(ev)
+
+
+def block_of(array: Any, what: str) -> Any:
+    """The pool ``Block`` under a CuPy array or a pinned numpy array (``None`` if empty)."""
+    import cupy
+    import numpy as np
+
+    from ._pools import _hp
+
+    if isinstance(array, cupy.ndarray):
+        if array.size == 0:
+            return None
+        mem = array.data.mem
+        owner = getattr(mem, "_owner", None)
+        if isinstance(owner, _hp.Block):
+            return owner
+        raise InvalidOptionError(
+            f"{what}: this cupy.ndarray (device {array.device.id}, {array.nbytes:,} bytes) is "
+            f"not on memory from a cupy_poolmem pool (its memory is a {type(mem).__name__}); "
+            "allocate it under cupy_poolmem.set_allocator() or `with cupy_poolmem.using(pool):`"
+        )
+    if isinstance(array, np.ndarray):
+        if array.size == 0:
+            return None
+        base: Any = array
+        while isinstance(base, np.ndarray) and base.base is not None:
+            base = base.base
+        if isinstance(base, memoryview):  # np.frombuffer keeps a view of the buffer
+            base = base.obj
+        owner = getattr(base, "mem", None)
+        if isinstance(owner, _hp.Block):
+            return owner
+        raise InvalidOptionError(
+            f"{what}: this numpy array ({array.nbytes:,} bytes) is not on pinned memory from "
+            "a cupy_poolmem PinnedPool; create it with cupyx.empty_pinned() under "
+            "cupy_poolmem.set_pinned_memory_allocator() or `with cupy_poolmem.using(pinned):`"
+        )
+    raise OptionTypeError(
+        f"{what} takes a cupy.ndarray or a numpy array on pinned memory from a PinnedPool; "
+        f"got {type(array).__name__}"
+    )
+
+
+def record_stream(array: Any, stream: Any) -> None:
+    """Declare that ``stream`` uses ``array``'s memory, so its free waits for that work.
+
+    A pool frees a block on the stream it was allocated on.  When another stream
+    still reads or writes the memory, call ``record_stream(array, other)`` before the
+    last reference goes away: the free then makes the allocation stream wait, on the
+    device, for everything enqueued on ``other`` up to the moment of the free (one
+    event per recorded stream; no host synchronisation).  Only then can the block be
+    reused, by the pool's reuse cache, by the CUDA pool or, for pinned memory, by the
+    host.  Views record for the whole block.  Recording the allocation stream, or a
+    stream twice, does nothing more.
+
+    Parameters
+    ----------
+    array : cupy.ndarray or numpy.ndarray
+        An array (or view) on memory from a :class:`DevicePool`, :class:`ManagedPool`
+        or, for numpy arrays, a :class:`PinnedPool`.
+    stream : cupy.cuda.Stream or stream-like
+        The other stream (``cupy.cuda.Stream``, ``ExternalStream``, or an object with
+        ``__cuda_stream__`` such as a ``cuda.core`` stream).  It is kept alive until
+        the free.
+
+    Raises
+    ------
+    OptionTypeError
+        ``array`` is not an array, or ``stream`` is not a stream.
+    InvalidOptionError
+        The array's memory does not come from a cupy_poolmem pool.
+
+    Examples
+    --------
+    >>> s = cupy.cuda.Stream(non_blocking=True)  # doctest: +SKIP
+    >>> x = cupy.arange(1 << 20)  # allocated on the current stream  # doctest: +SKIP
+    >>> with s:  # doctest: +SKIP
+    ...     y = x * 2  # s reads x
+    >>> cupy_poolmem.record_stream(x, s)  # doctest: +SKIP
+    >>> del x  # its memory is reused only after s's work above  # doctest: +SKIP
+    """
+    block = block_of(array, "record_stream")
+    if block is None or block.ptr == 0:
+        as_stream(stream)  # still reject what is not a stream
+        return
+    core = block.core
+    dev = block.stream.device_id
+    if dev < 0:
+        dev = core.device_id if core.device_id >= 0 else _current_device()
+    entry = as_stream(stream, device=dev)
+    if entry[0] == block.stream_ptr and entry[1] == dev:
+        return  # the allocation stream: the free is ordered after its work already
+    block._record(entry)

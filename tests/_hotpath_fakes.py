@@ -1,0 +1,127 @@
+"""A fake CUDA driver for the pools' stream, capture and managed-memory logic on a CPU.
+
+``twin_pools()`` loads ``cupy_poolmem/_pools.py`` a second time with the pure-Python
+hot path (whatever this machine built), so the hot path's module-level driver calls
+can be replaced; ``World`` plays the driver: streams' capture states, allocations,
+frees, and a log of every call in order.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import cupy
+
+from cupy_poolmem import _hotpath_py as twin
+from cupy_poolmem import _pools, _streams
+
+
+def twin_pools() -> Any:
+    """``cupy_poolmem._pools`` executed again, bound to the pure-Python hot path."""
+    old = os.environ.get("CUPY_POOLMEM_PURE_PYTHON")
+    os.environ["CUPY_POOLMEM_PURE_PYTHON"] = "1"
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "cupy_poolmem._pools_twin_for_tests", _pools.__file__
+        )
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        if old is None:
+            del os.environ["CUPY_POOLMEM_PURE_PYTHON"]
+        else:
+            os.environ["CUPY_POOLMEM_PURE_PYTHON"] = old
+    assert mod._hp is twin
+    return mod
+
+
+class FakeDriver:
+    """What ``_pools`` calls through ``_drv``; everything else is the real module."""
+
+    def __init__(self, world: World, real: Any) -> None:
+        self._world, self._real = world, real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def cuMemAllocFromPoolAsync(self, size, pool, sptr):  # noqa: N802
+        return self._world.graph_alloc("pool_alloc", size, int(sptr), pool)
+
+    def cuMemAllocAsync(self, size, sptr):  # noqa: N802
+        return self._world.graph_alloc("async_alloc", size, int(sptr), None)
+
+    def cuMemFreeAsync(self, ptr, sptr):  # noqa: N802
+        self._world.log.append(("graph_free", int(ptr), int(sptr)))
+        return (0,)
+
+    def cuMemPoolTrimTo(self, pool, keep):  # noqa: N802
+        self._world.log.append(("trim", keep))
+        return (0,)
+
+
+class World:
+    """Capture states and memory of a pretend GPU; installs itself with ``monkeypatch``."""
+
+    def __init__(self, monkeypatch: Any, tp: Any) -> None:
+        self.tp = tp
+        self.status: dict[int, tuple[int, int]] = {}  # stream -> (capture status, id)
+        self.log: list[tuple] = []
+        self.ptrs = itertools.count(0x100000, 0x10000)
+        self.current = cupy.cuda.ExternalStream(0x5000, 0)
+        self.graph_errors: list[int] = []  # CUresults the next graph allocations return
+        self.queried: list[int] = []
+        mp = monkeypatch
+        mp.setattr(twin, "_ctx_device", lambda: (0, 0))
+        mp.setattr(twin, "_get_current_stream", lambda: self.current)
+        mp.setattr(twin, "_is_capturing", self._is_capturing)
+        mp.setattr(twin, "_alloc", self._alloc)
+        mp.setattr(twin, "_free", self._free)
+        mp.setattr(cupy.cuda, "get_current_stream", lambda *a: self.current)
+        mp.setattr(_streams, "capture_info", lambda s: self.status.get(s, (0, 0)))
+        mp.setattr(_streams, "capture_status", lambda s: self.status.get(s, (0, 0))[0])
+        mp.setattr(tp, "_drv", FakeDriver(self, tp._drv))
+        mp.setattr(tp, "_set_attr", lambda *a: None)
+
+    def _is_capturing(self, sptr: int) -> tuple[int, int]:
+        assert sptr > 1, "the legacy stream must never be queried"
+        self.queried.append(sptr)
+        return 0, self.status.get(sptr, (0, 0))[0]
+
+    def _alloc(self, size: int, pool: Any, sptr: int) -> tuple[int, int]:
+        p = next(self.ptrs)
+        self.log.append(("alloc", p, size, sptr))
+        return 0, p
+
+    def _free(self, ptr: int, sptr: int) -> tuple[int]:
+        self.log.append(("free", ptr, sptr))
+        return (0,)
+
+    def graph_alloc(self, how: str, size: int, sptr: int, pool: Any) -> tuple[int, int]:
+        if self.graph_errors:
+            err = self.graph_errors.pop(0)
+            self.log.append((how + "_failed", err))
+            return err, 0
+        p = next(self.ptrs)
+        self.log.append((how, p, size, sptr, pool))
+        return 0, p
+
+    def pool(self, cls: Any = None, kind: int = 0, reuse_cache: int = 1 << 20, **attrs: Any):
+        """A pool of the twin module without a CUDA pool behind it."""
+        cls = cls or self.tp.DevicePool
+        p = cls.__new__(cls)
+        for k, v in attrs.items():
+            setattr(p, k, v)
+        mr = SimpleNamespace(
+            handle=0xABC,
+            attributes=SimpleNamespace(
+                reserved_mem_current=0, reserved_mem_high=0, used_mem_current=0
+            ),
+            close=lambda: None,
+        )
+        p._setup(mr, 0 if kind != twin.KIND_PINNED else -1, kind, None, 0, reuse_cache)
+        p._synchronize = lambda: self.log.append(("sync",))
+        return p

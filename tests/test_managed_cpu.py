@@ -1,0 +1,247 @@
+"""CPU tests of managed memory: the cuMemAllocManaged backend, the advice probe, and
+prefetch/advise over collections, against a fake driver."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import cupy
+import numpy as np
+import pytest
+from _hotpath_fakes import World, twin_pools
+from cuda.bindings import driver as real
+from cupy.cuda.memory import MemoryPointer, UnownedMemory
+
+import cupy_poolmem as cpm
+from cupy_poolmem import _device, _managed_alloc, _pools, managed
+from cupy_poolmem import _hotpath_py as twin
+
+pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
+
+
+class ManagedDriver:
+    """cuMemAllocManaged, events and advice, played on the host."""
+
+    def __init__(self) -> None:
+        self.ptrs = itertools.count(0x7000_0000, 0x10_0000)
+        self.evs = itertools.count(1)
+        self.done: set = set()
+        self.log: list = []
+        self.advise_result = 0
+
+    def __getattr__(self, name):
+        return getattr(real, name)
+
+    def cuMemAllocManaged(self, size, flags):  # noqa: N802
+        p = next(self.ptrs)
+        self.log.append(("alloc", p, size))
+        return 0, p
+
+    def cuMemFree(self, ptr):  # noqa: N802
+        self.log.append(("free", ptr))
+        return (0,)
+
+    def cuMemAdvise(self, ptr, size, advice, loc):  # noqa: N802
+        self.log.append(("advise", ptr, size, advice.name))
+        return (self.advise_result,)
+
+    def cuEventCreate(self, flags):  # noqa: N802
+        return 0, f"ev{next(self.evs)}"
+
+    def cuEventRecord(self, ev, s):  # noqa: N802
+        self.log.append(("record", ev, s))
+        return (0,)
+
+    def cuEventQuery(self, ev):  # noqa: N802
+        return (0 if ev in self.done else 600,)  # CUDA_ERROR_NOT_READY
+
+    def cuEventSynchronize(self, ev):  # noqa: N802
+        self.log.append(("sync", ev))
+        self.done.add(ev)
+        return (0,)
+
+    def cuEventDestroy(self, ev):  # noqa: N802
+        return (0,)
+
+    def cuMemAllocFromPoolAsync(self, size, pool, s):  # noqa: N802
+        return 0, 0x9000
+
+    def cuMemFreeAsync(self, ptr, s):  # noqa: N802
+        return (0,)
+
+    def cuStreamSynchronize(self, s):  # noqa: N802
+        return (0,)
+
+
+@pytest.fixture
+def drv(monkeypatch):
+    d = ManagedDriver()
+    monkeypatch.setattr(_managed_alloc, "_drv", lambda: d)
+
+    @contextlib.contextmanager
+    def on_device(dev):
+        yield
+
+    monkeypatch.setattr(_device, "on_device", on_device)
+    return d
+
+
+def test_managed_allocator_reuses_on_the_same_stream_and_after_events(drv):
+    a = _managed_alloc.ManagedAllocator(0)
+    err, p1 = a.alloc(1000, 0x5000)
+    assert err == 0 and drv.log[0] == ("alloc", p1, 4096)  # rounded to a page
+    assert ("advise", p1, 4096, "CU_MEM_ADVISE_SET_PREFERRED_LOCATION") in drv.log
+    a.free(p1, 0x5000)
+    assert a.cached == 4096 and a.reserved == 4096
+    assert a.alloc(4000, 0x5000) == (0, p1)  # same stream: stream order covers it
+    a.free(p1, 0x5000)
+    ev = drv.log[-1][1]
+    err, p2 = a.alloc(4096, 0x6000)  # other stream, event pending: a new block
+    assert p2 != p1 and a.reserved == 8192
+    drv.done.add(ev)
+    a.free(p2, 0x6000)
+    assert a.alloc(4096, 0x7000) == (0, p1)  # p1's event completed: reusable anywhere
+    assert a.n_driver_allocs == 2
+
+
+def test_managed_allocator_release_and_threshold(drv):
+    a = _managed_alloc.ManagedAllocator(0)
+    ptrs = [a.alloc(8192, 0x5000)[1] for _ in range(3)]
+    for p in ptrs:
+        a.free(p, 0x5000)
+    assert a.cached == 3 * 8192
+    first_ev = drv.log[-3][1]
+    drv.done.add(first_ev)
+    assert a.release(0, wait=False) == 8192  # only the completed one
+    assert ("free", ptrs[0]) in drv.log and a.cached == 2 * 8192
+    assert a.release(0, wait=True) == 2 * 8192  # waits for the others
+    assert a.cached == 0 and a.reserved == 0
+    assert sum(1 for e in drv.log if e[0] == "sync") == 2
+    a.release_threshold = 8192
+    p = [a.alloc(8192, 0x5000)[1] for _ in range(2)]
+    drv.done.update(f"ev{i}" for i in range(100))
+    a.free(p[0], 0x5000)
+    a.free(p[1], 0x5000)  # over the threshold: completed blocks go back
+    assert a.cached == 8192
+
+
+def test_probe_says_why_it_refuses_pool_memory(drv):
+    drv.advise_result = 801  # CUDA_ERROR_NOT_SUPPORTED
+    ok, why = _managed_alloc.probe_pool_advice(0x1234, 0)
+    assert not ok and "CUDA_ERROR_NOT_SUPPORTED" in why and "SET_PREFERRED_LOCATION" in why
+    drv.advise_result = 0
+    ok, why = _managed_alloc.probe_pool_advice(0x1234, 0)
+    assert ok and "takes advice" in why
+
+
+@pytest.mark.parametrize(
+    "bad,exc",
+    [("fast", cpm.InvalidOptionError), (3, cpm.OptionTypeError), (None, cpm.OptionTypeError)],
+)
+def test_managed_pool_backend_option_is_checked_first(bad, exc):
+    with pytest.raises(exc, match="backend"):
+        cpm.ManagedPool(backend=bad)
+
+
+# ---------------------------------------------------------------- prefetch / advise
+def _managed_array(ptr: int, n: int, owner=None) -> cupy.ndarray:
+    mem = MemoryPointer(UnownedMemory(ptr, n * 8, owner or object(), 0), 0)
+    return cupy.ndarray((n,), dtype=np.float64, memptr=mem)
+
+
+class FakeBuffer:
+    def __init__(self, log, ptr, nbytes):
+        self.log, self.ptr, self.nbytes = log, ptr, nbytes
+
+    def prefetch(self, loc, stream):
+        self.log.append(("prefetch", self.ptr, self.nbytes, loc, stream))
+
+    def __setattr__(self, name, value):
+        if name in ("preferred_location", "accessed_by", "read_mostly"):
+            self.log.append((name, self.ptr, self.nbytes, value))
+        object.__setattr__(self, name, value)
+
+
+@pytest.fixture
+def fake_managed(monkeypatch):
+    log: list = []
+    unmanaged: set = set()
+    monkeypatch.setattr(managed, "_buffer", lambda p, n, owner: FakeBuffer(log, p, n))
+    monkeypatch.setattr(managed, "_location", lambda where, name: ("loc", where))
+    monkeypatch.setattr(managed, "_core_stream", lambda s: ("stream", s))
+
+    class Drv:
+        CUpointer_attribute = real.CUpointer_attribute
+
+        @staticmethod
+        def cuPointerGetAttribute(attr, ptr):  # noqa: N802
+            return 0, int(ptr) not in unmanaged
+
+    monkeypatch.setattr(managed, "_drv", Drv)
+    monkeypatch.setattr(
+        cupy.cuda, "get_current_stream", lambda *a: cupy.cuda.ExternalStream(0x50, 0)
+    )
+    return log, unmanaged
+
+
+def test_prefetch_takes_a_collection_and_merges_views(fake_managed):
+    log, _ = fake_managed
+    a = _managed_array(0x10000, 512)  # 4 KiB
+    b = _managed_array(0x20000, 256)
+    params = {"w": a, "w_view": a[100:200], "b": b, "empty": a[:0]}
+    cpm.prefetch(params, device=0)
+    assert log == [
+        ("prefetch", 0x10000, 4096, ("loc", 0), ("stream", 0x50)),
+        ("prefetch", 0x20000, 2048, ("loc", 0), ("stream", 0x50)),
+    ]
+    log.clear()
+    cpm.prefetch([b, a[::2]], device="cpu", stream=cupy.cuda.ExternalStream(0x60, 0))
+    assert [e[1:] for e in log] == [
+        (0x10000, 4088, ("loc", "cpu"), ("stream", 0x60)),  # a[::2] spans 4088 bytes
+        (0x20000, 2048, ("loc", "cpu"), ("stream", 0x60)),
+    ]
+    log.clear()
+    c = _managed_array(0x20000 + 2048, 16)  # touches b: another allocation, kept apart
+    cpm.prefetch((b, c), device=0)
+    assert len(log) == 2
+
+
+def test_prefetch_and_advise_check_everything_before_acting(fake_managed):
+    log, unmanaged = fake_managed
+    a = _managed_array(0x10000, 512)
+    d = _managed_array(0x30000, 8)
+    unmanaged.add(0x30000)
+    with pytest.raises(cpm.InvalidOptionError, match=r"item \['d'\].*not on managed memory"):
+        cpm.prefetch({"a": a, "d": d}, device=0)
+    with pytest.raises(cpm.OptionTypeError, match=r"item \[1\] is a ndarray"):
+        cpm.advise([a, np.ones(3)], read_mostly=True)
+    with pytest.raises(cpm.OptionTypeError, match="list, tuple or dict"):
+        cpm.prefetch(iter([a]), device=0)
+    with pytest.raises(cpm.OptionTypeError, match="stream must be"):
+        cpm.prefetch(a, device=0, stream="s")
+    assert log == []  # nothing was prefetched or advised
+
+
+def test_advise_marks_pool_blocks_whose_free_resets_the_hints(fake_managed, monkeypatch):
+    log, _ = fake_managed
+    tp = twin_pools()
+    monkeypatch.setattr(_pools, "_hp", twin)
+    world = World(monkeypatch, tp)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: world.current)
+    p = world.pool(kind=twin.KIND_MANAGED)
+    m = p.malloc(4096)
+    x = cupy.ndarray((512,), np.float64, memptr=m)
+    y = _managed_array(0x40000, 8)  # not from a pool: advised, nothing to mark
+    cpm.advise([x, y], preferred_location=0, accessed_by=[0, "cpu"], read_mostly=True)
+    assert [e[0] for e in log] == ["preferred_location", "accessed_by", "read_mostly"] * 2
+    assert log[1][3] == [("loc", 0), ("loc", "cpu")]
+    blk = m.mem._owner
+    assert blk.flags & twin.FLAG_ADVISED
+    resets: list = []
+    monkeypatch.setattr(managed, "_reset_advice", lambda ptr, size, dev: resets.append(ptr))
+    ptr = m.ptr
+    del x, m, blk
+    assert resets == [ptr] and p.cached_bytes == 4096  # reset, then the reuse cache
+    m2 = p.malloc(4096)
+    assert m2.ptr == ptr and not m2.mem._owner.flags  # a fresh block: no hints, no flag

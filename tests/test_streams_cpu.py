@@ -1,0 +1,359 @@
+"""CPU tests of cross-stream frees (record_stream) and graph capture, against a fake driver.
+
+The pools' logic runs for real (the pure-Python hot path and the pools' slow paths);
+only the driver is played by ``tests/_hotpath_fakes.World``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import cupy
+import numpy as np
+import pytest
+from _hotpath_fakes import World, twin_pools
+from cupy.cuda.memory import MemoryPointer, UnownedMemory
+
+import cupy_poolmem as cpm
+from cupy_poolmem import _device, _pools, _streams
+from cupy_poolmem import _hotpath_py as twin
+
+pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
+
+S = 0x5000  # the capture stream of these tests
+KB = 4096
+
+
+@pytest.fixture(scope="module")
+def tp():
+    return twin_pools()
+
+
+@pytest.fixture
+def world(monkeypatch, tp):
+    monkeypatch.setattr(_pools, "_hp", twin)  # record_stream looks blocks up there
+    return World(monkeypatch, tp)
+
+
+def _frees(world, kind="free"):
+    return [e[1] for e in world.log if e[0] == kind]
+
+
+# ---------------------------------------------------------------- graph capture
+def test_capture_never_takes_from_or_feeds_the_reuse_cache(world):
+    p = world.pool()
+    m = p.malloc(KB)
+    warm = m.ptr
+    del m  # the warm-up's block waits in the reuse cache
+    assert p.cached_bytes == KB
+    world.status[S] = (1, 7)  # s.begin_capture()
+    m = p.malloc(KB)
+    g = m.ptr
+    assert g != warm and world.log[-1][0] == "pool_alloc"  # an allocation node
+    assert p.cached_bytes == KB
+    st = p.stats()
+    assert st.graph_bytes == KB and st.used_bytes == KB and p.n_graph_allocs == 1
+    del m  # freed inside the capture: a free node on the capture stream
+    assert world.log[-1] == ("graph_free", g, S)
+    assert p.cached_bytes == KB  # graph memory never enters the cache
+    assert p.stats().graph_bytes == 0 and p.stats().used_bytes == 0
+    del world.status[S]  # s.end_capture()
+    m = p.malloc(KB)
+    assert m.ptr == warm  # the cache serves plain allocations again
+
+
+def test_legacy_stream_is_never_asked_about_capture(world):
+    p = world.pool()
+    world.current = cupy.cuda.ExternalStream(0, 0)
+    m = p.malloc(KB)
+    del m
+    p.malloc(KB)
+    assert world.queried == []
+    world.current = cupy.cuda.ExternalStream(S, 0)
+    p.malloc(8)
+    assert world.queried == [S]
+
+
+def test_free_of_a_block_from_before_the_capture_waits_for_its_end(world):
+    p = world.pool(reuse_cache=0)
+    m = p.malloc(1 << 20)
+    old = m.ptr
+    world.status[S] = (1, 7)
+    del m  # a driver free now would be a free node of non-graph memory
+    assert old not in _frees(world) and p.n_capture_held == 1
+    assert p._capture_held[0][4] is world.current  # the stream object is kept with it
+    keep = p.malloc(64)  # allocations in the capture do not release it
+    assert old not in _frees(world)
+    del world.status[S]
+    p.malloc(128)  # the next driver allocation drains what was held
+    assert old in _frees(world) and p.n_capture_held == 0
+    del keep
+
+
+def test_graph_memory_after_the_capture_in_another_capture_and_invalidated(world):
+    p = world.pool()
+    world.status[S] = (1, 7)
+    m = p.malloc(256)
+    g = m.ptr
+    del world.status[S]
+    del m  # a survivor dropped after the capture (after a launch): freed outside it
+    assert ("graph_free", g, S) in world.log
+    world.status[S] = (1, 7)
+    m = p.malloc(256)
+    g2 = m.ptr
+    world.status[S] = (1, 8)  # a new capture on the same stream
+    del m
+    assert ("graph_free", g2, S) not in world.log and p.n_capture_held == 1
+    p.stats()
+    assert p.n_capture_held == 1  # still capturing: still held
+    del world.status[S]
+    p.stats()
+    assert ("graph_free", g2, S) in world.log and p.n_capture_held == 0
+    world.status[S] = (1, 9)
+    m = p.malloc(64)
+    g3 = m.ptr
+    world.status[S] = (2, 0)  # invalidated: the graph is discarded with its memory
+    del m
+    assert ("graph_free", g3, S) not in world.log and p.n_capture_held == 0
+    assert p.stats().graph_bytes == 0 and p.stats().used_bytes == 0
+
+
+def test_ipc_pool_captures_through_the_devices_pool_then_a_template(world, monkeypatch):
+    p = world.pool(ipc=True)
+    world.status[S] = (1, 7)
+    m = p.malloc(KB)
+    assert world.log[-1][0] == "async_alloc" and world.log[-1][1] == m.ptr
+    world.graph_errors = [801]  # the device's current pool is IPC-enabled too
+    monkeypatch.setattr(world.tp, "_graph_template", lambda dev: "TEMPLATE")
+    m2 = p.malloc(KB)
+    assert world.log[-1][0] == "pool_alloc" and world.log[-1][4] == "TEMPLATE"
+    assert m2.ptr != m.ptr
+
+
+def test_out_of_memory_during_a_capture_trims_without_synchronising(world):
+    p = world.pool()
+    world.status[S] = (1, 7)
+    world.graph_errors = [2, 2]
+    with pytest.raises(cpm.OutOfPoolMemoryError, match="CUDA graph"):
+        p.malloc(KB)
+    assert ("trim", 0) in world.log and ("sync",) not in world.log
+    world.graph_errors = [2]
+    m = p.malloc(KB)  # a retry that works
+    assert m.ptr and p.n_oom == 2
+
+
+def test_pinned_and_managed_pools_refuse_allocations_in_a_capture(world, tp):
+    pinned = world.pool(tp.PinnedPool, kind=twin.KIND_PINNED, numa_node=0)
+    managed = world.pool(kind=twin.KIND_MANAGED)
+    world.status[S] = (1, 7)
+    with pytest.raises(cpm.UnsupportedError, match="pinned host memory cannot"):
+        pinned.malloc(64)
+    with pytest.raises(cpm.UnsupportedError, match="managed memory cannot"):
+        managed.malloc(64)
+    assert pinned.malloc(0).ptr == 0  # size 0 needs no memory
+
+
+def test_capture_query_failures_are_driver_errors(world, monkeypatch):
+    p = world.pool()
+    world.status[S] = (2, 0)
+    with pytest.raises(cpm.CUDADriverError, match="STREAM_CAPTURE_INVALIDATED"):
+        p.malloc(KB)
+    monkeypatch.setattr(twin, "_is_capturing", lambda s: (1, 0))
+    with pytest.raises(cpm.CUDADriverError, match="CUDA_ERROR_INVALID_VALUE"):
+        p.malloc(KB)
+
+
+def test_free_refused_because_of_a_capture_is_retried_after_it(world, monkeypatch):
+    """The legacy stream during a blocking stream's capture: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT."""
+    p = world.pool(reuse_cache=0)
+    world.current = cupy.cuda.ExternalStream(0, 0)
+    m = p.malloc(KB)
+    ptr = m.ptr
+    refusals = [906]
+    monkeypatch.setattr(
+        twin, "_free", lambda pt, s: (refusals.pop(),) if refusals else world._free(pt, s)
+    )
+    monkeypatch.setattr(_streams, "any_capture_underway", lambda: False)
+    del m
+    assert p.n_capture_held == 1 and p.n_free_errors == 0
+    p.stats()
+    assert ("free", ptr, 0) in world.log and p.n_capture_held == 0
+
+
+# ---------------------------------------------------------------- record_stream
+def _array(mem: MemoryPointer, n: int = KB // 8) -> cupy.ndarray:
+    return cupy.ndarray((n,), dtype=np.float64, memptr=mem)
+
+
+def test_record_stream_orders_the_free_before_every_other_path(world, monkeypatch):
+    p = world.pool()
+    m = p.malloc(KB)
+    arr = _array(m)
+    blk = m.mem._owner
+    other = cupy.cuda.ExternalStream(0x6000, 0)
+    cpm.record_stream(arr[::2], other)  # a view records for the whole block
+    cpm.record_stream(arr, other)  # twice: once
+    cpm.record_stream(arr, world.current)  # the allocation stream: nothing to wait for
+    assert blk.recorded_streams == (other,) and blk.flags & twin.FLAG_RECORDED
+    order: list = []
+    monkeypatch.setattr(
+        _streams,
+        "wait_streams",
+        lambda tptr, tdev, src: order.append(("wait", tptr, tdev, [e[0] for e in src])),
+    )
+    p.observer = type(
+        "Obs", (), {"on_free": lambda self, *a: order.append("observer"), "on_alloc": print}
+    )()
+    monkeypatch.setattr(twin, "_shared_release", lambda *a: order.append("shared") or False)
+    blk.share = object()
+    p.release_hook = lambda ptr, size, stream: order.append("hook") or False
+    del arr, m, blk
+    assert order == [("wait", S, 0, [0x6000]), "observer", "shared", "hook"]
+    assert p.cached_bytes == KB  # then the usual path: the reuse cache
+
+
+def test_block_wait_recorded_for_the_sharing_protocol(world, monkeypatch):
+    p = world.pool()
+    m = p.malloc(KB)
+    blk = m.mem._owner
+    calls: list = []
+    monkeypatch.setattr(_streams, "wait_streams", lambda *a: calls.append(a))
+    blk.wait_recorded(cupy.cuda.ExternalStream(0x7000, 0))
+    assert calls == []  # nothing recorded: nothing to wait for
+    cpm.record_stream(_array(m), cupy.cuda.ExternalStream(0x6000, 0))
+    blk.wait_recorded(cupy.cuda.ExternalStream(0x7000, 0))
+    assert calls[0][:2] == (0x7000, 0) and calls[0][2][0][0] == 0x6000
+
+
+def test_record_stream_takes_pinned_numpy_arrays(world, tp):
+    pinned = world.pool(tp.PinnedPool, kind=twin.KIND_PINNED, numa_node=0)
+    world.current = cupy.cuda.ExternalStream(S, 0)
+    m = pinned.malloc(KB)
+
+    class Buf(bytearray):  # stands in for the PinnedMemoryPointer numpy keeps as base
+        pass
+
+    buf = Buf(KB)
+    buf.mem = m.mem
+    h = np.ndarray((KB,), dtype=np.uint8, buffer=buf)[10:20]  # as cupyx.empty_pinned does
+    other = cupy.cuda.ExternalStream(0x6000, 0)
+    cpm.record_stream(h, other)
+    assert m.mem.recorded_streams == (other,)
+    cpm.record_stream(np.frombuffer(buf, dtype=np.uint8), cupy.cuda.ExternalStream(0x6100, 0))
+    assert len(m.mem.recorded_streams) == 2
+
+
+def test_record_stream_bad_input(world):
+    p = world.pool()
+    arr = _array(p.malloc(KB))
+    s = cupy.cuda.ExternalStream(0x6000, 0)
+    with pytest.raises(cpm.OptionTypeError, match="stream must be"):
+        cpm.record_stream(arr, "s1")
+    with pytest.raises(cpm.OptionTypeError, match="ExternalStream"):
+        cpm.record_stream(arr, 0x6000)
+    with pytest.raises(cpm.OptionTypeError, match="list"):
+        cpm.record_stream([1, 2], s)
+    with pytest.raises(cpm.InvalidOptionError, match="not on pinned memory"):
+        cpm.record_stream(np.ones(4), s)
+    foreign = cupy.ndarray((4,), np.float64, MemoryPointer(UnownedMemory(0x9000, 32, s, 0), 0))
+    with pytest.raises(cpm.InvalidOptionError, match="not on memory from a cupy_poolmem pool"):
+        cpm.record_stream(foreign, s)
+    with pytest.raises(cpm.OptionTypeError):
+        cpm.record_stream(np.ones(0), "not a stream")  # empty: still a stream check
+    cpm.record_stream(np.ones(0), s)  # and nothing else
+
+
+def test_stream_protocol_objects_are_streams():
+    class CoreStream:  # what a cuda.core Stream offers
+        device = type("D", (), {"device_id": 1})()
+
+        def __cuda_stream__(self):
+            return (0, 0x4242)
+
+    s = CoreStream()
+    assert _streams.as_stream(s) == (0x4242, 1, s)
+    e = cupy.cuda.ExternalStream(0x77, 0)
+    assert _streams.as_stream(e) == (0x77, 0, e)
+    null = cupy.cuda.ExternalStream(0, -1)
+    assert _streams.as_stream(null, device=3) == (0, 3, null)
+
+
+def test_wait_streams_records_one_event_per_other_stream(monkeypatch):
+    calls: list = []
+    entered: list = []
+
+    class Drv:
+        class CUevent_flags:  # noqa: N801
+            CU_EVENT_DISABLE_TIMING = 2
+
+        def __init__(self):
+            self.n = 0
+
+        def cuEventCreate(self, flags):  # noqa: N802
+            self.n += 1
+            calls.append(("create", flags))
+            return 0, f"ev{self.n}"
+
+        def cuEventRecord(self, ev, s):  # noqa: N802
+            calls.append(("record", ev, s))
+            return (0,)
+
+        def cuStreamWaitEvent(self, s, ev, flags):  # noqa: N802
+            calls.append(("wait", s, ev))
+            return (0,)
+
+        def cuEventDestroy(self, ev):  # noqa: N802
+            calls.append(("destroy", ev))
+            return (0,)
+
+    drv = Drv()
+    monkeypatch.setattr(_streams, "_drv", lambda: drv)
+
+    @contextlib.contextmanager
+    def on_device(dev):
+        entered.append(dev)
+        yield
+
+    monkeypatch.setattr(_device, "on_device", on_device)
+    _streams.wait_streams(0x5000, 0, [(0x6000, 0, None), (0x5000, 0, None), (0x7000, 1, None)])
+    assert calls == [
+        ("create", 2),
+        ("record", "ev1", 0x6000),
+        ("wait", 0x5000, "ev1"),
+        ("destroy", "ev1"),
+        ("create", 2),
+        ("record", "ev2", 0x7000),
+        ("wait", 0x5000, "ev2"),
+        ("destroy", "ev2"),
+    ]
+    assert entered == [0, 1, 0]  # each event on its stream's device, the wait on the target's
+
+
+# ---------------------------------------------------------------- out of memory
+def test_oom_collects_limbo_trims_and_retries_once(world, monkeypatch):
+    p = world.pool(reuse_cache=0)
+    world.current = cupy.cuda.ExternalStream(0, 0)
+    collected: list = []
+    monkeypatch.setattr(world.tp, "_OOM_CALLBACKS", [lambda: collected.append(1)])
+    attempts = iter([(2, 0), (2, 0)])
+    monkeypatch.setattr(twin, "_alloc", lambda size, pool, s: next(attempts))
+    with pytest.raises(cpm.OutOfPoolMemoryError) as ei:
+        p.malloc(KB)
+    assert collected == [1] and ("trim", 0) in world.log and ("sync",) in world.log
+    assert "after garbage collection" in str(ei.value) and p.n_oom == 1
+    attempts = iter([(2, 0), (0, 0x777000)])
+    monkeypatch.setattr(twin, "_alloc", lambda size, pool, s: next(attempts))
+    assert p.malloc(KB).ptr == 0x777000 and collected == [1, 1]
+
+
+def test_oom_beyond_the_device_says_so_without_reclaiming(world, monkeypatch):
+    p = world.pool()
+    p._capacity = 80 << 30
+    world.current = cupy.cuda.ExternalStream(0, 0)
+    collected: list = []
+    monkeypatch.setattr(world.tp, "_OOM_CALLBACKS", [lambda: collected.append(1)])
+    monkeypatch.setattr(twin, "_alloc", lambda size, pool, s: (1, 0))  # INVALID_VALUE
+    with pytest.raises(cpm.OutOfPoolMemoryError, match="more than the 80.00 GiB") as ei:
+        p.malloc(1 << 50)
+    assert collected == [] and ("trim", 0) not in world.log
+    assert isinstance(ei.value, cupy.cuda.memory.OutOfMemoryError)
