@@ -37,7 +37,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _pools
+from ._errors import InvalidOptionError, OptionTypeError
 from ._sizes import format_bytes
 
 __all__ = [
@@ -149,7 +149,7 @@ def tag(name: str) -> _TagScope:
     ... def loss(y): ...
     """
     if not isinstance(name, str) or not name:
-        raise TypeError(f"tag name must be a non-empty string; got {name!r}")
+        raise OptionTypeError(f"tag name must be a non-empty string; got {name!r}")
     return _TagScope(name)
 
 
@@ -334,9 +334,11 @@ def statistics(*, device: int | None = None, kind: str | None = None) -> Iterato
     >>> print(st.peak_used_bytes, st.n_allocs, st.per_tag["step"].peak_bytes)  # doctest: +SKIP
     """
     if kind is not None and kind not in _KIND_NAMES.values():
-        raise ValueError(f"kind must be 'device', 'pinned', 'managed' or None; got {kind!r}")
+        raise InvalidOptionError(
+            f"kind must be 'device', 'pinned', 'managed' or None; got {kind!r}"
+        )
     if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
-        raise TypeError(f"device must be an int ordinal or None; got {device!r}")
+        raise OptionTypeError(f"device must be an int ordinal or None; got {device!r}")
     st = Statistics(device=device, kind=kind, start_time=_time())
     st._all = device is None and kind is None
     st._start_serial = next(_serials)
@@ -464,8 +466,10 @@ def outstanding(pool: Any = None, limit: int | None = 20) -> Outstanding:
     ...     print(a.size, a.callsite)
     1073741824 train.py:42 in step
     """
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-        raise ValueError(f"limit must be a non-negative int or None; got {limit!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+        raise OptionTypeError(f"limit must be a non-negative int or None; got {limit!r}")
+    if limit is not None and limit < 0:
+        raise InvalidOptionError(f"limit must be a non-negative int or None; got {limit!r}")
     out = Outstanding()
     if not _OBSERVER.active:
         out.observed = False
@@ -599,6 +603,22 @@ def _package_dir(name: str) -> str | None:
     if spec.origin:
         return spec.origin
     return None
+
+
+def _pools_module() -> Any:
+    """``cupy_poolmem._pools``, or ``None`` on a base install without CuPy / cuda.core.
+
+    Imported on first use, so that ``stats`` (and ``report``, which reads its
+    ``LOG_COLUMNS``) import without CUDA packages.  Without them no pool can exist,
+    so there is nothing to observe: scopes and logs then simply see no allocations.
+    """
+    try:
+        from . import _pools
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] in ("cupy", "cupyx", "cupy_backends", "cuda"):
+            return None
+        raise
+    return _pools
 
 
 _DEFAULT_SKIP = ("cupy_poolmem", "cupy", "cupyx", "cupy_backends", "numba", "numba_cuda")
@@ -817,6 +837,8 @@ class _Observer:
 
     # -- configuration (called under _CTL) ---------------------------------------------
     def _activate(self) -> None:
+        pools = _pools_module()
+
         def reset() -> None:
             self._states = {}
             self._dev_used = {}
@@ -824,14 +846,18 @@ class _Observer:
 
         self._locked(reset)
         self.active = True
-        _pools._set_global_observer(self)
-        for p in _pools.all_pools():
+        if pools is None:  # no CUDA packages: no pool can exist to observe
+            return
+        pools._set_global_observer(self)
+        for p in pools.all_pools():
             used = _live_bytes(p)
             reserved = _query(p, "reserved_mem_current", "reserved_bytes")
             self._locked(lambda p=p, u=used, r=reserved: self._baseline(p, u, r))
 
     def _deactivate(self) -> None:
-        _pools._set_global_observer(None)
+        pools = _pools_module()
+        if pools is not None:
+            pools._set_global_observer(None)
         self.active = False
 
         def clear() -> None:
@@ -999,9 +1025,11 @@ def track(
     """
     global _track_user
     if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be True or False; got {enabled!r}")
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
-        raise ValueError(f"depth must be a positive int; got {depth!r}")
+        raise OptionTypeError(f"enabled must be True or False; got {enabled!r}")
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)):
+        raise OptionTypeError(f"depth must be a positive int; got {depth!r}")
+    if depth is not None and depth < 1:
+        raise InvalidOptionError(f"depth must be a positive int; got {depth!r}")
     if isinstance(skip, str):
         skip = (skip,)
     with _CTL:
@@ -1085,10 +1113,10 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
     """
     global _track_log, _atexit_registered
     if not isinstance(track, bool):
-        raise TypeError(f"track must be True or False; got {track!r}")
+        raise OptionTypeError(f"track must be True or False; got {track!r}")
     template = os.fspath(path)
     if not isinstance(template, str) or not template:
-        raise ValueError(f"path must be a non-empty file name; got {path!r}")
+        raise InvalidOptionError(f"path must be a non-empty file name; got {path!r}")
     with _CTL:
         writer = _LogWriter(template, append)
         old = _OBSERVER._set_writer(writer)
