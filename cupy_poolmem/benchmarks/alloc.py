@@ -3,20 +3,22 @@
 Prints one table: microseconds per operation and the ratio to CuPy's MemoryPool,
 all measured in this process and run, round-robin (each allocator's best of four
 rounds, so drift hits every row alike).  The DevicePool rows run with observability
-off (the default: no cost); the last rows switch statistics and a tracked log on.  ``python benchmarks/alloc.py [--quick]``
+off (the default: no cost); the last rows switch statistics and a tracked log on.
+
+``python -m cupy_poolmem bench alloc [--quick]``
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cupy
 
-import cupy  # noqa: E402
-from _common import header, median_time, table  # noqa: E402
+import cupy_poolmem
 
-import cupy_poolmem  # noqa: E402
+from ._common import child_env, header, median_time, table
 
 
 def peers() -> list[tuple[str, object, object]]:
@@ -76,9 +78,9 @@ def _pure_python_row(n: int) -> list[str] | None:
     import json
     import subprocess
 
-    env = dict(os.environ, CUPY_POOLMEM_PURE_PYTHON="1")
+    env = child_env(CUPY_POOLMEM_PURE_PYTHON="1")
     r = subprocess.run(
-        [sys.executable, __file__, "--child", str(n)],
+        [sys.executable, "-m", __name__, "--child", str(n)],
         env=env,
         capture_output=True,
         text=True,
@@ -139,10 +141,11 @@ def measure_interleaved(entries: list, n: int, rounds: int = 4) -> list[list[flo
     return best
 
 
-def main() -> None:
-    if "--child" in sys.argv:
-        return _child(int(sys.argv[sys.argv.index("--child") + 1]))
-    quick = "--quick" in sys.argv
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--child" in argv:
+        return _child(int(argv[argv.index("--child") + 1]))
+    quick = "--quick" in argv
     n = 2000 if quick else 6000
     print(header("allocation benchmark: microseconds per op (ratio to cupy MemoryPool)"))
     rows, base = [], None

@@ -18,21 +18,21 @@ Workloads (inputs generated on the GPU and persisted before timing):
 Prints one table: median seconds per ``compute()`` and the ratio to ``rmm_pool_size``
 (or to dask-cuda's default when rmm is not installed).  Lower is better.
 
-``python benchmarks/dask_workload.py [--quick] [--repeats 5] [--configs plugin,default]``
+``python -m cupy_poolmem bench dask [--quick]``, or for every option
+``python -m cupy_poolmem.benchmarks.dask_workload [--quick] [--repeats 5]
+[--configs plugin,default]``
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _common import header, table  # noqa: E402
+from ._common import header, table
 
 
 def _gpu_random(seed: int, block_info=None):
@@ -171,8 +171,11 @@ def _versions() -> str:
     return " | ".join(parts)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m cupy_poolmem.benchmarks.dask_workload",
+        description=(__doc__ or "").splitlines()[0],
+    )
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--chunk", type=int, default=1000)
     ap.add_argument("--small-n", type=int, default=4000)
@@ -183,7 +186,7 @@ def main() -> None:
     ap.add_argument(
         "--pool-size",
         default="0.5",
-        help="pool_size of the plugin and rmm_pool_size (bytes or fraction)",
+        help="pool_size of the plugin and rmm_pool_size (bytes, or a fraction such as 0.5)",
     )
     ap.add_argument(
         "--configs",
@@ -191,7 +194,7 @@ def main() -> None:
         help="comma-separated subset: plugin,plugin_pool,default,rmm_pool,rmm_async",
     )
     ap.add_argument("--quick", action="store_true", help="smaller arrays, 2 repeats")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.n, args.chunk, args.small_n, args.repeats = 8000, 1000, 2000, 2
 

@@ -8,18 +8,18 @@ the same queues; "over floor" is what sharing adds to the queue's own cost.
 "same array" re-sends one array (the receiver keeps its mapping); "fresh arrays" sends
 a newly allocated array each time (made before the clock starts), the usual producer
 pattern, where the sender exports and the receiver maps new memory for every message:
-the driver's cost for both grows with the size.  ``python benchmarks/ipc.py [--quick]``
+the driver's cost for both grows with the size.
+
+``python -m cupy_poolmem bench ipc [--quick]``
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from collections.abc import Sequence
 
 
 def consumer(kind: str, q_in, q_out) -> None:
@@ -60,7 +60,10 @@ def run_method(
     rows = []
     for size in sizes:
         q_in, q_out = ctx.Queue(), ctx.Queue()
-        p = ctx.Process(target=consumer, args=(kind, q_in, q_out))
+        # The importable function, also when this module runs as __main__.
+        from cupy_poolmem.benchmarks.ipc import consumer as target
+
+        p = ctx.Process(target=target, args=(kind, q_in, q_out))
         p.start()
         tag, cuda_start = q_out.get(timeout=300)
 
@@ -115,13 +118,15 @@ def run_method(
     return rows
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     import cupy
-    from _common import header, table
 
     import cupy_poolmem
 
-    quick = "--quick" in sys.argv
+    from ._common import header, table
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    quick = "--quick" in argv
     print(header("IPC benchmark: ms per message (steady put+ack) and first send"))
     cupy_poolmem.set_allocator()
     sizes = [1 << 20, 256 << 20]

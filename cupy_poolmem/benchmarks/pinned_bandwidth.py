@@ -5,15 +5,13 @@
 
 from __future__ import annotations
 
-import os
-import sys
+from collections.abc import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cupy
 
-import cupy  # noqa: E402
-from _common import header, table  # noqa: E402
+import cupy_poolmem
 
-import cupy_poolmem  # noqa: E402
+from ._common import header, table
 
 
 def bandwidth(host_ptr: int, dev_ptr: int, n: int, kind: int, reps: int = 10) -> float:
@@ -33,7 +31,7 @@ def bandwidth(host_ptr: int, dev_ptr: int, n: int, kind: int, reps: int = 10) ->
     return reps * n / (cupy.cuda.get_elapsed_time(e0, e1) / 1e3) / 1e9
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     import cuda.core as cc
 
     print(header("pinned bandwidth: GB/s (ratio to cudaHostAlloc)"))
