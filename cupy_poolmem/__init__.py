@@ -27,6 +27,7 @@ from . import stats
 from ._device import device_count, nearest_numa_node
 from ._errors import (
     CUDADriverError,
+    HandleStateError,
     InvalidOptionError,
     LogFormatError,
     MissingDependencyError,
@@ -38,6 +39,7 @@ from ._errors import (
     PoolmemError,
     SharingError,
     UnsupportedError,
+    UsageError,
     WrongDeviceError,
 )
 from ._poolstats import PoolStats
@@ -71,7 +73,7 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
         all_pools,
         hotpath_implementation,
     )
-    from ._sharing import collect, sharing_stats
+    from ._sharing import SharingSettings, collect, sharing_stats
     from ._sharing import settings as sharing
     from .managed import advise, prefetch
 
@@ -96,6 +98,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "collect": ("._sharing", "collect"),
     "sharing_stats": ("._sharing", "sharing_stats"),
     "sharing": ("._sharing", "settings"),
+    "SharingSettings": ("._sharing", "SharingSettings"),
     "advise": (".managed", "advise"),
     "prefetch": (".managed", "prefetch"),
 }
@@ -112,6 +115,7 @@ _GPU_PACKAGES = ("cupy", "cupyx", "cupy_backends", "cuda", "fastrlock")
 __all__ = [
     "CUDADriverError",
     "DevicePool",
+    "HandleStateError",
     "InvalidOptionError",
     "LogFormatError",
     "ManagedPool",
@@ -127,7 +131,9 @@ __all__ = [
     "PoolStats",
     "PoolmemError",
     "SharingError",
+    "SharingSettings",
     "UnsupportedError",
+    "UsageError",
     "WrongDeviceError",
     "__version__",
     "advise",

@@ -45,6 +45,8 @@ __all__ = [
     "SharingError",
     "MissingDependencyError",
     "LogFormatError",
+    "UsageError",
+    "HandleStateError",
     "check_driver",
     "GPU_EXTRA_HINT",
 ]
@@ -254,3 +256,16 @@ class LogFormatError(PoolmemError, ValueError):
     def __init__(self, path: str, reason: str) -> None:
         self.path = path
         super().__init__(f"{path}: {reason}")
+
+
+class UsageError(PoolmemError, RuntimeError):
+    """An object was used in a way it cannot work, for example a Numba memory manager
+    created by hand instead of by Numba.  The message says how to use it instead."""
+
+
+class HandleStateError(SharingError, ValueError):
+    """A sharing handle was used in a state that does not allow it: opened twice, closed
+    before it was opened, or opened in the process that exported it.
+
+    Also a :class:`ValueError`, which Numba's own ``IpcHandle`` raises in these cases.
+    """

@@ -14,7 +14,7 @@ class PoolStats:
     Used bytes and counts come from the pool's own hot path; reserved bytes from the
     CUDA driver's pool attributes.  ``used_bytes`` drops when the last array on a
     block goes away; ``reserved_bytes`` drops when the pool releases memory to the system
-    (see ``release_threshold`` and :meth:`DevicePool.trim`).
+    (see ``release_threshold`` and :meth:`DevicePool.trim <Pool.trim>`).
 
     Attributes
     ----------

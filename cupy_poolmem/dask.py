@@ -50,8 +50,13 @@ try:
     import dask.config
     from distributed.diagnostics.plugin import WorkerPlugin
 except ImportError as _exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        f"cupy_poolmem.dask needs dask and distributed: pip install 'cupy_poolmem[dask]' ({_exc})"
+    from ._errors import MissingDependencyError
+
+    raise MissingDependencyError(
+        "cupy_poolmem.dask",
+        str(_exc),
+        needs="dask and distributed",
+        install='pip install "cupy_poolmem[dask]"',
     ) from _exc
 
 from ._device import require_gpu
@@ -257,9 +262,10 @@ class PoolmemPlugin(WorkerPlugin):
         """
         out = {n: _parse(getattr(self, n), n, total) for n in _SIZE_OPTIONS}
         for n in ("pool_size", "maximum_pool_size"):
-            if out[n] is not None and out[n] > total:
+            size = out[n]
+            if size is not None and size > total:
                 raise InvalidOptionError(
-                    f"{n}={getattr(self, n)!r} ({format_bytes(out[n])}) is more than the GPU "
+                    f"{n}={getattr(self, n)!r} ({format_bytes(size)}) is more than the GPU "
                     f"has ({format_bytes(total)})"
                 )
         if (

@@ -41,6 +41,7 @@ __all__ = [
     "plot",
     "main",
     "PLOT_FORMATS",
+    "plot_format",
 ]
 
 #: File suffixes :func:`plot` writes, and the format each one gets.
@@ -917,11 +918,10 @@ def _plot(
     if hidden:
         head += f" ({hidden} more process/device panel(s) not shown)"
     fig.suptitle(head)
-    out = str(os.fspath(out_path))
-    d = os.path.dirname(os.path.abspath(out))
-    os.makedirs(d, exist_ok=True)
-    fig.savefig(out, format=fmt, dpi=100)
-    return out
+    path = str(os.fspath(out_path))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, format=fmt, dpi=100)
+    return path
 
 
 # ----------------------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 Everything here works through one *observer* object that the hot path calls after each
 allocation (``on_alloc``) and when each block is freed (``on_free``).  The observer is
-installed on the pools only while something needs it: an active :func:`statistics`
-scope, an open log (:func:`start_log`), or tracking (:func:`track`).  When all of those
-are off, ``pool.observer`` is ``None`` and the hot path pays nothing.  :func:`tag` never
+installed on the pools only while something needs it: an active :func:`~cupy_poolmem.statistics`
+scope, an open log (:func:`~cupy_poolmem.start_log`), or tracking (:func:`~cupy_poolmem.track`).  When all of those
+are off, ``pool.observer`` is ``None`` and the hot path pays nothing.  :func:`~cupy_poolmem.tag` never
 installs anything: it is a thread-local push/pop (about a microsecond per ``with``).
 
 Concurrency design
@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import csv
+import functools
 import importlib.util
 import itertools
 import os
@@ -33,7 +34,7 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +59,7 @@ __all__ = [
     "track",
 ]
 
-#: Columns of the allocation log, in order (see :func:`start_log`).
+#: Columns of the allocation log, in order (see :func:`~cupy_poolmem.start_log`).
 LOG_COLUMNS: tuple[str, ...] = (
     "time",
     "pid",
@@ -102,7 +103,7 @@ _tls = _TagState()
 
 
 class _TagScope(contextlib.ContextDecorator):
-    """Context manager (and decorator) returned by :func:`tag`."""
+    """Context manager (and decorator) returned by :func:`~cupy_poolmem.tag`."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -126,15 +127,15 @@ def tag(name: str) -> _TagScope:
     """Label every allocation made in this thread inside the ``with`` block.
 
     Tags nest: inside ``tag("model")`` and then ``tag("attention")`` allocations carry
-    the full path ``"model/attention"``.  Statistics, the log and :func:`outstanding`
+    the full path ``"model/attention"``.  Statistics, the log and :func:`~cupy_poolmem.stats.outstanding`
     record that path; ``report --tag-depth 1`` groups by the outer component.  Tags are
     thread-local: a tag set in one thread does not apply to allocations made by other
     threads (a worker thread started inside the block starts untagged).  Allocations made
     through other front ends that use the same pools (the Numba plugin) carry the tag too.
 
     ``tag`` installs nothing: it only costs a thread-local push and pop.  Tags show up
-    wherever allocations are observed (:func:`statistics`, :func:`start_log`,
-    :func:`track`).  It can also be used as a function decorator.
+    wherever allocations are observed (:func:`~cupy_poolmem.statistics`, :func:`~cupy_poolmem.start_log`,
+    :func:`~cupy_poolmem.track`).  It can also be used as a function decorator.
 
     Parameters
     ----------
@@ -170,7 +171,7 @@ def current_tag() -> str | None:
 # ----------------------------------------------------------------------------------------
 @dataclass
 class TagStatistics:
-    """Counts for one tag inside a :func:`statistics` scope.
+    """Counts for one tag inside a :func:`~cupy_poolmem.statistics` scope.
 
     Attributes
     ----------
@@ -191,7 +192,7 @@ class TagStatistics:
 
 @dataclass
 class Statistics:
-    """Counts and peaks of the allocations made inside one :func:`statistics` scope.
+    """Counts and peaks of the allocations made inside one :func:`~cupy_poolmem.statistics` scope.
 
     The fields are updated live while the scope is active and frozen when it ends.
     Allocations from every thread and every pool of the process are counted (filtered
@@ -350,7 +351,7 @@ def statistics(*, device: int | None = None, kind: str | None = None) -> Iterato
 
 
 def get_statistics() -> Statistics | None:
-    """The innermost (most recently opened, still active) :func:`statistics` scope.
+    """The innermost (most recently opened, still active) :func:`~cupy_poolmem.statistics` scope.
 
     Scopes are process-wide, so this may be a scope opened by another thread.
     Returns ``None`` when no scope is open.
@@ -370,7 +371,7 @@ def get_statistics() -> Statistics | None:
 # ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Allocation:
-    """One live allocation, as returned by :func:`outstanding`.
+    """One live allocation, as returned by :func:`~cupy_poolmem.stats.outstanding`.
 
     Attributes
     ----------
@@ -408,7 +409,7 @@ class Allocation:
 
 
 class Outstanding(list):
-    """The list :func:`outstanding` returns, plus whether allocations were observed.
+    """The list :func:`~cupy_poolmem.stats.outstanding` returns, plus whether allocations were observed.
 
     Attributes
     ----------
@@ -440,7 +441,7 @@ def outstanding(pool: Any = None, limit: int | None = 20) -> Outstanding:
     """Live allocations, biggest first, with their tags and (when tracked) call sites.
 
     Only allocations made while an observer was active are known: the observer is
-    active while :func:`track` is on, a :func:`statistics` scope is open, or a log is
+    active while :func:`~cupy_poolmem.track` is on, a :func:`~cupy_poolmem.statistics` scope is open, or a log is
     being written.  Call sites are recorded only while tracking is on; other entries
     have ``callsite=None``.  When no observer is active at all, an empty list with
     ``observed=False`` is returned and a :class:`UserWarning` says why.
@@ -456,7 +457,7 @@ def outstanding(pool: Any = None, limit: int | None = 20) -> Outstanding:
     Returns
     -------
     Outstanding
-        A list of :class:`Allocation`.
+        A list of :class:`~cupy_poolmem.stats.Allocation`.
 
     Examples
     --------
@@ -563,11 +564,16 @@ class _PoolState:
         self.reserved_t = 0.0
         self.live: dict[int, tuple[int, int, tuple]] = {}
         self.core = None
+        self.ref: Callable[[], Any]
         try:
             self.ref = weakref.ref(core)
         except TypeError:  # an object without weak references: hold it
             self.core = core
-            self.ref = lambda c=core: c
+            self.ref = functools.partial(_identity, core)
+
+
+def _identity(obj: Any) -> Any:
+    return obj
 
 
 def _live_bytes(core: Any) -> int | None:
@@ -990,7 +996,7 @@ if hasattr(os, "register_at_fork"):
 def track(
     enabled: bool = True, *, depth: int | None = None, skip: Sequence[str] | None = None
 ) -> bool:
-    """Record the call site of every allocation (for :func:`outstanding` and the log).
+    """Record the call site of every allocation (for :func:`~cupy_poolmem.stats.outstanding` and the log).
 
     The call site is the first Python frame outside cupy_poolmem, CuPy (``cupy``,
     ``cupyx``, ``cupy_backends``) and Numba, found by walking at most ``depth`` frames
@@ -1044,14 +1050,14 @@ def track(
 
 
 def is_tracking() -> bool:
-    """Whether call sites are being recorded (by :func:`track` or :func:`start_log`)."""
+    """Whether call sites are being recorded (by :func:`~cupy_poolmem.track` or :func:`~cupy_poolmem.start_log`)."""
     return _OBSERVER.tracking
 
 
 def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = False) -> str:
     """Write one CSV line per allocation and per free to ``path``.
 
-    Columns (:data:`LOG_COLUMNS`), one header line first:
+    Columns (:data:`~cupy_poolmem.stats.LOG_COLUMNS`), one header line first:
 
     ``time``
         ``time.time()`` of the event, seconds, 6 decimals.
@@ -1068,7 +1074,7 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
     ``size``
         Bytes.
     ``tag``
-        Tag path of the allocation (:func:`tag`); on ``free`` lines, the allocation's.
+        Tag path of the allocation (:func:`~cupy_poolmem.tag`); on ``free`` lines, the allocation's.
     ``callsite``
         ``file:line in function`` of the allocation, only when tracking is on.
     ``used``
@@ -1095,7 +1101,7 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
     path : str or path-like
         File to write; ``{pid}`` is replaced by the process id.
     track : bool
-        Also record call sites (as :func:`track`) until :func:`stop_log`.
+        Also record call sites (as :func:`~cupy_poolmem.track`) until :func:`~cupy_poolmem.stop_log`.
     append : bool
         Append to an existing file instead of truncating it.
 
@@ -1131,7 +1137,7 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
 
 
 def stop_log() -> str | None:
-    """Stop the log started by :func:`start_log`; return its path (``None`` if none).
+    """Stop the log started by :func:`~cupy_poolmem.start_log`; return its path (``None`` if none).
 
     Examples
     --------

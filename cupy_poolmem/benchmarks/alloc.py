@@ -10,9 +10,11 @@ off (the default: no cost); the last rows switch statistics and a tracked log on
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import cupy
 
@@ -21,9 +23,9 @@ import cupy_poolmem
 from ._common import child_env, header, median_time, table
 
 
-def peers() -> list[tuple[str, object, object]]:
+def peers() -> list[tuple[Any, ...]]:
     """(name, malloc, cleanup) for every allocator measured."""
-    out = []
+    out: list[tuple[Any, ...]] = []
     mp = cupy.cuda.MemoryPool()
     out.append(("cupy MemoryPool (baseline)", mp.malloc, mp.free_all_blocks))
     ap = cupy.cuda.MemoryAsyncPool()
@@ -73,7 +75,7 @@ class _logging:
         self._dir.cleanup()
 
 
-def _pure_python_row(n: int) -> list[str] | None:
+def _pure_python_row(n: int) -> list[float] | None:
     """Measure the pure-Python hot path in a child process (the twin is chosen at import)."""
     import json
     import subprocess
@@ -103,13 +105,15 @@ def _child(n: int) -> None:
 CASES = [("empty 1KiB", 1 << 10), ("empty 1MiB", 1 << 20), ("empty 64MiB", 64 << 20)]
 
 
-def _cases(n: int) -> list[tuple[object, int]]:
+def _cases(n: int) -> list[tuple[Callable[[], object], int]]:
     x = cupy.arange(10000, dtype=cupy.float32)
 
     def chain():
         return ((x * 2 + 1) ** 2 - x).sum()
 
-    fns = [(lambda size=size: cupy.empty(size, dtype=cupy.uint8), n) for _l, size in CASES]
+    fns: list[tuple[Callable[[], object], int]] = [
+        (functools.partial(cupy.empty, size, dtype=cupy.uint8), n) for _l, size in CASES
+    ]
     return fns + [(chain, n // 4)]
 
 
@@ -155,7 +159,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     plain = [e for e in entries if len(e) == 3]
     observed = [e for e in entries if len(e) > 3]
     results = measure_interleaved(plain, n) + measure_interleaved(observed, n, rounds=2)
-    measured = [(e[0], vals, e[2]) for e, vals in zip(plain + observed, results)]
+    measured: list[tuple[str, list[float], Any]] = [
+        (e[0], vals, e[2]) for e, vals in zip(plain + observed, results)
+    ]
     py = _pure_python_row(n)
     if py:
         measured.append(("cupy_poolmem DevicePool [pure python, child process]", py, None))

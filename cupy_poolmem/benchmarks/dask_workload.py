@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from ._common import header, table
 
@@ -65,10 +66,10 @@ def allocation_heavy(y):
     return (z - y.T).sum()
 
 
-def _configs(pool_size: str, have_rmm: bool) -> list[tuple[str, dict, object, str]]:
+def _configs(pool_size: str, have_rmm: bool) -> list[tuple[str, dict, Any, str]]:
     from cupy_poolmem.dask import PoolmemPlugin
 
-    out = [
+    out: list[tuple[str, dict, Any, str]] = [
         ("cupy_poolmem plugin", {}, PoolmemPlugin(), "plugin"),
         (
             f"cupy_poolmem plugin pool_size={pool_size}",

@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             ("cupy_poolmem PinnedPool", ours.ptr),
             ("cuda.core PinnedMemoryResource default", int(buf.handle)),
         ]
-        ref = {}
+        ref: dict[str, float] = {}
         for name, ptr in peers:
             h2d = bandwidth(ptr, d.data.ptr, n, 1)
             d2h = bandwidth(ptr, d.data.ptr, n, 2)
