@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from ._cli import Parser, fail, guard_pipe
-from ._errors import MissingDependencyError, NoGPUError
+from ._errors import GPU_EXTRA_HINT, MissingDependencyError, NoGPUError
 
 PROG = "python -m cupy_poolmem"
 
@@ -65,14 +65,20 @@ def _needs_gpu(prog: str, what: str) -> int | None:
 
 # -- doctor ------------------------------------------------------------------------------
 def _doctor(args: argparse.Namespace) -> int:
-    from ._doctor import doctor
+    from ._doctor import _versions, doctor
 
-    rc = doctor(check=not args.no_check)
     missing = _missing_gpu_packages()
-    if missing is not None:
-        print(f"\nThe GPU features need CuPy and cuda.core ({missing} is missing): ", end="")
-        print(MissingDependencyError("", "").install)
-    return rc
+    if missing is None:
+        return doctor(check=not args.no_check)
+    print("cupy_poolmem doctor")
+    for k, v in _versions():
+        print(f"  {k:14s} {v}")
+    print(
+        f"\nThis is a base install: {missing} is not installed, so only the CPU features "
+        "work (sizes, statistics, `python -m cupy_poolmem report`).  For the GPU "
+        f"features: {GPU_EXTRA_HINT}"
+    )
+    return 2
 
 
 # -- demo --------------------------------------------------------------------------------

@@ -97,8 +97,30 @@ def test_error_hierarchy():
         cpm.OutOfPoolMemoryError,
         cpm.PinnedOutOfMemoryError,
         cpm.SharingError,
+        cpm.MissingDependencyError,
+        cpm.LogFormatError,
+        cpm.UsageError,
+        cpm.HandleStateError,
     ):
         assert issubclass(cls, cpm.PoolmemError)
+    assert issubclass(cpm.MissingDependencyError, ImportError)
+    assert issubclass(cpm.LogFormatError, ValueError)
+    assert issubclass(cpm.UsageError, RuntimeError)
+    assert issubclass(cpm.HandleStateError, ValueError)
+    assert issubclass(cpm.HandleStateError, cpm.SharingError)
+
+
+def test_every_exported_error_is_in_the_hierarchy():
+    errors = [getattr(cpm, n) for n in cpm.__all__ if n.endswith("Error")]
+    assert len(errors) >= 14
+    assert all(issubclass(e, cpm.PoolmemError) for e in errors)
+
+
+def test_missing_dependency_error_names_the_install_command():
+    e = cpm.MissingDependencyError("cupy_poolmem.DevicePool", "No module named 'cupy'")
+    assert 'pip install "cupy_poolmem[cu13]"' in str(e) and "No module named" in str(e)
+    e = cpm.MissingDependencyError("x", needs="matplotlib", install="pip install matplotlib")
+    assert str(e) == "x needs matplotlib, which is not installed: pip install matplotlib"
 
 
 def test_oom_error_message_names_pool_size_and_stats():
