@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Literal, overload
 
 from ._errors import InvalidOptionError, OptionTypeError
 
@@ -36,6 +37,22 @@ _FORMS = (
 )
 
 
+@overload
+def parse_bytes(
+    value: int | float | str,
+    *,
+    name: str = ...,
+    total: int | None = ...,
+    allow_none: Literal[False] = ...,
+) -> int: ...
+@overload
+def parse_bytes(
+    value: int | float | str | None,
+    *,
+    name: str = ...,
+    total: int | None = ...,
+    allow_none: bool = ...,
+) -> int | None: ...
 def parse_bytes(
     value: int | float | str | None,
     *,
