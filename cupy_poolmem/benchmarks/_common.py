@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -21,6 +22,17 @@ def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, **extra)
     env["PYTHONPATH"] = root + (os.pathsep + path if path else "")
     return env
+
+
+def require_gpu(name: str) -> None:
+    """Exit with one line (status 2) when there is no GPU to benchmark on."""
+    if cupy_poolmem.device_count() == 0:
+        print(
+            f"{name}: needs a CUDA GPU, and CUDA sees none here (no driver, no device, or "
+            "CUDA_VISIBLE_DEVICES empty)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
 
 
 def header(title: str) -> str:

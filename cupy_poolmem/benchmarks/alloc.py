@@ -20,7 +20,7 @@ import cupy
 
 import cupy_poolmem
 
-from ._common import child_env, header, median_time, table
+from ._common import child_env, header, median_time, require_gpu, table
 
 
 def peers() -> list[tuple[Any, ...]]:
@@ -147,6 +147,7 @@ def measure_interleaved(entries: list, n: int, rounds: int = 4) -> list[list[flo
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
+    require_gpu("alloc")
     if "--child" in argv:
         return _child(int(argv[argv.index("--child") + 1]))
     quick = "--quick" in argv

@@ -123,9 +123,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import cupy_poolmem
 
-    from ._common import header, table
+    from ._common import header, require_gpu, table
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    require_gpu("ipc")
     quick = "--quick" in argv
     print(header("IPC benchmark: ms per message (steady put+ack) and first send"))
     cupy_poolmem.set_allocator()

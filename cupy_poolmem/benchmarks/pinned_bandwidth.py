@@ -11,7 +11,7 @@ import cupy
 
 import cupy_poolmem
 
-from ._common import header, table
+from ._common import header, require_gpu, table
 
 
 def bandwidth(host_ptr: int, dev_ptr: int, n: int, kind: int, reps: int = 10) -> float:
@@ -33,6 +33,8 @@ def bandwidth(host_ptr: int, dev_ptr: int, n: int, kind: int, reps: int = 10) ->
 
 def main(argv: Sequence[str] | None = None) -> None:
     import cuda.core as cc
+
+    require_gpu("pinned_bandwidth")
 
     print(header("pinned bandwidth: GB/s (ratio to cudaHostAlloc)"))
     rows = []
