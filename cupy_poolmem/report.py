@@ -779,7 +779,8 @@ def plot(
     ...     _ = f.write("1.0,7,MainThread,0,0,alloc,0x100,4096,step,,4096,8192\\n")
     ...     _ = f.write("2.0,7,MainThread,0,0,free,0x100,4096,step,,0,8192\\n")
     >>> out = plot(d, os.path.join(d, "usage.svg"))
-    >>> open(out).read(5)
+    >>> with open(out) as f:
+    ...     f.read(5)
     '<?xml'
     """
     plot_format(out)

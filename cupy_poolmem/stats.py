@@ -1130,7 +1130,8 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
     >>> train()  # doctest: +SKIP
     >>> cupy_poolmem.stop_log() == path
     True
-    >>> open(path).readline().startswith("time,pid,thread,device")
+    >>> with open(path) as f:
+    ...     f.readline().startswith("time,pid,thread,device")
     True
     """
     global _track_log, _atexit_registered

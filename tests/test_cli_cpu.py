@@ -230,7 +230,8 @@ def test_report_json_into_a_closed_pipe_ends_quietly(tmp_path):
     )
     head = p.stdout.read(100)
     p.stdout.close()  # the reader goes away, as `head` does
-    err = p.stderr.read().decode()
+    with p.stderr:
+        err = p.stderr.read().decode()
     p.wait(timeout=120)
     assert head.startswith(b"{")
     assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -180,7 +180,8 @@ def test_summary_text_and_json(two_logs, capsys):
 
 
 def _check_png(path) -> None:
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     assert data[:8] == PNG_MAGIC
     assert len(data) > 10_000  # an actual picture, not an empty canvas
 
