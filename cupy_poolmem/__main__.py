@@ -1,21 +1,91 @@
-"""Command line: ``python -m cupy_poolmem [doctor|demo|bench|report] ...``.
+"""Command line: ``python -m cupy_poolmem [doctor|demo|bench|report] ...`` (also ``cupy-poolmem``).
 
-- ``doctor`` (default): versions, driver, GPUs, NUMA placement, pool features, self-check.
-- ``demo``: a short tour of the one-line allocators with statistics.
-- ``bench``: the allocation and sharing benchmarks (tables with ratios to peers).
-- ``report LOG.csv ... [--plot usage.png]``: summarise allocation logs.
+Each command has its own ``--help`` with an example.  Exit status: ``0`` done, ``1`` the
+command ran and found a problem, ``2`` bad input or a machine that cannot run the
+command (no GPU, no CUDA packages); errors are one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import importlib.util
+import subprocess
 import sys
+from collections.abc import Sequence
 
-_BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+from . import __version__
+from ._cli import Parser, fail, guard_pipe
+from ._errors import GPU_EXTRA_HINT, MissingDependencyError, NoGPUError
+
+PROG = "python -m cupy_poolmem"
+
+DESCRIPTION = """\
+CUDA stream-ordered memory pools for CuPy: check this machine, try the allocators,
+run the benchmarks, or read allocation logs.  Without a command, runs the doctor.
+"""
+
+EPILOG = """\
+examples:
+  python -m cupy_poolmem                      the doctor: versions, GPUs, self-check
+  python -m cupy_poolmem demo                 a short tour of the allocators
+  python -m cupy_poolmem bench --quick        every benchmark table, shorter runs
+  python -m cupy_poolmem report alloc-*.csv --plot usage.png
+
+'python -m cupy_poolmem COMMAND --help' describes each command.
+exit status: 0 done, 1 a check failed, 2 bad input or no GPU / CUDA packages
+"""
 
 
-def _demo() -> int:
+def _missing_gpu_packages() -> str | None:
+    """The first GPU package that is not installed, or ``None`` when all are."""
+    for name in ("cupy", "cuda.core", "cuda.bindings"):
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except ModuleNotFoundError:  # the parent package ("cuda") is missing
+            return name
+    return None
+
+
+def _needs_gpu(prog: str, what: str) -> int | None:
+    """An exit status (after a one-line message) when ``what`` cannot run here, else None."""
+    missing = _missing_gpu_packages()
+    if missing is not None:
+        return fail(prog, str(MissingDependencyError(what, f"no module named {missing!r}")))
+    import cupy_poolmem
+
+    if cupy_poolmem.device_count() == 0:
+        return fail(
+            prog,
+            f"{what} needs a CUDA GPU, and CUDA sees none here (no driver, no device, or "
+            "CUDA_VISIBLE_DEVICES empty); `python -m cupy_poolmem doctor` tells more",
+        )
+    return None
+
+
+# -- doctor ------------------------------------------------------------------------------
+def _doctor(args: argparse.Namespace) -> int:
+    from ._doctor import _versions, doctor
+
+    missing = _missing_gpu_packages()
+    if missing is None:
+        return doctor(check=not args.no_check)
+    print("cupy_poolmem doctor")
+    for k, v in _versions():
+        print(f"  {k:14s} {v}")
+    print(
+        f"\nThis is a base install: {missing} is not installed, so only the CPU features "
+        "work (sizes, statistics, `python -m cupy_poolmem report`).  For the GPU "
+        f"features: {GPU_EXTRA_HINT}"
+    )
+    return 2
+
+
+# -- demo --------------------------------------------------------------------------------
+def _demo(args: argparse.Namespace) -> int:
+    rc = _needs_gpu(f"{PROG} demo", "demo")
+    if rc is not None:
+        return rc
     from ._doctor import doctor
 
     rc = doctor(check=False)
@@ -46,73 +116,121 @@ def _demo() -> int:
     return 0
 
 
-def _bench(args: list[str]) -> int:
-    """Run each benchmark script in its own process (they spawn workers), with progress."""
-    import subprocess
+# -- bench -------------------------------------------------------------------------------
+def _bench(args: argparse.Namespace) -> int:
+    """Run each benchmark module in its own process (they spawn workers)."""
+    from .benchmarks import BENCHMARKS, DEFAULT
 
-    scripts = [
-        n
-        for n in ("alloc.py", "pinned_bandwidth.py", "ipc.py")
-        if os.path.exists(os.path.join(_BENCH_DIR, n))
-    ]
-    if not scripts:
-        print("benchmarks/ is not next to the package: run `bench` from a source checkout")
-        return 2
-    try:
-        from tqdm import tqdm
+    rc = _needs_gpu(f"{PROG} bench", "bench")
+    if rc is not None:
+        return rc
+    from .benchmarks._common import child_env
 
-        progress = tqdm(scripts, desc="benchmarks", unit="script", file=sys.stderr)
-    except ImportError:
-        progress = scripts
-    rc = 0
-    for i, name in enumerate(progress):
-        if hasattr(progress, "set_postfix_str"):
-            progress.set_postfix_str(name)
-        else:
-            print(f"[{i + 1}/{len(scripts)}] {name}", file=sys.stderr)
-        r = subprocess.run([sys.executable, os.path.join(_BENCH_DIR, name), *args])
-        rc = rc or r.returncode
-    return rc
+    names = list(dict.fromkeys(args.names)) or list(DEFAULT)
+    extra = ["--quick"] if args.quick else []
+    env = child_env()
+    status = 0
+    for i, name in enumerate(names, start=1):
+        module = f"{__package__}.benchmarks.{BENCHMARKS[name][0]}"
+        print(f"[{i}/{len(names)}] {name}: {BENCHMARKS[name][1]}", file=sys.stderr, flush=True)
+        r = subprocess.run([sys.executable, "-m", module, *extra], env=env)
+        status = status or (1 if r.returncode else 0)
+    return status
 
 
-def main(argv: list[str] | None = None) -> int:
+# -- report ------------------------------------------------------------------------------
+def _report(args: argparse.Namespace) -> int:
+    from . import report
+
+    return report.run(args)
+
+
+# -- parser ------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m cupy_poolmem`` parser with its four subcommands."""
+    from . import report
+    from .benchmarks import BENCHMARKS, DEFAULT
+
+    parser = Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"cupy_poolmem {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+
+    p = sub.add_parser(
+        "doctor",
+        help="versions, driver, GPUs, NUMA nodes, pool features and a self-check (default)",
+        description="Print the versions of CuPy, cuda.core and cuda.bindings, the driver, "
+        "each GPU\n(memory, NUMA node, pool features), then write a pattern through each "
+        "pool kind\nand read it back, and time an allocation against CuPy's MemoryPool.",
+        epilog="example:\n  python -m cupy_poolmem doctor --no-check\n\n"
+        "exit status: 0 all checks passed, 1 a self-check failed, 2 no usable GPU or driver",
+    )
+    p.add_argument("--no-check", action="store_true", help="skip the self-check and timing")
+    p.set_defaults(func=_doctor)
+
+    p = sub.add_parser(
+        "demo",
+        help="a short tour of the one-line allocators, with statistics",
+        description="Make cupy_poolmem CuPy's device and pinned allocators, compute on a "
+        "16M-element\narray, copy through pinned memory, and print the pool's statistics.",
+        epilog="example:\n  python -m cupy_poolmem demo\n\nexit status: 0 done, 2 no GPU",
+    )
+    p.set_defaults(func=_demo)
+
+    listing = "\n".join(f"  {n:8s} {d}" for n, (_m, d) in BENCHMARKS.items())
+    p = sub.add_parser(
+        "bench",
+        help="benchmark tables: cupy_poolmem against its peers, measured in the same run",
+        description="Run the benchmarks, each in its own process, and print one table each "
+        "(peers\nmeasured in the same run, ratios to a named baseline, device and "
+        f"versions).\n\nbenchmarks:\n{listing}",
+        epilog="examples:\n  python -m cupy_poolmem bench --quick\n"
+        "  python -m cupy_poolmem bench alloc ipc\n\n"
+        "exit status: 0 done, 1 a benchmark failed, 2 no GPU or CUDA packages",
+    )
+
+    def benchmark_name(text: str) -> str:
+        if text not in BENCHMARKS:
+            raise argparse.ArgumentTypeError(
+                f"unknown benchmark {text!r} (choose from {', '.join(BENCHMARKS)})"
+            )
+        return text
+
+    p.add_argument(
+        "names",
+        nargs="*",
+        type=benchmark_name,
+        metavar="NAME",
+        help=f"benchmarks to run (default: {' '.join(DEFAULT)}; also: "
+        f"{' '.join(n for n in BENCHMARKS if n not in DEFAULT)})",
+    )
+    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
+    p.set_defaults(func=_bench)
+
+    p = sub.add_parser(
+        "report",
+        help="summarise and plot allocation logs (no GPU needed)",
+        description=report.DESCRIPTION,
+        epilog=report.EPILOG,
+    )
+    report.add_arguments(p)
+    p.set_defaults(func=_report)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m cupy_poolmem`` and the ``cupy-poolmem`` script."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "report":
-        from . import report
-
-        return report.main(argv[1:])
-    parser = argparse.ArgumentParser(
-        prog="python -m cupy_poolmem",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "command", nargs="?", default="doctor", choices=["doctor", "demo", "bench", "report"]
-    )
-    parser.add_argument("--no-check", action="store_true", help="doctor: skip the self-check")
-    ns, rest = parser.parse_known_args(argv)
-    if ns.command == "report":
-        from . import report
-
-        return report.main(rest)
-    if rest and ns.command != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        args = parser.parse_args(["doctor", *argv])
+    prog = f"{PROG} {args.command}"
     try:
-        if ns.command == "doctor":
-            from ._doctor import doctor
-
-            return doctor(check=not ns.no_check)
-        if ns.command == "demo":
-            return _demo()
-        return _bench(rest)
-    except ImportError as exc:
-        print(
-            f"cupy_poolmem needs CuPy >= 14 and cuda-core >= 1.2 ({exc}); "
-            "install with `pip install cupy_poolmem[cu13]`",
-            file=sys.stderr,
-        )
-        return 2
+        return guard_pipe(args.func, args)
+    except (MissingDependencyError, NoGPUError) as exc:
+        return fail(prog, str(exc))
+    except KeyboardInterrupt:
+        return fail(prog, "interrupted", code=130)
 
 
 if __name__ == "__main__":

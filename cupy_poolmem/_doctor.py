@@ -240,9 +240,9 @@ def doctor(out: Callable[[str], Any] = print, check: bool = True) -> int:
     out("cupy_poolmem doctor")
     for k, v in _versions():
         out(f"  {k:14s} {v}")
-    v, text = _driver_version()
+    driver, text = _driver_version()
     out(f"  {'CUDA driver':14s} {text}")
-    if v is None:
+    if driver is None:
         out(
             "\nNo usable CUDA driver: cupy_poolmem needs an NVIDIA GPU with its driver "
             "(check `nvidia-smi`). Nothing else to check."

@@ -7,10 +7,29 @@ never silently changes which ``except`` clause runs.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cupy.cuda.memory import OutOfMemoryError as _CupyOutOfMemoryError
-from cupy_backends.cuda.api.runtime import CUDARuntimeError as _CUDARuntimeError
+
+def _cupy_bases() -> tuple[type[MemoryError], type[RuntimeError]]:
+    """CuPy's out-of-memory and runtime-error types, or the builtins they derive from.
+
+    A base install has no CuPy: the package then still imports (``report`` needs no GPU),
+    and its errors derive from ``MemoryError`` / ``RuntimeError``, which CuPy's own types
+    derive from, so the same ``except`` clauses catch them.
+    """
+    try:
+        from cupy.cuda.memory import OutOfMemoryError
+        from cupy_backends.cuda.api.runtime import CUDARuntimeError
+    except ImportError:
+        return MemoryError, RuntimeError
+    return OutOfMemoryError, CUDARuntimeError
+
+
+if TYPE_CHECKING:
+    _CupyOutOfMemoryError = MemoryError
+    _CUDARuntimeError = RuntimeError
+else:
+    _CupyOutOfMemoryError, _CUDARuntimeError = _cupy_bases()
 
 __all__ = [
     "PoolmemError",
@@ -25,7 +44,12 @@ __all__ = [
     "OutOfPoolMemoryError",
     "PinnedOutOfMemoryError",
     "SharingError",
+    "MissingDependencyError",
+    "LogFormatError",
+    "UsageError",
+    "HandleStateError",
     "check_driver",
+    "GPU_EXTRA_HINT",
 ]
 
 _CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation, what CuPy's staging catches
@@ -138,6 +162,8 @@ class PinnedOutOfMemoryError(PoolmemError, _CUDARuntimeError):
 
     def __init__(self, pool: str, size: int, stats: Any = None, detail: str | None = None) -> None:
         _CUDARuntimeError.__init__(self, _CUDA_ERROR_MEMORY_ALLOCATION)
+        if not hasattr(self, "status"):  # no CuPy: RuntimeError has no status of its own
+            self.status = _CUDA_ERROR_MEMORY_ALLOCATION
         self.pool, self.size, self.stats = pool, int(size), stats
         self.args = (
             f"{pool}: out of pinned memory allocating {int(size):,} bytes "
@@ -153,9 +179,12 @@ def check_driver(result: Any, call: str) -> Any:
 
     Examples
     --------
-    >>> from cuda.bindings import driver  # doctest: +SKIP
-    >>> check_driver(driver.cuDriverGetVersion(), "cuDriverGetVersion")  # doctest: +SKIP
+    A successful call's values come back without the status:
+
+    >>> check_driver((0, 13000), "cuDriverGetVersion")
     13000
+    >>> check_driver((0,), "cuCtxSynchronize") is None
+    True
     """
     err, *rest = result if isinstance(result, tuple) else (result,)
     code = int(err)
@@ -175,3 +204,80 @@ def check_driver(result: Any, call: str) -> Any:
     if not rest:
         return None
     return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+#: How to get the GPU features on a base install; every :class:`MissingDependencyError` says it.
+GPU_EXTRA_HINT = 'pip install "cupy_poolmem[cu13]" (or "cupy_poolmem[cu12]" for CUDA 12 drivers)'
+
+
+class MissingDependencyError(PoolmemError, ImportError):
+    """An optional dependency of the feature used is not installed.
+
+    A base install (``pip install cupy_poolmem``) imports and reads allocation logs
+    without CUDA packages; the GPU features need the ``cu13`` (or ``cu12``) extra,
+    plots need matplotlib.  The message names what to install.  Derives from
+    :class:`ImportError`, which code probing for optional features already catches.
+
+    Attributes
+    ----------
+    feature : str
+        What was used (``"cupy_poolmem.DevicePool"``, ``"report --plot"``).
+    install : str
+        The command that installs what is missing.
+
+    Examples
+    --------
+    >>> e = MissingDependencyError("cupy_poolmem.DevicePool", "No module named 'cupy'")
+    >>> isinstance(e, ImportError), e.install.startswith("pip install")
+    (True, True)
+    >>> print(e)  # doctest: +ELLIPSIS
+    cupy_poolmem.DevicePool needs CuPy and cuda.core, which is not installed: pip install ...
+    """
+
+    def __init__(
+        self,
+        feature: str,
+        reason: str = "",
+        *,
+        needs: str = "CuPy and cuda.core",
+        install: str = GPU_EXTRA_HINT,
+    ) -> None:
+        self.feature, self.install = feature, install
+        msg = f"{feature} needs {needs}, which is not installed: {install}"
+        super().__init__(msg + (f" ({reason})" if reason else ""))
+
+
+class LogFormatError(PoolmemError, ValueError):
+    """A file given to :mod:`cupy_poolmem.report` is not a readable allocation log.
+
+    Raised for binary or undecodable files, empty files, files whose first line is not
+    the log's header, and directories without logs.  The message starts with the
+    file's name.
+
+    Attributes
+    ----------
+    path : str
+        The file (or directory) at fault.
+
+    Examples
+    --------
+    >>> str(LogFormatError("run.csv", "empty file (no header line)"))
+    'run.csv: empty file (no header line)'
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {reason}")
+
+
+class UsageError(PoolmemError, RuntimeError):
+    """An object was used in a way it cannot work, for example a Numba memory manager
+    created by hand instead of by Numba.  The message says how to use it instead."""
+
+
+class HandleStateError(SharingError, ValueError):
+    """A sharing handle was used in a state that does not allow it: opened twice, closed
+    before it was opened, or opened in the process that exported it.
+
+    Also a :class:`ValueError`, which Numba's own ``IpcHandle`` raises in these cases.
+    """

@@ -202,6 +202,8 @@ class Pool(_hp.PoolCore):
         with _ALL_LOCK:
             _ALL_POOLS.add(self)
         if self._pool_uuid:
+            from . import _sharing  # noqa: F401  (a pool that can share: sharing is hooked in)
+
             for cb in list(_IPC_POOL_CALLBACKS):
                 cb(self)
 
@@ -600,7 +602,7 @@ class DevicePool(Pool):
         Device ordinal; defaults to the current device.
     max_size : int or str, optional
         Hard cap: bytes, a string such as ``"40GB"``, or a fraction of the device's
-        memory such as ``"0.9"``.  Default: no cap beyond the device.
+        memory such as ``0.9`` or ``"90%"``.  Default: no cap beyond the device.
     release_threshold : int or str, optional
         Reserved bytes kept across synchronisations.  ``None`` (default) keeps all
         memory reserved so steady-state allocations never go to the OS; ``0`` releases
@@ -612,7 +614,7 @@ class DevicePool(Pool):
         Bytes of freed blocks (each up to 64 MiB) kept for reuse by the next
         allocation of the same size on the same stream, skipping the driver call.
         Same-stream reuse is what stream ordering already allows, so this changes
-        speed only.  Flushed on out-of-memory, :meth:`trim` and :meth:`close`.
+        speed only.  Flushed on out-of-memory, :meth:`~Pool.trim` and :meth:`~Pool.close`.
         Default ``"1GiB"``; ``0`` disables it.
     peer_access : "all", None or list of int
         Other GPUs that may read and write this pool's memory (kernels and copies

@@ -14,7 +14,7 @@ class PoolStats:
     Used bytes and counts come from the pool's own hot path; reserved bytes from the
     CUDA driver's pool attributes.  ``used_bytes`` drops when the last array on a
     block goes away; ``reserved_bytes`` drops when the pool releases memory to the system
-    (see ``release_threshold`` and :meth:`DevicePool.trim`).
+    (see ``release_threshold`` and :meth:`DevicePool.trim <Pool.trim>`).
 
     Attributes
     ----------
@@ -44,6 +44,13 @@ class PoolStats:
 
     Examples
     --------
+    >>> st = PoolStats(kind="device", device=0, used_bytes=8000, peak_used_bytes=8000,
+    ...                reserved_bytes=2**21, peak_reserved_bytes=2**21, n_allocs=3, n_frees=1)
+    >>> st.live_allocs, st.to_dict()["reserved_bytes"]
+    (2, 2097152)
+
+    From a pool, on a GPU:
+
     >>> import cupy, cupy_poolmem  # doctest: +SKIP
     >>> pool = cupy_poolmem.DevicePool()  # doctest: +SKIP
     >>> with cupy_poolmem.using(pool):  # doctest: +SKIP

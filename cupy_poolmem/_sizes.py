@@ -1,47 +1,75 @@
-"""Parsing of byte sizes: ints, strings with units ("40GB", "512MiB") and fractions ("0.9")."""
+"""Byte sizes: one rule for every size option of the package.
+
+* An ``int`` is a number of bytes.
+* A ``str`` is a number of bytes with an optional unit, read as dask's
+  ``dask.utils.parse_bytes`` reads it: decimal units ``B``, ``kB``, ``MB``, ``GB``,
+  ``TB``, ``PB`` (also ``k``, ``M``, ``G``...), binary units ``KiB``, ``MiB``,
+  ``GiB``, ``TiB``, ``PiB`` (also ``Ki``, ``Mi``...), any case, spaces allowed:
+  ``"40GB"``, ``"512 MiB"``, ``"1.5kB"``, ``"1e9"``.  Without a unit the number must
+  be a whole number of bytes: ``"0.9"`` or ``"1.5"`` are errors, never 0 or 1 byte.
+* A fraction of the device's memory is written explicitly: a ``float`` in ``(0, 1]``
+  (``0.9``) or a percentage string (``"90%"``).  ``1`` and ``"1"`` are one byte;
+  ``1.0`` and ``"100%"`` are the whole device.
+"""
 
 from __future__ import annotations
 
+import math
 import re
+from typing import Literal, overload
 
 from ._errors import InvalidOptionError, OptionTypeError
 
 __all__ = ["parse_bytes", "format_bytes"]
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_UNITS: dict[str, int] = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgtp", start=1):
+    _UNITS[_p] = _UNITS[_p + "b"] = 10 ** (3 * _i)
+    _UNITS[_p + "i"] = _UNITS[_p + "ib"] = 2 ** (10 * _i)
+
+_NUMBER = r"[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?"
+_SIZE_RE = re.compile(rf"^({_NUMBER})([a-zA-Z]*)$")
+_PERCENT_RE = re.compile(rf"^({_NUMBER})%$")
+
+_FORMS = (
+    "use an int number of bytes (1048576), a string with a unit ('40GB', '512MiB'), "
+    "or a fraction of the device's memory as a float (0.9) or a percentage ('90%')"
+)
 
 
+@overload
 def parse_bytes(
     value: int | float | str,
+    *,
+    name: str = ...,
+    total: int | None = ...,
+    allow_none: Literal[False] = ...,
+) -> int: ...
+@overload
+def parse_bytes(
+    value: int | float | str | None,
+    *,
+    name: str = ...,
+    total: int | None = ...,
+    allow_none: bool = ...,
+) -> int | None: ...
+def parse_bytes(
+    value: int | float | str | None,
     *,
     name: str = "size",
     total: int | None = None,
     allow_none: bool = False,
 ) -> int | None:
-    """Turn ``value`` into a number of bytes.
+    """Turn ``value`` into a number of bytes, by the package's one size rule.
 
     Parameters
     ----------
     value : int, float or str
-        An integer number of bytes; a string with a unit (``"40GB"``, ``"512MiB"``,
-        ``"1.5 TB"``); or a fraction in ``(0, 1]`` of ``total`` (``0.9`` or ``"0.9"``),
-        like dask-cuda's ``rmm_pool_size``.
+        An ``int``: bytes.  A ``str``: bytes with an optional unit, as
+        ``dask.utils.parse_bytes`` reads it (``"40GB"``, ``"512 MiB"``, ``"1.5kB"``);
+        without a unit it must be a whole number (``"2048"``, ``"1e9"``).  A fraction
+        of ``total``: a ``float`` in ``(0, 1]`` (``0.9``) or a percentage string
+        (``"90%"``).
     name : str
         The option's name, used in error messages.
     total : int, optional
@@ -58,7 +86,8 @@ def parse_bytes(
     OptionTypeError
         ``value`` is not an int, float or str.
     InvalidOptionError
-        ``value`` is negative, unparsable, or a fraction with no ``total``.
+        ``value`` is negative, unparsable, a unitless string that is not a whole number
+        of bytes, a float outside ``(0, 1]``, or a fraction with no ``total``.
 
     Examples
     --------
@@ -66,50 +95,63 @@ def parse_bytes(
     40000000000
     >>> parse_bytes("2 GiB")
     2147483648
-    >>> parse_bytes("0.5", total=1000)
-    500
+    >>> parse_bytes("1.5kB")
+    1500
+    >>> parse_bytes("1")
+    1
+    >>> parse_bytes(0.5, total=1000), parse_bytes("90%", total=1000)
+    (500, 900)
+    >>> parse_bytes("0.9")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    cupy_poolmem._errors.InvalidOptionError: size='0.9' is not a whole number of bytes ...
     """
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise OptionTypeError(
-            f"{name} must be an int number of bytes, a string such as '40GB', or a fraction "
-            f"such as 0.9; got {value!r} of type {type(value).__name__}"
+            f"{name} must be an int, float or str; got {value!r} of type "
+            f"{type(value).__name__}: {_FORMS}"
         )
     if isinstance(value, int):
         if value < 0:
             raise InvalidOptionError(f"{name} must be >= 0 bytes; got {value}")
         return value
     if isinstance(value, float):
-        number, unit = value, None
-    else:
-        m = _RE.match(value)
-        if not m or m.group(2).lower() not in _UNITS:
+        if not (math.isfinite(value) and 0 < value <= 1):
             raise InvalidOptionError(
-                f"{name}={value!r} is not a size; use bytes (1048576), a unit "
-                "('40GB', '512MiB') or a fraction of device memory ('0.9')"
+                f"{name}={value!r}: a float is a fraction in (0, 1] of the device's memory; "
+                f"for bytes use an int ({int(value) if math.isfinite(value) else 0}"
+                ") or a string with a unit"
             )
-        number, unit = float(m.group(1)), m.group(2).lower()
-        if unit == "" and number == int(number) and "." not in m.group(1) and number > 1:
-            return int(number)
-    if (
-        unit in (None, "")
-        and 0 < number <= 1
-        and not (isinstance(value, str) and number == 1 and "." not in value)
-    ):
-        if total is None:
-            raise InvalidOptionError(
-                f"{name}={value!r} is a fraction, but there is no total to take it of; "
-                "give a byte count such as '40GB'"
-            )
-        return int(number * total)
-    if number < 0:
-        raise InvalidOptionError(f"{name} must be >= 0 bytes; got {value!r}")
-    if unit is None:
+        return _fraction(value, value, name, total)
+    text = value.replace(" ", "").replace("_", "")
+    m = _PERCENT_RE.match(text)
+    if m:
+        pct = float(m.group(1))
+        if not 0 < pct <= 100:
+            raise InvalidOptionError(f"{name}={value!r}: a percentage must be in (0%, 100%]")
+        return _fraction(pct / 100, value, name, total)
+    m = _SIZE_RE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InvalidOptionError(f"{name}={value!r} is not a size; {_FORMS}")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    if unit in ("", "b") and number != int(number):
         raise InvalidOptionError(
-            f"{name}={value!r}: a float must be a fraction in (0, 1]; use an int for bytes"
+            f"{name}={value!r} is not a whole number of bytes (a string without a unit "
+            f"is bytes); for a fraction of the device's memory write "
+            f"'{number * 100:g}%' or the float {number!r}"
         )
     return int(number * _UNITS[unit])
+
+
+def _fraction(frac: float, value: object, name: str, total: int | None) -> int:
+    if total is None:
+        raise InvalidOptionError(
+            f"{name}={value!r} is a fraction, but there is no total to take it of; "
+            "give a byte count such as '40GB'"
+        )
+    return int(frac * total)
 
 
 def format_bytes(n: int) -> str:
@@ -119,6 +161,8 @@ def format_bytes(n: int) -> str:
     --------
     >>> format_bytes(3 * 2**30)
     '3.00 GiB'
+    >>> format_bytes(12)
+    '12 B'
     """
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:

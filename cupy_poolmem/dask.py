@@ -6,7 +6,7 @@ Three ways to use it (all per worker process, one GPU per worker as dask-cuda ru
    that joins later, restarted workers included::
 
        from cupy_poolmem.dask import PoolmemPlugin
-       client.register_plugin(PoolmemPlugin(pool_size="0.5", maximum_pool_size="0.9"))
+       client.register_plugin(PoolmemPlugin(pool_size=0.5, maximum_pool_size="90%"))
 
 2. A preload module, configured through Dask's config (``cupy-poolmem.*`` keys, or
    ``DASK_CUPY_POOLMEM__POOL_SIZE`` style environment variables)::
@@ -26,8 +26,14 @@ restores CuPy's default allocators.
 Config keys and their defaults::
 
     cupy-poolmem:
-      pool-size: null            # bytes reserved up front ("20GB", 0.5 = half the GPU)
+      pool-size: null            # bytes reserved up front ("20GB"; 0.5 or "50%": half the GPU)
       maximum-pool-size: null    # hard cap of the pool (bytes, string or fraction)
+
+Sizes follow the package's rule (:func:`cupy_poolmem.parse_bytes`), plus dask-cuda's
+spelling of a fraction as a string: a bare decimal number in ``(0, 1]`` such as
+``"0.5"`` (what ``dask cuda worker --rmm-pool-size 0.5`` passes) is a fraction of the
+GPU's memory here too, so settings move over from ``rmm_pool_size`` unchanged.
+Integers, and strings of whole numbers (``"1"``), are always bytes.
       release-threshold: null    # null: keep reserved memory; 0: release at every sync
       pinned: true               # pinned host pool on the GPU's NUMA node
       ipc: true                  # pool memory can be shared with other processes
@@ -37,14 +43,20 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Any
 
 try:
     import dask.config
     from distributed.diagnostics.plugin import WorkerPlugin
 except ImportError as _exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        f"cupy_poolmem.dask needs dask and distributed: pip install 'cupy_poolmem[dask]' ({_exc})"
+    from ._errors import MissingDependencyError
+
+    raise MissingDependencyError(
+        "cupy_poolmem.dask",
+        str(_exc),
+        needs="dask and distributed",
+        install='pip install "cupy_poolmem[dask]"',
     ) from _exc
 
 from ._device import require_gpu
@@ -68,15 +80,35 @@ dask.config.update_defaults({"cupy-poolmem": dict(CONFIG_DEFAULTS)})
 _SIZE_OPTIONS = ("pool_size", "maximum_pool_size", "release_threshold")
 # What fractions are validated against before the device's real size is known.
 _PROBE_TOTAL = 2**60
+# dask-cuda's string spelling of a fraction: "0.5", ".25", "1.0" (no unit, a decimal point).
+_DASK_CUDA_FRACTION = re.compile(r"^\s*(?:[0-9]*\.[0-9]+|[0-9]+\.)\s*$")
+
+
+def _dask_cuda_form(value: Any) -> Any:
+    """``"0.5"`` -> ``0.5``: dask-cuda reads a bare decimal string in (0, 1] as a fraction.
+
+    ``rmm_pool_size="0.5"`` (and ``--rmm-pool-size 0.5``) mean half of the GPU in
+    dask-cuda, so the plugin reads them the same way; everything else goes to
+    :func:`~cupy_poolmem.parse_bytes` unchanged.
+    """
+    if isinstance(value, str) and _DASK_CUDA_FRACTION.match(value):
+        frac = float(value)
+        if 0 < frac <= 1:
+            return frac
+    return value
+
+
+def _parse(value: Any, name: str, total: int | None = None) -> int | None:
+    return parse_bytes(_dask_cuda_form(value), name=name, total=total, allow_none=True)
 
 
 def _size_kind(value: Any, name: str) -> str:
     """``"none"``, ``"bytes"`` or ``"fraction"``; raises for values that are neither."""
     if value is None:
         return "none"
-    parse_bytes(value, name=name, total=_PROBE_TOTAL)  # type and syntax errors raise here
+    _parse(value, name, _PROBE_TOTAL)  # type and syntax errors raise here
     try:
-        parse_bytes(value, name=name)
+        _parse(value, name)
     except InvalidOptionError:
         return "fraction"
     return "bytes"
@@ -108,8 +140,9 @@ class PoolmemPlugin(WorkerPlugin):
     Parameters
     ----------
     pool_size : int, str or float, optional
-        Memory reserved up front: bytes, a string (``"20GB"``) or a fraction of the
-        GPU's memory (``0.5`` or ``"0.5"``), like dask-cuda's ``rmm_pool_size``.  The
+        Memory reserved up front: bytes (``20 * 2**30``), a string (``"20GB"``) or a
+        fraction of the GPU's memory (``0.5``, ``"50%"``, or dask-cuda's ``"0.5"``), as
+        dask-cuda's ``rmm_pool_size`` reads them.  The
         pools here have no built-in initial size, so the plugin allocates this much
         once and frees it; the pool keeps it reserved as long as the release
         threshold allows (the default keeps everything).  ``None``: grow on demand.
@@ -157,7 +190,7 @@ class PoolmemPlugin(WorkerPlugin):
     >>> from distributed import Client  # doctest: +SKIP
     >>> from cupy_poolmem.dask import PoolmemPlugin, gather_stats  # doctest: +SKIP
     >>> client = Client(LocalCUDACluster())  # doctest: +SKIP
-    >>> client.register_plugin(PoolmemPlugin(pool_size="0.5", maximum_pool_size="0.9"))  # doctest: +SKIP
+    >>> client.register_plugin(PoolmemPlugin(pool_size=0.5, maximum_pool_size="90%"))  # doctest: +SKIP
     >>> gather_stats(client)  # doctest: +SKIP
     {'tcp://127.0.0.1:40123': {'kind': 'device', 'used_bytes': 0, ...}}
     """
@@ -194,8 +227,10 @@ class PoolmemPlugin(WorkerPlugin):
         Examples
         --------
         >>> import dask
-        >>> with dask.config.set({"cupy-poolmem.pool-size": "1GB"}):  # doctest: +SKIP
+        >>> with dask.config.set({"cupy-poolmem.pool-size": "1GB"}):
         ...     plugin = PoolmemPlugin.from_config()
+        >>> plugin.pool_size
+        '1GB'
         """
         cfg = {
             k: dask.config.get(f"cupy-poolmem.{k}", default=v) for k, v in CONFIG_DEFAULTS.items()
@@ -220,17 +255,17 @@ class PoolmemPlugin(WorkerPlugin):
 
         Examples
         --------
-        >>> PoolmemPlugin(pool_size="0.25", maximum_pool_size="30GB").resolve(80 * 10**9)
+        >>> PoolmemPlugin(pool_size="25%", maximum_pool_size="30GB").resolve(80 * 10**9)
         {'pool_size': 20000000000, 'maximum_pool_size': 30000000000, 'release_threshold': None}
+        >>> PoolmemPlugin(pool_size="0.5").resolve(80 * 10**9)["pool_size"]  # dask-cuda's form
+        40000000000
         """
-        out = {
-            n: parse_bytes(getattr(self, n), name=n, total=total, allow_none=True)
-            for n in _SIZE_OPTIONS
-        }
+        out = {n: _parse(getattr(self, n), n, total) for n in _SIZE_OPTIONS}
         for n in ("pool_size", "maximum_pool_size"):
-            if out[n] is not None and out[n] > total:
+            size = out[n]
+            if size is not None and size > total:
                 raise InvalidOptionError(
-                    f"{n}={getattr(self, n)!r} ({format_bytes(out[n])}) is more than the GPU "
+                    f"{n}={getattr(self, n)!r} ({format_bytes(size)}) is more than the GPU "
                     f"has ({format_bytes(total)})"
                 )
         if (
@@ -248,8 +283,9 @@ class PoolmemPlugin(WorkerPlugin):
         return out
 
     def _check_order(self, a: str, b: str, total: int) -> None:
-        va = parse_bytes(getattr(self, a), name=a, total=total)
-        vb = parse_bytes(getattr(self, b), name=b, total=total)
+        va = _parse(getattr(self, a), a, total)
+        vb = _parse(getattr(self, b), b, total)
+        assert va is not None and vb is not None  # callers pass options that are set
         if (a, b) == ("pool_size", "maximum_pool_size") and va > vb:
             self._raise_order(a, b, {a: va, b: vb})
         if (a, b) == ("release_threshold", "pool_size") and va < vb:

@@ -71,9 +71,13 @@ try:
         PinnedMemory,
     )
 except ImportError as _exc:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "cupy_poolmem.numba needs Numba's CUDA target: pip install 'numba-cuda[cu13]' "
-        f"(or numba-cuda[cu12]); the import failed with: {_exc}"
+    from ._errors import MissingDependencyError
+
+    raise MissingDependencyError(
+        "cupy_poolmem.numba",
+        str(_exc),
+        needs="Numba's CUDA target (numba-cuda)",
+        install='pip install "cupy_poolmem[numba]" (or "numba-cuda[cu13]")',
     ) from _exc
 
 import cupy
@@ -82,10 +86,12 @@ from cuda.bindings import driver as _drv
 from ._allocator import get_pinned_pool, get_pool, set_allocator, set_pinned_memory_allocator
 from ._device import ensure_access, local_device, require_access, require_gpu
 from ._errors import (
+    HandleStateError,
     InvalidOptionError,
     OptionTypeError,
     PoolClosedError,
     SharingError,
+    UsageError,
     check_driver,
 )
 from ._pools import DevicePool, Pool, all_pools
@@ -188,7 +194,7 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
 
     def _device_id(self) -> int:
         if self.context is None:
-            raise RuntimeError(
+            raise UsageError(
                 "PoolmemNumbaManager has no CUDA context: Numba creates "
                 "instances itself; register the class with "
                 "numba.cuda.set_memory_manager(PoolmemNumbaManager)"
@@ -280,7 +286,7 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         """Base pointer and size of the allocation that ``memory`` (maybe a view) is in."""
         owner = getattr(memory, "owner", None)
         ptr = getattr(owner, "device_pointer_value", None)
-        if ptr is not None and int(ptr) in self.allocations:
+        if owner is not None and ptr is not None and int(ptr) in self.allocations:
             return int(ptr), int(owner.size)
         err, base, size = _drv.cuMemGetAddressRange(_drv.CUdeviceptr(int(memory.handle)))
         check_driver((err,), "cuMemGetAddressRange")
@@ -495,8 +501,9 @@ class PoolIpcHandle(IpcHandle):
 
         Raises
         ------
-        ValueError
-            In the exporting process's own handle, or when already open.
+        HandleStateError
+            In the exporting process's own handle, or when already open (a
+            :class:`ValueError` too, as Numba's ``IpcHandle`` raises).
         SharingError
             The exporter's GPU is not visible here, or the import failed.
         UnsupportedError
@@ -505,11 +512,11 @@ class PoolIpcHandle(IpcHandle):
             Unpickled in the exporting process, on a GPU the pool grants no access.
         """
         if self.base is not None:
-            raise ValueError(
+            raise HandleStateError(
                 "opening a PoolIpcHandle in the process that exported it; use the original array"
             )
         if self._rec is not None or self._local:
-            raise ValueError("PoolIpcHandle is already opened")
+            raise HandleStateError("PoolIpcHandle is already opened")
         require_gpu("PoolIpcHandle.open")
         ctx_dev = int(context.device.id)
         if self.pid == os.getpid():
@@ -546,7 +553,7 @@ class PoolIpcHandle(IpcHandle):
         mp = MemoryPointer(
             weakref.proxy(context), _drv.CUdeviceptr(rec.ptr + self.offset), self.size
         )
-        mp._cupy_poolmem_import = rec  # informative; the import ends at close()
+        mp._cupy_poolmem_import = rec  # type: ignore[attr-defined]  # informative; the import ends at close()
         return mp
 
     def open_direct(self, context: Any) -> MemoryPointer:
@@ -566,7 +573,7 @@ class PoolIpcHandle(IpcHandle):
             return
         rec = self._rec
         if rec is None:
-            raise ValueError("PoolIpcHandle is not opened")
+            raise HandleStateError("PoolIpcHandle is not opened")
         self._rec = None
         _importer().close_raw(rec)
 

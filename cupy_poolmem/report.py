@@ -1,6 +1,7 @@
 """Read allocation logs written by :func:`cupy_poolmem.start_log`: summary and plot.
 
-Works without a GPU (it only reads CSV files)::
+Works without a GPU and without CUDA packages (it only reads CSV files; plots need
+matplotlib)::
 
     python -m cupy_poolmem report alloc-*.csv --plot usage.png
 
@@ -23,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+from ._errors import InvalidOptionError, LogFormatError, MissingDependencyError, OptionTypeError
 from ._sizes import format_bytes
 from .stats import LOG_COLUMNS
 
@@ -38,7 +40,22 @@ __all__ = [
     "summarize",
     "plot",
     "main",
+    "PLOT_FORMATS",
+    "plot_format",
 ]
+
+#: File suffixes :func:`plot` writes, and the format each one gets.
+PLOT_FORMATS: dict[str, str] = {
+    ".png": "png",
+    ".pdf": "pdf",
+    ".svg": "svg",
+    ".svgz": "svgz",
+    ".eps": "eps",
+    ".ps": "ps",
+    ".jpg": "jpeg",
+    ".jpeg": "jpeg",
+    ".webp": "webp",
+}
 
 UNTAGGED = "(untagged)"
 BEFORE_LOG = "(allocated before the log)"
@@ -91,26 +108,60 @@ def read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
 
     Raises
     ------
-    ValueError
-        The file does not start with the log's header.
+    LogFormatError
+        The file is empty, binary, not UTF-8 text, or does not start with the log's
+        header (a :class:`ValueError` too).
+    OSError
+        The file cannot be opened.
 
     Examples
     --------
-    >>> events, n_bad = read_log("alloc.csv")  # doctest: +SKIP
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "alloc.csv")
+    >>> with open(path, "w") as f:
+    ...     _ = f.write(",".join(LOG_COLUMNS) + "\\n")
+    ...     _ = f.write("1.5,42,MainThread,0,0,alloc,0x7f00,4096,step,,4096,\\n")
+    >>> events, n_bad = read_log(path)
+    >>> events[0].op, events[0].size, events[0].tag, n_bad
+    ('alloc', 4096, 'step', 0)
     """
+    name = os.fspath(path)
+    try:
+        return _read_log(path)
+    except UnicodeDecodeError as exc:
+        raise LogFormatError(
+            str(name),
+            f"not a text file (byte 0x{exc.object[exc.start]:02x} at offset {exc.start} is "
+            "not UTF-8): an allocation log is the CSV file start_log() writes",
+        ) from None
+    except csv.Error as exc:
+        raise LogFormatError(str(name), f"not a CSV allocation log ({exc})") from None
+
+
+def _read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
     events: list[LogEvent] = []
     n_bad = 0
+    name = str(os.fspath(path))
+    if os.path.isdir(path):
+        raise LogFormatError(name, "is a directory (give the directory itself to load())")
+    with open(path, "rb") as fb:
+        head = fb.read(8192)
+    if not head:
+        raise LogFormatError(
+            name, "empty file: an allocation log starts with a header line (see start_log)"
+        )
+    if b"\x00" in head:
+        raise LogFormatError(name, "binary file, not an allocation log (CSV text)")
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None:
-            return events, 0
+        header = next(reader, None) or []
         missing = [c for c in LOG_COLUMNS if c not in header]
         if missing:
-            raise ValueError(
-                f"{os.fspath(path)} is not a cupy_poolmem allocation log: its first "
-                f"line {','.join(header)[:120]!r} lacks column(s) "
-                f"{', '.join(missing)} (expected {','.join(LOG_COLUMNS)})"
+            raise LogFormatError(
+                name,
+                f"not a cupy_poolmem allocation log: its first line "
+                f"{','.join(header)[:120]!r} lacks column(s) {', '.join(missing)} "
+                f"(expected {','.join(LOG_COLUMNS)})",
             )
         idx = [header.index(c) for c in LOG_COLUMNS]
         ncol = len(header)
@@ -151,13 +202,16 @@ def read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
 def _expand(paths: Iterable[str | os.PathLike]) -> list[str]:
     out: list[str] = []
     for p in paths:
-        p = os.fspath(p)
-        if os.path.isdir(p):
-            out.extend(sorted(os.path.join(p, n) for n in os.listdir(p) if n.endswith(".csv")))
+        name = str(os.fspath(p))
+        if os.path.isdir(name):
+            found = sorted(os.path.join(name, n) for n in os.listdir(name) if n.endswith(".csv"))
+            if not found:
+                raise LogFormatError(name, "directory holds no *.csv allocation logs")
+            out.extend(found)
         else:
-            out.append(p)
+            out.append(name)
     if not out:
-        raise ValueError("no log files given")
+        raise InvalidOptionError("no log files given")
     return out
 
 
@@ -173,6 +227,13 @@ def load(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> _Loaded:
 
     Each file's own order is kept (a k-way merge on ``time``), so events of one process
     never swap places even when their timestamps are equal.
+
+    Raises
+    ------
+    LogFormatError
+        A file is not an allocation log, or a directory holds none.
+    OSError
+        A file cannot be read.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -505,14 +566,74 @@ def summarize(
     -------
     Summary
 
+    Raises
+    ------
+    LogFormatError
+        A file is not an allocation log.
+    OptionTypeError, InvalidOptionError
+        ``top`` or ``tag_depth`` is not a non-negative (positive) int.
+
     Examples
     --------
-    >>> s = summarize(["alloc-101.csv", "alloc-102.csv"])  # doctest: +SKIP
-    >>> s.peaks[(101, 0)], s.leaked_bytes  # doctest: +SKIP
-    (2147483648, 0)
-    >>> print(s.format())  # doctest: +SKIP
+    Two allocations in one process, one of them freed:
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "alloc-101.csv")
+    >>> with open(path, "w") as f:
+    ...     _ = f.write(",".join(LOG_COLUMNS) + "\\n")
+    ...     _ = f.write("1.0,101,MainThread,0,0,alloc,0x100,2048,model/attn,,2048,\\n")
+    ...     _ = f.write("1.5,101,MainThread,0,0,alloc,0x900,512,loss,,2560,\\n")
+    ...     _ = f.write("2.0,101,MainThread,0,0,free,0x100,2048,model/attn,,512,\\n")
+    >>> s = summarize(path, tag_depth=1)
+    >>> s.peaks[(101, 0)], s.leaked_bytes, sorted(s.per_tag)
+    (2560, 512, ['loss', 'model'])
+    >>> print(s.format().splitlines()[0])
+    cupy_poolmem allocation log: 1 file(s), 3 events, 1 process(es), 1.000 s
     """
+    _check_top(top)
+    _check_tag_depth(tag_depth)
     return _summarize(load(paths), top, tag_depth)
+
+
+def _check_top(top: Any) -> int:
+    if isinstance(top, bool) or not isinstance(top, int):
+        raise OptionTypeError(f"top must be an int >= 0; got {top!r}")
+    if top < 0:
+        raise InvalidOptionError(f"top must be >= 0; got {top}")
+    return top
+
+
+def _check_tag_depth(depth: Any) -> int | None:
+    if depth is None:
+        return None
+    if isinstance(depth, bool) or not isinstance(depth, int):
+        raise OptionTypeError(f"tag_depth must be an int >= 1 or None; got {depth!r}")
+    if depth < 1:
+        raise InvalidOptionError(f"tag_depth must be >= 1 (or None: full tags); got {depth}")
+    return depth
+
+
+def plot_format(out: str | os.PathLike) -> str:
+    """The format :func:`plot` writes ``out`` in, from its suffix (``.png``, ``.pdf``...).
+
+    Raises
+    ------
+    InvalidOptionError
+        The suffix is missing or not one of :data:`PLOT_FORMATS`.
+
+    Examples
+    --------
+    >>> plot_format("usage.PDF"), plot_format("usage.png")
+    ('pdf', 'png')
+    """
+    suffix = os.path.splitext(os.fspath(out))[1].lower()
+    fmt = PLOT_FORMATS.get(str(suffix))
+    if fmt is None:
+        raise InvalidOptionError(
+            f"{os.fspath(out)!s}: cannot tell the picture format from the suffix "
+            f"{suffix or '(none)'!s}; use one of {', '.join(PLOT_FORMATS)}"
+        )
+    return fmt
 
 
 # ----------------------------------------------------------------------------------------
@@ -522,10 +643,12 @@ def _need_matplotlib() -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError(
-            "plotting an allocation log needs matplotlib, which is not "
-            "installed: pip install matplotlib (or cupy_poolmem[plot])"
-        ) from exc
+        raise MissingDependencyError(
+            "plotting an allocation log",
+            str(exc),
+            needs="matplotlib",
+            install='pip install matplotlib (or "cupy_poolmem[plot]")',
+        ) from None
     return Figure
 
 
@@ -602,7 +725,7 @@ def _pick(used: Any, max_points: int) -> Any:
 
 def plot(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
-    out_png: str | os.PathLike,
+    out: str | os.PathLike,
     *,
     tag_depth: int | None = None,
     max_tags: int = 8,
@@ -622,8 +745,9 @@ def plot(
     ----------
     paths : path or sequence of paths
         Log files or directories, as for :func:`summarize`.
-    out_png : path
-        PNG file to write.
+    out : path
+        Picture to write; its suffix picks the format (``.png``, ``.pdf``, ``.svg``,
+        see :data:`PLOT_FORMATS`).  Missing directories are created.
     tag_depth : int, optional
         Group nested tags by their first components, as in :func:`summarize`.
     max_tags, max_panels, max_points : int
@@ -635,23 +759,35 @@ def plot(
     Returns
     -------
     str
-        ``out_png``.
+        ``out``.
 
     Raises
     ------
-    ImportError
-        matplotlib is not installed.
-    ValueError
-        The logs hold no events.
+    MissingDependencyError
+        matplotlib is not installed (an :class:`ImportError` too).
+    InvalidOptionError
+        ``out`` has no suffix of a known picture format.
+    LogFormatError
+        A file is not an allocation log, or the logs hold no events.
 
     Examples
     --------
-    >>> plot(["alloc-101.csv", "alloc-102.csv"], "usage.png")  # doctest: +SKIP
-    'usage.png'
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> with open(os.path.join(d, "alloc-7.csv"), "w") as f:
+    ...     _ = f.write(",".join(LOG_COLUMNS) + "\\n")
+    ...     _ = f.write("1.0,7,MainThread,0,0,alloc,0x100,4096,step,,4096,8192\\n")
+    ...     _ = f.write("2.0,7,MainThread,0,0,free,0x100,4096,step,,0,8192\\n")
+    >>> out = plot(d, os.path.join(d, "usage.svg"))
+    >>> with open(out) as f:
+    ...     f.read(5)
+    '<?xml'
     """
+    plot_format(out)
+    _check_tag_depth(tag_depth)
     return _plot(
         load(paths),
-        out_png,
+        out,
         tag_depth=tag_depth,
         max_tags=max_tags,
         max_panels=max_panels,
@@ -662,7 +798,7 @@ def plot(
 
 def _plot(
     loaded: _Loaded,
-    out_png: str | os.PathLike,
+    out_path: str | os.PathLike,
     *,
     tag_depth: int | None = None,
     max_tags: int = 8,
@@ -670,11 +806,12 @@ def _plot(
     max_points: int = 20000,
     title: str | None = None,
 ) -> str:
+    fmt = plot_format(out_path)
     Figure = _need_matplotlib()
     import numpy as np
 
     if not loaded.events:
-        raise ValueError(f"no events to plot in {', '.join(loaded.files)}")
+        raise LogFormatError(", ".join(loaded.files), "no events to plot")
     t0 = loaded.events[0].time
     arrays = _series_arrays(loaded.events, tag_depth)
 
@@ -775,49 +912,80 @@ def _plot(
         ax.set_ylabel(unit)
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8, ncol=2, framealpha=0.8)
+        # Outside the axes, so no line runs through it.
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
     axes[-1].set_xlabel("time since the first event (s)")
     head = title or "cupy_poolmem: used memory by tag"
     if hidden:
         head += f" ({hidden} more process/device panel(s) not shown)"
     fig.suptitle(head)
-    out = os.fspath(out_png)
-    d = os.path.dirname(os.path.abspath(out))
-    os.makedirs(d, exist_ok=True)
-    fig.savefig(out, format="png", dpi=100)
-    return out
+    path = str(os.fspath(out_path))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, format=fmt, dpi=100)
+    return path
 
 
 # ----------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m cupy_poolmem report LOG [LOG ...] [--plot PNG]``; returns the exit code.
+PROG = "python -m cupy_poolmem report"
+DESCRIPTION = """\
+Summarise cupy_poolmem allocation logs: peak use per process and device, bytes per
+tag, top call sites, and allocations never freed by the end of the log; optionally
+plot memory over time.  Needs no GPU and no CUDA package (plots need matplotlib).
+Write logs with cupy_poolmem.start_log("alloc-{pid}.csv") or CUPY_POOLMEM_LOG=...
+"""
+EPILOG = """\
+examples:
+  python -m cupy_poolmem report alloc-*.csv
+  python -m cupy_poolmem report logs/ --plot usage.png --tag-depth 1
+  python -m cupy_poolmem report alloc.csv --json | jq .leaked_bytes
 
-    Examples
-    --------
-    >>> main(["alloc-101.csv", "alloc-102.csv", "--plot", "usage.png"])  # doctest: +SKIP
-    0
-    """
-    ap = argparse.ArgumentParser(
-        prog="python -m cupy_poolmem report",
-        description="Summarise cupy_poolmem allocation logs (peaks, bytes per tag, top call "
-        "sites, leaks at the end of the log) and optionally plot memory over time.",
-    )
-    ap.add_argument("logs", nargs="+", help="log files (CSV) or directories of them")
-    ap.add_argument("--plot", metavar="PNG", help="draw used/reserved memory by tag to PNG")
-    ap.add_argument("--top", type=int, default=10, help="call sites and leaks listed (10)")
+exit status: 0 done, 1 the plot could not be drawn (matplotlib missing), 2 bad input
+"""
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The ``report`` options, added to ``ap`` (the CLI's subcommand parser uses it)."""
+    from ._cli import int_at_least
+
+    ap.add_argument("logs", nargs="+", metavar="LOG", help="log files (CSV) or directories of them")
     ap.add_argument(
-        "--tag-depth", type=int, default=None, help="group nested tags by their first N components"
+        "--plot",
+        metavar="FILE",
+        help="draw used/reserved memory by tag; the suffix picks the format "
+        f"({', '.join(PLOT_FORMATS)})",
+    )
+    ap.add_argument(
+        "--top",
+        type=int_at_least(0),
+        default=10,
+        metavar="N",
+        help="call sites and leaks listed (default: 10)",
+    )
+    ap.add_argument(
+        "--tag-depth",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="group nested tags by their first N components",
     )
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
-    args = ap.parse_args(list(argv) if argv is not None else None)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``report`` with parsed arguments; return the exit status."""
+    from ._cli import describe_os_error, fail
+
     try:
+        if args.plot:
+            plot_format(args.plot)  # a bad suffix is an error before any work
         loaded = load(args.logs)
         summ = _summarize(loaded, args.top, args.tag_depth)
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except OSError as exc:
+        return fail(PROG, describe_os_error(exc))
+    except (LogFormatError, InvalidOptionError) as exc:
+        return fail(PROG, str(exc))
     if args.json:
         print(json.dumps(summ.to_dict(), indent=1))
     else:
@@ -825,12 +993,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         try:
             out = _plot(loaded, args.plot, tag_depth=args.tag_depth)
-        except (ImportError, OSError, ValueError) as exc:
-            print(f"error: cannot plot: {exc}", file=sys.stderr)
-            return 1
+        except MissingDependencyError as exc:
+            return fail(PROG, f"cannot plot: {exc}", code=1)
+        except OSError as exc:
+            return fail(PROG, f"cannot write the plot: {describe_os_error(exc)}")
+        except LogFormatError as exc:
+            return fail(PROG, f"cannot plot: {exc}")
         if not args.json:
             print(f"\nplot written to {out}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m cupy_poolmem report LOG [LOG ...] [--plot FILE]``; returns the exit code.
+
+    Bad arguments exit (``SystemExit(2)``) with a one-line message, as argparse does.
+
+    Examples
+    --------
+    >>> main(["alloc-101.csv", "alloc-102.csv", "--plot", "usage.png"])  # doctest: +SKIP
+    0
+    """
+    from ._cli import Parser, guard_pipe
+
+    ap = Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG)
+    add_arguments(ap)
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    return guard_pipe(run, args)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 Everything here works through one *observer* object that the hot path calls after each
 allocation (``on_alloc``) and when each block is freed (``on_free``).  The observer is
-installed on the pools only while something needs it: an active :func:`statistics`
-scope, an open log (:func:`start_log`), or tracking (:func:`track`).  When all of those
-are off, ``pool.observer`` is ``None`` and the hot path pays nothing.  :func:`tag` never
+installed on the pools only while something needs it: an active :func:`~cupy_poolmem.statistics`
+scope, an open log (:func:`~cupy_poolmem.start_log`), or tracking (:func:`~cupy_poolmem.track`).  When all of those
+are off, ``pool.observer`` is ``None`` and the hot path pays nothing.  :func:`~cupy_poolmem.tag` never
 installs anything: it is a thread-local push/pop (about a microsecond per ``with``).
 
 Concurrency design
@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import csv
+import functools
 import importlib.util
 import itertools
 import os
@@ -33,11 +34,11 @@ import time
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _pools
+from ._errors import InvalidOptionError, OptionTypeError
 from ._sizes import format_bytes
 
 __all__ = [
@@ -58,7 +59,7 @@ __all__ = [
     "track",
 ]
 
-#: Columns of the allocation log, in order (see :func:`start_log`).
+#: Columns of the allocation log, in order (see :func:`~cupy_poolmem.start_log`).
 LOG_COLUMNS: tuple[str, ...] = (
     "time",
     "pid",
@@ -102,7 +103,7 @@ _tls = _TagState()
 
 
 class _TagScope(contextlib.ContextDecorator):
-    """Context manager (and decorator) returned by :func:`tag`."""
+    """Context manager (and decorator) returned by :func:`~cupy_poolmem.tag`."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -126,15 +127,15 @@ def tag(name: str) -> _TagScope:
     """Label every allocation made in this thread inside the ``with`` block.
 
     Tags nest: inside ``tag("model")`` and then ``tag("attention")`` allocations carry
-    the full path ``"model/attention"``.  Statistics, the log and :func:`outstanding`
+    the full path ``"model/attention"``.  Statistics, the log and :func:`~cupy_poolmem.stats.outstanding`
     record that path; ``report --tag-depth 1`` groups by the outer component.  Tags are
     thread-local: a tag set in one thread does not apply to allocations made by other
     threads (a worker thread started inside the block starts untagged).  Allocations made
     through other front ends that use the same pools (the Numba plugin) carry the tag too.
 
     ``tag`` installs nothing: it only costs a thread-local push and pop.  Tags show up
-    wherever allocations are observed (:func:`statistics`, :func:`start_log`,
-    :func:`track`).  It can also be used as a function decorator.
+    wherever allocations are observed (:func:`~cupy_poolmem.statistics`, :func:`~cupy_poolmem.start_log`,
+    :func:`~cupy_poolmem.track`).  It can also be used as a function decorator.
 
     Parameters
     ----------
@@ -143,13 +144,18 @@ def tag(name: str) -> _TagScope:
 
     Examples
     --------
-    >>> with cupy_poolmem.tag("attention"):  # doctest: +SKIP
-    ...     y = f(x)
-    >>> @cupy_poolmem.tag("loss")  # doctest: +SKIP
-    ... def loss(y): ...
+    >>> with cupy_poolmem.tag("model"):
+    ...     with cupy_poolmem.tag("attention"):
+    ...         cupy_poolmem.current_tag()
+    'model/attention'
+    >>> @cupy_poolmem.tag("loss")
+    ... def loss():
+    ...     return cupy_poolmem.current_tag()
+    >>> loss()
+    'loss'
     """
     if not isinstance(name, str) or not name:
-        raise TypeError(f"tag name must be a non-empty string; got {name!r}")
+        raise OptionTypeError(f"tag name must be a non-empty string; got {name!r}")
     return _TagScope(name)
 
 
@@ -158,9 +164,11 @@ def current_tag() -> str | None:
 
     Examples
     --------
-    >>> with cupy_poolmem.tag("a"), cupy_poolmem.tag("b"):  # doctest: +SKIP
-    ...     cupy_poolmem.stats.current_tag()
+    >>> with cupy_poolmem.tag("a"), cupy_poolmem.tag("b"):
+    ...     cupy_poolmem.current_tag()
     'a/b'
+    >>> cupy_poolmem.current_tag() is None
+    True
     """
     return _tls.tag or None
 
@@ -170,7 +178,7 @@ def current_tag() -> str | None:
 # ----------------------------------------------------------------------------------------
 @dataclass
 class TagStatistics:
-    """Counts for one tag inside a :func:`statistics` scope.
+    """Counts for one tag inside a :func:`~cupy_poolmem.statistics` scope.
 
     Attributes
     ----------
@@ -191,7 +199,7 @@ class TagStatistics:
 
 @dataclass
 class Statistics:
-    """Counts and peaks of the allocations made inside one :func:`statistics` scope.
+    """Counts and peaks of the allocations made inside one :func:`~cupy_poolmem.statistics` scope.
 
     The fields are updated live while the scope is active and frozen when it ends.
     Allocations from every thread and every pool of the process are counted (filtered
@@ -334,9 +342,11 @@ def statistics(*, device: int | None = None, kind: str | None = None) -> Iterato
     >>> print(st.peak_used_bytes, st.n_allocs, st.per_tag["step"].peak_bytes)  # doctest: +SKIP
     """
     if kind is not None and kind not in _KIND_NAMES.values():
-        raise ValueError(f"kind must be 'device', 'pinned', 'managed' or None; got {kind!r}")
+        raise InvalidOptionError(
+            f"kind must be 'device', 'pinned', 'managed' or None; got {kind!r}"
+        )
     if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
-        raise TypeError(f"device must be an int ordinal or None; got {device!r}")
+        raise OptionTypeError(f"device must be an int ordinal or None; got {device!r}")
     st = Statistics(device=device, kind=kind, start_time=_time())
     st._all = device is None and kind is None
     st._start_serial = next(_serials)
@@ -348,16 +358,18 @@ def statistics(*, device: int | None = None, kind: str | None = None) -> Iterato
 
 
 def get_statistics() -> Statistics | None:
-    """The innermost (most recently opened, still active) :func:`statistics` scope.
+    """The innermost (most recently opened, still active) :func:`~cupy_poolmem.statistics` scope.
 
     Scopes are process-wide, so this may be a scope opened by another thread.
     Returns ``None`` when no scope is open.
 
     Examples
     --------
-    >>> with cupy_poolmem.statistics():  # doctest: +SKIP
+    >>> with cupy_poolmem.statistics():
     ...     cupy_poolmem.get_statistics().n_allocs
     0
+    >>> cupy_poolmem.get_statistics() is None
+    True
     """
     scopes = _OBSERVER._scopes
     return scopes[-1] if scopes else None
@@ -368,7 +380,7 @@ def get_statistics() -> Statistics | None:
 # ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Allocation:
-    """One live allocation, as returned by :func:`outstanding`.
+    """One live allocation, as returned by :func:`~cupy_poolmem.stats.outstanding`.
 
     Attributes
     ----------
@@ -406,7 +418,7 @@ class Allocation:
 
 
 class Outstanding(list):
-    """The list :func:`outstanding` returns, plus whether allocations were observed.
+    """The list :func:`~cupy_poolmem.stats.outstanding` returns, plus whether allocations were observed.
 
     Attributes
     ----------
@@ -438,7 +450,7 @@ def outstanding(pool: Any = None, limit: int | None = 20) -> Outstanding:
     """Live allocations, biggest first, with their tags and (when tracked) call sites.
 
     Only allocations made while an observer was active are known: the observer is
-    active while :func:`track` is on, a :func:`statistics` scope is open, or a log is
+    active while :func:`~cupy_poolmem.track` is on, a :func:`~cupy_poolmem.statistics` scope is open, or a log is
     being written.  Call sites are recorded only while tracking is on; other entries
     have ``callsite=None``.  When no observer is active at all, an empty list with
     ``observed=False`` is returned and a :class:`UserWarning` says why.
@@ -454,7 +466,7 @@ def outstanding(pool: Any = None, limit: int | None = 20) -> Outstanding:
     Returns
     -------
     Outstanding
-        A list of :class:`Allocation`.
+        A list of :class:`~cupy_poolmem.stats.Allocation`.
 
     Examples
     --------
@@ -464,8 +476,10 @@ def outstanding(pool: Any = None, limit: int | None = 20) -> Outstanding:
     ...     print(a.size, a.callsite)
     1073741824 train.py:42 in step
     """
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-        raise ValueError(f"limit must be a non-negative int or None; got {limit!r}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+        raise OptionTypeError(f"limit must be a non-negative int or None; got {limit!r}")
+    if limit is not None and limit < 0:
+        raise InvalidOptionError(f"limit must be a non-negative int or None; got {limit!r}")
     out = Outstanding()
     if not _OBSERVER.active:
         out.observed = False
@@ -559,11 +573,16 @@ class _PoolState:
         self.reserved_t = 0.0
         self.live: dict[int, tuple[int, int, tuple]] = {}
         self.core = None
+        self.ref: Callable[[], Any]
         try:
             self.ref = weakref.ref(core)
         except TypeError:  # an object without weak references: hold it
             self.core = core
-            self.ref = lambda c=core: c
+            self.ref = functools.partial(_identity, core)
+
+
+def _identity(obj: Any) -> Any:
+    return obj
 
 
 def _live_bytes(core: Any) -> int | None:
@@ -599,6 +618,22 @@ def _package_dir(name: str) -> str | None:
     if spec.origin:
         return spec.origin
     return None
+
+
+def _pools_module() -> Any:
+    """``cupy_poolmem._pools``, or ``None`` on a base install without CuPy / cuda.core.
+
+    Imported on first use, so that ``stats`` (and ``report``, which reads its
+    ``LOG_COLUMNS``) import without CUDA packages.  Without them no pool can exist,
+    so there is nothing to observe: scopes and logs then simply see no allocations.
+    """
+    try:
+        from . import _pools
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] in ("cupy", "cupyx", "cupy_backends", "cuda"):
+            return None
+        raise
+    return _pools
 
 
 _DEFAULT_SKIP = ("cupy_poolmem", "cupy", "cupyx", "cupy_backends", "numba", "numba_cuda")
@@ -817,6 +852,8 @@ class _Observer:
 
     # -- configuration (called under _CTL) ---------------------------------------------
     def _activate(self) -> None:
+        pools = _pools_module()
+
         def reset() -> None:
             self._states = {}
             self._dev_used = {}
@@ -824,14 +861,18 @@ class _Observer:
 
         self._locked(reset)
         self.active = True
-        _pools._set_global_observer(self)
-        for p in _pools.all_pools():
+        if pools is None:  # no CUDA packages: no pool can exist to observe
+            return
+        pools._set_global_observer(self)
+        for p in pools.all_pools():
             used = _live_bytes(p)
             reserved = _query(p, "reserved_mem_current", "reserved_bytes")
             self._locked(lambda p=p, u=used, r=reserved: self._baseline(p, u, r))
 
     def _deactivate(self) -> None:
-        _pools._set_global_observer(None)
+        pools = _pools_module()
+        if pools is not None:
+            pools._set_global_observer(None)
         self.active = False
 
         def clear() -> None:
@@ -964,7 +1005,7 @@ if hasattr(os, "register_at_fork"):
 def track(
     enabled: bool = True, *, depth: int | None = None, skip: Sequence[str] | None = None
 ) -> bool:
-    """Record the call site of every allocation (for :func:`outstanding` and the log).
+    """Record the call site of every allocation (for :func:`~cupy_poolmem.stats.outstanding` and the log).
 
     The call site is the first Python frame outside cupy_poolmem, CuPy (``cupy``,
     ``cupyx``, ``cupy_backends``) and Numba, found by walking at most ``depth`` frames
@@ -991,17 +1032,21 @@ def track(
 
     Examples
     --------
-    >>> cupy_poolmem.track(True)  # doctest: +SKIP
-    False
+    >>> was_on = cupy_poolmem.track(True)
+    >>> cupy_poolmem.is_tracking()
+    True
     >>> x = cupy.empty(1 << 20)  # doctest: +SKIP
     >>> cupy_poolmem.get_pool().outstanding(limit=1)[0].callsite  # doctest: +SKIP
     '/home/me/train.py:12 in <module>'
+    >>> _ = cupy_poolmem.track(was_on)
     """
     global _track_user
     if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be True or False; got {enabled!r}")
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
-        raise ValueError(f"depth must be a positive int; got {depth!r}")
+        raise OptionTypeError(f"enabled must be True or False; got {enabled!r}")
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int)):
+        raise OptionTypeError(f"depth must be a positive int; got {depth!r}")
+    if depth is not None and depth < 1:
+        raise InvalidOptionError(f"depth must be a positive int; got {depth!r}")
     if isinstance(skip, str):
         skip = (skip,)
     with _CTL:
@@ -1016,14 +1061,14 @@ def track(
 
 
 def is_tracking() -> bool:
-    """Whether call sites are being recorded (by :func:`track` or :func:`start_log`)."""
+    """Whether call sites are being recorded (by :func:`~cupy_poolmem.track` or :func:`~cupy_poolmem.start_log`)."""
     return _OBSERVER.tracking
 
 
 def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = False) -> str:
     """Write one CSV line per allocation and per free to ``path``.
 
-    Columns (:data:`LOG_COLUMNS`), one header line first:
+    Columns (:data:`~cupy_poolmem.stats.LOG_COLUMNS`), one header line first:
 
     ``time``
         ``time.time()`` of the event, seconds, 6 decimals.
@@ -1040,7 +1085,7 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
     ``size``
         Bytes.
     ``tag``
-        Tag path of the allocation (:func:`tag`); on ``free`` lines, the allocation's.
+        Tag path of the allocation (:func:`~cupy_poolmem.tag`); on ``free`` lines, the allocation's.
     ``callsite``
         ``file:line in function`` of the allocation, only when tracking is on.
     ``used``
@@ -1067,7 +1112,7 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
     path : str or path-like
         File to write; ``{pid}`` is replaced by the process id.
     track : bool
-        Also record call sites (as :func:`track`) until :func:`stop_log`.
+        Also record call sites (as :func:`~cupy_poolmem.track`) until :func:`~cupy_poolmem.stop_log`.
     append : bool
         Append to an existing file instead of truncating it.
 
@@ -1078,17 +1123,23 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
 
     Examples
     --------
-    >>> cupy_poolmem.start_log("alloc-{pid}.csv", track=True)  # doctest: +SKIP
-    '/home/me/alloc-4242.csv'
+    >>> import os
+    >>> path = cupy_poolmem.start_log("alloc-{pid}.csv", track=True)
+    >>> os.path.basename(path) == f"alloc-{os.getpid()}.csv"
+    True
     >>> train()  # doctest: +SKIP
-    >>> cupy_poolmem.stop_log()  # doctest: +SKIP
+    >>> cupy_poolmem.stop_log() == path
+    True
+    >>> with open(path) as f:
+    ...     f.readline().startswith("time,pid,thread,device")
+    True
     """
     global _track_log, _atexit_registered
     if not isinstance(track, bool):
-        raise TypeError(f"track must be True or False; got {track!r}")
+        raise OptionTypeError(f"track must be True or False; got {track!r}")
     template = os.fspath(path)
     if not isinstance(template, str) or not template:
-        raise ValueError(f"path must be a non-empty file name; got {path!r}")
+        raise InvalidOptionError(f"path must be a non-empty file name; got {path!r}")
     with _CTL:
         writer = _LogWriter(template, append)
         old = _OBSERVER._set_writer(writer)
@@ -1103,7 +1154,7 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
 
 
 def stop_log() -> str | None:
-    """Stop the log started by :func:`start_log`; return its path (``None`` if none).
+    """Stop the log started by :func:`~cupy_poolmem.start_log`; return its path (``None`` if none).
 
     Examples
     --------

@@ -8,12 +8,44 @@ Build (no GPU and no network needed)::
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 # Document the checkout this file belongs to, installed or not.
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 import cupy_poolmem  # noqa: E402  (importing works without a GPU)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _changelog_rst(markdown: str) -> str:
+    """CHANGELOG.md (headings, bullets, `code`, [links](url)) as reST, no extra package."""
+    out = []
+    for line in markdown.splitlines():
+        line = re.sub(r"`([^`]+)`", r"``\1``", line)
+        line = re.sub(r"\[([^\]]+)\]\(([^)]+)\)", r"`\1 <\2>`__", line)
+        m = re.match(r"^(#+)\s+(.*)$", line)
+        if m:
+            level, title = len(m.group(1)), m.group(2)
+            if level == 1:
+                continue  # the page has its own title
+            out += [title, "-~^"[min(level - 2, 2)] * len(title), ""]
+            continue
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def _write_changelog() -> None:
+    with open(os.path.join(HERE, "..", "CHANGELOG.md"), encoding="utf-8") as f:
+        text = _changelog_rst(f.read())
+    target = os.path.join(HERE, "_changelog.inc")
+    if not os.path.exists(target) or open(target, encoding="utf-8").read() != text:
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(text)
+
+
+_write_changelog()
 
 project = "cupy_poolmem"
 author = "cupy_poolmem contributors"
@@ -26,11 +58,20 @@ extensions = [
     "numpydoc",
 ]
 
-# No intersphinx: the build must work offline.  References to CuPy, CUDA and Python
-# objects that cannot be resolved stay plain text (nitpicky is off).
-nitpicky = False
+# Every reference to the package's own objects must resolve (CI builds with -W -n).
+# No intersphinx: the build must work offline, so references to Python's, CuPy's,
+# Numba's and Dask's objects cannot become links; they are listed here, and only they.
+nitpicky = True
+nitpick_ignore_regex = [
+    (
+        r"py:.*",
+        r"(builtins|multiprocessing|pickle|concurrent|threading|os|numpy|cupy|cupyx|"
+        r"cupy_backends|cuda|numba|dask|distributed|dask_cuda|rmm|torch)(\..*)?",
+    ),
+]
 
 exclude_patterns = ["_build", "_measured.rst", "Thumbs.db", ".DS_Store"]
+# CHANGELOG.md lives at the top of the repository; changelog.rst includes it.
 templates_path: list[str] = []
 source_suffix = {".rst": "restructuredtext"}
 root_doc = "index"

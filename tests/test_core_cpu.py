@@ -23,17 +23,39 @@ NO_GPU = cpm.device_count() == 0
         ("2048", 2048),
         (0, 0),
         ("1TiB", 2**40),
+        # dask's parse_bytes: short units, "Ki"-style binary units, any case, exponents.
+        ("5k", 5000),
+        ("2Gi", 2 * 2**30),
+        ("1gib", 2**30),
+        ("1e9", 10**9),
+        ("1", 1),
+        ("1.0", 1),  # a whole number of bytes: no longer "all of the device"
+        ("10 B", 10),
+        ("1_000", 1000),
     ],
 )
 def test_parse_bytes_units(value, expected):
     assert cpm.parse_bytes(value) == expected
 
 
-def test_parse_bytes_fraction_needs_total():
-    assert cpm.parse_bytes("0.9", total=1000) == 900
+def test_parse_bytes_fractions_are_explicit():
     assert cpm.parse_bytes(0.25, total=1000) == 250
+    assert cpm.parse_bytes(1.0, total=1000) == 1000
+    assert cpm.parse_bytes("90%", total=1000) == 900
+    assert cpm.parse_bytes("12.5 %", total=1000) == 125
+    assert cpm.parse_bytes("100%", total=1000) == 1000
     with pytest.raises(cpm.InvalidOptionError, match="fraction"):
-        cpm.parse_bytes("0.9")
+        cpm.parse_bytes("90%")  # no total to take it of
+    with pytest.raises(cpm.InvalidOptionError, match="fraction"):
+        cpm.parse_bytes(0.9)
+
+
+@pytest.mark.parametrize("text,hint", [("0.9", "'90%'"), ("1.5", "'150%'"), ("0.25", "0.25")])
+def test_unitless_decimal_strings_are_errors_not_bytes_or_fractions(text, hint):
+    """'1.5' used to be 1 byte and '1.0' the whole device: now one rule, and a hint."""
+    with pytest.raises(cpm.InvalidOptionError, match="whole number of bytes") as ei:
+        cpm.parse_bytes(text, name="max_size", total=1000)
+    assert "max_size" in str(ei.value) and hint in str(ei.value)
 
 
 @pytest.mark.parametrize("bad", [[1], True, b"1GB", object()])
@@ -44,10 +66,12 @@ def test_parse_bytes_type_errors_name_the_value(bad):
     assert type(bad).__name__ in str(ei.value)
 
 
-@pytest.mark.parametrize("bad", ["lots", -5, "12 parsecs", 1.5])
+@pytest.mark.parametrize(
+    "bad", ["lots", -5, "12 parsecs", 1.5, 0.0, -0.5, float("nan"), "0%", "150%", "-5", "GB"]
+)
 def test_parse_bytes_value_errors(bad):
     with pytest.raises(cpm.InvalidOptionError) as ei:
-        cpm.parse_bytes(bad, name="max_size")
+        cpm.parse_bytes(bad, name="max_size", total=1000)
     assert isinstance(ei.value, ValueError) and "max_size" in str(ei.value)
 
 
@@ -73,8 +97,30 @@ def test_error_hierarchy():
         cpm.OutOfPoolMemoryError,
         cpm.PinnedOutOfMemoryError,
         cpm.SharingError,
+        cpm.MissingDependencyError,
+        cpm.LogFormatError,
+        cpm.UsageError,
+        cpm.HandleStateError,
     ):
         assert issubclass(cls, cpm.PoolmemError)
+    assert issubclass(cpm.MissingDependencyError, ImportError)
+    assert issubclass(cpm.LogFormatError, ValueError)
+    assert issubclass(cpm.UsageError, RuntimeError)
+    assert issubclass(cpm.HandleStateError, ValueError)
+    assert issubclass(cpm.HandleStateError, cpm.SharingError)
+
+
+def test_every_exported_error_is_in_the_hierarchy():
+    errors = [getattr(cpm, n) for n in cpm.__all__ if n.endswith("Error")]
+    assert len(errors) >= 14
+    assert all(issubclass(e, cpm.PoolmemError) for e in errors)
+
+
+def test_missing_dependency_error_names_the_install_command():
+    e = cpm.MissingDependencyError("cupy_poolmem.DevicePool", "No module named 'cupy'")
+    assert 'pip install "cupy_poolmem[cu13]"' in str(e) and "No module named" in str(e)
+    e = cpm.MissingDependencyError("x", needs="matplotlib", install="pip install matplotlib")
+    assert str(e) == "x needs matplotlib, which is not installed: pip install matplotlib"
 
 
 def test_oom_error_message_names_pool_size_and_stats():

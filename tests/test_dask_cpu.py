@@ -45,6 +45,15 @@ GB = 10**9
         ),
         (dict(release_threshold=0), 80 * GB, dict(release_threshold=0)),
         (dict(), 80 * GB, dict()),
+        # The package's percentage, dask-cuda's decimal strings, and whole numbers as bytes.
+        (dict(pool_size="50%"), 80 * GB, dict(pool_size=40 * GB)),
+        (
+            dict(pool_size=".25", maximum_pool_size="1.0"),
+            80 * GB,
+            dict(pool_size=20 * GB, maximum_pool_size=80 * GB),
+        ),  # fmt: skip
+        (dict(pool_size="1"), 80 * GB, dict(pool_size=1)),
+        (dict(pool_size=1), 80 * GB, dict(pool_size=1)),
     ],
 )
 def test_resolve_bytes_and_fractions(kw, total, expected):
@@ -60,6 +69,8 @@ def test_resolve_bytes_and_fractions(kw, total, expected):
         (dict(maximum_pool_size=[1]), cpm.OptionTypeError, "maximum_pool_size must be"),
         (dict(pool_size=-1), cpm.InvalidOptionError, "pool_size must be >= 0"),
         (dict(pool_size=1.5), cpm.InvalidOptionError, "fraction in"),
+        (dict(pool_size="1.5"), cpm.InvalidOptionError, "whole number of bytes"),
+        (dict(pool_size="150%"), cpm.InvalidOptionError, "percentage"),
         (
             dict(pool_size="20GB", maximum_pool_size="10GB"),
             cpm.InvalidOptionError,

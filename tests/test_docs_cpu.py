@@ -27,7 +27,11 @@ PAGES = [
     "numba",
     "cli",
     "comparison",
+    "migration",
+    "troubleshooting",
+    "compatibility",
     "api",
+    "changelog",
 ]
 MODULES = [
     "cupy_poolmem",
@@ -64,6 +68,7 @@ def built(tmp_path_factory):
             "-m",
             "sphinx",
             "-W",
+            "-n",
             "--keep-going",
             "-b",
             "html",
@@ -138,5 +143,16 @@ def test_pages_say_what_the_brief_promises(built):
         "UUID",
     ):
         assert fact in sharing, fact
+    trouble = (out / "troubleshooting.html").read_text(encoding="utf-8")
+    for fact in ("--ipc=host", "--pid=host", "MIG", "WSL", "cu12", "MissingDependencyError"):
+        assert fact in trouble, fact
+    compat = (out / "compatibility.html").read_text(encoding="utf-8")
+    for fact in ("Python", "CuPy", "cuda.core", "cuda.bindings", "driver", "3.10"):
+        assert fact in compat, fact
+    migration = (out / "migration.html").read_text(encoding="utf-8")
+    for fact in ("rmm_cupy_allocator", "MemoryPool", "MemoryAsyncPool", "set_allocator"):
+        assert fact in migration, fact
+    changelog = (out / "changelog.html").read_text(encoding="utf-8")
+    assert "Unreleased" in changelog and "0.1.0" in changelog
     comparison = (out / "comparison.html").read_text(encoding="utf-8")
     assert "Tables are filled in from the latest GPU run" in comparison or "GB/s" in comparison

@@ -81,8 +81,9 @@ def test_allocation_sizes_are_checked_first(bad, exc, match):
 
 def test_allocating_without_a_context_explains():
     mgr = cpn.PoolmemNumbaManager(context=None)
-    with pytest.raises(RuntimeError, match="set_memory_manager"):
+    with pytest.raises(RuntimeError, match="set_memory_manager") as ei:
         mgr.memalloc(16)
+    assert isinstance(ei.value, cpm.UsageError)
 
 
 def test_numpy_integer_sizes_are_accepted():
@@ -111,9 +112,10 @@ def test_exporter_handle_cannot_be_opened_in_its_own_process():
     r, w = os.pipe()
     try:
         h = _fake_handle(w)
-        with pytest.raises(ValueError, match="process that exported it"):
+        with pytest.raises(ValueError, match="process that exported it") as ei:
             h.open(None)
-        with pytest.raises(ValueError, match="not opened"):
+        assert isinstance(ei.value, cpm.HandleStateError)
+        with pytest.raises(cpm.HandleStateError, match="not opened"):
             h.close()
         assert "exporter" in repr(h)
     finally:

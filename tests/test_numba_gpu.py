@@ -75,7 +75,7 @@ def _kernel_writes_cupy_reads(explicit_set_allocator: bool) -> dict:
 
     cuda.set_memory_manager(cpn.PoolmemNumbaManager)
     if explicit_set_allocator:
-        cpm.set_allocator(max_size="0.5")
+        cpm.set_allocator(max_size="50%")
 
     @cuda.jit
     def fill(a):

@@ -11,6 +11,7 @@ import pytest
 from _observer_fakes import FAKES_FILE, FakeCore, alloc, free
 
 from cupy_poolmem import report, stats
+from cupy_poolmem._errors import InvalidOptionError, LogFormatError, OptionTypeError
 from cupy_poolmem.stats import LOG_COLUMNS
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -82,8 +83,47 @@ def test_read_log_parses_fields(two_logs):
 def test_read_log_rejects_other_files(tmp_path):
     p = tmp_path / "x.csv"
     p.write_text("a,b,c\n1,2,3\n")
-    with pytest.raises(ValueError, match="not a cupy_poolmem allocation log"):
+    with pytest.raises(LogFormatError, match="not a cupy_poolmem allocation log") as ei:
         report.read_log(p)
+    assert ei.value.path == str(p) and str(ei.value).startswith(str(p))
+
+
+@pytest.mark.parametrize(
+    "content,reason",
+    [(b"", "empty file"), (b"\x00\x01\x02", "binary"), (b"time\n\xff\xfe\n", "not UTF-8")],
+)
+def test_read_log_names_the_file_it_cannot_read(tmp_path, content, reason):
+    p = tmp_path / "bad.csv"
+    p.write_bytes(content)
+    with pytest.raises(LogFormatError, match=reason) as ei:
+        report.read_log(p)
+    assert str(ei.value).startswith(f"{p}: ")
+
+
+def test_load_of_a_directory_without_logs(tmp_path):
+    with pytest.raises(LogFormatError, match="no \\*.csv allocation logs"):
+        report.load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "kw,exc",
+    [
+        (dict(top=-1), InvalidOptionError),
+        (dict(top=1.5), OptionTypeError),
+        (dict(tag_depth=0), InvalidOptionError),
+        (dict(tag_depth="1"), OptionTypeError),
+    ],
+)
+def test_summarize_checks_its_options(two_logs, kw, exc):
+    with pytest.raises(exc):
+        report.summarize(list(two_logs), **kw)
+
+
+def test_plot_format_comes_from_the_suffix(two_logs, tmp_path):
+    assert report.plot_format("a.PDF") == "pdf" and report.plot_format("a.jpg") == "jpeg"
+    with pytest.raises(InvalidOptionError, match="suffix"):
+        report.plot(list(two_logs), tmp_path / "usage")
+    assert not (tmp_path / "usage").exists()
 
 
 def test_load_merges_by_time_keeping_file_order(two_logs):
@@ -140,7 +180,8 @@ def test_summary_text_and_json(two_logs, capsys):
 
 
 def _check_png(path) -> None:
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     assert data[:8] == PNG_MAGIC
     assert len(data) > 10_000  # an actual picture, not an empty canvas
 

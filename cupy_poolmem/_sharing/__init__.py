@@ -87,7 +87,8 @@ def _on_ipc_pool(pool: object) -> None:
 
 
 def install() -> None:
-    """Hook sharing into the pools and multiprocessing (once, on import of the package)."""
+    """Hook sharing into the pools and multiprocessing (run once, when this package is
+    imported: by ``cupy_poolmem``'s GPU names, or by the first IPC-enabled pool)."""
     from .._pools import _IPC_POOL_CALLBACKS, _OOM_CALLBACKS, _hp, all_pools
     from ._reducers import register_cupy
 
@@ -99,3 +100,6 @@ def install() -> None:
             _on_ipc_pool(p)
     register_cupy()
     register_exit_wait()
+
+
+install()

@@ -2,15 +2,41 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
+
+import cupy_poolmem
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child Python that must import this very cupy_poolmem.
+
+    Puts the directory holding the package first on ``PYTHONPATH``, so a benchmark run
+    from a source checkout measures that checkout, not another installed copy.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(cupy_poolmem.__file__)))
+    path = os.environ.get("PYTHONPATH", "")
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = root + (os.pathsep + path if path else "")
+    return env
+
+
+def require_gpu(name: str) -> None:
+    """Exit with one line (status 2) when there is no GPU to benchmark on."""
+    if cupy_poolmem.device_count() == 0:
+        print(
+            f"{name}: needs a CUDA GPU, and CUDA sees none here (no driver, no device, or "
+            "CUDA_VISIBLE_DEVICES empty)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
 
 
 def header(title: str) -> str:
     import cupy
-
-    import cupy_poolmem
 
     lines = [f"== {title} =="]
     try:

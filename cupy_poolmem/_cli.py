@@ -1,0 +1,81 @@
+"""Pieces every command of ``python -m cupy_poolmem`` shares: parser, argument types, exits.
+
+Exit codes: ``0`` success; ``1`` the command ran and found a problem (a failed
+self-check, a plot that could not be drawn for want of matplotlib); ``2`` bad input
+(unknown option, bad value, unreadable log) or a machine that cannot run the command
+(no GPU, no CUDA packages).  Errors are one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+__all__ = ["Parser", "HelpFormatter", "int_at_least", "fail", "describe_os_error", "guard_pipe"]
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the line breaks of descriptions and examples; wraps option help."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line: ``PROG: error: WHY (see --help)``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type`` for ints ``>= minimum``, with a message naming the value."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}; got {value}")
+        return value
+
+    convert.__name__ = f"int >= {minimum}"
+    return convert
+
+
+def fail(prog: str, message: str, code: int = 2) -> int:
+    """Print ``PROG: error: MESSAGE`` on stderr (one line) and return ``code``."""
+    text = " ".join(str(message).split())
+    print(f"{prog}: error: {text}", file=sys.stderr)
+    return code
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``FILE: reason`` for an ``OSError`` (``x.csv: No such file or directory``)."""
+    if exc.filename is not None and exc.strerror:
+        return f"{os.fsdecode(exc.filename)}: {exc.strerror}"
+    return str(exc)
+
+
+def guard_pipe(fn: Callable[..., int], *args: Any) -> int:
+    """Run ``fn(*args)``; a reader that closes the pipe early (``| head``) ends it quietly.
+
+    Python's documented recipe: point stdout at ``/dev/null`` so that the flush at exit
+    does not raise again, and exit with status 1.
+    """
+    try:
+        rc = fn(*args)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # stdout replaced (tests): nothing to do
+            pass
+        return 1

@@ -1,0 +1,26 @@
+"""The benchmarks behind ``python -m cupy_poolmem bench``, shipped with the package.
+
+Each module prints one table: peers measured in the same process and run, ratios to a
+named baseline, the device name, and the versions of CuPy, cuda.core and the peers.
+They need a GPU; ``bench`` runs each in its own process (they spawn workers)::
+
+    python -m cupy_poolmem bench                 # alloc, pinned, ipc
+    python -m cupy_poolmem bench alloc --quick   # one of them, shorter
+    python -m cupy_poolmem bench dask            # needs dask, distributed, dask-cuda
+
+or directly ``python -m cupy_poolmem.benchmarks.alloc [--quick]``.  In a source
+checkout, ``benchmarks/*.py`` are thin wrappers that run these modules.
+"""
+
+from __future__ import annotations
+
+#: ``bench`` name -> (module under ``cupy_poolmem.benchmarks``, what it measures).
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "alloc": ("alloc", "cupy.empty + free and a temporaries chain vs CuPy, RMM pools"),
+    "pinned": ("pinned_bandwidth", "pinned host copies vs cudaHostAlloc, cuda.core"),
+    "ipc": ("ipc", "sharing through multiprocessing vs torch and CuPy pickling"),
+    "dask": ("dask_workload", "Dask graphs: the plugin vs dask-cuda's allocators"),
+}
+
+#: What ``python -m cupy_poolmem bench`` runs when given no name.
+DEFAULT = ("alloc", "pinned", "ipc")

@@ -1,0 +1,283 @@
+"""Allocation speed: cupy.empty(n)+free and a temporaries-heavy chain, pools side by side.
+
+Prints one table: microseconds per operation and the ratio to CuPy's MemoryPool,
+all measured in this process and run, round-robin (each allocator's best of four
+rounds, so drift hits every row alike).  The DevicePool rows run with observability
+off (the default: no cost); the last rows switch statistics and a tracked log on.
+
+``python -m cupy_poolmem bench alloc [--quick]``
+
+With two GPUs or more, DevicePool rows with ``peer_access='all'`` (the default: GPU 0's
+pool is mapped on every peer too) and ``peer_access=None`` are measured side by side,
+and a second table gives what granting costs: pool creation, pool growth (new memory
+is mapped on each granted GPU), steady-state allocation, and a grant given to a pool
+already holding 1 GiB.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cupy
+
+import cupy_poolmem
+
+from ._common import child_env, header, median_time, require_gpu, table
+
+
+def peers() -> list[tuple[Any, ...]]:
+    """(name, malloc, cleanup) for every allocator measured."""
+    out: list[tuple[Any, ...]] = []
+    mp = cupy.cuda.MemoryPool()
+    out.append(("cupy MemoryPool (baseline)", mp.malloc, mp.free_all_blocks))
+    ap = cupy.cuda.MemoryAsyncPool()
+    out.append(("cupy MemoryAsyncPool", ap.malloc, None))
+    try:
+        import rmm
+        from rmm.allocators.cupy import rmm_cupy_allocator
+
+        rmm.reinitialize(pool_allocator=True)
+        out.append(("rmm pool (rmm_cupy_allocator)", rmm_cupy_allocator, None))
+    except Exception as exc:
+        print(f"(rmm not measured: {type(exc).__name__}: {exc})")
+    pool = cupy_poolmem.DevicePool()
+    out.append(
+        (
+            f"cupy_poolmem DevicePool [{cupy_poolmem.hotpath_implementation()}]",
+            pool.malloc,
+            pool.close,
+        )
+    )
+    alloc = cupy_poolmem.set_allocator(ipc=False)
+    cupy.cuda.set_allocator(mp.malloc)
+    out.append(("cupy_poolmem set_allocator() dispatch", alloc, alloc.close))
+    nocache = cupy_poolmem.DevicePool(reuse_cache=0)
+    out.append(("cupy_poolmem DevicePool reuse_cache=0", nocache.malloc, nocache.close))
+    n_gpus = cupy_poolmem.device_count()
+    if n_gpus > 1:
+        # Same pools, granted to the peers or not (GPU 0's pool; the rows above are 'all').
+        for pa in ("all", None):
+            p = cupy_poolmem.DevicePool(peer_access=pa)
+            label = f"'all' ({len(p.peer_access)} peers)" if pa else "None"
+            out.append((f"DevicePool peer_access={label}", p.malloc, p.close))
+    # Observability switched on: what statistics() and a tracked log cost per allocation.
+    spool = cupy_poolmem.DevicePool()
+    out.append(
+        ("DevicePool inside statistics()", spool.malloc, spool.close, cupy_poolmem.statistics)
+    )
+    lpool = cupy_poolmem.DevicePool()
+    out.append(("DevicePool with start_log(track=True)", lpool.malloc, lpool.close, _logging))
+    return out
+
+
+class _logging:
+    """Context manager: an allocation log with call sites, in a temporary file."""
+
+    def __enter__(self):
+        import tempfile
+
+        self._dir = tempfile.TemporaryDirectory()
+        cupy_poolmem.start_log(os.path.join(self._dir.name, "alloc.csv"), track=True)
+
+    def __exit__(self, *exc):
+        cupy_poolmem.stop_log()
+        self._dir.cleanup()
+
+
+def _pure_python_row(n: int) -> list[float] | None:
+    """Measure the pure-Python hot path in a child process (the twin is chosen at import)."""
+    import json
+    import subprocess
+
+    env = child_env(CUPY_POOLMEM_PURE_PYTHON="1")
+    r = subprocess.run(
+        [sys.executable, "-m", __name__, "--child", str(n)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if r.returncode:
+        print(f"(pure-Python hot path not measured: {r.stderr.strip()[-300:]})")
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _child(n: int) -> None:
+    import json
+
+    pool = cupy_poolmem.DevicePool()
+    assert cupy_poolmem.hotpath_implementation() == "python"
+    print(json.dumps(measure(pool.malloc, n, rounds=4)))
+
+
+CASES = [("empty 1KiB", 1 << 10), ("empty 1MiB", 1 << 20), ("empty 64MiB", 64 << 20)]
+
+
+def _cases(n: int) -> list[tuple[Callable[[], object], int]]:
+    x = cupy.arange(10000, dtype=cupy.float32)
+
+    def chain():
+        return ((x * 2 + 1) ** 2 - x).sum()
+
+    fns: list[tuple[Callable[[], object], int]] = [
+        (functools.partial(cupy.empty, size, dtype=cupy.uint8), n) for _l, size in CASES
+    ]
+    return fns + [(chain, n // 4)]
+
+
+def measure(malloc, n: int, rounds: int = 1) -> list[float]:
+    """Seconds per operation for each case with ``malloc`` as CuPy's allocator."""
+    vals = []
+    with cupy.cuda.using_allocator(malloc):
+        for fn, reps in _cases(n):
+            vals.append(min(median_time(fn, reps, repeats=3) for _ in range(rounds)))
+        cupy.cuda.get_current_stream().synchronize()
+    return vals
+
+
+def measure_interleaved(entries: list, n: int, rounds: int = 4) -> list[list[float]]:
+    """Round-robin over the allocators, keeping each one's best round.
+
+    Interleaving spreads clock and load drift over every allocator alike, so the
+    ratios stay stable from run to run.
+    """
+    best = [[float("inf")] * (len(CASES) + 1) for _ in entries]
+    for _ in range(rounds):
+        for i, (_name, malloc, _cleanup, *ctx) in enumerate(entries):
+            if ctx:
+                with ctx[0]():
+                    vals = measure(malloc, n)
+            else:
+                vals = measure(malloc, n)
+            best[i] = [min(a, b) for a, b in zip(best[i], vals)]
+    return best
+
+
+def _peer_costs(quick: bool) -> str | None:
+    """Microseconds for what a peer grant touches, GPU 0's pool without and with grants."""
+    if cupy_poolmem.device_count() < 2:
+        return None
+    peers = cupy_poolmem.DevicePool(0, peer_access="all")
+    n_peers = len(peers.peer_access)
+    peers.close()
+    if n_peers == 0:
+        return "(peer access costs not measured: no GPU can access GPU 0's memory)"
+    reps = 8 if quick else 24
+    sync = cupy.cuda.runtime.deviceSynchronize
+
+    def create(pa: object) -> float:
+        t0 = time.perf_counter()
+        p = cupy_poolmem.DevicePool(0, peer_access=pa)
+        dt = time.perf_counter() - t0
+        p.close()
+        return dt
+
+    def grow(pa: object, size: int = 256 << 20) -> float:
+        p = cupy_poolmem.DevicePool(0, peer_access=pa, reuse_cache=0)
+        runs = []
+        for _ in range(reps):
+            p.trim()  # nothing reserved: the next malloc maps new memory
+            t0 = time.perf_counter()
+            m = p.malloc(size)
+            sync()
+            runs.append(time.perf_counter() - t0)
+            del m
+            sync()
+        p.close()
+        return statistics.median(runs)
+
+    def steady(pa: object, size: int) -> float:
+        p = cupy_poolmem.DevicePool(0, peer_access=pa)
+        with cupy.cuda.using_allocator(p.malloc):
+            dt = median_time(lambda: cupy.empty(size, dtype=cupy.uint8), 2000 if quick else 6000)
+        sync()
+        p.close()
+        return dt
+
+    def grant_later(size: int = 1 << 30) -> float:
+        p = cupy_poolmem.DevicePool(0, peer_access=None)
+        m = p.malloc(size)
+        sync()
+        runs = []
+        for _ in range(max(3, reps // 4)):
+            t0 = time.perf_counter()
+            p.peer_access = "all"
+            runs.append(time.perf_counter() - t0)
+            p.peer_access = None
+        del m
+        sync()
+        p.close()
+        return statistics.median(runs)
+
+    with cupy.cuda.Device(0):
+        rows = []
+        measures = [
+            (
+                "create DevicePool (then close)",
+                lambda pa: statistics.median(create(pa) for _ in range(reps)),
+            ),
+            ("grow by 256 MiB (malloc after trim, synced)", grow),
+            ("cupy.empty(1 MiB) + free, steady", lambda pa: steady(pa, 1 << 20)),
+            ("cupy.empty(64 MiB) + free, steady", lambda pa: steady(pa, 64 << 20)),
+        ]
+        for name, fn in measures:
+            best = {}
+            for _ in range(2):  # alternate, keep each one's best
+                for pa in (None, "all"):
+                    best[pa] = min(best.get(pa, float("inf")), fn(pa))
+            none, every = best[None], best["all"]
+            rows.append(
+                [name, f"{none * 1e6:9.2f} us", f"{every * 1e6:9.2f} us", f"{every / none:.2f}x"]
+            )
+        later = grant_later()
+        rows.append(
+            ["set peer_access='all' on a pool holding 1 GiB", "-", f"{later * 1e6:9.2f} us", "-"]
+        )
+    return table(
+        ["GPU 0 pool", "peer_access=None", f"peer_access='all' ({n_peers} peers)", "ratio"], rows
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    require_gpu("alloc")
+    if "--child" in argv:
+        return _child(int(argv[argv.index("--child") + 1]))
+    quick = "--quick" in argv
+    n = 2000 if quick else 6000
+    print(header("allocation benchmark: microseconds per op (ratio to cupy MemoryPool)"))
+    rows, base = [], None
+    entries = peers()
+    # Observability rows go last, in their own phase: what they leave behind (objects,
+    # caches) must not weigh on the rows measured with everything off.
+    plain = [e for e in entries if len(e) == 3]
+    observed = [e for e in entries if len(e) > 3]
+    results = measure_interleaved(plain, n) + measure_interleaved(observed, n, rounds=2)
+    measured: list[tuple[str, list[float], Any]] = [
+        (e[0], vals, e[2]) for e, vals in zip(plain + observed, results)
+    ]
+    py = _pure_python_row(n)
+    if py:
+        measured.append(("cupy_poolmem DevicePool [pure python, child process]", py, None))
+    for name, vals, cleanup in measured:
+        base = base or vals
+        rows.append([name] + [f"{v * 1e6:7.2f} us ({v / b:.2f}x)" for v, b in zip(vals, base)])
+        if cleanup:
+            cleanup()
+    print(table(["allocator"] + [c[0] for c in CASES] + ["chain 10k f32"], rows))
+    costs = _peer_costs(quick)
+    if costs:
+        print()
+        print("peer access costs: microseconds (ratio of 'all' to None)")
+        print(costs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Sharing arrays between processes: cupy_poolmem vs CuPy pickling vs torch.multiprocessing.
+
+One run, one table: milliseconds per message for a steady stream of put + ack (the
+consumer acknowledges on a second queue and drops the array), and the first send to a
+fresh worker measured after that worker has started CUDA.  The floor is the same queue
+round trip for a tiny numpy array, measured just before and just after each stream on
+the same queues; "over floor" is what sharing adds to the queue's own cost.
+"same array" re-sends one array (the receiver keeps its mapping); "fresh arrays" sends
+a newly allocated array each time (made before the clock starts), the usual producer
+pattern, where the sender exports and the receiver maps new memory for every message:
+the driver's cost for both grows with the size.
+
+``python -m cupy_poolmem bench ipc [--quick]``
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+
+def consumer(kind: str, q_in, q_out) -> None:
+    t0 = time.perf_counter()
+    if kind == "torch":
+        import torch
+
+        torch.zeros(1, device="cuda")
+    else:
+        import cupy
+
+        import cupy_poolmem  # noqa: F401  (registers the rebuild functions)
+
+        cupy.zeros(1)
+    q_out.put(("ready", time.perf_counter() - t0))
+    while True:
+        obj = q_in.get()
+        if obj is None:
+            break
+        q_out.put(1)
+        del obj
+
+
+def run_method(
+    kind: str, sizes: list[int], n_steady: dict[int, int], fresh: bool = False
+) -> list[tuple]:
+    import cupy
+
+    import cupy_poolmem
+
+    if kind == "torch":
+        import torch
+        import torch.multiprocessing as tmp
+
+        ctx = tmp.get_context("spawn")
+    else:
+        ctx = mp.get_context("spawn")
+    rows = []
+    for size in sizes:
+        q_in, q_out = ctx.Queue(), ctx.Queue()
+        # The importable function, also when this module runs as __main__.
+        from cupy_poolmem.benchmarks.ipc import consumer as target
+
+        p = ctx.Process(target=target, args=(kind, q_in, q_out))
+        p.start()
+        tag, cuda_start = q_out.get(timeout=300)
+
+        def make(size: int = size):
+            if kind == "torch":
+                return torch.ones(size // 4, device="cuda")
+            if kind == "cupy_poolmem":
+                cupy_poolmem.sharing.fallback = "device-copy"
+                with cupy_poolmem.using(cupy_poolmem.get_pool()):
+                    return cupy.ones(size // 4, dtype=cupy.float32)
+            # CuPy's own pickling: an array from CuPy's default pool, host fallback
+            cupy_poolmem.sharing.fallback = "host"
+            with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
+                return cupy.ones(size // 4, dtype=cupy.float32)
+
+        obj = make()
+        cupy.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        q_in.put(obj)
+        q_out.get(timeout=300)
+        first = time.perf_counter() - t0
+        import numpy as np
+
+        tiny = np.zeros(4, dtype=np.float32)
+
+        def floor_block(q_in=q_in, q_out=q_out, tiny=tiny, n: int = 50) -> list[float]:
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                q_in.put(tiny)
+                q_out.get(timeout=60)
+                out.append(time.perf_counter() - t0)
+            return out
+
+        floor = floor_block()  # before and after the measured stream: the same state
+        times = []
+        for _ in range(n_steady[size]):
+            if fresh:
+                obj = make()
+            t0 = time.perf_counter()
+            q_in.put(obj)
+            q_out.get(timeout=300)
+            times.append(time.perf_counter() - t0)
+        floor += floor_block()
+        q_in.put(None)
+        p.join(60)
+        label = f"{kind} (fresh arrays)" if fresh else kind
+        rows.append(
+            (label, size, statistics.median(times), first, cuda_start, statistics.median(floor))
+        )
+        cupy_poolmem.sharing.fallback = "device-copy"
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    import cupy
+
+    import cupy_poolmem
+
+    from ._common import header, require_gpu, table
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    require_gpu("ipc")
+    quick = "--quick" in argv
+    print(header("IPC benchmark: ms per message (steady put+ack) and first send"))
+    cupy_poolmem.set_allocator()
+    sizes = [1 << 20, 256 << 20]
+    rows = []
+    runs = [
+        ("cupy_poolmem", False),
+        ("torch", False),
+        ("cupy pickling", False),
+        ("cupy_poolmem", True),
+        ("torch", True),
+    ]
+    for kind, fresh in runs:
+        n = {1 << 20: 50 if quick else 300, 256 << 20: 20 if quick else 100}
+        if kind == "cupy pickling":
+            n = {1 << 20: 20 if quick else 50, 256 << 20: 3 if quick else 5}
+        try:
+            rows += run_method(kind, sizes, n, fresh)
+        except Exception as exc:
+            print(f"({kind} not measured: {type(exc).__name__}: {exc})")
+    ref = {(r[0].endswith("(fresh arrays)"), r[1]): r[2] for r in rows if r[0].startswith("torch")}
+    out = []
+    for kind, size, steady, first, cuda_start, floor in rows:
+        key = (kind.endswith("(fresh arrays)"), size)
+        ratio = f"{steady / ref[key]:.2f}x" if key in ref else "-"
+        out.append(
+            [
+                kind,
+                f"{size >> 20} MiB",
+                f"{steady * 1e3:8.3f}",
+                ratio,
+                f"{first * 1e3:8.1f}",
+                f"{cuda_start * 1e3:7.0f}",
+                f"{floor * 1e3:6.3f}",
+                f"{(steady - floor) * 1e3:6.3f}",
+            ]
+        )
+    print(
+        table(
+            [
+                "method",
+                "size",
+                "steady ms/msg",
+                "vs torch",
+                "first send ms",
+                "worker CUDA start ms",
+                "floor ms (tiny numpy)",
+                "over floor ms",
+            ],
+            out,
+        )
+    )
+    del cupy
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The docstring examples that need no GPU run as doctests (the others carry ``+SKIP``)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+# module -> fewest examples that must really run (not skipped) in it
+MODULES = {
+    "cupy_poolmem": 1,
+    "cupy_poolmem._sizes": 6,
+    "cupy_poolmem._errors": 4,
+    "cupy_poolmem._device": 1,
+    "cupy_poolmem.report": 6,
+    "cupy_poolmem.stats": 12,
+    "cupy_poolmem._poolstats": 2,
+    "cupy_poolmem.dask": 3,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_docstring_examples(name, tmp_path, monkeypatch):
+    if name == "cupy_poolmem.dask":
+        pytest.importorskip("distributed")
+    monkeypatch.chdir(tmp_path)  # examples that write files write them here
+    module = importlib.import_module(name)
+    import cupy_poolmem
+
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    ran = 0
+    for test in finder.find(module, extraglobs={"cupy_poolmem": cupy_poolmem}):
+        result = runner.run(test, out=lambda s: None)
+        assert result.failed == 0, _report(test, runner)
+        ran += sum(1 for ex in test.examples if not ex.options.get(doctest.SKIP))
+    assert ran >= MODULES[name], f"{name}: {ran} examples ran, expected >= {MODULES[name]}"
+
+
+def _report(test: doctest.DocTest, runner: doctest.DocTestRunner) -> str:
+    out: list[str] = []
+    checker = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    checker.run(test, out=out.append)
+    return "".join(out)[-4000:]
