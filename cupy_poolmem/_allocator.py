@@ -154,7 +154,10 @@ def set_pinned_memory_allocator(**pool_options: Any) -> PoolAllocator:
 def _validate_options(cls: type, options: dict) -> None:
     import inspect
 
-    allowed = set(inspect.signature(cls.__init__).parameters) - {"self", "device"}
+    init = cls.__dict__.get("__init__") or next(
+        k.__dict__["__init__"] for k in cls.__mro__ if "__init__" in k.__dict__
+    )
+    allowed = set(inspect.signature(init).parameters) - {"self", "device"}
     bad = sorted(set(options) - allowed)
     if bad:
         raise OptionTypeError(

@@ -67,6 +67,15 @@ class Block:
         "_recorded",
         "__weakref__",
     )
+    ptr: int
+    size: int
+    stream_ptr: int
+    stream: Any
+    core: Any
+    share: Any
+    info: Any
+    flags: int
+    _recorded: list[Any] | None
 
     @property
     def recorded_streams(self) -> tuple:

@@ -49,12 +49,12 @@ else:
     try:
         from . import _hotpath as _hp  # type: ignore[no-redef]
     except (ImportError, TypeError, ValueError):  # not built, or built against other ABIs
-        from . import _hotpath_py as _hp  # type: ignore[no-redef]
+        from . import _hotpath_py as _hp
     else:
         from . import _hotpath_py as _twin
 
         if getattr(_hp, "VERSION", None) != _twin.VERSION:  # built from an older source
-            _hp = _twin  # type: ignore[assignment]
+            _hp = _twin
 
 __all__ = [
     "DevicePool",
@@ -166,13 +166,14 @@ class Pool(_hp.PoolCore):
     _kind_name = "pool"
     _serial_counter = 0
     _held_for_sharing = 0  # bytes of freed blocks other processes still map (limbo)
+    _forked = False  # set in a child forked after CUDA started: the pool refuses to work
 
     def _setup(
         self,
         mr: Any,
         device: int,
         kind: int,
-        release_threshold: int | None,
+        release_threshold: int | str | None,
         max_size: int,
         reuse_cache: int = 0,
     ) -> None:

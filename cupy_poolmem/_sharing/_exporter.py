@@ -402,6 +402,7 @@ class Exporter:
                 rec = self.records.get(f.export_id)
                 ok = rec is not None and rec.leases.get(cid, 0) > 0
                 if ok:
+                    assert rec is not None
                     if f.ticket in rec.tickets or f.ticket in rec.claimed:
                         ok = False  # a duplicate registration is refused
                     else:

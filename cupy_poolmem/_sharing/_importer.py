@@ -500,10 +500,10 @@ class Importer:
             pools = [p for p in self.pools.values() if p.client is c and p.users == 0]
             for p in pools:
                 del self.pools[p.uuid]
-                for k in [k for k in self.closing if k[0] == p.uuid]:
-                    del self.closing[k]
-            for k in [k for k in self.seen if k[0] == c.address]:
-                del self.seen[k]
+                for key in [key for key in self.closing if key[0] == p.uuid]:
+                    del self.closing[key]
+            for seen in [seen for seen in self.seen if seen[0] == c.address]:
+                del self.seen[seen]
         for ev in events:
             try:
                 self.driver.close_event(ev)

@@ -207,5 +207,5 @@ def register_numpy() -> None:
 
     import numpy as np
 
-    if ForkingPickler._extra_reducers.get(np.ndarray) is not reduce_numpy:
+    if getattr(ForkingPickler, "_extra_reducers", {}).get(np.ndarray) is not reduce_numpy:
         ForkingPickler.register(np.ndarray, reduce_numpy)

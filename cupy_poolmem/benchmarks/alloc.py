@@ -228,7 +228,7 @@ def _peer_costs(quick: bool) -> str | None:
             ("cupy.empty(64 MiB) + free, steady", lambda pa: steady(pa, 64 << 20)),
         ]
         for name, fn in measures:
-            best = {}
+            best: dict[Any, float] = {}
             for _ in range(2):  # alternate, keep each one's best
                 for pa in (None, "all"):
                     best[pa] = min(best.get(pa, float("inf")), fn(pa))
