@@ -20,6 +20,7 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 
 import _mp_workers as W  # noqa: E402
+from _waits import join, wait_for  # noqa: E402
 
 TIMEOUT = 120
 
@@ -32,22 +33,8 @@ def ipc_allocator():
     cupy.cuda.set_allocator(before)
 
 
-def _join(*procs):
-    for p in procs:
-        p.join(TIMEOUT)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-            pytest.fail(f"child {p.name} did not finish")
-
-
-def _wait_for(pred, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
+_join = join
+_wait_for = wait_for
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 
 import _mp_lifecycle as L  # noqa: E402
+from _waits import join, wait_for  # noqa: E402
 
 TIMEOUT = 120
 SPAWN = mp.get_context("spawn")
@@ -38,22 +39,8 @@ def ipc_allocator():
     cupy.cuda.set_allocator(before)
 
 
-def _join(*procs, timeout=TIMEOUT):
-    for p in procs:
-        p.join(timeout)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-            pytest.fail(f"child {p.name} did not finish")
-
-
-def _wait_for(pred, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
+_join = join
+_wait_for = wait_for
 
 
 def _settled():

@@ -570,24 +570,21 @@ class Importer:
     def open_raw(self, pool_uuid: str, dev: int, data: bytes, size: int, fd: int | None) -> Mapping:
         """Map an allocation described by a Numba IPC handle (no lease protocol)."""
         key = (pool_uuid, data)
-        with self.lock:
-            m = self.maps.get(key)
-            if m is not None:
-                m.users += 1
-                self.idle.pop(key, None)
-                return m
-        pool = self._pool(pool_uuid, _wire.POOL_DEVICE, dev, fd, None)
-        with self.lock:
-            m = self.maps.get(key)
-            if m is not None:
-                m.users += 1
-                self.idle.pop(key, None)
-                return m
-            with self.driver.on_device(dev):
-                ptr = self.driver.import_pointer(pool.handle, data)
-            m = self.maps[key] = Mapping(key, ptr, size, pool)
-            pool.users += 1
-            return m
+        pool = None
+        while True:
+            with self.lock:
+                m = self.maps.get(key)
+                if m is not None:  # mapped already, as a CuPy array or another handle
+                    m.users += 1
+                    self.idle.pop(key, None)
+                    return m
+                if pool is not None:
+                    with self.driver.on_device(dev):
+                        ptr = self.driver.import_pointer(pool.handle, data)
+                    m = self.maps[key] = Mapping(key, ptr, size, pool)
+                    pool.users += 1
+                    return m
+            pool = self._pool(pool_uuid, _wire.POOL_DEVICE, dev, fd, None)
 
     def close_raw(self, m: Mapping) -> None:
         """A Numba handle let go; when nothing else uses the mapping it is freed, and
