@@ -193,6 +193,9 @@ class Listener:
                     return
                 time.sleep(0.01)
                 continue
+            if self.closed:  # accepted as close() ran: nobody serves it
+                sock.close()
+                return
             threading.Thread(
                 target=self._handshake, args=(sock,), name="cupy_poolmem-peer", daemon=True
             ).start()
@@ -209,6 +212,12 @@ class Listener:
     def close(self) -> None:
         self.closed = True
         try:
+            # close() alone leaves a thread blocked in accept() holding the socket open
+            # (still listening); shutdown() wakes it.
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._sock.close()
         finally:
             shutil.rmtree(self._dir, ignore_errors=True)
