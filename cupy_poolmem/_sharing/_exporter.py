@@ -363,7 +363,7 @@ class Exporter:
             pass
         finally:
             conn.close()
-            peer.sender.dead = True
+            peer.sender.close()
             threading.Thread(
                 target=self._reap, args=(peer,), name="cupy_poolmem-reap", daemon=True
             ).start()

@@ -174,7 +174,7 @@ class Client:
             for slot in waiters:
                 slot[0].set()
             self.conn.close()
-            self.sender.dead = True
+            self.sender.close()
             self.importer.exporter_gone(self)
 
 

@@ -277,10 +277,14 @@ class Sender:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._q:
+                while not self._q and not self.dead:
                     self._busy = False
                     self._cv.notify_all()
                     self._cv.wait()
+                if self.dead:  # closed: the thread ends with its connection
+                    self._busy = False
+                    self._cv.notify_all()
+                    return
                 self._busy = True
             frames = []
             while self._q:
@@ -294,6 +298,13 @@ class Sender:
                     self._busy = False
                     self._cv.notify_all()
                 return
+
+    def close(self) -> None:
+        """The connection is gone: drop what is queued and end the thread."""
+        with self._cv:
+            self.dead = True
+            self._q.clear()
+            self._cv.notify_all()
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every posted frame was handed to the socket; False on timeout."""
