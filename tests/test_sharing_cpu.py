@@ -1,32 +1,145 @@
-"""Every lifecycle of the sharing protocol on a CPU: real sockets, a fake driver."""
+"""Every lifecycle of the sharing protocol on a CPU: real sockets, a fake driver.
+
+Each test builds simulated processes (``SimProc``: a ``SharingContext`` with its own
+settings and ``FakeDriver``) on one ``FakeGPU`` and checks what a receiver sees (the
+generation and payload of the allocation it maps), the counts of ``ctx.stats()``, and
+that the fake recorded no driver-rule violation.  See ``tests/_sharing_fakes.py``.
+"""
 
 from __future__ import annotations
 
+import inspect
+import os
+import pickle
+import socket
+import stat
 import threading
 import time
+import warnings
 
-from cupy_poolmem._sharing import _transport, _wire
+import pytest
+from _sharing_fakes import (
+    FakeDriver,
+    FakeStream,
+    World,
+    gated_wait_gone,
+    open_fds,
+    sharing_threads,
+    wait_for,
+)
+
+from cupy_poolmem._errors import SharingError
+from cupy_poolmem._sharing import _exporter, _transport, _wire
+from cupy_poolmem._sharing._driver import Driver
+from cupy_poolmem._sharing._exporter import LocalHold
+from cupy_poolmem._sharing._reducers import rebuild
+
+KB = 1024
 
 
-def _threads(prefix):
-    return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
+@pytest.fixture
+def world():
+    before = set(sharing_threads())
+    w = World()
+    yield w
+    w.teardown()
+    # Every thread the protocol started for this test ends once its processes are gone.
+    left = lambda: [t for t in sharing_threads() if t not in before and t.is_alive()]  # noqa: E731
+    assert wait_for(lambda: not left(), 5.0), f"threads left running: {left()}"
+    assert w.gpu.violations == []
 
 
-def _wait(cond, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.002)
-    return bool(cond())
+def _exporter_receiver(world, **recv_opts):
+    e = world.proc("exporter")
+    r = world.proc("receiver", **recv_opts)
+    return e, r, e.pool()
+
+
+def _frees(gpu, name="exporter"):
+    return [x for x in gpu.log if x[0] == name and x[1] == "free"]
+
+
+def _imports(gpu, name):
+    return [x for x in gpu.log if x[0] == name and x[1] == "import"]
+
+
+def _foreign_events_open(gpu, name):
+    """Other processes' events ``name`` opened and has not closed."""
+    opened = sum(1 for x in gpu.log if x[0] == name and x[1] == "open_event")
+    closed = sum(1 for x in gpu.log if x[0] == name and x[1] == "close_event" and x[3])
+    return opened - closed
+
+
+# -- the fake itself: it must see the violations the tests rely on it to see --------------------
+def test_driver_and_fake_driver_have_the_same_methods():
+    def surface(cls):
+        return {
+            n: inspect.signature(f)
+            for n, f in inspect.getmembers(cls, inspect.isfunction)
+            if not n.startswith("_")
+        }
+
+    real, fake = surface(Driver), surface(FakeDriver)
+    assert sorted(real) == sorted(fake), "FakeDriver drifted from Driver: keep them in step"
+    for name, sig in real.items():
+        assert list(sig.parameters) == list(fake[name].parameters), name
+        defaults = [p.default for p in sig.parameters.values()]
+        assert defaults == [p.default for p in fake[name].parameters.values()], name
+
+
+def test_fake_gpu_flags_the_rules_it_checks():
+    w = World()
+    gpu = w.gpu
+    e, r = w.proc("e"), w.proc("r")
+    core = e.pool()
+    try:
+        b = core.alloc(64, payload=5)
+        data = e.driver.export_pointer(b.ptr)
+        h, _keep = r.driver.import_pool(core._rfd, core.kind, 0)
+        # a read before the sender's writes are ordered before it
+        local = r.driver.import_pointer(h, data)
+        r.gpu.read(r.gpu.proc("r"), local)
+        assert "before the sender's writes" in gpu.violations.pop()
+        # the exporter frees while the receiver still maps it
+        core._free_now(b.ptr, b.stream_ptr)
+        assert "still imports it" in gpu.violations.pop()
+        b.ptr = 0  # freed by hand above
+        # a free not ordered after the importer's unmap
+        b2 = core.alloc(64)
+        local2 = r.driver.import_pointer(h, e.driver.export_pointer(b2.ptr))
+        r.driver.free_async(local2, 7)
+        core._free_now(b2.ptr, b2.stream_ptr)
+        assert "without waiting" in gpu.violations.pop()
+        b2.ptr = 0
+        # a second import while the first one's free is not waited for
+        b3 = core.alloc(64)
+        data3 = e.driver.export_pointer(b3.ptr)
+        local3 = r.driver.import_pointer(h, data3)
+        r.driver.free_async(local3, 7)
+        r.driver.import_pointer(h, data3)
+        assert "again while its earlier import is live" in gpu.violations.pop()
+        # an event used after closing it
+        ev = r.driver.plain_event(7)
+        r.driver.close_event(ev)
+        r.driver.wait_event(7, ev)
+        assert "after closing it" in gpu.violations.pop()
+        assert gpu.violations == []
+    finally:
+        gpu.context_gone("r")
+        w.teardown()
 
 
 # -- the transport on its own ----------------------------------------------------------------------
+def _new_threads(before, name):
+    return [t for t in sharing_threads() if t not in before and t.name == name and t.is_alive()]
+
+
 def test_closing_the_listener_ends_its_accept_thread():
-    before = set(_threads("cupy_poolmem-listen"))
+    before = set(sharing_threads())
     lst = _transport.Listener(b"family key", lambda conn: None)
-    new = lambda: [t for t in _threads("cupy_poolmem-listen") if t not in before]  # noqa: E731
-    assert _wait(new)
+    assert wait_for(lambda: _new_threads(before, "cupy_poolmem-listen"))
     lst.close()  # a thread blocked in accept() kept the socket listening, forever
-    assert _wait(lambda: not new(), 2.0), new()
+    assert wait_for(lambda: not _new_threads(before, "cupy_poolmem-listen"), 2.0)
 
 
 def test_a_sender_thread_ends_when_its_connection_closes():
@@ -37,13 +150,691 @@ def test_a_sender_thread_ends_when_its_connection_closes():
         def send(self, data, fd=None):
             self.sent.append(data)
 
-    before = set(_threads("cupy_poolmem-test-sender"))
+    before = set(sharing_threads())
     s = _transport.Sender(Conn(), "cupy_poolmem-test-sender")
     s.post(_wire.Evict(1))
     assert s.flush(5.0) and s.conn.sent == [_wire.encode(_wire.Evict(1))]
-    new = lambda: [t for t in _threads("cupy_poolmem-test-sender") if t not in before]  # noqa: E731
-    assert new()
+    assert _new_threads(before, "cupy_poolmem-test-sender")
     s.close()  # one idle thread per dead peer stayed forever
-    assert _wait(lambda: not new(), 2.0)
+    assert wait_for(lambda: not _new_threads(before, "cupy_poolmem-test-sender"), 2.0)
     s.post(_wire.Evict(2))  # posting to a closed sender is a no-op
-    assert not new() and len(s.conn.sent) == 1
+    assert not _new_threads(before, "cupy_poolmem-test-sender") and len(s.conn.sent) == 1
+
+
+# -- 1. a producer that sends and exits normally -------------------------------------------------
+
+
+def test_exit_with_nobody_reading_returns_after_exit_timeout(world):
+    e = world.proc("exporter", exit_timeout=0.3)
+    b = e.pool().alloc(KB, payload=1)
+    e.send(b)
+    del b
+    t0 = time.monotonic()
+    e.ctx.at_exit()
+    took = time.monotonic() - t0
+    assert 0.3 <= took < 1.5
+    assert e.stats()["tickets_out"] == 1  # unclaimed: it pinned the block until the end
+
+
+# -- 2. tickets and registrations ------------------------------------------------------------------
+def test_tickets_are_16_random_bytes_unique_across_processes(world):
+    e1, e2 = world.proc("e1"), world.proc("e2")
+    assert e1.exporter._tickets is os.urandom
+    tickets = []
+    for e in (e1, e2):
+        b = e.pool().alloc(KB)
+        for _ in range(300):
+            tickets.append(pickle.loads(e.send(b)).ticket)
+        e.exporter.expire(now=time.monotonic() + 1e6)
+        del b
+    assert all(len(t) == 16 for t in tickets)
+    assert len(set(tickets)) == len(tickets)
+
+
+def test_a_repeating_ticket_source_is_refused(world):
+    e, r, core = _exporter_receiver(world)
+    e.exporter._tickets = lambda n: b"\x01" * n
+    b = core.alloc(KB, payload=3)
+    msg = e.send(b)
+    with pytest.raises(SharingError, match="duplicate sharing ticket"):
+        e.send(b)
+    assert e.stats()["tickets_out"] == 1
+    imp = r.recv(msg)
+    assert r.read(imp) == (1, 3)
+    del imp, b
+
+
+def test_duplicate_register_is_refused(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=4)
+    msg = e.send(b)
+    imp = r.recv(msg)
+    c = imp.m.client
+    eid = imp.m.export_id
+    fresh = os.urandom(16)
+
+    def register(ticket, export_id=eid):
+        reply, fd = c.request(lambda seq: _wire.Register(seq, export_id, ticket), 5.0)
+        assert fd is None
+        return reply.status
+
+    assert register(fresh) == _wire.OK
+    assert register(fresh) == _wire.NOT_HELD  # the same ticket twice
+    assert register(pickle.loads(msg).ticket) == _wire.NOT_HELD  # a claimed one
+    assert register(os.urandom(16), export_id=eid + 1000) == _wire.NOT_HELD  # unknown block
+    assert e.stats()["tickets_out"] == 1  # only the first registration counts
+    # A process that holds no lease on the block cannot register messages for it.
+    other = world.proc("other")
+    b2 = core.alloc(KB)
+    other.recv(e.send(b2))  # connects `other`; its owner is dropped at once
+    oc = other.importer.clients[e.exporter.address]
+    reply, _ = oc.request(lambda seq: _wire.Register(seq, eid, os.urandom(16)), 5.0)
+    assert reply.status == _wire.NOT_HELD
+    del imp, b, b2
+
+
+# -- 3. fan-out and volume ---------------------------------------------------------------------
+def test_one_message_delivered_to_n_receivers_and_a_late_copy_is_stale(world):
+    e = world.proc("exporter")
+    core = e.pool()
+    b = core.alloc(8 * KB, payload=21)
+    ptr = b.ptr
+    msg = e.send(b)
+    rs = [world.proc(f"r{i}") for i in range(5)]
+    owners = [r.recv(msg) for r in rs]
+    assert [r.read(o) for r, o in zip(rs, owners)] == [(1, 21)] * 5
+    assert e.stats()["leases"] == 5 and e.stats()["tickets_out"] == 0
+    del b
+    assert e.stats()["limbo_blocks"] == 1
+    owners.clear()
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+    assert len(_frees(world.gpu)) == 1
+    # The address is reused for new data; a late copy must not map it.
+    b2 = core.alloc(8 * KB, payload=22)
+    assert b2.ptr == ptr
+    late = world.proc("late")
+    with pytest.raises(SharingError, match="stale"):
+        late.recv(msg)
+    assert _imports(world.gpu, "late") == []
+    del b2
+
+
+def test_one_array_put_n_times(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=9)
+    msgs = [e.send(b) for _ in range(50)]
+    assert e.stats()["tickets_out"] == 50
+    owners = [r.recv(m) for m in msgs]
+    assert {r.read(o) for o in owners} == {(1, 9)}
+    assert len(_imports(world.gpu, "receiver")) == 1  # one import per allocation per process
+    assert wait_for(lambda: e.stats()["tickets_out"] == 0)
+    assert e.stats()["leases"] == 1
+    owners.clear()
+    assert r.stats()["idle_mappings"] == 1  # received more than once: kept
+    del b  # the exporter's free asks the receiver to give the idle mapping back
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+    assert r.stats()["idle_mappings"] == 0 and len(_frees(world.gpu)) == 1
+
+
+def test_64_receivers_of_one_exporter(world):
+    e = world.proc("exporter")
+    core = e.pool()
+    b = core.alloc(KB, payload=64)
+    rs = [world.proc(f"r{i}") for i in range(64)]
+    owners = [r.recv(e.send(b)) for r in rs]
+    assert all(r.read(o) == (1, 64) for r, o in zip(rs, owners))
+    st = e.stats()
+    assert (st["peers"], st["leases"], st["tickets_out"]) == (64, 64, 0)
+    del b
+    owners.clear()
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+    assert len(_frees(world.gpu)) == 1
+
+
+def test_10000_messages_in_flight_then_all_received(world):
+    e, r, core = _exporter_receiver(world)
+    t0 = time.monotonic()
+    blocks = [core.alloc(KB, payload=i) for i in range(100)]
+    msgs = [e.send(blocks[i % 100]) for i in range(10_000)]
+    assert e.stats()["tickets_out"] == 10_000
+    owners = [r.recv(m) for m in msgs]
+    assert all(r.read(o)[1] == i % 100 for i, o in enumerate(owners))
+    assert wait_for(lambda: e.stats()["tickets_out"] == 0, 10.0)
+    assert e.stats()["leases"] == 100
+    owners.clear()
+    blocks.clear()
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0, 10.0)
+    assert len(_frees(world.gpu)) == 100
+    assert time.monotonic() - t0 < 20.0
+
+
+# -- 4. forwarding and round trips ---------------------------------------------------------------
+def test_a_forwarder_exits_before_the_third_process_receives(world):
+    e = world.proc("exporter")
+    f = world.proc("forwarder")
+    t = world.proc("third")
+    b = e.pool().alloc(2 * KB, payload=33)
+    imp = f.recv(e.send(b))
+    assert f.read(imp) == (1, 33)
+    fwd = f.send(imp)  # registered with the exporter before the message exists
+    assert pickle.loads(fwd).address == e.exporter.address
+    assert pickle.loads(fwd).event is None  # the forwarder waited for its own writes
+    del imp
+    f.exit()
+    del b  # and the producer let go: the forwarded ticket holds the block
+    assert wait_for(lambda: e.stats()["leases"] == 0)
+    assert e.stats()["limbo_blocks"] == 1 and e.stats()["tickets_out"] == 1
+    timp = t.recv(fwd)
+    assert t.read(timp) == (1, 33)
+    del timp
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_put_and_get_in_the_same_process(world):
+    e = world.proc("exporter")
+    core = e.pool()
+    b = core.alloc(KB, payload=5)
+    hold = e.recv(e.send(b))
+    assert isinstance(hold, LocalHold) and e.read(hold) == (1, 5)
+    assert _imports(world.gpu, "exporter") == []  # its own memory: nothing imported
+    del b  # the round-tripped array keeps the block
+    assert _frees(world.gpu) == []
+    del hold
+    assert len(_frees(world.gpu)) == 1 and e.stats()["exported_blocks"] == 0
+
+
+def test_get_in_the_same_process_after_the_exporter_dropped_its_array(world):
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    b = e.pool().alloc(KB, payload=6)
+    msg = e.send(b)
+    del b
+    assert e.stats()["limbo_blocks"] == 1
+    hold = e.recv(msg)
+    assert hold.block is None and e.read(hold) == (1, 6)
+    # ... and sent on again from there
+    imp = r.recv(e.send(hold))
+    del hold
+    assert _frees(world.gpu) == [] and r.read(imp) == (1, 6)
+    del imp
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+    assert len(_frees(world.gpu)) == 1
+
+
+# -- 5. dying receivers and short-lived exporters ------------------------------------------------
+def test_killed_receiver_lease_returned_only_after_its_process_is_gone(world, monkeypatch):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=8)
+    imp = r.recv(e.send(b))
+    del b
+    assert e.stats()["limbo_blocks"] == 1
+    with gated_wait_gone(monkeypatch) as gone:
+        r.kill(context_gone=False)  # its sockets close; its kernel still reads
+        assert gone.waiting.wait(5.0)
+        time.sleep(0.2)
+        st = e.stats()
+        assert (st["leases"], st["limbo_blocks"]) == (1, 1) and _frees(world.gpu) == []
+        world.gpu.context_gone("receiver")
+        gone.set()
+        assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+    assert len(_frees(world.gpu)) == 1 and e.stats()["peers"] == 0
+    del imp  # the dead process's objects: nothing of the protocol is left to do
+
+
+def test_24_short_lived_exporters_leave_nothing_in_a_long_lived_receiver(world):
+    r = world.proc("receiver")
+    warm = world.proc("warm")  # one exporter first, so lazy imports are done
+    wb = warm.pool().alloc(KB)
+    del wb
+    base_fds, base_threads = open_fds(), len(sharing_threads())
+    for i in range(24):
+        e = world.proc(f"e{i}")
+        core = e.pool()
+        b = core.alloc(KB, payload=i)
+        m1, m2 = e.send(b), e.send(b)
+        imp = r.recv(m1)
+        imp2 = r.recv(m2)  # a Hit; kept idle afterwards
+        assert r.read(imp) == (1, i)
+        del b
+        if i % 2:
+            del imp, imp2  # let go before the exporter exits
+            e.exit()
+        else:
+            e.exit()  # exits while the receiver still uses its block
+            assert r.read(imp) == (1, i)
+            del imp, imp2
+        core.dispose()
+        world.procs.remove(e)
+    st = r.stats()
+    assert wait_for(lambda: r.stats()["clients"] == 0), r.stats()
+    st = r.stats()
+    assert (st["imported_blocks"], st["idle_mappings"], st["imported_pools"]) == (0, 0, 0)
+    assert st["opened_events"] == 0
+    assert wait_for(lambda: open_fds() == base_fds), (open_fds(), base_fds)
+    assert wait_for(lambda: len(sharing_threads()) <= base_threads)
+
+
+def test_24_short_lived_receivers_leave_nothing_in_a_long_lived_exporter(world):
+    e = world.proc("exporter")
+    core = e.pool()
+    b = core.alloc(KB, payload=1)
+    e.recv(e.send(b))  # starts the listener
+    base_fds, base_threads = open_fds(), len(sharing_threads())
+    for i in range(24):
+        r = world.proc(f"r{i}")
+        imp = r.recv(e.send(b))
+        assert r.read(imp) == (1, 1)
+        del imp  # its unmap carries an event the exporter opens
+        r.exit()
+        world.procs.remove(r)
+    assert wait_for(lambda: e.stats()["peers"] == 0)
+    assert e.stats()["leases"] == 0
+    assert _foreign_events_open(world.gpu, "exporter") == 0
+    assert wait_for(lambda: open_fds() == base_fds), (open_fds(), base_fds)
+    assert wait_for(lambda: len(sharing_threads()) <= base_threads), sharing_threads()
+    del b
+
+
+# -- 6. messages never read, or read from disk -----------------------------------------------------
+def test_an_unread_message_expires_after_inflight_timeout(world):
+    e = world.proc("exporter", inflight_timeout=0.2)
+    r = world.proc("receiver")
+    b = e.pool().alloc(KB, payload=2)
+    msg = e.send(b)
+    del b
+    assert e.stats()["limbo_blocks"] == 1
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0, 5.0)
+    assert e.stats()["tickets_out"] == 0 and len(_frees(world.gpu)) == 1
+    with pytest.raises(SharingError, match="stale"):
+        r.recv(msg)
+    assert _imports(world.gpu, "receiver") == []
+
+
+def test_a_message_from_disk_after_its_block_was_freed_and_reused(world, tmp_path):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    path = tmp_path / "msg.pkl"
+    path.write_bytes(e.send(b))
+    del b
+    assert e.exporter.expire(now=time.monotonic() + 1e6) == 1
+    assert e.stats()["exported_blocks"] == 0
+    b2 = core.alloc(KB, payload=2)  # the same address, new data
+    assert world.gpu.log[-1][2:] == (b2.ptr, 2)
+    with pytest.raises(SharingError, match="stale"):
+        r.recv(path.read_bytes())
+    assert _imports(world.gpu, "receiver") == []
+    # And while the receiver maps the new block at that address:
+    imp = r.recv(e.send(b2))
+    assert r.read(imp) == (2, 2)
+    with pytest.raises(SharingError):
+        r.recv(path.read_bytes())
+    assert r.read(imp) == (2, 2) and len(_imports(world.gpu, "receiver")) == 1
+    del imp, b2
+
+
+# -- 7. re-imports, graph capture, closing a pool with blocks in limbo ---------------------------
+def test_reimport_while_the_previous_unmap_is_queued(world, monkeypatch):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=3)
+    m1, m2 = e.send(b), e.send(b)
+    r.driver._set_stream(FakeStream(0x77))
+    imp = r.recv(m1)
+    c = imp.m.client
+    held = []
+    real_post = c.sender.post
+    monkeypatch.setattr(c.sender, "post", held.append)  # the unmap waits in the queue
+    del imp
+    assert [type(f).__name__ for f in held] == ["Unmap"]
+    assert e.stats()["leases"] == 1
+    r.driver._set_stream(FakeStream(0x88))  # re-imported on another stream
+    imp = r.recv(m2)
+    assert r.read(imp) == (1, 3)
+    # the second import waited on the first one's unmap (the fake checks the order)
+    syncs = [x for x in world.gpu.log if x[0] == "receiver" and x[1] == "sync_event"]
+    assert syncs and syncs[-1][3] == "receiver"
+    assert e.stats()["leases"] == 2
+    monkeypatch.undo()
+    for f in held:
+        real_post(f)
+    assert wait_for(lambda: e.stats()["leases"] == 1)
+    del imp, b
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_an_array_dropped_during_stream_capture_is_unmapped_after_capture(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=4)
+    r.driver._set_stream(FakeStream(0x99))
+    imp = r.recv(e.send(b))
+    r.driver._capturing.add(0x99)
+    del imp
+    time.sleep(0.15)
+    unmaps = lambda: [x for x in world.gpu.log if x[0] == "receiver" and x[1] == "unmap"]  # noqa: E731
+    assert unmaps() == [] and e.stats()["leases"] == 1
+    r.driver._capturing.discard(0x99)
+    assert wait_for(lambda: unmaps() and e.stats()["leases"] == 0, 5.0)
+    assert unmaps()[0][4] == 0x99  # freed on its own stream, once the capture ended
+    del b
+
+
+def test_close_of_a_pool_with_blocks_in_limbo(world):
+    e, r, core = _exporter_receiver(world)
+    b1 = core.alloc(KB, payload=1)
+    b2 = core.alloc(KB, payload=2)
+    imp = r.recv(e.send(b1))
+    del b1  # in limbo: the receiver maps it
+    core.close()
+    assert core.released == 0
+    del b2  # the last live block: the limbo one still counts
+    assert core.released == 0 and core._held_for_sharing == KB
+    assert r.read(imp) == (1, 1)
+    del imp
+    assert wait_for(lambda: core.released == 1)
+    assert core._held_for_sharing == 0 and len(_frees(world.gpu)) == 2
+
+
+# -- 8. eviction ---------------------------------------------------------------------------------
+def test_a_block_received_twice_is_kept_idle_and_evicted_when_the_exporter_frees(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    m1, m2 = e.send(b), e.send(b)
+    imp = r.recv(m1)
+    del imp  # received once: unmapped at once
+    assert r.stats()["idle_mappings"] == 0
+    assert wait_for(lambda: e.stats()["leases"] == 0)
+    imp = r.recv(m2)
+    del imp  # received again: kept
+    assert r.stats()["idle_mappings"] == 1 and e.stats()["leases"] == 1
+    del b
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+    assert r.stats()["idle_mappings"] == 0
+
+
+def test_an_evicted_mapping_in_use_goes_when_its_last_user_goes(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    m1, m2 = e.send(b), e.send(b)
+    a1, a2 = r.recv(m1), r.recv(m2)  # the second is a Hit: r may keep it
+    del b
+    m = a1.m
+    assert wait_for(lambda: m.evict)  # the Evict arrived; both arrays use the mapping
+    assert e.stats()["limbo_blocks"] == 1
+    del a1
+    assert e.stats()["limbo_blocks"] == 1
+    assert r.read(a2) == (1, 1)
+    del a2
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+    assert r.stats()["idle_mappings"] == 0
+
+
+def test_keep_mappings_zero_unmaps_at_once(world):
+    e, r, core = _exporter_receiver(world, keep_mappings=0)
+    b = core.alloc(KB)
+    for _ in range(3):
+        imp = r.recv(e.send(b))
+        del imp
+        assert r.stats()["idle_mappings"] == 0
+    assert wait_for(lambda: e.stats()["leases"] == 0)
+    assert len(_imports(world.gpu, "receiver")) == 3
+    del b
+
+
+def test_keep_mappings_is_an_lru_cap(world):
+    e, r, core = _exporter_receiver(world, keep_mappings=2)
+    r.settings._on_keep_change = r.ctx.trim
+    blocks = [core.alloc(KB, payload=i) for i in range(4)]
+    for blk in blocks:  # each received twice: a candidate to keep
+        for _ in range(2):
+            imp = r.recv(e.send(blk))
+            del imp
+    del blk
+    assert r.stats()["idle_mappings"] == 2
+    kept = {m.export_id for m in r.importer.idle.values()}
+    ids = [blk.share.export_id for blk in blocks]
+    assert kept == set(ids[2:])  # the least recently used went first
+    imp = r.recv(e.send(blocks[2]))  # a re-use refreshes it
+    del imp
+    imp = r.recv(e.send(blocks[1]))
+    del imp
+    assert {m.export_id for m in r.importer.idle.values()} == {ids[2], ids[1]}
+    r.settings.keep_mappings = 1
+    assert {m.export_id for m in r.importer.idle.values()} == {ids[1]}
+    assert wait_for(lambda: e.stats()["leases"] == 1)
+    blocks.clear()
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+# -- 9. security ---------------------------------------------------------------------------------
+def test_a_silent_client_does_not_block_the_listener(world, monkeypatch):
+    real = _exporter.Listener
+    monkeypatch.setattr(_exporter, "Listener", lambda key, on: real(key, on, handshake_timeout=0.3))
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    msg = e.send(b)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        silent.connect(e.exporter.address)
+        t0 = time.monotonic()
+        imp = r.recv(msg)  # served while the silent one holds its handshake
+        assert time.monotonic() - t0 < 0.3 and r.read(imp) == (1, 1)
+        assert wait_for(lambda: e.exporter._listener.refused == 1, 3.0)
+        silent.settimeout(2.0)
+        while silent.recv(4096):  # the challenge, then EOF: dropped
+            pass
+    finally:
+        silent.close()
+    assert e.stats()["peers"] == 1
+    del imp, b
+
+
+def test_a_client_with_the_wrong_authkey_is_refused(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB)
+    msg = e.send(b)
+    r.importer.authkey = b"not the family's key"
+    with pytest.raises(SharingError):
+        r.recv(msg)
+    assert wait_for(lambda: e.exporter._listener.refused == 1)
+    st = e.stats()
+    assert (st["peers"], st["leases"], st["tickets_out"]) == (0, 0, 1)
+    del b
+
+
+def test_malformed_frames_are_ignored_and_return_no_lease(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    msg = e.send(b)
+    imp = r.recv(msg)
+    del b
+    conn = imp.m.client.conn
+    eid = imp.m.export_id
+    unmap = _wire.encode(_wire.Unmap(eid, None))
+    bad = [
+        b"",
+        b"\xff",
+        unmap[:-1],  # truncated
+        unmap + b"\0",  # too long
+        bytes([32]) + b"\x05\x00" + unmap,  # a batch whose length lies
+        bytes([32, 9]),  # a batch cut in its length
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for data in bad:
+            conn.send(data)
+        conn.send(_wire.encode(_wire.Evict(eid)))  # frames of the other direction
+        conn.send(_wire.encode(_wire.Reply(1, _wire.OK, False)))
+        # a frame that is well-formed but names no lease of this peer
+        intruder = world.proc("intruder")
+        b2 = core.alloc(KB)
+        intruder.recv(e.send(b2))
+        ic = intruder.importer.clients[e.exporter.address]
+        ic.conn.send(_wire.encode(_wire.Unmap(eid, None)))
+        ic.conn.send(_wire.encode(_wire.Drop(eid, pickle.loads(msg).ticket)))
+        # the connection still works: a round trip after the garbage
+        reply, _ = imp.m.client.request(lambda seq: _wire.Register(seq, eid, os.urandom(16)), 5.0)
+        assert reply.status == _wire.OK
+    assert any("malformed" in str(w.message) for w in caught)
+    assert wait_for(lambda: e.stats()["leases"] == 1)  # the intruder's own lease went back
+    st = e.stats()
+    assert (st["leases"], st["limbo_blocks"]) == (1, 1) and _frees(world.gpu) == []
+    assert r.read(imp) == (1, 1)
+    e.exporter.expire(now=time.monotonic() + 1e6)
+    del imp, b2
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_a_claim_with_an_unknown_or_stale_ticket_is_refused_and_gets_no_fd(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB)
+    d = pickle.loads(e.send(b))
+    c = r.importer.client(d.address)
+    assert wait_for(lambda: e.stats()["peers"] == 1)  # the exporter's handshake is over
+    fds = open_fds()
+    for eid, ticket in [
+        (d.export_id, os.urandom(16)),  # guessed ticket
+        (d.export_id + 7, d.ticket),  # another block
+        (0, b"\0" * 16),
+    ]:
+        claim = lambda seq, eid=eid, ticket=ticket: _wire.Claim(seq, eid, ticket, True, False)  # noqa: E731
+        reply, fd = c.request(claim, 5.0)
+        assert (reply.status, reply.has_fd, fd) == (_wire.REFUSED, False, None)
+    assert open_fds() == fds
+    st = e.stats()
+    assert (st["leases"], st["tickets_out"]) == (0, 1)
+    # the real ticket is granted, with the pool's descriptor
+    reply, fd = c.request(lambda seq: _wire.Claim(seq, d.export_id, d.ticket, True, False), 5.0)
+    assert reply.status == _wire.OK and fd is not None
+    os.close(fd)
+    c.send_now(_wire.Unmap(d.export_id, None))
+    assert wait_for(lambda: e.stats()["leases"] == 0)
+    del b
+
+
+def test_the_socket_is_a_filesystem_path_in_a_0700_directory(world):
+    e = world.proc("exporter")
+    b = e.pool().alloc(KB)
+    e.send(b)
+    addr = e.exporter.address
+    assert os.path.isabs(addr) and not addr.startswith("\0")
+    assert stat.S_ISSOCK(os.stat(addr).st_mode)
+    assert stat.S_IMODE(os.stat(os.path.dirname(addr)).st_mode) == 0o700
+    e.exporter.expire(now=time.monotonic() + 1e6)
+    del b
+    e.exporter.close()
+    assert not os.path.exists(os.path.dirname(addr))
+
+
+# -- 10. scale ------------------------------------------------------------------------------------
+def test_a_stalled_peer_does_not_stall_others(world, monkeypatch):
+    monkeypatch.setattr(_exporter, "Sender", lambda conn, name: _transport.Sender(conn, name, 16))
+    e = world.proc("exporter")
+    stalled, ok = world.proc("stalled"), world.proc("ok")
+    core = e.pool()
+    blocks = [core.alloc(KB, payload=i) for i in range(200)]
+    held = []
+    for blk in blocks:  # received twice: the stalled one may keep them (it gets Evicts)
+        held.append(stalled.recv(e.send(blk)))
+        held.append(stalled.recv(e.send(blk)))
+    # It stops reading its socket; the exporter's socket to it is small.
+    gate = threading.Event()
+    monkeypatch.setattr(stalled.importer, "evict", lambda c, eid: gate.wait(10.0))
+    for p in e.exporter.peers.values():
+        s = socket.socket(fileno=os.dup(p.conn._c.fileno()))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        s.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        blocks.clear()  # 200 Evicts for the stalled peer
+        assert wait_for(lambda: e.stats()["dropped_frames"] > 0, 5.0)
+        # Meanwhile the other peer's claims, hits and evicts go through.
+        b = core.alloc(KB, payload=99)
+        t0 = time.monotonic()
+        o1 = ok.recv(e.send(b))
+        o2 = ok.recv(e.send(b))
+        assert ok.read(o1) == (1, 99)
+        del o1, o2, b
+        assert wait_for(lambda: ok.stats()["idle_mappings"] == 0 and e.stats()["leases"] == 200)
+        assert time.monotonic() - t0 < 2.0
+    gate.set()
+    held.clear()
+
+
+def test_the_per_peer_sender_queue_is_bounded(world):
+    class StuckConn:
+        def __init__(self):
+            self.release = threading.Event()
+            self.entered = threading.Event()
+            self.sent = []
+
+        def send(self, data, fd=None):
+            self.entered.set()
+            self.release.wait(5.0)
+            self.sent.append(data)
+
+    conn = StuckConn()
+    s = _transport.Sender(conn, "cupy_poolmem-test", limit=4)
+    s.post(_wire.Evict(1))
+    assert conn.entered.wait(5.0)  # the thread took it and is stuck sending
+    with pytest.warns(ResourceWarning, match="not reading"):
+        for i in range(10):
+            s.post(_wire.Evict(i + 2))
+    assert s.dropped == 6
+    conn.release.set()
+    assert s.flush(5.0)
+    frames = [f for data in conn.sent for f in _wire.decode(data)]
+    assert [f.export_id for f in frames] == [1, 2, 3, 4, 5]
+    s.close()
+    assert wait_for(lambda: not [t for t in sharing_threads() if t.name == "cupy_poolmem-test"])
+
+
+# -- 11. descriptors from elsewhere ------------------------------------------------------------------
+def _descriptor(**change):
+    d = _wire.Descriptor(
+        _wire.VERSION,
+        "cupy",
+        "/tmp/x/s",
+        "pool",
+        "GPU-x",
+        _wire.POOL_DEVICE,
+        1,
+        b"\0" * 64,
+        1024,
+        b"\1" * 16,
+        None,
+        0,
+        (256,),
+        (4,),
+        "<f4",
+    )
+    return d._replace(**change)
+
+
+def test_an_old_format_message_raises_a_clear_protocol_error():
+    with pytest.raises(_wire.ProtocolError, match="format 1 from a different cupy_poolmem"):
+        rebuild(1, "cupy", "/tmp/x", 5, 1024)
+    with pytest.raises(_wire.ProtocolError, match="format 2"):
+        rebuild(_descriptor(version=2))
+    with pytest.raises(_wire.ProtocolError, match="cannot read"):
+        rebuild(tuple(_descriptor()))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"kind": "torch"},
+        {"address": None},
+        {"pool_kind": 7},
+        {"export_id": 0},
+        {"export_data": b"\0" * 63},
+        {"size": 0},
+        {"ticket": b"\1" * 15},
+        {"event": b"\0" * 8},
+        {"offset": 2048},
+        {"offset": -1},
+    ],
+)
+def test_a_descriptor_with_bad_fields_raises_a_protocol_error(change):
+    d = _descriptor(**change)
+    with pytest.raises(_wire.ProtocolError, match="malformed"):
+        _wire.check_descriptor(d)
+    assert isinstance(_wire.ProtocolError("x"), SharingError)
