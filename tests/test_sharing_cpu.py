@@ -838,3 +838,35 @@ def test_a_descriptor_with_bad_fields_raises_a_protocol_error(change):
     with pytest.raises(_wire.ProtocolError, match="malformed"):
         _wire.check_descriptor(d)
     assert isinstance(_wire.ProtocolError("x"), SharingError)
+
+
+# -- 12. races found while writing these tests ---------------------------------------------------
+def test_a_dead_receivers_events_stay_open_while_a_free_waits_on_them(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    imp = r.recv(e.send(b))
+    del imp  # its unmap carries an event the exporter's free will wait on
+    assert wait_for(lambda: e.stats()["leases"] == 0)
+    gate, paused = threading.Event(), threading.Event()
+
+    def slow_wait(stream, ev):
+        if ev.event.owner.name == "receiver":
+            paused.set()
+            gate.wait(3.0)
+
+    e.driver._hooks["wait_event"] = slow_wait
+    holder = [b]
+    del b
+    t = threading.Thread(target=holder.clear)  # the exporter frees its block
+    t.start()
+    try:
+        assert paused.wait(5.0)
+        r.kill()  # the receiver dies while the free waits on its event
+        closed = lambda: [x for x in world.gpu.log if x[:2] == ("exporter", "close_event")]  # noqa: E731
+        wait_for(closed, 0.5)
+    finally:
+        gate.set()
+        t.join(5.0)
+    assert wait_for(closed)  # closed once the free no longer needs it
+    assert world.gpu.violations == []
+    assert len(_frees(world.gpu)) == 1

@@ -240,22 +240,28 @@ class Exporter:
         with self.lock:
             if not rec.held():
                 self.records.pop(rec.export_id, None)
-                events = list(rec.events.values())
-                rec.events.clear()
-            else:
-                rec.in_limbo = True
-                rec.core._held_for_sharing += size
-                self.limbo_bytes += size
-                events = None
-                self._warn_limbo()
-        if events is None:
-            self._settle(rec)
-            return True
-        if events:  # receivers unmapped it earlier: the next user waits for their work
+                # receivers unmapped it earlier: the next user waits for their work
+                self._wait_unmaps(rec, stream.ptr)
+                return False
+            rec.in_limbo = True
+            rec.core._held_for_sharing += size
+            self.limbo_bytes += size
+            self._warn_limbo()
+        self._settle(rec)
+        return True
+
+    def _wait_unmaps(self, rec: Record, stream_ptr: int) -> None:
+        """Order ``stream_ptr`` after every receiver's unmap of ``rec`` (lock held).
+
+        Under the lock: ``_reap`` closes a dead receiver's events under it too, so an
+        event is never closed while a free is about to wait on it.
+        """
+        events = list(rec.events.values())
+        rec.events.clear()
+        if events:
             with self.driver.on_device(self._dev(rec)):
                 for ev in events:
-                    self._wait(stream.ptr, ev)
-        return False
+                    self._wait(stream_ptr, ev)
 
     def _warn_limbo(self) -> None:
         if self.limbo_bytes > self.settings.warn_bytes and not self._warned:
@@ -281,20 +287,17 @@ class Exporter:
                 rec.in_limbo = False
                 rec.core._held_for_sharing -= rec.size
                 self.limbo_bytes -= rec.size
-                events = list(rec.events.values())
-                rec.events.clear()
+                self._wait_unmaps(rec, rec.stream_ptr)
         if ask is None:
-            self._free(rec, events)
+            self._free(rec)
             return
         for peer in ask:
             if peer is not None:
                 peer.sender.post(_wire.Evict(rec.export_id))
 
-    def _free(self, rec: Record, events: list[Any]) -> None:
+    def _free(self, rec: Record) -> None:
         core = rec.core
         with self.driver.on_device(self._dev(rec)):
-            for ev in events:
-                self._wait(rec.stream_ptr, ev)
             hook = core.release_hook  # pinned pools hold blocks until their stream is done
             if hook is None or not hook(rec.ptr, rec.size, rec.stream):
                 core._free_now(rec.ptr, rec.stream_ptr, rec.stream)
@@ -384,11 +387,12 @@ class Exporter:
                 for key in [k for k in rec.events if k[0] == peer.cid]:
                     del rec.events[key]  # its work is gone with its context
             events, peer.events = list(peer.events.values()), {}
-        for ev in events:
-            try:
-                self.driver.close_event(ev)
-            except Exception:
-                pass
+            # Closed under the lock: no free is between taking these and waiting on them.
+            for ev in events:
+                try:
+                    self.driver.close_event(ev)
+                except Exception:
+                    pass
         for rec in held:
             self._settle(rec)
 
