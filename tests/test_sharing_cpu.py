@@ -870,3 +870,29 @@ def test_a_dead_receivers_events_stay_open_while_a_free_waits_on_them(world):
     assert wait_for(closed)  # closed once the free no longer needs it
     assert world.gpu.violations == []
     assert len(_frees(world.gpu)) == 1
+
+
+def test_a_claim_answered_after_claim_timeout_gives_its_lease_back(world, monkeypatch):
+    e, r, core = _exporter_receiver(world, claim_timeout=0.2)
+    b = core.alloc(KB, payload=1)
+    msg = e.send(b)
+    real = e.exporter._on_claim
+
+    def slow_claim(peer, f):
+        time.sleep(0.5)  # the exporter is busy: the receiver gives up first
+        real(peer, f)
+
+    monkeypatch.setattr(e.exporter, "_on_claim", slow_claim)
+    r.importer.client(e.exporter.address)
+    assert wait_for(lambda: e.stats()["peers"] == 1)
+    fds = open_fds()
+    with pytest.raises(SharingError, match="did not answer"):
+        r.recv(msg)
+    # The late grant is given back (and its pool descriptor closed), not held forever.
+    assert wait_for(lambda: e.stats()["tickets_out"] == 0 and e.stats()["leases"] == 0, 3.0)
+    assert wait_for(lambda: open_fds() == fds)
+    monkeypatch.undo()
+    imp = r.recv(msg)  # another copy of the message still maps the block
+    assert r.read(imp) == (1, 1)
+    del imp, b
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)

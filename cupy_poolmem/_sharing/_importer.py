@@ -116,10 +116,18 @@ class Client:
         self._seq = 0
         self._lock = threading.Lock()
         self._waiters: dict[int, list[Any]] = {}
+        # seq -> frames that give back what a reply granted after its asker gave up
+        self._late: dict[int, tuple[Any, ...]] = {}
         threading.Thread(target=self._read, name="cupy_poolmem-from-exporter", daemon=True).start()
 
-    def request(self, make: Callable[[int], Any], timeout: float) -> tuple[_wire.Reply, int | None]:
-        """Send a frame that expects a reply (``make(seq)``); wait for the reply."""
+    def request(
+        self, make: Callable[[int], Any], timeout: float, give_back: tuple[Any, ...] = ()
+    ) -> tuple[_wire.Reply, int | None]:
+        """Send a frame that expects a reply (``make(seq)``); wait for the reply.
+
+        ``give_back``: the frames that undo what an OK reply grants, sent if that reply
+        arrives after this call gave up waiting (a lease nobody maps is returned).
+        """
         done = threading.Event()
         with self._lock:
             if self.closed:
@@ -136,10 +144,13 @@ class Client:
             raise SharingError(f"{_GONE} ({exc})") from None
         if not done.wait(timeout):
             with self._lock:
-                self._waiters.pop(seq, None)
-            raise SharingError(
-                f"the process that owns this array did not answer within {timeout} s"
-            )
+                late = self._waiters.pop(seq, None) is not None
+                if late and not self.closed:
+                    self._late[seq] = give_back
+            if late or not done.wait(timeout):  # else the reply is being handed over
+                raise SharingError(
+                    f"the process that owns this array did not answer within {timeout} s"
+                )
         if slot[1] is None:
             raise SharingError(_GONE)
         return slot[1], slot[2]
@@ -157,9 +168,13 @@ class Client:
                         fd = self.conn.recv_fd() if f.has_fd else None
                         with self._lock:
                             slot = self._waiters.pop(f.seq, None)
-                        if slot is None:  # the asker timed out
+                            late = self._late.pop(f.seq, ()) if slot is None else ()
+                        if slot is None:  # the asker timed out: undo what was granted
                             if fd is not None:
                                 os.close(fd)
+                            if f.status == _wire.OK:
+                                for frame in late:
+                                    self.sender.post(frame)
                             continue
                         slot[1], slot[2] = f, fd
                         slot[0].set()
@@ -171,6 +186,7 @@ class Client:
             with self._lock:
                 self.closed = True
                 waiters, self._waiters = list(self._waiters.values()), {}
+                self._late.clear()
             for slot in waiters:
                 slot[0].set()
             self.conn.close()
@@ -303,6 +319,7 @@ class Importer:
         reply, fd = c.request(
             lambda seq: _wire.Claim(seq, d.export_id, d.ticket, want_fd, keep),
             self.settings.claim_timeout,
+            give_back=(_wire.Unmap(d.export_id, None),),
         )
         try:
             if reply.status != _wire.OK:
@@ -555,7 +572,9 @@ class Importer:
             )
         ticket = os.urandom(_wire.TICKET_BYTES)
         reply, _ = c.request(
-            lambda seq: _wire.Register(seq, m.export_id, ticket), self.settings.claim_timeout
+            lambda seq: _wire.Register(seq, m.export_id, ticket),
+            self.settings.claim_timeout,
+            give_back=(_wire.Drop(m.export_id, ticket),),
         )
         if reply.status != _wire.OK:
             raise SharingError("the exporter refused to register a forwarded message")
