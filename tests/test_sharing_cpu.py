@@ -896,3 +896,17 @@ def test_a_claim_answered_after_claim_timeout_gives_its_lease_back(world, monkey
     assert r.read(imp) == (1, 1)
     del imp, b
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_request_sequence_numbers_wrap_at_32_bits(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    imp = r.recv(e.send(b))
+    c = imp.m.client
+    eid = imp.m.export_id
+    c._seq = 2**32 - 2
+    for _ in range(3):  # a long-lived receiver passes 2**32 requests
+        reply, _ = c.request(lambda seq: _wire.Register(seq, eid, os.urandom(16)), 5.0)
+        assert reply.status == _wire.OK
+    e.exporter.expire(now=time.monotonic() + 1e6)
+    del imp, b

@@ -132,7 +132,7 @@ class Client:
         with self._lock:
             if self.closed:
                 raise SharingError(_GONE)
-            self._seq += 1
+            self._seq = self._seq % 0xFFFFFFFF + 1  # the frame's u32, never 0
             seq = self._seq
             slot: list[Any] = [done, None, None]
             self._waiters[seq] = slot
