@@ -910,3 +910,63 @@ def test_request_sequence_numbers_wrap_at_32_bits(world):
         assert reply.status == _wire.OK
     e.exporter.expire(now=time.monotonic() + 1e6)
     del imp, b
+
+
+def test_connecting_to_an_unresponsive_exporter_does_not_block_other_unmaps(world, tmp_path):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    imp = r.recv(e.send(b))
+    # A process that accepts connections but never answers the handshake.
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mute.bind(str(tmp_path / "mute"))
+    mute.listen(4)
+    stuck = pickle.dumps(pickle.loads(e.send(b))._replace(address=str(tmp_path / "mute")))
+    errors = []
+
+    def receive_stuck():
+        try:
+            r.recv(stuck)
+        except SharingError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=receive_stuck)
+    t.start()
+    try:
+        time.sleep(0.1)  # it is waiting for the mute peer's challenge
+        holder = [imp]
+        del imp
+        d = threading.Thread(target=holder.clear)  # drops the other exporter's array
+        d.start()
+        d.join(1.0)
+        assert not d.is_alive(), "an unmap waited for another exporter's handshake"
+        assert wait_for(lambda: e.stats()["leases"] == 0)
+    finally:
+        mute.close()  # the handshake fails now
+        t.join(15.0)
+    assert not t.is_alive() and len(errors) == 1
+    e.exporter.expire(now=time.monotonic() + 1e6)
+    del b
+
+
+def test_threads_receiving_from_one_exporter_share_one_connection(world):
+    e, r, core = _exporter_receiver(world)
+    blocks = [core.alloc(KB, payload=i) for i in range(8)]
+    msgs = [e.send(blk) for blk in blocks]
+    start = threading.Barrier(8, timeout=5.0)
+    got = {}
+
+    def take(i):
+        start.wait()
+        got[i] = r.recv(msgs[i])
+
+    ts = [threading.Thread(target=take, args=(i,)) for i in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(5.0)
+    assert sorted(got) == list(range(8))
+    assert all(r.read(got[i]) == (1, i) for i in range(8))
+    assert r.stats()["clients"] == 1 and e.stats()["peers"] == 1
+    got.clear()
+    blocks.clear()
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)

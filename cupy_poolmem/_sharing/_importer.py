@@ -221,19 +221,42 @@ class Importer:
         self._pending: dict[tuple[str, bytes], threading.Event] = {}
         self._deferred: list[tuple[Mapping, Any]] = []
         self._deferred_thread: threading.Thread | None = None
+        self._connecting: set[str] = set()  # addresses a thread is connecting to
+        self._connected = threading.Condition(self.lock)
 
     # -- connections -------------------------------------------------------------------------
     def client(self, address: str) -> Client:
+        """The connection to the exporter at ``address``, made on first use.
+
+        Connecting (up to the handshake's timeout with an unresponsive exporter) is
+        done outside ``self.lock``: unmaps and evictions of other exporters' blocks
+        go on meanwhile; other threads asking for the same address wait for it.
+        """
         c = self.clients.get(address)
         if c is None:
             with self.lock:
-                c = self.clients.get(address)
+                while True:
+                    c = self.clients.get(address)
+                    if c is not None or address not in self._connecting:
+                        break
+                    self._connected.wait(1.0)
                 if c is None:
+                    self._connecting.add(address)
+            if c is None:
+                try:
                     try:
                         conn = connect(address, self.authkey)
                     except Exception as exc:  # gone, refused, or not of this family
                         raise SharingError(f"{_GONE} ({type(exc).__name__}: {exc})") from None
-                    c = self.clients[address] = Client(self, address, conn)
+                    c = Client(self, address, conn)
+                finally:
+                    with self.lock:
+                        self._connecting.discard(address)
+                        if c is not None:
+                            self.clients[address] = c
+                        self._connected.notify_all()
+                if c.closed:  # it closed before it was listed: forget it now
+                    self._tidy(c)
         if c.closed:
             raise SharingError(_GONE)
         return c
