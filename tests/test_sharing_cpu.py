@@ -970,3 +970,35 @@ def test_threads_receiving_from_one_exporter_share_one_connection(world):
     got.clear()
     blocks.clear()
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_a_receive_does_not_hold_the_importer_lock_while_it_sends(world, monkeypatch):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    m1, m2 = e.send(b), e.send(b)
+    imp = r.recv(m1)
+    c = imp.m.client
+    gate, sending = threading.Event(), threading.Event()
+    real = c.conn.try_send
+
+    def full_socket(data):  # the exporter's socket buffer is full for a while
+        sending.set()
+        gate.wait(5.0)
+        return real(data)
+
+    monkeypatch.setattr(c.conn, "try_send", full_socket)
+    got = []
+    t = threading.Thread(target=lambda: got.append(r.recv(m2)))  # a Hit
+    t.start()
+    try:
+        assert sending.wait(5.0)
+        free = r.importer.lock.acquire(timeout=1.0)
+        if free:
+            r.importer.lock.release()
+        assert free, "the importer's lock was held across a blocking send"
+    finally:
+        gate.set()
+        t.join(5.0)
+    assert len(got) == 1 and r.read(got[0]) == (1, 1)
+    got.clear()
+    del imp, b

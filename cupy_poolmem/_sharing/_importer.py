@@ -291,6 +291,7 @@ class Importer:
                 else:
                     self.driver.wait_event(stream.ptr, ev)
             key = (d.pool_uuid, d.export_data)
+            hit = None
             while True:
                 with self.lock:
                     m = self.maps.get(key)
@@ -305,14 +306,19 @@ class Importer:
                         self.idle.pop(key, None)
                         m.keep = True
                         told = True
-                        c.send_now(_wire.Hit(d.export_id, d.ticket))
-                        return Imported(self, m, stream)
+                        hit = Imported(self, m, stream)
+                        break
                     wait = self._pending.get(key)
                     if wait is None:
                         self._pending[key] = threading.Event()
                         closing = self.closing.pop(key, None)
                         break
                 wait.wait(self.settings.claim_timeout)
+            if hit is not None:
+                # Sent without the lock: a send blocks while the exporter's socket is
+                # full, and the thread that reads the exporter's frames needs the lock.
+                c.send_now(_wire.Hit(d.export_id, d.ticket))
+                return hit
             try:
                 told = True
                 m = self._claim_and_map(c, d, dev, key, m, closing)
