@@ -835,9 +835,42 @@ def test_an_old_format_message_raises_a_clear_protocol_error():
 )
 def test_a_descriptor_with_bad_fields_raises_a_protocol_error(change):
     d = _descriptor(**change)
-    with pytest.raises(_wire.ProtocolError, match="malformed"):
+    with pytest.raises(_wire.ProtocolError, match="malformed") as ei:
         _wire.check_descriptor(d)
+    assert f"({next(iter(change))}=" in str(ei.value)  # names the field
     assert isinstance(_wire.ProtocolError("x"), SharingError)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"shape": (-1,)},
+        {"shape": [256]},
+        {"strides": (4, 4)},
+        {"dtype": "not a dtype"},
+        {"dtype": 5},
+        {"dtype": "O"},  # object pointers read from shared memory
+        {"shape": (512,)},  # 2 KiB of float32 in a 1 KiB block
+        {"offset": 8, "shape": (256,)},  # past the end by 8 bytes
+        {"strides": (-4,)},  # starts before the block
+    ],
+)
+def test_a_descriptor_whose_array_does_not_fit_its_block_raises_a_protocol_error(change):
+    """Checked before anything is mapped: an array past its block would read other
+    memory, and an object dtype would turn shared bytes into pointers."""
+    with pytest.raises(_wire.ProtocolError, match="malformed") as ei:
+        _wire.check_descriptor(_descriptor(**change))
+    key = next(iter(change))
+    assert f"({key}=" in str(ei.value) or "does not fit its 1024-byte block" in str(ei.value)
+
+
+def test_well_formed_descriptors_pass_the_check():
+    _wire.check_descriptor(_descriptor())
+    _wire.check_descriptor(_descriptor(offset=1020, shape=(1,), strides=(4,)))
+    _wire.check_descriptor(_descriptor(offset=1020, shape=(256,), strides=(-4,)))
+    _wire.check_descriptor(_descriptor(shape=(0,), offset=1024))
+    _wire.check_descriptor(_descriptor(shape=(16, 16), strides=(64, 4)))
+    _wire.check_descriptor(_descriptor(shape=(4,), strides=(0,)))  # broadcast
 
 
 # -- 12. races found while writing these tests ---------------------------------------------------

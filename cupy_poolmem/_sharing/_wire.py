@@ -84,27 +84,72 @@ def check_descriptor(d: object) -> Descriptor:
             f"message format {d.version} from a different cupy_poolmem version (this one "
             f"reads format {VERSION}); install one cupy_poolmem version in every process"
         )
-    ok = (
-        d.kind in ("cupy", "numpy")
-        and isinstance(d.address, str)
-        and isinstance(d.pool_uuid, str)
-        and isinstance(d.device_uuid, str)
-        and d.pool_kind in (POOL_DEVICE, POOL_PINNED, POOL_MANAGED)
-        and isinstance(d.export_id, int)
-        and 0 < d.export_id < 2**64
-        and isinstance(d.export_data, bytes)
-        and len(d.export_data) == HANDLE_BYTES
-        and isinstance(d.size, int)
-        and d.size > 0
-        and isinstance(d.ticket, bytes)
-        and len(d.ticket) == TICKET_BYTES
-        and (d.event is None or (isinstance(d.event, bytes) and len(d.event) == HANDLE_BYTES))
-        and isinstance(d.offset, int)
-        and 0 <= d.offset <= d.size
+    checks = (
+        ("kind", lambda: d.kind in ("cupy", "numpy")),
+        ("address", lambda: isinstance(d.address, str)),
+        ("pool_uuid", lambda: isinstance(d.pool_uuid, str)),
+        ("device_uuid", lambda: isinstance(d.device_uuid, str)),
+        ("pool_kind", lambda: d.pool_kind in (POOL_DEVICE, POOL_PINNED, POOL_MANAGED)),
+        ("export_id", lambda: _int(d.export_id) and 0 < d.export_id < 2**64),
+        ("export_data", lambda: _bytes(d.export_data, HANDLE_BYTES)),
+        ("size", lambda: _int(d.size) and d.size > 0),
+        ("ticket", lambda: _bytes(d.ticket, TICKET_BYTES)),
+        ("event", lambda: d.event is None or _bytes(d.event, HANDLE_BYTES)),
+        ("offset", lambda: _int(d.offset) and 0 <= d.offset <= d.size),
+        ("shape", lambda: isinstance(d.shape, tuple) and all(_int(n) and n >= 0 for n in d.shape)),
+        ("strides", lambda: isinstance(d.strides, tuple) and len(d.strides) == len(d.shape)),
+        ("strides", lambda: all(_int(st) for st in d.strides)),
+        ("dtype", lambda: _itemsize(d.dtype) > 0),
+        ("", lambda: _fits(d)),  # every element lies inside the block
     )
-    if not ok:
-        raise ProtocolError("a shared array's descriptor is malformed; it was not mapped")
+    for name, ok in checks:
+        if not ok():
+            what = (
+                f"{name}={getattr(d, name)!r:.80}"
+                if name
+                else f"an array of shape {d.shape}, strides {d.strides} and dtype {d.dtype} at "
+                f"offset {d.offset} does not fit its {d.size}-byte block"
+            )
+            raise ProtocolError(
+                f"a shared array's descriptor is malformed ({what}); it was not mapped"
+            )
     return d
+
+
+def _int(v: object) -> bool:
+    return type(v) is int
+
+
+def _bytes(v: object, n: int) -> bool:
+    return isinstance(v, bytes) and len(v) == n
+
+
+def _itemsize(dtype: object) -> int:
+    """The item size of a dtype string; 0 for anything else, and for object dtypes (the
+    receiver would read pointers out of shared memory)."""
+    import numpy as np
+
+    if not isinstance(dtype, str):
+        return 0
+    try:
+        dt = np.dtype(dtype)
+    except Exception:
+        return 0
+    return 0 if dt.hasobject else dt.itemsize
+
+
+def _fits(d: Descriptor) -> bool:
+    """Whether the array ``d`` describes lies within its block (an empty one always)."""
+    if 0 in d.shape:
+        return True
+    lo = hi = d.offset
+    for n, st in zip(d.shape, d.strides):
+        span = (n - 1) * st
+        if span < 0:
+            lo += span
+        else:
+            hi += span
+    return lo >= 0 and hi + _itemsize(d.dtype) <= d.size
 
 
 # -- frames ---------------------------------------------------------------------------------
