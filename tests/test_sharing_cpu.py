@@ -176,6 +176,67 @@ def test_exit_with_nobody_reading_returns_after_exit_timeout(world):
     assert e.stats()["tickets_out"] == 1  # unclaimed: it pinned the block until the end
 
 
+def test_exit_waits_for_claim_and_mapping_outlives_the_exporter(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(4 * KB, payload=7)
+    msg = e.send(b)
+    del b  # the producer returns: only the ticket holds the block now
+    assert e.stats()["limbo_blocks"] == 1 and e.stats()["tickets_out"] == 1
+    t0 = time.monotonic()
+    ex = threading.Thread(target=e.exit)
+    ex.start()
+    time.sleep(0.2)
+    assert ex.is_alive(), "at_exit returned with a message unclaimed"
+    imp = r.recv(msg)  # claimed during the wait
+    ex.join(5.0)
+    assert not ex.is_alive() and time.monotonic() - t0 < 3.0  # well before exit_timeout
+    assert r.read(imp) == (1, 7)
+    # The exporter is gone (context and sockets): the mapping is still valid.
+    client = imp.m.client
+    assert wait_for(lambda: client.closed)
+    assert r.read(imp) == (1, 7)
+    assert world.gpu.violations == []
+    del imp
+    st = r.stats()
+    assert (st["imported_blocks"], st["clients"], st["imported_pools"], st["opened_events"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
+
+
+def test_exit_waits_until_a_granted_claim_is_mapped(world):
+    """The exporter's exit must not end between granting a claim and the receiver's
+    import: the allocation would go with the exporter's context, the message be lost."""
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=11)
+    msg = e.send(b)
+    del b
+    claimed = threading.Event()
+    go = threading.Event()
+
+    def slow_import(*_a):  # the receiver is slow between its claim and its import
+        claimed.set()
+        go.wait(5.0)
+
+    r.driver._hooks["import_pointer"] = slow_import
+    got = []
+    rt = threading.Thread(target=lambda: got.append(r.recv(msg)))
+    rt.start()
+    assert claimed.wait(5.0)
+    ex = threading.Thread(target=e.exit)
+    ex.start()
+    time.sleep(0.2)
+    exit_waited = ex.is_alive()
+    go.set()
+    rt.join(5.0)
+    ex.join(5.0)
+    assert exit_waited, "at_exit returned while a granted claim was not mapped yet"
+    assert len(got) == 1 and r.read(got[0]) == (1, 11)
+    got.clear()
+
+
 # -- 2. tickets and registrations ------------------------------------------------------------------
 def test_tickets_are_16_random_bytes_unique_across_processes(world):
     e1, e2 = world.proc("e1"), world.proc("e2")

@@ -26,7 +26,8 @@ Invariants (every change to this package must keep them):
    ``Claim`` and waits for the answer: a live ticket becomes a *lease* (and, the
    first time, the pool's file descriptor comes with it); a stale one is refused,
    and the receiver raises :class:`SharingError` instead of mapping memory the
-   exporter may have reused.  A receiver that maps it already sends ``Hit``.
+   exporter may have reused.  Once it has mapped the block (or given the lease back)
+   the receiver says ``Mapped``.  A receiver that maps it already sends ``Hit``.
 4. Leases cover mappings.  A receiver holds one lease per mapping, from the granted
    claim to ``Unmap``, while arrays use the mapping and while it idles in the
    receiver's cache.  Leases are counted per connection.  When a connection closes,
@@ -61,8 +62,9 @@ Invariants (every change to this package must keep them):
     pool.  The pickled *message* itself is unpickled by the receiver's
     multiprocessing channel, as for any pickle: receive only from trusted processes.
 11. Exit.  A process that shared arrays waits at exit, after multiprocessing has
-    flushed its queues, until its messages are claimed (``exit_timeout``); receivers'
-    mappings stay valid after it is gone.  A ``fork`` child gets a fresh, empty
+    flushed its queues, until its messages are claimed and the granted claims mapped
+    (``exit_timeout``): an allocation nobody maps goes with the exporter's context.
+    Receivers' mappings stay valid after it is gone.  A ``fork`` child gets a fresh, empty
     sharing state and refuses to share when CUDA was in use in its parent.
 """
 

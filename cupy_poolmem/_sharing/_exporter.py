@@ -101,10 +101,11 @@ class LocalHold:
 class Peer:
     """The exporter's end of one receiver's connection."""
 
-    __slots__ = ("cid", "conn", "sender", "events")
+    __slots__ = ("cid", "conn", "sender", "events", "mapping")
 
     def __init__(self, cid: int, conn: Conn) -> None:
         self.cid, self.conn = cid, conn
+        self.mapping = 0  # claims granted that it has not said ``Mapped`` for yet
         self.sender = Sender(conn, f"cupy_poolmem-to-{conn.peer.pid}")
         self.events: dict[bytes, Any] = {}  # the receiver's IPC events, opened here
 
@@ -365,6 +366,8 @@ class Exporter:
         except (EOFError, OSError):
             pass
         finally:
+            with self.lock:
+                peer.mapping = 0  # it can no longer say so
             conn.close()
             peer.sender.close()
             threading.Thread(
@@ -400,6 +403,10 @@ class Exporter:
         cid = peer.cid
         if isinstance(f, _wire.Claim):
             self._on_claim(peer, f)
+            return
+        if isinstance(f, _wire.Mapped):
+            with self.lock:
+                peer.mapping = max(peer.mapping - 1, 0)
             return
         if isinstance(f, _wire.Register):
             with self.lock:
@@ -452,6 +459,7 @@ class Exporter:
             if ok:
                 assert rec is not None
                 rec.leases[peer.cid] = rec.leases.get(peer.cid, 0) + 1
+                peer.mapping += 1  # the exit waits until the receiver has mapped it
                 if f.keep:
                     rec.keepers.add(peer.cid)
                 if f.want_fd:  # the pool travels only to a peer with a live ticket for it
@@ -506,8 +514,12 @@ class Exporter:
         return freed
 
     def unclaimed(self) -> int:
+        """Messages not received yet: unclaimed tickets, and granted claims whose
+        receiver has not mapped the block yet."""
         with self.lock:
-            return sum(len(r.tickets) for r in self.records.values())
+            return sum(len(r.tickets) for r in self.records.values()) + sum(
+                p.mapping for p in self.peers.values()
+            )
 
     def stats(self) -> dict[str, int]:
         with self.lock:
@@ -523,8 +535,9 @@ class Exporter:
             }
 
     def at_exit(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` s) until every message sent was received; then make
-        sure the work the messages' events cover is done.  True if none was left."""
+        """Wait (at most ``timeout`` s) until every message sent was received and mapped;
+        then make sure the work the messages' events cover is done.  True if none was
+        left."""
         deadline = time.monotonic() + timeout
         while self.unclaimed() and time.monotonic() < deadline:
             time.sleep(0.005)

@@ -348,15 +348,32 @@ class Importer:
         reply, fd = c.request(
             lambda seq: _wire.Claim(seq, d.export_id, d.ticket, want_fd, keep),
             self.settings.claim_timeout,
-            give_back=(_wire.Unmap(d.export_id, None),),
+            give_back=(_wire.Mapped(d.export_id), _wire.Unmap(d.export_id, None)),
         )
+        if reply.status != _wire.OK:
+            if fd is not None:
+                os.close(fd)
+            raise SharingError(_STALE)
         try:
-            if reply.status != _wire.OK:
-                raise SharingError(_STALE)
+            return self._map_granted(c, d, dev, key, raw, fd, keep)
+        finally:  # mapped, or the lease given back: the exporter may exit now
+            c.send_now(_wire.Mapped(d.export_id))
+
+    def _map_granted(
+        self,
+        c: Client,
+        d: _wire.Descriptor,
+        dev: int,
+        key: tuple[str, bytes],
+        raw: Mapping | None,
+        fd: int | None,
+        keep: bool,
+    ) -> Mapping:
+        """Map the block of a granted claim (its lease given back if that fails)."""
+        try:
             pool = raw.pool if raw is not None else self._pool(d.pool_uuid, d.pool_kind, dev, fd, c)
         except BaseException:
-            if reply.status == _wire.OK:
-                c.sender.post(_wire.Unmap(d.export_id, None))  # give the lease back
+            c.sender.post(_wire.Unmap(d.export_id, None))  # give the lease back
             raise
         finally:
             if fd is not None:

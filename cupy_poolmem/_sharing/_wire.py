@@ -22,6 +22,7 @@ __all__ = [
     "Hit",
     "Drop",
     "Unmap",
+    "Mapped",
     "Register",
     "Reply",
     "Evict",
@@ -189,6 +190,16 @@ class Unmap(NamedTuple):
     event: bytes | None
 
 
+class Mapped(NamedTuple):
+    """Receiver -> exporter: a granted Claim is settled (mapped, or its lease given back).
+
+    An exporter's exit waits for it: the allocation must be mapped before the
+    exporter's context, and the allocations nobody maps with it, are gone.
+    """
+
+    export_id: int
+
+
 class Register(NamedTuple):
     """Forwarder -> exporter: a message with ``ticket`` is on its way (reply awaited)."""
 
@@ -213,13 +224,15 @@ class Evict(NamedTuple):
 
 OK, REFUSED, NOT_HELD = 0, 1, 2  # Reply.status
 
-_CLAIM, _HIT, _DROP, _UNMAP, _REGISTER, _REPLY, _EVICT, _BATCH = 1, 2, 3, 4, 5, 16, 17, 32
+_CLAIM, _HIT, _DROP, _UNMAP, _REGISTER, _MAPPED = 1, 2, 3, 4, 5, 6
+_REPLY, _EVICT, _BATCH = 16, 17, 32
 _LAYOUT: dict[int, tuple[struct.Struct, type]] = {
     _CLAIM: (struct.Struct("<BIQ16sBB"), Claim),
     _HIT: (struct.Struct("<BQ16s"), Hit),
     _DROP: (struct.Struct("<BQ16s"), Drop),
     _UNMAP: (struct.Struct("<BQ64sB"), Unmap),
     _REGISTER: (struct.Struct("<BIQ16s"), Register),
+    _MAPPED: (struct.Struct("<BQ"), Mapped),
     _REPLY: (struct.Struct("<BIBB"), Reply),
     _EVICT: (struct.Struct("<BQ"), Evict),
 }
