@@ -355,6 +355,9 @@ class Exporter:
                 data = conn.recv()
                 try:
                     frames = _wire.decode(data)
+                    for f in frames:
+                        if not isinstance(f, _FROM_RECEIVERS):
+                            raise _wire.ProtocolError(f"{type(f).__name__} is not a receiver's")
                 except _wire.ProtocolError as exc:
                     _warn_kept("a malformed frame from a receiver", exc)
                     continue
@@ -561,6 +564,9 @@ class Exporter:
         self._wake.set()
         if self._listener is not None:
             self._listener.close()
+
+
+_FROM_RECEIVERS = (_wire.Claim, _wire.Hit, _wire.Drop, _wire.Unmap, _wire.Register, _wire.Mapped)
 
 
 def _warn_kept(what: str, exc: BaseException) -> None:
