@@ -1098,3 +1098,44 @@ def test_a_receive_does_not_hold_the_importer_lock_while_it_sends(world, monkeyp
     assert len(got) == 1 and r.read(got[0]) == (1, 1)
     got.clear()
     del imp, b
+
+
+def test_an_exporter_leaving_mid_receive_does_not_close_the_event_being_waited_on(world):
+    e = world.proc("exporter", exit_timeout=0.2)
+    r = world.proc("receiver")
+    b = e.pool().alloc(KB, payload=1)
+    m1, m2 = e.send(b), e.send(b)
+    imp = r.recv(m1)
+    client = imp.m.client
+    del imp  # connected, the exporter's event open; nothing mapped any more
+    gate, paused = threading.Event(), threading.Event()
+
+    def slow_sync(ev):  # the receiver waits on the sender's event...
+        paused.set()
+        gate.wait(5.0)
+
+    r.driver._hooks["sync_event"] = slow_sync
+    got = []
+
+    def take():
+        try:
+            got.append(r.recv(m2))
+        except SharingError as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=take)
+    t.start()
+    try:
+        assert paused.wait(5.0)
+        del b
+        e.exit()  # ... while the exporter goes away
+        assert wait_for(lambda: client.closed)
+        time.sleep(0.05)
+    finally:
+        gate.set()
+        t.join(5.0)
+    assert len(got) == 1 and isinstance(got[0], SharingError) and "exited" in str(got[0])
+    assert world.gpu.violations == []  # the event was not closed under the wait
+    st = r.stats()
+    assert (st["clients"], st["opened_events"]) == (0, 0)  # and released after it
+    assert _foreign_events_open(world.gpu, "receiver") == 0

@@ -113,6 +113,7 @@ class Client:
         self.events: dict[bytes, Any] = {}  # the exporter's IPC events, opened here
         self.keys: set[tuple[str, bytes]] = set()  # mappings of its blocks
         self.by_export: dict[int, tuple[str, bytes]] = {}
+        self.busy = 0  # receives using it (and its events) now
         self._seq = 0
         self._lock = threading.Lock()
         self._waiters: dict[int, list[Any]] = {}
@@ -277,6 +278,10 @@ class Importer:
         if self._deferred:
             self.drain_deferred()
         c = self.client(d.address)
+        with self.lock:  # its events stay open while this receive uses them
+            if c.closed:
+                raise SharingError(_GONE)
+            c.busy += 1
         told = False  # the exporter has heard of this ticket from us
         try:
             if d.event is not None:
@@ -330,6 +335,12 @@ class Importer:
             if not told and not c.closed:
                 c.sender.post(_wire.Drop(d.export_id, d.ticket))
             raise
+        finally:
+            with self.lock:
+                c.busy -= 1
+                gone = c.closed and not c.busy
+            if gone:  # the exporter went while this receive ran
+                self._tidy(c)
 
     def _claim_and_map(
         self,
@@ -556,7 +567,7 @@ class Importer:
         """Release what this process keeps for a gone exporter once nothing maps its
         blocks: its connection entry, opened events, imported pools, remembered keys."""
         with self.lock:
-            if c.keys or self.clients.get(c.address) is not c:
+            if c.keys or c.busy or self.clients.get(c.address) is not c:
                 return
             del self.clients[c.address]
             events, c.events = list(c.events.values()), {}
