@@ -1139,3 +1139,31 @@ def test_an_exporter_leaving_mid_receive_does_not_close_the_event_being_waited_o
     st = r.stats()
     assert (st["clients"], st["opened_events"]) == (0, 0)  # and released after it
     assert _foreign_events_open(world.gpu, "receiver") == 0
+
+
+def test_concurrent_first_receives_import_the_pool_once(world):
+    e, r, core = _exporter_receiver(world)
+    b1, b2 = core.alloc(KB, payload=1), core.alloc(KB, payload=2)
+    m1, m2 = e.send(b1), e.send(b2)
+    calls, gate = [], threading.Event()
+
+    def slow_import(fd, kind, dev):  # the first import takes a while
+        calls.append(fd)
+        if len(calls) == 1:
+            gate.wait(0.3)
+
+    r.driver._hooks["import_pool"] = slow_import
+    got = []
+    ts = [threading.Thread(target=lambda m=m: got.append(r.recv(m))) for m in (m1, m2)]
+    ts[0].start()
+    assert wait_for(lambda: calls)
+    ts[1].start()  # claims with the pool's descriptor too, while the first imports
+    for t in ts:
+        t.join(5.0)
+    gate.set()
+    assert len(calls) == 1  # one import; no second copy imported, then closed
+    assert sorted(r.read(o) for o in got) == [(1, 1), (1, 2)]
+    assert r.stats()["imported_pools"] == 1
+    got.clear()
+    del b1, b2
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)

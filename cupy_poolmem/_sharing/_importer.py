@@ -223,7 +223,8 @@ class Importer:
         self._deferred: list[tuple[Mapping, Any]] = []
         self._deferred_thread: threading.Thread | None = None
         self._connecting: set[str] = set()  # addresses a thread is connecting to
-        self._connected = threading.Condition(self.lock)
+        self._importing: set[str] = set()  # pools a thread is importing
+        self._changed = threading.Condition(self.lock)  # either set shrank
 
     # -- connections -------------------------------------------------------------------------
     def client(self, address: str) -> Client:
@@ -240,7 +241,7 @@ class Importer:
                     c = self.clients.get(address)
                     if c is not None or address not in self._connecting:
                         break
-                    self._connected.wait(1.0)
+                    self._changed.wait(1.0)
                 if c is None:
                     self._connecting.add(address)
             if c is None:
@@ -255,7 +256,7 @@ class Importer:
                         self._connecting.discard(address)
                         if c is not None:
                             self.clients[address] = c
-                        self._connected.notify_all()
+                        self._changed.notify_all()
                 if c.closed:  # it closed before it was listed: forget it now
                     self._tidy(c)
         if c.closed:
@@ -410,25 +411,41 @@ class Importer:
     def _pool(
         self, uuid: str, kind: int, dev: int, fd: int | None, c: Client | None
     ) -> ImportedPool:
-        """The pool ``uuid``, imported from ``fd`` the first time (lock not held)."""
-        pool = self.pools.get(uuid)
-        if pool is not None:
-            return pool
-        if fd is None:
-            raise SharingError(
-                "the exporting pool's file descriptor did not arrive with this message; "
-                "send it again from the exporting process"
-            )
-        handle, keepalive = self.driver.import_pool(fd, kind, dev)
-        self.driver.grant_peers(handle, dev if kind != _wire.POOL_PINNED else -1)
+        """The pool ``uuid``, imported from ``fd`` the first time (lock not held).
+
+        One thread imports a pool; others that got its descriptor meanwhile wait for
+        that import instead of importing (and then closing) a second copy.
+        """
         with self.lock:
-            pool = self.pools.get(uuid)
-            if pool is None:
-                pool = self.pools[uuid] = ImportedPool(uuid, handle, keepalive, dev, kind)
-                pool.client = c
-                keepalive = None
-        if keepalive is not None:  # another thread imported it meanwhile
-            self.driver.close_pool(keepalive)
+            while True:
+                pool = self.pools.get(uuid)
+                if pool is not None or uuid not in self._importing:
+                    break
+                self._changed.wait(1.0)
+            if pool is not None:
+                return pool
+            if fd is None:
+                raise SharingError(
+                    "the exporting pool's file descriptor did not arrive with this message; "
+                    "send it again from the exporting process"
+                )
+            self._importing.add(uuid)
+        keepalive = None
+        try:
+            handle, keepalive = self.driver.import_pool(fd, kind, dev)
+            self.driver.grant_peers(handle, dev if kind != _wire.POOL_PINNED else -1)
+            pool = ImportedPool(uuid, handle, keepalive, dev, kind)
+            pool.client = c
+        except BaseException:
+            if keepalive is not None:
+                self.driver.close_pool(keepalive)
+            raise
+        finally:
+            with self.lock:
+                self._importing.discard(uuid)
+                if pool is not None:
+                    self.pools[uuid] = pool
+                self._changed.notify_all()
         return pool
 
     # -- letting go ------------------------------------------------------------------------------
