@@ -386,8 +386,10 @@ class _OnDevice:
 class FakeDriver:
     """The driver of one simulated process (same public methods as ``Driver``)."""
 
-    def __init__(self, gpu: FakeGPU, name: str) -> None:
+    def __init__(self, gpu: FakeGPU, name: str, visible: list[int] | None = None) -> None:
         self._gpu = gpu
+        # this process's ordinals -> the GPU's devices (CUDA_VISIBLE_DEVICES)
+        self._visible = list(range(len(gpu.uuids))) if visible is None else list(visible)
         self._p = gpu.proc(name)
         self._name = name
         self._tls = threading.local()
@@ -423,11 +425,11 @@ class FakeDriver:
         return _OnDevice(self, dev)
 
     def device_uuid(self, dev: int) -> str:
-        return self._gpu.uuids[dev]
+        return self._gpu.uuids[self._visible[dev]]
 
     def local_device(self, uuid: str) -> int:
         try:
-            return self._gpu.uuids.index(uuid)
+            return self._visible.index(self._gpu.uuids.index(uuid))
         except ValueError:
             raise SharingError(
                 f"received memory of GPU {uuid}, which this process cannot see"
@@ -457,6 +459,11 @@ class FakeDriver:
                 raise _cuda_error("cuMemPoolImportFromShareableHandle", "CUDA_ERROR_INVALID_VALUE")
             if pool.kind != kind:
                 g.violate(f"{self._name} imported pool {pool.id} as kind {kind}, not {pool.kind}")
+            if kind != _wire.POOL_PINNED and self._visible[dev] != pool.device:
+                g.violate(
+                    f"{self._name} imported pool {pool.id} of GPU {pool.device} on its device "
+                    f"{dev} (GPU {self._visible[dev]})"
+                )
             h = next(self._handles) | 0xF0000000
             keep = self._p.pool_imports[h] = FakePoolImport(pool, self._p, h)
             g.log.append((self._name, "import_pool", pool.id))
@@ -638,7 +645,8 @@ class FakeCore:
         self.n_frees = 0
         self.released = 0  # times the CUDA pool was really released (_drained, nothing held)
         self.drain_calls = 0
-        self._pool = proc.gpu.new_pool(proc.gpu.proc(proc.name), max(device_id, 0), kind, self._rfd)
+        gpu_dev = proc.driver._visible[max(device_id, 0)]  # the physical device
+        self._pool = proc.gpu.new_pool(proc.gpu.proc(proc.name), gpu_dev, kind, self._rfd)
 
     def alloc(self, size: int, payload: Any = None, stream: FakeStream | None = None) -> FakeBlock:
         """A new block (what ``PoolCore.malloc`` returns), its payload written on its stream."""
@@ -734,7 +742,9 @@ def shutdown_conn(conn: Any) -> None:
 class SimProc:
     """One simulated process: a sharing context with its own settings and fake driver."""
 
-    def __init__(self, world: World, name: str, **settings: Any) -> None:
+    def __init__(
+        self, world: World, name: str, visible: list[int] | None = None, **settings: Any
+    ) -> None:
         self.world, self.gpu, self.name = world, world.gpu, name
         self.settings = SharingSettings()
         self.settings.inflight_timeout = 30.0
@@ -742,7 +752,7 @@ class SimProc:
         self.settings.claim_timeout = 10.0
         for k, v in settings.items():
             setattr(self.settings, k, v)
-        self.driver = FakeDriver(self.gpu, name)
+        self.driver = FakeDriver(self.gpu, name, visible)
         self.ctx = SharingContext(self.settings, driver=self.driver)
         self.cores: list[FakeCore] = []
         self.gone = False
@@ -832,8 +842,10 @@ class World:
         self.gpu = FakeGPU(n_devices=2)
         self.procs: list[SimProc] = []
 
-    def proc(self, name: str | None = None, **settings: Any) -> SimProc:
-        p = SimProc(self, name or f"p{len(self.procs)}", **settings)
+    def proc(
+        self, name: str | None = None, visible: list[int] | None = None, **settings: Any
+    ) -> SimProc:
+        p = SimProc(self, name or f"p{len(self.procs)}", visible, **settings)
         self.procs.append(p)
         return p
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import os
 import pickle
+import random
 import socket
 import stat
 import threading
@@ -32,7 +33,7 @@ from cupy_poolmem._errors import SharingError
 from cupy_poolmem._sharing import _exporter, _transport, _wire
 from cupy_poolmem._sharing._driver import Driver
 from cupy_poolmem._sharing._exporter import LocalHold
-from cupy_poolmem._sharing._reducers import rebuild
+from cupy_poolmem._sharing._reducers import describe, rebuild, receive
 
 KB = 1024
 
@@ -1167,3 +1168,165 @@ def test_concurrent_first_receives_import_the_pool_once(world):
     got.clear()
     del b1, b2
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+# -- 13. more lifecycles: devices, host pools, failures, everything at once ----------------------
+def test_devices_are_matched_by_uuid_whatever_the_visible_order(world):
+    e = world.proc("exporter")  # sees GPUs 0, 1
+    r = world.proc("receiver", visible=[1, 0])  # CUDA_VISIBLE_DEVICES=1,0
+    b = e.pool(device=1).alloc(KB, payload=5)
+    d = pickle.loads(e.send(b))
+    assert d.device_uuid == world.gpu.uuids[1]
+    owner, dev = receive(r.ctx, d)
+    assert dev == 0 and owner.m.dev == 0  # the receiver's ordinal of that GPU
+    assert r.read(owner) == (1, 5)
+    del owner, b
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_a_receiver_that_cannot_see_the_gpu_returns_the_ticket(world):
+    e = world.proc("exporter")
+    r = world.proc("receiver", visible=[0])  # only GPU 0
+    b = e.pool(device=1).alloc(KB, payload=5)
+    msg = e.send(b)
+    with pytest.raises(SharingError, match="cannot see"):
+        r.recv(msg)
+    assert wait_for(lambda: e.stats()["tickets_out"] == 0)  # not pinned until it expires
+    assert _imports(world.gpu, "receiver") == []
+    del b
+    assert e.stats()["exported_blocks"] == 0
+
+
+def test_a_pinned_pool_block_is_shared_and_read_after_a_host_wait(world):
+    e, r = world.proc("exporter"), world.proc("receiver", receive_order="stream")
+    core = e.pool(kind=_wire.POOL_PINNED)
+    b = core.alloc(KB, payload=12)
+    d = describe(e.ctx, b, "numpy", 0, (KB,), (1,), "|u1")
+    assert d.device_uuid == "" and d.pool_kind == _wire.POOL_PINNED
+    owner, _ = receive(r.ctx, _wire.check_descriptor(pickle.loads(pickle.dumps(d))))
+    assert r.read(owner) == (1, 12)  # numpy reads on the host: waited there
+    del owner, b
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_receive_order_stream_orders_only_the_receiving_stream(world):
+    e, r, core = _exporter_receiver(world, receive_order="stream")
+    b = core.alloc(KB, payload=3)
+    r.driver._set_stream(FakeStream(0x42))
+    imp = r.recv(e.send(b))
+    assert r.read(imp, stream=0x42) == (1, 3)  # the receiving stream waited, on the device
+    waits = [x for x in world.gpu.log if x[:2] == ("receiver", "wait_event")]
+    assert waits and waits[-1][2] == 0x42
+    assert not [x for x in world.gpu.log if x[:2] == ("receiver", "sync_event")]
+    del imp, b
+
+
+def test_a_message_that_fails_to_pickle_halfway_does_not_pin_memory(world):
+    e = world.proc("exporter", inflight_timeout=0.2)
+    b = e.pool().alloc(KB, payload=1)
+    with pytest.raises(TypeError, match="pickle"):  # the ticket was registered first
+        pickle.dumps([pickle.loads(e.send(b)), threading.Lock()])
+    del b
+    assert e.stats()["limbo_blocks"] == 1
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0, 5.0)  # expired, freed
+    assert len(_frees(world.gpu)) == 1
+
+
+def test_a_killed_exporters_mappings_stay_valid_and_its_messages_fail(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=4)
+    imp = r.recv(e.send(b))
+    late = e.send(b)
+    e.kill()  # no exit wait: its unclaimed message dies with it
+    client = imp.m.client
+    assert wait_for(lambda: client.closed)
+    assert r.read(imp) == (1, 4)  # the receiver's import keeps the memory
+    with pytest.raises(SharingError, match="exited"):
+        r.recv(late)
+    del imp
+    st = r.stats()
+    assert (st["clients"], st["imported_pools"], st["opened_events"]) == (0, 0, 0)
+    assert world.gpu.live_imports("receiver") == []
+
+
+def test_producers_consumers_forwarders_and_round_trips_at_once(world):
+    """Two exporters allocate, send and drop; four receiving threads in two processes
+    take random messages (some stale by then), forward some and drop them; each
+    exporter takes some of its own messages back.  Every array read sees the data its
+    message was made for; at the end everything is freed and the fake saw no rule
+    broken."""
+    es = [world.proc(f"e{i}", keep_mappings=2) for i in range(2)]
+    rs = [world.proc(f"r{i}", keep_mappings=2) for i in range(2)]
+    cores = [e.pool() for e in es]
+    lock = threading.Lock()
+    msgs = []  # (message, exporter's address, (generation, payload) it was made for)
+    errors = []
+    stop = time.monotonic() + 1.0
+
+    def produce(i):
+        rnd = random.Random(i)
+        blocks = []
+        while time.monotonic() < stop:
+            if len(blocks) < 6 or rnd.random() < 0.3:
+                blocks.append(cores[i].alloc(KB, payload=(i, rnd.random())))
+            blk = rnd.choice(blocks)
+            m = es[i].send(blk)
+            with lock:
+                msgs.append((m, es[i].exporter.address, blk.read()))
+            if rnd.random() < 0.3:
+                blocks.pop(rnd.randrange(len(blocks)))
+        blocks.clear()
+
+    def consume(p, seed, forward, own=None):
+        rnd = random.Random(seed)
+        held = []
+        while time.monotonic() < stop:
+            with lock:
+                pick = [x for x in msgs[-64:] if own is None or x[1] == own]
+            if not pick:
+                time.sleep(0.001)
+                continue
+            m, addr, want = rnd.choice(pick)
+            try:
+                o = p.recv(m)
+            except SharingError:
+                continue  # stale: its block was freed (and maybe reused) meanwhile
+            if p.read(o) != want:
+                errors.append(f"{p.name} read {p.read(o)} for {want}")
+            if forward and rnd.random() < 0.2:
+                try:
+                    fm = p.send(o)
+                except SharingError:
+                    pass
+                else:
+                    with lock:
+                        msgs.append((fm, addr, want))
+            held.append(o)
+            if len(held) > 3 or rnd.random() < 0.5:
+                held.pop(rnd.randrange(len(held)))
+        held.clear()
+
+    ts = [threading.Thread(target=produce, args=(i,)) for i in range(2)]
+    ts += [
+        threading.Thread(target=consume, args=(rs[j], 10 + 2 * j + k, True))
+        for j in range(2)
+        for k in range(2)
+    ]
+    ts += [
+        threading.Thread(target=consume, args=(es[i], 20 + i, False, es[i].exporter.address))
+        for i in range(2)
+    ]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10.0)
+    assert not any(t.is_alive() for t in ts)
+    msgs.clear()
+    assert errors == []
+    for r in rs:
+        r.ctx.collect()  # idle mappings go back
+    for e in es:
+        e.exporter.expire(now=time.monotonic() + 1e6)  # unread messages too
+    assert wait_for(lambda: all(e.stats()["exported_blocks"] == 0 for e in es), 5.0)
+    assert sum(1 for x in world.gpu.log if x[1] == "import") > 10  # it did share
+    assert world.gpu.violations == []
