@@ -566,6 +566,7 @@ class FakeDriver:
                 g.host_waited(self._p, h.event.snap)
 
     def open_event(self, handle: bytes) -> Any:
+        self._hook("open_event", handle)
         g = self._gpu
         with g.lock:
             magic, eid = _EVENT.unpack_from(handle)

@@ -29,7 +29,7 @@ from _sharing_fakes import (
     wait_for,
 )
 
-from cupy_poolmem._errors import SharingError
+from cupy_poolmem._errors import CUDADriverError, SharingError
 from cupy_poolmem._sharing import _exporter, _transport, _wire
 from cupy_poolmem._sharing._driver import Driver
 from cupy_poolmem._sharing._exporter import LocalHold
@@ -1330,3 +1330,26 @@ def test_producers_consumers_forwarders_and_round_trips_at_once(world):
     assert wait_for(lambda: all(e.stats()["exported_blocks"] == 0 for e in es), 5.0)
     assert sum(1 for x in world.gpu.log if x[1] == "import") > 10  # it did share
     assert world.gpu.violations == []
+
+
+def test_an_unmap_whose_event_cannot_be_opened_keeps_its_lease(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    imp = r.recv(e.send(b))
+    del b  # in limbo: the receiver's lease holds it
+
+    def cannot_open(handle):
+        raise CUDADriverError("cuIpcOpenEventHandle", 1, "CUDA_ERROR_INVALID_VALUE")
+
+    e.driver._hooks["open_event"] = cannot_open
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del imp  # its Unmap names an event the exporter cannot open
+        assert wait_for(lambda: caught)
+    assert "Unmap failed" in str(caught[0].message)
+    e.ctx.collect()
+    st = e.stats()
+    # Freeing now would not wait for the receiver's free: leaking is the safe side.
+    assert (st["leases"], st["limbo_blocks"]) == (1, 1) and _frees(world.gpu) == []
+    r.exit()  # once the receiver is gone, its lease is
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
