@@ -1353,3 +1353,30 @@ def test_an_unmap_whose_event_cannot_be_opened_keeps_its_lease(world):
     assert (st["leases"], st["limbo_blocks"]) == (1, 1) and _frees(world.gpu) == []
     r.exit()  # once the receiver is gone, its lease is
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_a_failed_eviction_keeps_the_connection(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    imp = r.recv(e.send(b))
+    imp2 = r.recv(e.send(b))  # a Hit: r keeps the mapping idle once it is let go
+    client = imp.m.client
+    del imp, imp2
+    assert r.stats()["idle_mappings"] == 1
+
+    def broken(stream, ev):
+        raise CUDADriverError("cuStreamWaitEvent", 1, "CUDA_ERROR_INVALID_VALUE")
+
+    r.driver._hooks["wait_event"] = broken
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del b  # the exporter asks for the idle mapping back; unmapping it fails
+        assert wait_for(lambda: caught)
+    assert "evicting" in str(caught[0].message)
+    r.driver._hooks.clear()
+    assert not client.closed  # the connection (and every other block on it) lives on
+    b2 = core.alloc(KB, payload=2)
+    imp = r.recv(e.send(b2))
+    assert r.read(imp) == (1, 2) and imp.m.client is client
+    assert e.stats()["limbo_blocks"] == 1  # the failed one stays held: the safe side
+    del imp, b2

@@ -180,7 +180,12 @@ class Client:
                         slot[1], slot[2] = f, fd
                         slot[0].set()
                     elif isinstance(f, _wire.Evict):
-                        self.importer.evict(self, f.export_id)
+                        try:
+                            self.importer.evict(self, f.export_id)
+                        except Exception as exc:  # keep reading: the lease stays held
+                            from ._exporter import _warn_kept
+
+                            _warn_kept("evicting a mapping the exporter asked back", exc)
         except (EOFError, OSError, _wire.ProtocolError):
             pass
         finally:
