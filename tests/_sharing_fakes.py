@@ -37,7 +37,6 @@ import contextlib
 import itertools
 import os
 import pickle
-import socket
 import struct
 import threading
 import time
@@ -724,22 +723,6 @@ def hot_path_free(block: FakeBlock) -> None:
 
 
 # -- simulated processes ----------------------------------------------------------------------
-def shutdown_conn(conn: Any) -> None:
-    """Close a sharing connection so that threads blocked on it wake and the peer sees
-    EOF (a plain close() leaves a blocked recv() holding the socket open)."""
-    try:
-        fd = conn._c.fileno()
-    except (OSError, ValueError, AttributeError):
-        return
-    try:
-        s = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return
-    with contextlib.suppress(OSError):
-        s.shutdown(socket.SHUT_RDWR)
-    s.close()
-
-
 class SimProc:
     """One simulated process: a sharing context with its own settings and fake driver."""
 
@@ -829,11 +812,11 @@ class SimProc:
             if exp._listener is not None:
                 exp._listener.close()
             for peer in list(exp.peers.values()):
-                shutdown_conn(peer.conn)
+                peer.conn.shutdown()  # its reader wakes (and closes it); the peer sees EOF
         imp = ctx._importer
         if imp is not None:
             for c in list(imp.clients.values()):
-                shutdown_conn(c.conn)
+                c.conn.shutdown()
 
 
 class World:

@@ -17,6 +17,7 @@ import stat
 import threading
 import time
 import warnings
+from multiprocessing import connection as mpc
 
 import pytest
 from _sharing_fakes import (
@@ -160,6 +161,78 @@ def test_a_sender_thread_ends_when_its_connection_closes():
     assert wait_for(lambda: not _new_threads(before, "cupy_poolmem-test-sender"), 2.0)
     s.post(_wire.Evict(2))  # posting to a closed sender is a no-op
     assert not _new_threads(before, "cupy_poolmem-test-sender") and len(s.conn.sent) == 1
+
+
+def _conn_pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = _transport.Conn(mpc.Connection(os.dup(a.fileno())), _transport.PeerProcess(0))
+    a.close()
+    return conn, b
+
+
+def test_closing_a_connection_waits_for_a_send_in_progress():
+    """A bare close() released the descriptor's number under a send: the send could
+    then write its frame into whatever socket or file reused the number."""
+    conn, other = _conn_pair()
+    entered, gate = threading.Event(), threading.Event()
+    real = conn._c.send_bytes
+
+    def slow_send(data):  # a send that has started (its descriptor number in hand)
+        entered.set()
+        gate.wait(5.0)
+        real(data)
+
+    conn._c.send_bytes = slow_send
+    failed = []
+
+    def send():
+        try:
+            conn.send(b"frame")
+        except OSError as exc:
+            failed.append(exc)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    closer = threading.Thread(target=conn.close)
+    try:
+        assert entered.wait(5.0)
+        closer.start()
+        closer.join(0.2)
+        assert closer.is_alive(), "close() released the descriptor under a send"
+    finally:
+        gate.set()
+        sender.join(5.0)
+        closer.join(5.0)
+    assert not closer.is_alive() and len(failed) == 1  # shut down first: the send failed
+    with pytest.raises(OSError):
+        conn.send(b"late")
+    assert conn.try_send(b"late") is False
+    other.close()
+
+
+def test_shutting_a_connection_down_wakes_its_reader():
+    conn, other = _conn_pair()
+    got = []
+
+    def read():
+        try:
+            got.append(conn.recv())
+        except (EOFError, OSError) as exc:
+            got.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        time.sleep(0.05)
+        conn.shutdown()  # a bare close() left the reader blocked and the socket open
+        reader.join(2.0)
+        assert not reader.is_alive() and isinstance(got[0], (EOFError, OSError))
+        conn.close()  # by the reader's side, once it has stopped reading
+        other.settimeout(2.0)
+        assert other.recv(16) == b""  # the peer sees EOF
+    finally:
+        other.close()  # (a reader still blocked wakes now)
+        reader.join(2.0)
 
 
 # -- 1. a producer that sends and exits normally -------------------------------------------------

@@ -143,12 +143,12 @@ class SharingContext:
         for c in list(self._importer.clients.values()) if self._importer is not None else []:
             c.closed = True
             c.sender.dead = True
-            c.conn.close()
+            c.conn.forget()
         if self._exporter is not None:
             self._exporter.closed = True
             for p in list(self._exporter.peers.values()):
                 p.sender.dead = True
-                p.conn.close()
+                p.conn.forget()
             listener = self._exporter._listener
             if listener is not None:
                 listener.closed = True

@@ -109,11 +109,14 @@ class Conn:
         self._c = mpconn
         self.peer = peer
         self.lock = threading.Lock()
+        self._closing = threading.Lock()  # shutdown/close: one at a time
         self.closed = False
 
     def send(self, data: bytes, fd: int | None = None) -> None:
         """Send one message (and a file descriptor right after it) as one unit."""
         with self.lock:
+            if self.closed:
+                raise OSError("sharing connection closed")
             self._c.send_bytes(data)
             if fd is not None:
                 send_handle(self._c, fd, self.peer.pid)
@@ -123,6 +126,8 @@ class Conn:
         if not self.lock.acquire(blocking=False):
             return False
         try:
+            if self.closed:
+                return False
             self._c.send_bytes(data)
             return True
         except OSError:
@@ -136,7 +141,40 @@ class Conn:
     def recv_fd(self) -> int:
         return recv_handle(self._c)
 
+    def shutdown(self) -> None:
+        """Shut the socket down: threads blocked on it wake (EOF, EPIPE), the peer
+        sees EOF; the descriptor stays open until :meth:`close`."""
+        with self._closing:
+            self.closed = True
+            if self._c.closed:
+                return
+            try:
+                sock = socket.socket(fileno=os.dup(self._c.fileno()))
+            except OSError:
+                return
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+
     def close(self) -> None:
+        """Close this end (by the thread that reads it, or once nothing reads it).
+
+        The socket is shut down first, and the descriptor is closed only once no send
+        is in progress: a send that raced with a bare close() could write its frame to
+        whatever socket or file reused the descriptor's number meanwhile.
+        """
+        self.shutdown()
+        with self._closing, self.lock:
+            try:
+                self._c.close()
+            except OSError:
+                pass
+
+    def forget(self) -> None:
+        """In a forked child: drop this process's copy of the descriptor, without
+        touching the socket the parent still uses (no shutdown, no lock)."""
         self.closed = True
         try:
             self._c.close()
