@@ -30,8 +30,9 @@ from _sharing_fakes import (
     wait_for,
 )
 
-from cupy_poolmem._errors import CUDADriverError, SharingError
+from cupy_poolmem._errors import CUDADriverError, PoolmemError, SharingError
 from cupy_poolmem._sharing import _exporter, _transport, _wire
+from cupy_poolmem._sharing._context import SharingContext
 from cupy_poolmem._sharing._driver import Driver
 from cupy_poolmem._sharing._exporter import LocalHold
 from cupy_poolmem._sharing._reducers import describe, rebuild, receive
@@ -233,6 +234,34 @@ def test_shutting_a_connection_down_wakes_its_reader():
     finally:
         other.close()  # (a reader still blocked wakes now)
         reader.join(2.0)
+
+
+def test_a_fork_child_forgets_its_copy_of_a_connection_without_breaking_the_parents():
+    parent, other = _conn_pair()
+    child = _transport.Conn(mpc.Connection(os.dup(parent._c.fileno())), parent.peer)
+    child.forget()  # what abandon() does with the copy a fork child inherited
+    parent.send(b"still open")
+    other.settimeout(2.0)
+    assert other.recv(64).endswith(b"still open")
+    child2 = _transport.Conn(mpc.Connection(os.dup(parent._c.fileno())), parent.peer)
+    child2.close()  # close() would have shut the shared socket down under the parent
+    with pytest.raises(OSError):
+        parent.send(b"broken")
+    parent.close()
+    other.close()
+
+
+def test_a_context_forked_after_cuda_init_refuses_to_share(world):
+    e = world.proc("exporter")
+    b = e.pool().alloc(KB, payload=1)
+    msg = e.send(b)
+    forked = SharingContext(e.settings, driver=e.driver, forked=True)
+    with pytest.raises(PoolmemError, match="spawn"):
+        describe(forked, b, "cupy", 0, (KB,), (1,), "|u1")
+    with pytest.raises(PoolmemError, match="forkserver"):
+        receive(forked, pickle.loads(msg))
+    e.exporter.expire(now=time.monotonic() + 1e6)
+    del b
 
 
 # -- 1. a producer that sends and exits normally -------------------------------------------------
