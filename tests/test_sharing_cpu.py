@@ -1482,3 +1482,26 @@ def test_a_failed_eviction_keeps_the_connection(world):
     assert r.read(imp) == (1, 2) and imp.m.client is client
     assert e.stats()["limbo_blocks"] == 1  # the failed one stays held: the safe side
     del imp, b2
+
+
+# -- 14. the Numba plugin's raw mappings share the importer ----------------------------------------
+def test_a_numba_handle_and_a_cupy_message_share_one_mapping(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=8)
+    d = pickle.loads(e.send(b))
+    fd = os.dup(core._rfd)  # what the Numba IPC handle carries
+    try:
+        raw = r.importer.open_raw(d.pool_uuid, 0, d.export_data, d.size, fd)
+    finally:
+        os.close(fd)
+    imp = r.recv(pickle.dumps(d))  # the CuPy message: same allocation, one import
+    assert imp.m is raw and raw.leased and len(_imports(world.gpu, "receiver")) == 1
+    assert r.read(imp) == (1, 8) and e.stats()["leases"] == 1
+    r.importer.close_raw(raw)
+    assert r.read(imp) == (1, 8)  # still mapped for the CuPy array
+    del imp
+    assert wait_for(lambda: e.stats()["leases"] == 0)
+    del b
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
