@@ -1505,3 +1505,19 @@ def test_a_numba_handle_and_a_cupy_message_share_one_mapping(world):
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
 
 
+def test_a_numba_handle_opened_while_an_unmap_is_queued_waits_for_it(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=8)
+    d = pickle.loads(e.send(b))
+    r.driver._set_stream(FakeStream(0x77))
+    imp = r.recv(pickle.dumps(d))
+    del imp  # freed in order on 0x77: not waited for by anybody yet
+    fd = os.dup(core._rfd)
+    try:
+        raw = r.importer.open_raw(d.pool_uuid, 0, d.export_data, d.size, fd)
+    finally:
+        os.close(fd)
+    assert world.gpu.violations == []  # the new import waited for the old one's free
+    r.importer.close_raw(raw)
+    del b
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)

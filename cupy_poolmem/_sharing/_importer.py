@@ -666,23 +666,38 @@ class Importer:
 
     # -- the Numba plugin's handles --------------------------------------------------------------------
     def open_raw(self, pool_uuid: str, dev: int, data: bytes, size: int, fd: int | None) -> Mapping:
-        """Map an allocation described by a Numba IPC handle (no lease protocol)."""
+        """Map an allocation described by a Numba IPC handle (no lease protocol).
+
+        Like a received message, it waits for a claim of the same allocation under way
+        and for the free of an earlier mapping of it (one import at a time).
+        """
         key = (pool_uuid, data)
-        pool = None
         while True:
             with self.lock:
                 m = self.maps.get(key)
-                if m is not None:  # mapped already, as a CuPy array or another handle
+                if m is not None:
                     m.users += 1
                     self.idle.pop(key, None)
                     return m
-                if pool is not None:
-                    with self.driver.on_device(dev):
-                        ptr = self.driver.import_pointer(pool.handle, data)
-                    m = self.maps[key] = Mapping(key, ptr, size, pool)
-                    pool.users += 1
-                    return m
+                wait = self._pending.get(key)
+                if wait is None:
+                    self._pending[key] = threading.Event()
+                    closing = self.closing.pop(key, None)
+                    break
+            wait.wait(self.settings.claim_timeout)
+        try:
+            if closing is not None:  # the previous mapping's free runs before a re-import
+                self.driver.sync_event(closing)
             pool = self._pool(pool_uuid, _wire.POOL_DEVICE, dev, fd, None)
+            with self.lock:
+                with self.driver.on_device(dev):
+                    ptr = self.driver.import_pointer(pool.handle, data)
+                m = self.maps[key] = Mapping(key, ptr, size, pool)
+                pool.users += 1
+                return m
+        finally:
+            with self.lock:
+                self._pending.pop(key).set()
 
     def close_raw(self, m: Mapping) -> None:
         """A Numba handle let go; when nothing else uses the mapping it is freed, and
