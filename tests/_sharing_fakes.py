@@ -614,7 +614,13 @@ class FakeDriver:
             return ev
 
     def event_done(self, ev: Any) -> bool:
-        self._use(ev, "query")
+        """Always done (the fake runs work at once); seeing it done orders what the host
+        does next after that work, as a real query that returned True does."""
+        g = self._gpu
+        with g.lock:
+            e = self._use(ev, "query")
+            if e is not None:
+                g.host_waited(self._p, e.snap)
         return True
 
     def sync_stream(self, stream: int) -> None:

@@ -31,7 +31,7 @@ from _sharing_fakes import (
 )
 
 from cupy_poolmem._errors import CUDADriverError, PoolmemError, SharingError
-from cupy_poolmem._sharing import _exporter, _transport, _wire
+from cupy_poolmem._sharing import _exporter, _importer, _transport, _wire
 from cupy_poolmem._sharing._context import SharingContext
 from cupy_poolmem._sharing._driver import Driver
 from cupy_poolmem._sharing._exporter import LocalHold
@@ -1520,4 +1520,21 @@ def test_a_numba_handle_opened_while_an_unmap_is_queued_waits_for_it(world):
     assert world.gpu.violations == []  # the new import waited for the old one's free
     r.importer.close_raw(raw)
     del b
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_a_reimport_waits_for_its_old_free_past_the_closing_cap(world, monkeypatch):
+    monkeypatch.setattr(_importer, "_CLOSING_MAX", 2)
+    e, r, core = _exporter_receiver(world)
+    blocks = [core.alloc(KB, payload=i) for i in range(4)]
+    r.driver._set_stream(FakeStream(0x77))
+    for blk in blocks:  # four unmaps queued on 0x77; the first falls out of the table
+        imp = r.recv(e.send(blk))
+        del imp
+    del blk
+    imp = r.recv(e.send(blocks[0]))  # re-imported: its old free must have run
+    assert r.read(imp) == (1, 0)
+    assert world.gpu.violations == []
+    del imp
+    blocks.clear()
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)

@@ -506,7 +506,10 @@ class Importer:
         ev, handle = self.driver.record_ipc_event(m.dev, sptr)
         self.closing[m.key] = ev
         if len(self.closing) > _CLOSING_MAX:
-            self.closing.popitem(last=False)
+            # Forgetting it, a re-import would not wait for that free: make sure it ran.
+            _, old = self.closing.popitem(last=False)
+            if not self.driver.event_done(old):
+                self.driver.sync_event(old)
         m.pool.users -= 1
         return handle if m.leased else None
 
