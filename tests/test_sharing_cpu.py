@@ -1272,6 +1272,73 @@ def test_concurrent_first_receives_import_the_pool_once(world):
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
 
 
+def test_an_unmap_whose_event_cannot_be_opened_keeps_its_lease(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    imp = r.recv(e.send(b))
+    del b  # in limbo: the receiver's lease holds it
+
+    def cannot_open(handle):
+        raise CUDADriverError("cuIpcOpenEventHandle", 1, "CUDA_ERROR_INVALID_VALUE")
+
+    e.driver._hooks["open_event"] = cannot_open
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del imp  # its Unmap names an event the exporter cannot open
+        assert wait_for(lambda: caught)
+    assert "Unmap failed" in str(caught[0].message)
+    e.ctx.collect()
+    st = e.stats()
+    # Freeing now would not wait for the receiver's free: leaking is the safe side.
+    assert (st["leases"], st["limbo_blocks"]) == (1, 1) and _frees(world.gpu) == []
+    r.exit()  # once the receiver is gone, its lease is
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_a_failed_eviction_keeps_the_connection(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    imp = r.recv(e.send(b))
+    imp2 = r.recv(e.send(b))  # a Hit: r keeps the mapping idle once it is let go
+    client = imp.m.client
+    del imp, imp2
+    assert r.stats()["idle_mappings"] == 1
+
+    def broken(stream, ev):
+        raise CUDADriverError("cuStreamWaitEvent", 1, "CUDA_ERROR_INVALID_VALUE")
+
+    r.driver._hooks["wait_event"] = broken
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del b  # the exporter asks for the idle mapping back; unmapping it fails
+        assert wait_for(lambda: caught)
+    assert "evicting" in str(caught[0].message)
+    r.driver._hooks.clear()
+    assert not client.closed  # the connection (and every other block on it) lives on
+    b2 = core.alloc(KB, payload=2)
+    imp = r.recv(e.send(b2))
+    assert r.read(imp) == (1, 2) and imp.m.client is client
+    assert e.stats()["limbo_blocks"] == 1  # the failed one stays held: the safe side
+    del imp, b2
+
+
+def test_a_reimport_waits_for_its_old_free_past_the_closing_cap(world, monkeypatch):
+    monkeypatch.setattr(_importer, "_CLOSING_MAX", 2)
+    e, r, core = _exporter_receiver(world)
+    blocks = [core.alloc(KB, payload=i) for i in range(4)]
+    r.driver._set_stream(FakeStream(0x77))
+    for blk in blocks:  # four unmaps queued on 0x77; the first falls out of the table
+        imp = r.recv(e.send(blk))
+        del imp
+    del blk
+    imp = r.recv(e.send(blocks[0]))  # re-imported: its old free must have run
+    assert r.read(imp) == (1, 0)
+    assert world.gpu.violations == []
+    del imp
+    blocks.clear()
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
 # -- 13. more lifecycles: devices, host pools, failures, everything at once ----------------------
 def test_devices_are_matched_by_uuid_whatever_the_visible_order(world):
     e = world.proc("exporter")  # sees GPUs 0, 1
@@ -1434,56 +1501,6 @@ def test_producers_consumers_forwarders_and_round_trips_at_once(world):
     assert world.gpu.violations == []
 
 
-def test_an_unmap_whose_event_cannot_be_opened_keeps_its_lease(world):
-    e, r, core = _exporter_receiver(world)
-    b = core.alloc(KB, payload=1)
-    imp = r.recv(e.send(b))
-    del b  # in limbo: the receiver's lease holds it
-
-    def cannot_open(handle):
-        raise CUDADriverError("cuIpcOpenEventHandle", 1, "CUDA_ERROR_INVALID_VALUE")
-
-    e.driver._hooks["open_event"] = cannot_open
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        del imp  # its Unmap names an event the exporter cannot open
-        assert wait_for(lambda: caught)
-    assert "Unmap failed" in str(caught[0].message)
-    e.ctx.collect()
-    st = e.stats()
-    # Freeing now would not wait for the receiver's free: leaking is the safe side.
-    assert (st["leases"], st["limbo_blocks"]) == (1, 1) and _frees(world.gpu) == []
-    r.exit()  # once the receiver is gone, its lease is
-    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
-
-
-def test_a_failed_eviction_keeps_the_connection(world):
-    e, r, core = _exporter_receiver(world)
-    b = core.alloc(KB, payload=1)
-    imp = r.recv(e.send(b))
-    imp2 = r.recv(e.send(b))  # a Hit: r keeps the mapping idle once it is let go
-    client = imp.m.client
-    del imp, imp2
-    assert r.stats()["idle_mappings"] == 1
-
-    def broken(stream, ev):
-        raise CUDADriverError("cuStreamWaitEvent", 1, "CUDA_ERROR_INVALID_VALUE")
-
-    r.driver._hooks["wait_event"] = broken
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        del b  # the exporter asks for the idle mapping back; unmapping it fails
-        assert wait_for(lambda: caught)
-    assert "evicting" in str(caught[0].message)
-    r.driver._hooks.clear()
-    assert not client.closed  # the connection (and every other block on it) lives on
-    b2 = core.alloc(KB, payload=2)
-    imp = r.recv(e.send(b2))
-    assert r.read(imp) == (1, 2) and imp.m.client is client
-    assert e.stats()["limbo_blocks"] == 1  # the failed one stays held: the safe side
-    del imp, b2
-
-
 # -- 14. the Numba plugin's raw mappings share the importer ----------------------------------------
 def test_a_numba_handle_and_a_cupy_message_share_one_mapping(world):
     e, r, core = _exporter_receiver(world)
@@ -1520,21 +1537,4 @@ def test_a_numba_handle_opened_while_an_unmap_is_queued_waits_for_it(world):
     assert world.gpu.violations == []  # the new import waited for the old one's free
     r.importer.close_raw(raw)
     del b
-    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
-
-
-def test_a_reimport_waits_for_its_old_free_past_the_closing_cap(world, monkeypatch):
-    monkeypatch.setattr(_importer, "_CLOSING_MAX", 2)
-    e, r, core = _exporter_receiver(world)
-    blocks = [core.alloc(KB, payload=i) for i in range(4)]
-    r.driver._set_stream(FakeStream(0x77))
-    for blk in blocks:  # four unmaps queued on 0x77; the first falls out of the table
-        imp = r.recv(e.send(blk))
-        del imp
-    del blk
-    imp = r.recv(e.send(blocks[0]))  # re-imported: its old free must have run
-    assert r.read(imp) == (1, 0)
-    assert world.gpu.violations == []
-    del imp
-    blocks.clear()
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
