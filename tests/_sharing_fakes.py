@@ -698,6 +698,23 @@ class FakeBlock:
         self.core, self.ptr, self.size = core, ptr, size
         self.stream, self.stream_ptr = stream, stream.ptr
         self.share: Any = None
+        self._recorded: list[FakeStream] = []  # record_stream()
+
+    @property
+    def recorded_streams(self) -> tuple:
+        return tuple(self._recorded)
+
+    def record_stream(self, stream: FakeStream) -> None:
+        if all(s.ptr != stream.ptr for s in self._recorded):
+            self._recorded.append(stream)
+
+    def wait_recorded(self, stream: Any) -> None:
+        """``stream`` waits (on the device) for the work now on the recorded streams."""
+        gpu = self.core.proc.gpu
+        with gpu.lock:
+            p = self.core._pool.owner
+            for s in self._recorded:
+                _merge(gpu._lane(p, stream.ptr), gpu.knows(p, s.ptr))
 
     def __del__(self) -> None:
         try:
@@ -705,8 +722,10 @@ class FakeBlock:
         except BaseException as exc:  # a test must see it, not a printed warning
             self.core.proc.gpu.violate(f"the hot path's free raised {exc!r}")
 
-    def write(self, payload: Any) -> None:
-        self.core.proc.gpu.write(self.core._pool, self.ptr, self.stream_ptr, payload)
+    def write(self, payload: Any, stream: FakeStream | None = None) -> None:
+        """Write ``payload`` on ``stream`` (default: the allocation stream)."""
+        sptr = self.stream_ptr if stream is None else stream.ptr
+        self.core.proc.gpu.write(self.core._pool, self.ptr, sptr, payload)
 
     def read(self) -> tuple[int, Any]:
         return self.core.proc.gpu.read_own(self.core._pool, self.ptr)
@@ -718,6 +737,8 @@ def hot_path_free(block: FakeBlock) -> None:
     if block.ptr == 0:
         return
     core.n_frees += 1
+    if block._recorded:
+        block.wait_recorded(block.stream)
     rec = block.share
     if rec is not None and rec.exporter.release(block.ptr, block.size, block.stream, rec):
         return  # in limbo: the exporter frees it later

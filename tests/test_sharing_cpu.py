@@ -1501,6 +1501,18 @@ def test_producers_consumers_forwarders_and_round_trips_at_once(world):
     assert world.gpu.violations == []
 
 
+def test_writes_on_a_record_stream_stream_are_ordered_before_the_message(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    other = FakeStream(0x66)
+    b.record_stream(other)  # the array is written on another stream
+    b.write(2, stream=other)
+    imp = r.recv(e.send(b))  # the message's event covers that stream's writes too
+    assert r.read(imp) == (1, 2)
+    assert world.gpu.violations == []
+    del imp, b
+
+
 # -- 14. the Numba plugin's raw mappings share the importer ----------------------------------------
 def test_a_numba_handle_and_a_cupy_message_share_one_mapping(world):
     e, r, core = _exporter_receiver(world)
