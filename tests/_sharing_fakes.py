@@ -41,7 +41,6 @@ import struct
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -904,7 +903,3 @@ def gated_wait_gone(monkeypatch: Any) -> Iterator[threading.Event]:
         yield gate
     finally:
         gate.set()
-
-
-def ref(obj: Any) -> weakref.ref:
-    return weakref.ref(obj)
