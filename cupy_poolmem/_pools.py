@@ -21,6 +21,7 @@ from cuda.bindings import driver as _drv
 
 from . import _streams
 from ._device import (
+    can_access_peer,
     check_device,
     device_count,
     grant_access,
@@ -685,7 +686,10 @@ class DevicePool(Pool):
             if peers or device_count() > 1:
                 # Always set on a multi-GPU machine: a new pool can come back with the
                 # handle of a destroyed one, and with its peer access (nvbug 5698116).
+                # cuda.core compares with what *it* granted (nothing, for a new pool),
+                # so stale grants are revoked here, by the driver call itself.
                 try:
+                    _revoke_stale(mr, dev)
                     self._peers_set = _set_peers(mr, dev, peers)
                 except BaseException:
                     mr.close()
@@ -740,6 +744,14 @@ class DevicePool(Pool):
 def _granted_peers(mr: Any) -> tuple[int, ...]:
     """The devices a cuda.core ``DeviceMemoryResource`` grants access (driver state)."""
     return tuple(sorted(int(getattr(d, "device_id", d)) for d in mr.peer_accessible_by))
+
+
+def _revoke_stale(mr: Any, owner: int) -> None:
+    """Revoke (``PROT_NONE``) every GPU that could reach ``owner``: a new pool starts
+    with its own GPU only, whatever a destroyed pool with the same handle granted."""
+    others = [d for d in range(device_count()) if d != owner and can_access_peer(d, owner)]
+    if others:
+        grant_access(int(mr.handle), others, read_write=False)
 
 
 def _set_peers(mr: Any, owner: int, peers: tuple[int, ...]) -> bool:
