@@ -505,11 +505,6 @@ def check_access(array: Any, device: Any = None) -> None:
         return
     with on_device(dev):
         owner, pool, managed = _pointer_info(ptr)
-    if pool == 0 and 0 <= owner != dev:
-        # Asked from a GPU the memory is not mapped on, the driver may not name the
-        # pool: ask again with the memory's own GPU current.
-        with on_device(owner):
-            owner, pool, managed = _pointer_info(ptr)
     if managed:
         return
     what = f"memory of a {type(array).__module__.split('.')[0]}.{type(array).__name__}"

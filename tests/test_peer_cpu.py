@@ -422,32 +422,6 @@ def pointers(monkeypatch, access):
     return info, asked, access[0]
 
 
-def test_check_access_asks_the_memorys_own_gpu_for_its_pool(pointers, monkeypatch):
-    """Asked from a GPU without access, the driver may name no pool: ask its owner."""
-    info, asked, granted = pointers
-    current = [None]
-
-    class Bind:
-        def __init__(self, dev):
-            self.dev = dev
-
-        def __enter__(self):
-            current[0] = self.dev
-
-        def __exit__(self, *exc):
-            current[0] = None
-
-    def info_by_context(ptr):
-        asked.append((ptr, current[0]))
-        return (1, 0xB1, False) if current[0] == 1 else (1, 0, False)
-
-    monkeypatch.setattr(_device, "on_device", Bind)
-    monkeypatch.setattr(_device, "_pointer_info", info_by_context)
-    with pytest.raises(cpm.WrongDeviceError, match="GPU 1 is not accessible from GPU 0"):
-        cpm.check_access(_cupy_like(0x200), device=0)
-    assert asked == [(0x200, 0), (0x200, 1)]
-
-
 def _cupy_like(ptr: int):
     return SimpleNamespace(data=SimpleNamespace(ptr=ptr))
 
