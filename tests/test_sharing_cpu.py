@@ -440,6 +440,31 @@ def test_one_array_put_n_times(world):
     assert r.stats()["idle_mappings"] == 0 and len(_frees(world.gpu)) == 1
 
 
+def test_claimed_tickets_are_bounded_and_an_older_copy_is_refused(world, monkeypatch):
+    monkeypatch.setattr(_exporter, "_CLAIMED_MAX", 8)
+    e, r, core = _exporter_receiver(world)
+    r2 = world.proc("second")
+    b = core.alloc(KB, payload=3)
+    first = e.send(b)
+    owners = [r.recv(first)]
+    for _ in range(20):
+        owners.append(r.recv(e.send(b)))
+    rec = b.share
+    assert wait_for(lambda: e.stats()["tickets_out"] == 0)
+    assert len(rec.claimed) == 8  # not 21: a block put a million times stays small
+    # a copy of the first message, claimed 20 messages ago: refused, nothing mapped
+    with pytest.raises(SharingError, match="stale"):
+        r2.recv(first)
+    assert _imports(world.gpu, "second") == []
+    # a copy of a recent one still maps the block
+    assert r2.read(
+        r2.recv(pickle.dumps(pickle.loads(first)._replace(ticket=list(rec.claimed)[-1])))
+    ) == (1, 3)
+    owners.clear()
+    del b
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
 def test_64_receivers_of_one_exporter(world):
     e = world.proc("exporter")
     core = e.pool()

@@ -21,7 +21,9 @@ Invariants (every change to this package must keep them):
    exporter answers before the forwarder's message exists.  A ticket ends when a
    receiver claims it (or says ``Drop``), or after ``inflight_timeout`` (a message
    nobody reads pins memory that long at most).  A claimed ticket may be claimed
-   again, by another copy of the same message, while the block lives.
+   again, by another copy of the same message, while the block lives and while it is
+   among the block's 4096 most recently claimed tickets; a copy of an older message
+   is refused (``REFUSED``: :class:`SharingError`), never given other data.
 3. Claims come before mappings.  A receiver that does not map the block yet sends
    ``Claim`` and waits for the answer: a live ticket becomes a *lease* (and, the
    first time, the pool's file descriptor comes with it); a stale one is refused,

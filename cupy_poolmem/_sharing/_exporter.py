@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -24,13 +25,17 @@ from ._transport import Conn, Listener, Sender
 
 __all__ = ["Exporter", "Record", "LocalHold"]
 
+# Claimed tickets a record remembers (another copy of a message may claim again): the
+# most recent ones only, so a block sent a million times stays small.
+_CLAIMED_MAX = 4096
+
 
 class Record:
     """One exported block, as its exporter sees it.
 
     ``tickets``: messages on their way (ticket -> time registered); ``claimed``:
-    tickets received already (another copy of the same message may still claim
-    while the block lives); ``leases``: mappings per receiver connection;
+    the last ``_CLAIMED_MAX`` tickets received (another copy of one of those messages
+    may still claim while the block lives; a copy of an older one is refused); ``leases``: mappings per receiver connection;
     ``keepers``: receivers that may keep an idle mapping (asked to evict);
     ``events``: receivers' unmap events the final free waits on.
     """
@@ -67,7 +72,7 @@ class Record:
         self.stream_ptr = int(block.stream_ptr)
         self.dev, self.dev_uuid, self.data = dev, dev_uuid, data
         self.tickets: dict[bytes, float] = {}
-        self.claimed: set[bytes] = set()
+        self.claimed: OrderedDict[bytes, None] = OrderedDict()
         self.leases: dict[int, int] = {}
         self.keepers: set[int] = set()
         self.asked: set[int] = set()
@@ -340,9 +345,14 @@ class Exporter:
     def _claim_ticket(self, rec: Record, ticket: bytes) -> bool:
         """Mark ``ticket`` received (lock held); False if it is not one of ``rec``'s."""
         if rec.tickets.pop(ticket, None) is not None:
-            rec.claimed.add(ticket)
+            rec.claimed[ticket] = None
+            if len(rec.claimed) > _CLAIMED_MAX:
+                rec.claimed.popitem(last=False)
             return True
-        return ticket in rec.claimed
+        if ticket in rec.claimed:
+            rec.claimed.move_to_end(ticket)
+            return True
+        return False
 
     # -- the server ----------------------------------------------------------------------
     def _serve(self, conn: Conn) -> None:
