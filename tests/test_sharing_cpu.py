@@ -739,6 +739,23 @@ def test_a_block_received_twice_is_kept_idle_and_evicted_when_the_exporter_frees
     assert r.stats()["idle_mappings"] == 0
 
 
+def test_a_keeper_claiming_the_last_ticket_of_a_limbo_block_is_asked_to_evict(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    m1, m2 = e.send(b), e.send(b)
+    first = r.recv(m1)
+    del first  # received once: unmapped at once (remembered as seen)
+    assert wait_for(lambda: e.stats()["leases"] == 0)
+    del b  # in limbo, held by m2's ticket only
+    imp = r.recv(m2)  # a Claim (not a Hit) that may keep the mapping: the last ticket
+    m = imp.m
+    assert m.keep
+    assert wait_for(lambda: m.evict, 2.0)  # nothing else will ever ask for it back
+    del imp
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+    assert r.stats()["idle_mappings"] == 0 and len(_frees(world.gpu)) == 1
+
+
 def test_an_evicted_mapping_in_use_goes_when_its_last_user_goes(world):
     e, r, core = _exporter_receiver(world)
     b = core.alloc(KB, payload=1)

@@ -420,6 +420,11 @@ class Exporter:
         if isinstance(f, _wire.Mapped):
             with self.lock:
                 peer.mapping = max(peer.mapping - 1, 0)
+                rec = self.records.get(f.export_id)
+            # A claim may have taken a limbo block's last ticket: ask its keepers now
+            # that the receiver knows the mapping (an Evict before it would be lost).
+            if rec is not None:
+                self._settle(rec)
             return
         if isinstance(f, _wire.Register):
             with self.lock:
