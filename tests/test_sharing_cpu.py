@@ -639,6 +639,32 @@ def test_an_unread_message_expires_after_inflight_timeout(world):
     assert _imports(world.gpu, "receiver") == []
 
 
+def test_a_failing_free_does_not_stop_later_messages_from_expiring(world):
+    e = world.proc("exporter", inflight_timeout=0.1)
+    core = e.pool()
+    calls = []
+
+    def hook(ptr, size, stream):
+        calls.append(ptr)
+        if len(calls) == 1:
+            raise CUDADriverError("cuMemFreeAsync", 700, "CUDA_ERROR_ILLEGAL_ADDRESS", "")
+        return False
+
+    core.release_hook = hook
+    b1 = core.alloc(KB, payload=1)
+    e.send(b1)
+    del b1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert wait_for(lambda: calls, 5.0)  # the janitor's free of the first one failed
+        b2 = core.alloc(KB, payload=2)
+        e.send(b2)  # never read either
+        del b2
+        # the ticket janitor is still there to expire it
+        assert wait_for(lambda: e.stats()["tickets_out"] == 0, 3.0), e.stats()
+    assert len(calls) == 2 and e.stats()["exported_blocks"] == 0
+
+
 def test_a_message_from_disk_after_its_block_was_freed_and_reused(world, tmp_path):
     e, r, core = _exporter_receiver(world)
     b = core.alloc(KB, payload=1)

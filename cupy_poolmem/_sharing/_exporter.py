@@ -499,7 +499,10 @@ class Exporter:
             timeout = self.settings.inflight_timeout
             self._wake.wait(0.5 if timeout is None else min(max(timeout / 4, 0.01), 1.0))
             self._wake.clear()
-            self.expire()
+            try:
+                self.expire()
+            except Exception as exc:  # keep sweeping: later tickets must still expire
+                _warn_kept("freeing a block whose message expired", exc)
 
     def expire(self, now: float | None = None) -> int:
         """Give back tickets older than ``inflight_timeout``; return how many."""
