@@ -264,6 +264,73 @@ def test_a_context_forked_after_cuda_init_refuses_to_share(world):
     del b
 
 
+def test_arrays_a_fork_child_inherited_are_let_go_without_locks_or_the_driver(world):
+    e = world.proc("exporter")
+    core = e.pool()
+    b = core.alloc(KB, payload=1)
+    hold = e.recv(e.send(b))
+    b2 = core.alloc(KB, payload=2)
+    e.send(b2)  # a ticket out
+    inherited = [b, hold, b2]
+    del b, hold, b2
+    # A parent thread held the exporter's lock at the fork: it never runs in the child.
+    held, done = threading.Event(), threading.Event()
+
+    def parent_thread():
+        with e.exporter.lock:
+            held.set()
+            done.wait(10.0)
+
+    t = threading.Thread(target=parent_thread)
+    t.start()
+    held.wait()
+    address = e.exporter.address
+    e.ctx.abandon()  # what the fork child's hook does with the parent's sharing state
+    n_log = len(world.gpu.log)
+    child = threading.Thread(target=inherited.clear)  # the child lets its arrays go
+    child.start()
+    child.join(2.0)
+    stuck = child.is_alive()
+    done.set()
+    t.join()
+    child.join()
+    with socket.socket(socket.AF_UNIX) as s:  # wake the abandoned listener's thread
+        s.connect(address)
+    assert not stuck, "a fork child's array waited for a lock its parent's thread held"
+    assert world.gpu.log[n_log:] == []  # and made no CUDA call for the parent's memory
+
+
+def test_received_arrays_a_fork_child_inherited_are_let_go_without_locks_or_the_driver(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    inherited = [r.recv(e.send(b))]
+    held, done = threading.Event(), threading.Event()
+
+    def parent_thread():
+        with r.importer.lock:
+            held.set()
+            done.wait(10.0)
+
+    t = threading.Thread(target=parent_thread)
+    t.start()
+    held.wait()
+    r.ctx.abandon()
+    n_log = len([x for x in world.gpu.log if x[0] == "receiver"])
+    child = threading.Thread(target=inherited.clear)
+    child.start()
+    child.join(2.0)
+    stuck = child.is_alive()
+    done.set()
+    t.join()
+    child.join()
+    assert not stuck, "a fork child's array waited for a lock its parent's thread held"
+    assert len([x for x in world.gpu.log if x[0] == "receiver"]) == n_log
+    r.kill()  # the receiving process ends (its simulated reader thread with it)
+    for peer in list(e.exporter.peers.values()):
+        peer.conn.shutdown()
+    del b
+
+
 # -- 1. a producer that sends and exits normally -------------------------------------------------
 
 

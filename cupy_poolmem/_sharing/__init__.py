@@ -67,7 +67,8 @@ Invariants (every change to this package must keep them):
     flushed its queues, until its messages are claimed and the granted claims mapped
     (``exit_timeout``): an allocation nobody maps goes with the exporter's context.
     Receivers' mappings stay valid after it is gone.  A ``fork`` child gets a fresh, empty
-    sharing state and refuses to share when CUDA was in use in its parent.
+    sharing state and refuses to share when CUDA was in use in its parent; arrays it
+    inherited go without touching the parent's sharing state (its locks, the driver).
 """
 
 from __future__ import annotations

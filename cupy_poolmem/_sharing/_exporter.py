@@ -152,6 +152,9 @@ class Exporter:
         self._janitor: threading.Thread | None = None
         self._wake = threading.Event()
         self.closed = False
+        # In a fork child: the parent's state, whose locks a parent thread may hold for
+        # ever; blocks it exported are left alone (they are the parent's to free).
+        self.abandoned = False
 
     # -- the listener --------------------------------------------------------------------
     @property
@@ -243,6 +246,8 @@ class Exporter:
         Returns True when the block is kept (limbo) for other processes; False lets
         the hot path free or cache it, ordered after every receiver's unmap.
         """
+        if self.abandoned:
+            return True
         with self.lock:
             if not rec.held():
                 self.records.pop(rec.export_id, None)
@@ -338,6 +343,8 @@ class Exporter:
         return LocalHold(self, rec)
 
     def let_go_local(self, rec: Record) -> None:
+        if self.abandoned:
+            return
         with self.lock:
             rec.local -= 1
         self._settle(rec)

@@ -230,6 +230,7 @@ class Importer:
         self._connecting: set[str] = set()  # addresses a thread is connecting to
         self._importing: set[str] = set()  # pools a thread is importing
         self._changed = threading.Condition(self.lock)  # either set shrank
+        self.abandoned = False  # in a fork child: the parent's mappings are left alone
 
     # -- connections -------------------------------------------------------------------------
     def client(self, address: str) -> Client:
@@ -456,6 +457,8 @@ class Importer:
     # -- letting go ------------------------------------------------------------------------------
     def dropped(self, m: Mapping, stream: Any) -> None:
         """One user of ``m`` is gone (its arrays, or a Numba handle) on ``stream``."""
+        if self.abandoned:
+            return
         sptr = stream.ptr
         if self.driver.is_capturing(sptr):  # a free now would become part of the graph
             with self.lock:
