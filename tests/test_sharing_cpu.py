@@ -8,12 +8,14 @@ that the fake recorded no driver-rule violation.  See ``tests/_sharing_fakes.py`
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import pickle
 import random
 import socket
 import stat
+import sys
 import threading
 import time
 import warnings
@@ -704,6 +706,38 @@ def test_an_unread_message_expires_after_inflight_timeout(world):
     with pytest.raises(SharingError, match="stale"):
         r.recv(msg)
     assert _imports(world.gpu, "receiver") == []
+
+
+def test_a_finalizer_run_by_gc_inside_the_ticket_scan_does_not_break_it(world):
+    e = world.proc("exporter")
+    core = e.pool()
+    b1 = core.alloc(KB, payload=1)
+    e.send(b1)  # a ticket out
+    b2 = core.alloc(KB, payload=2)
+    hold = e.recv(e.send(b2))
+    del hold  # b2 exported, nothing holds it: its record goes when b2 goes
+    last_ref = [b2]
+    del b2
+    fired = []
+
+    def collecting(phase, info):  # a collection starts inside expire()'s scan
+        f = sys._getframe(1)
+        if phase == "start" and not fired and f.f_back and f.f_back.f_code.co_name == "expire":
+            fired.append(f.f_code.co_name)
+            last_ref.clear()  # what the collection finds: the last reference to b2
+
+    old = gc.get_threshold()
+    gc.callbacks.append(collecting)
+    gc.set_threshold(1)
+    try:
+        n = e.exporter.expire(now=time.monotonic() + 1e6)
+    finally:
+        gc.set_threshold(*old)
+        gc.callbacks.remove(collecting)
+    assert fired  # the finalizer did run mid-scan
+    assert n == 1 and e.stats()["tickets_out"] == 0
+    del b1
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
 
 
 def test_a_failing_free_does_not_stop_later_messages_from_expiring(world):

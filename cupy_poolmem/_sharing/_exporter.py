@@ -518,10 +518,12 @@ class Exporter:
             return 0
         now = time.monotonic() if now is None else now
         with self.lock:
+            # Snapshots: a finalizer a garbage collection runs in this thread mid-scan
+            # (a block or round-tripped array let go) may change these dicts.
             stale = [
                 (rec, t)
-                for rec in self.records.values()
-                for t, born in rec.tickets.items()
+                for rec in list(self.records.values())
+                for t, born in list(rec.tickets.items())
                 if now - born > timeout
             ]
         for rec, t in stale:
