@@ -348,6 +348,24 @@ def test_exit_with_nobody_reading_returns_after_exit_timeout(world):
     assert e.stats()["tickets_out"] == 1  # unclaimed: it pinned the block until the end
 
 
+def test_exit_with_several_stalled_exporters_is_bounded_by_exit_timeout(world):
+    r = world.proc("receiver", exit_timeout=0.3)
+    es = [world.proc(f"e{i}") for i in range(3)]
+    owners = [r.recv(e.send(e.pool().alloc(KB, payload=i))) for i, e in enumerate(es)]
+    clients = list(r.importer.clients.values())
+    assert len(clients) == 3
+    for c in clients:
+        c.sender._busy = True  # its thread is stuck in a send: the exporter stopped reading
+    t0 = time.monotonic()
+    r.ctx.at_exit()
+    took = time.monotonic() - t0
+    for c in clients:
+        with c.sender._cv:
+            c.sender._busy = False
+    assert took < 2.0, f"exit took {took:.1f} s with exit_timeout=0.3"
+    owners.clear()
+
+
 def test_exit_waits_for_claim_and_mapping_outlives_the_exporter(world):
     e, r, core = _exporter_receiver(world)
     b = core.alloc(4 * KB, payload=7)

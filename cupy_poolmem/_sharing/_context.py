@@ -134,7 +134,7 @@ class SharingContext:
         if self.forked:
             return
         if self._importer is not None:
-            self._importer.flush()
+            self._importer.flush(min(5.0, self.settings.exit_timeout))
         if self._exporter is not None:
             self._exporter.at_exit(self.settings.exit_timeout)
 

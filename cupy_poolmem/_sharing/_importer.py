@@ -726,5 +726,7 @@ class Importer:
             }
 
     def flush(self, timeout: float = 5.0) -> None:
+        """Wait (at most ``timeout`` s in all, however many exporters) for queued frames."""
+        deadline = time.monotonic() + timeout
         for c in list(self.clients.values()):
-            c.sender.flush(timeout)
+            c.sender.flush(max(deadline - time.monotonic(), 0.0))
