@@ -366,6 +366,26 @@ def test_exit_with_several_stalled_exporters_is_bounded_by_exit_timeout(world):
     owners.clear()
 
 
+def test_exit_of_an_exporter_with_many_stalled_receivers_is_bounded(world):
+    e = world.proc("exporter", exit_timeout=0.3)
+    b = e.pool().alloc(KB, payload=1)
+    rs = [world.proc(f"r{i}") for i in range(20)]
+    owners = [r.recv(e.send(b)) for r in rs]
+    assert wait_for(lambda: e.exporter.unclaimed() == 0)
+    peers = list(e.exporter.peers.values())
+    for p in peers:
+        p.sender._busy = True  # its thread is stuck in a send: the receiver stopped reading
+    t0 = time.monotonic()
+    e.exporter.at_exit(e.settings.exit_timeout)
+    took = time.monotonic() - t0
+    for p in peers:
+        with p.sender._cv:
+            p.sender._busy = False
+    assert took < 1.0, f"exit took {took:.1f} s with exit_timeout=0.3"
+    owners.clear()
+    del b
+
+
 def test_exit_waits_for_claim_and_mapping_outlives_the_exporter(world):
     e, r, core = _exporter_receiver(world)
     b = core.alloc(4 * KB, payload=7)

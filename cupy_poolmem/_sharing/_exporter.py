@@ -574,8 +574,9 @@ class Exporter:
         done = not self.unclaimed()
         with self.lock:
             peers = list(self.peers.values())
+        flush_until = max(deadline, time.monotonic() + 0.1)  # for all peers together
         for p in peers:
-            p.sender.flush(max(deadline - time.monotonic(), 0.1))
+            p.sender.flush(max(flush_until - time.monotonic(), 0.0))
         if self.records:
             try:
                 self.driver.sync_own_events()
