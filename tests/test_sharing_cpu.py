@@ -921,6 +921,21 @@ def test_a_keeper_claiming_the_last_ticket_of_a_limbo_block_is_asked_to_evict(wo
     assert r.stats()["idle_mappings"] == 0 and len(_frees(world.gpu)) == 1
 
 
+def test_a_hit_with_an_expired_ticket_still_makes_its_receiver_a_keeper(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    a1 = r.recv(e.send(b))
+    late = e.send(b)
+    assert e.exporter.expire(now=time.monotonic() + 1e6) == 1  # read after inflight_timeout
+    a2 = r.recv(late)  # a Hit: r maps the block under its lease, and may keep it
+    assert r.read(a2) == (1, 1)
+    del a1, a2
+    assert r.stats()["idle_mappings"] == 1
+    del b  # the exporter must ask for the idle mapping back
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0, 2.0), e.stats()
+    assert r.stats()["idle_mappings"] == 0
+
+
 def test_an_evicted_mapping_in_use_goes_when_its_last_user_goes(world):
     e, r, core = _exporter_receiver(world)
     b = core.alloc(KB, payload=1)

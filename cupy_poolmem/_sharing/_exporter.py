@@ -453,8 +453,10 @@ class Exporter:
             if rec is None:
                 return
             if isinstance(f, _wire.Hit):
-                if self._claim_ticket(rec, f.ticket):
-                    rec.keepers.add(cid)  # a block received again is kept when let go
+                # A block received again is kept when let go; the receiver keeps it even
+                # when the ticket is gone (expired, or too old to be remembered).
+                if self._claim_ticket(rec, f.ticket) or rec.leases.get(cid, 0) > 0:
+                    rec.keepers.add(cid)
             elif isinstance(f, _wire.Drop):
                 rec.tickets.pop(f.ticket, None)
             elif isinstance(f, _wire.Unmap):
