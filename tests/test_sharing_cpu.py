@@ -318,7 +318,15 @@ def test_received_arrays_a_fork_child_inherited_are_let_go_without_locks_or_the_
     held.wait()
     r.ctx.abandon()
     n_log = len([x for x in world.gpu.log if x[0] == "receiver"])
-    child = threading.Thread(target=inherited.clear)
+    m = inherited[0].m
+    syncs = []
+    r.driver.sync_stream = syncs.append  # a Numba handle let go syncs the device
+
+    def child_lets_go():
+        r.importer.close_raw(m)  # a Numba handle on the same mapping
+        inherited.clear()
+
+    child = threading.Thread(target=child_lets_go)
     child.start()
     child.join(2.0)
     stuck = child.is_alive()
@@ -326,7 +334,7 @@ def test_received_arrays_a_fork_child_inherited_are_let_go_without_locks_or_the_
     t.join()
     child.join()
     assert not stuck, "a fork child's array waited for a lock its parent's thread held"
-    assert len([x for x in world.gpu.log if x[0] == "receiver"]) == n_log
+    assert len([x for x in world.gpu.log if x[0] == "receiver"]) == n_log and syncs == []
     r.kill()  # the receiving process ends (its simulated reader thread with it)
     for peer in list(e.exporter.peers.values()):
         peer.conn.shutdown()

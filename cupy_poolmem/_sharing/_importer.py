@@ -708,6 +708,8 @@ class Importer:
     def close_raw(self, m: Mapping) -> None:
         """A Numba handle let go; when nothing else uses the mapping it is freed, and
         the free has run when this returns (the exporter may then free the memory)."""
+        if self.abandoned:  # a fork child: the parent's mapping, not this process's
+            return
         self.dropped(m, LEGACY_STREAM)
         with self.driver.on_device(m.dev):
             self.driver.sync_stream(0)
