@@ -8,12 +8,14 @@ that the fake recorded no driver-rule violation.  See ``tests/_sharing_fakes.py`
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import pickle
 import random
 import socket
 import stat
+import sys
 import threading
 import time
 import warnings
@@ -264,6 +266,81 @@ def test_a_context_forked_after_cuda_init_refuses_to_share(world):
     del b
 
 
+def test_arrays_a_fork_child_inherited_are_let_go_without_locks_or_the_driver(world):
+    e = world.proc("exporter")
+    core = e.pool()
+    b = core.alloc(KB, payload=1)
+    hold = e.recv(e.send(b))
+    b2 = core.alloc(KB, payload=2)
+    e.send(b2)  # a ticket out
+    inherited = [b, hold, b2]
+    del b, hold, b2
+    # A parent thread held the exporter's lock at the fork: it never runs in the child.
+    held, done = threading.Event(), threading.Event()
+
+    def parent_thread():
+        with e.exporter.lock:
+            held.set()
+            done.wait(10.0)
+
+    t = threading.Thread(target=parent_thread)
+    t.start()
+    held.wait()
+    address = e.exporter.address
+    e.ctx.abandon()  # what the fork child's hook does with the parent's sharing state
+    n_log = len(world.gpu.log)
+    child = threading.Thread(target=inherited.clear)  # the child lets its arrays go
+    child.start()
+    child.join(2.0)
+    stuck = child.is_alive()
+    done.set()
+    t.join()
+    child.join()
+    with socket.socket(socket.AF_UNIX) as s:  # wake the abandoned listener's thread
+        s.connect(address)
+    assert not stuck, "a fork child's array waited for a lock its parent's thread held"
+    assert world.gpu.log[n_log:] == []  # and made no CUDA call for the parent's memory
+
+
+def test_received_arrays_a_fork_child_inherited_are_let_go_without_locks_or_the_driver(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    inherited = [r.recv(e.send(b))]
+    held, done = threading.Event(), threading.Event()
+
+    def parent_thread():
+        with r.importer.lock:
+            held.set()
+            done.wait(10.0)
+
+    t = threading.Thread(target=parent_thread)
+    t.start()
+    held.wait()
+    r.ctx.abandon()
+    n_log = len([x for x in world.gpu.log if x[0] == "receiver"])
+    m = inherited[0].m
+    syncs = []
+    r.driver.sync_stream = syncs.append  # a Numba handle let go syncs the device
+
+    def child_lets_go():
+        r.importer.close_raw(m)  # a Numba handle on the same mapping
+        inherited.clear()
+
+    child = threading.Thread(target=child_lets_go)
+    child.start()
+    child.join(2.0)
+    stuck = child.is_alive()
+    done.set()
+    t.join()
+    child.join()
+    assert not stuck, "a fork child's array waited for a lock its parent's thread held"
+    assert len([x for x in world.gpu.log if x[0] == "receiver"]) == n_log and syncs == []
+    r.kill()  # the receiving process ends (its simulated reader thread with it)
+    for peer in list(e.exporter.peers.values()):
+        peer.conn.shutdown()
+    del b
+
+
 # -- 1. a producer that sends and exits normally -------------------------------------------------
 
 
@@ -277,6 +354,44 @@ def test_exit_with_nobody_reading_returns_after_exit_timeout(world):
     took = time.monotonic() - t0
     assert 0.3 <= took < 1.5
     assert e.stats()["tickets_out"] == 1  # unclaimed: it pinned the block until the end
+
+
+def test_exit_with_several_stalled_exporters_is_bounded_by_exit_timeout(world):
+    r = world.proc("receiver", exit_timeout=0.3)
+    es = [world.proc(f"e{i}") for i in range(3)]
+    owners = [r.recv(e.send(e.pool().alloc(KB, payload=i))) for i, e in enumerate(es)]
+    clients = list(r.importer.clients.values())
+    assert len(clients) == 3
+    for c in clients:
+        c.sender._busy = True  # its thread is stuck in a send: the exporter stopped reading
+    t0 = time.monotonic()
+    r.ctx.at_exit()
+    took = time.monotonic() - t0
+    for c in clients:
+        with c.sender._cv:
+            c.sender._busy = False
+    assert took < 2.0, f"exit took {took:.1f} s with exit_timeout=0.3"
+    owners.clear()
+
+
+def test_exit_of_an_exporter_with_many_stalled_receivers_is_bounded(world):
+    e = world.proc("exporter", exit_timeout=0.3)
+    b = e.pool().alloc(KB, payload=1)
+    rs = [world.proc(f"r{i}") for i in range(20)]
+    owners = [r.recv(e.send(b)) for r in rs]
+    assert wait_for(lambda: e.exporter.unclaimed() == 0)
+    peers = list(e.exporter.peers.values())
+    for p in peers:
+        p.sender._busy = True  # its thread is stuck in a send: the receiver stopped reading
+    t0 = time.monotonic()
+    e.exporter.at_exit(e.settings.exit_timeout)
+    took = time.monotonic() - t0
+    for p in peers:
+        with p.sender._cv:
+            p.sender._busy = False
+    assert took < 1.0, f"exit took {took:.1f} s with exit_timeout=0.3"
+    owners.clear()
+    del b
 
 
 def test_exit_waits_for_claim_and_mapping_outlives_the_exporter(world):
@@ -438,6 +553,31 @@ def test_one_array_put_n_times(world):
     del b  # the exporter's free asks the receiver to give the idle mapping back
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
     assert r.stats()["idle_mappings"] == 0 and len(_frees(world.gpu)) == 1
+
+
+def test_claimed_tickets_are_bounded_and_an_older_copy_is_refused(world, monkeypatch):
+    monkeypatch.setattr(_exporter, "_CLAIMED_MAX", 8)
+    e, r, core = _exporter_receiver(world)
+    r2 = world.proc("second")
+    b = core.alloc(KB, payload=3)
+    first = e.send(b)
+    owners = [r.recv(first)]
+    for _ in range(20):
+        owners.append(r.recv(e.send(b)))
+    rec = b.share
+    assert wait_for(lambda: e.stats()["tickets_out"] == 0)
+    assert len(rec.claimed) == 8  # not 21: a block put a million times stays small
+    # a copy of the first message, claimed 20 messages ago: refused, nothing mapped
+    with pytest.raises(SharingError, match="stale"):
+        r2.recv(first)
+    assert _imports(world.gpu, "second") == []
+    # a copy of a recent one still maps the block
+    assert r2.read(
+        r2.recv(pickle.dumps(pickle.loads(first)._replace(ticket=list(rec.claimed)[-1])))
+    ) == (1, 3)
+    owners.clear()
+    del b
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
 
 
 def test_64_receivers_of_one_exporter(world):
@@ -614,6 +754,64 @@ def test_an_unread_message_expires_after_inflight_timeout(world):
     assert _imports(world.gpu, "receiver") == []
 
 
+def test_a_finalizer_run_by_gc_inside_the_ticket_scan_does_not_break_it(world):
+    e = world.proc("exporter")
+    core = e.pool()
+    b1 = core.alloc(KB, payload=1)
+    e.send(b1)  # a ticket out
+    b2 = core.alloc(KB, payload=2)
+    hold = e.recv(e.send(b2))
+    del hold  # b2 exported, nothing holds it: its record goes when b2 goes
+    last_ref = [b2]
+    del b2
+    fired = []
+
+    def collecting(phase, info):  # a collection starts inside expire()'s scan
+        f = sys._getframe(1)
+        if phase == "start" and not fired and f.f_back and f.f_back.f_code.co_name == "expire":
+            fired.append(f.f_code.co_name)
+            last_ref.clear()  # what the collection finds: the last reference to b2
+
+    old = gc.get_threshold()
+    gc.callbacks.append(collecting)
+    gc.set_threshold(1)
+    try:
+        n = e.exporter.expire(now=time.monotonic() + 1e6)
+    finally:
+        gc.set_threshold(*old)
+        gc.callbacks.remove(collecting)
+    assert fired  # the finalizer did run mid-scan
+    assert n == 1 and e.stats()["tickets_out"] == 0
+    del b1
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_a_failing_free_does_not_stop_later_messages_from_expiring(world):
+    e = world.proc("exporter", inflight_timeout=0.1)
+    core = e.pool()
+    calls = []
+
+    def hook(ptr, size, stream):
+        calls.append(ptr)
+        if len(calls) == 1:
+            raise CUDADriverError("cuMemFreeAsync", 700, "CUDA_ERROR_ILLEGAL_ADDRESS", "")
+        return False
+
+    core.release_hook = hook
+    b1 = core.alloc(KB, payload=1)
+    e.send(b1)
+    del b1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert wait_for(lambda: calls, 5.0)  # the janitor's free of the first one failed
+        b2 = core.alloc(KB, payload=2)
+        e.send(b2)  # never read either
+        del b2
+        # the ticket janitor is still there to expire it
+        assert wait_for(lambda: e.stats()["tickets_out"] == 0, 3.0), e.stats()
+    assert len(calls) == 2 and e.stats()["exported_blocks"] == 0
+
+
 def test_a_message_from_disk_after_its_block_was_freed_and_reused(world, tmp_path):
     e, r, core = _exporter_receiver(world)
     b = core.alloc(KB, payload=1)
@@ -711,6 +909,38 @@ def test_a_block_received_twice_is_kept_idle_and_evicted_when_the_exporter_frees
     assert r.stats()["idle_mappings"] == 1 and e.stats()["leases"] == 1
     del b
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+    assert r.stats()["idle_mappings"] == 0
+
+
+def test_a_keeper_claiming_the_last_ticket_of_a_limbo_block_is_asked_to_evict(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    m1, m2 = e.send(b), e.send(b)
+    first = r.recv(m1)
+    del first  # received once: unmapped at once (remembered as seen)
+    assert wait_for(lambda: e.stats()["leases"] == 0)
+    del b  # in limbo, held by m2's ticket only
+    imp = r.recv(m2)  # a Claim (not a Hit) that may keep the mapping: the last ticket
+    m = imp.m
+    assert m.keep
+    assert wait_for(lambda: m.evict, 2.0)  # nothing else will ever ask for it back
+    del imp
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+    assert r.stats()["idle_mappings"] == 0 and len(_frees(world.gpu)) == 1
+
+
+def test_a_hit_with_an_expired_ticket_still_makes_its_receiver_a_keeper(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=1)
+    a1 = r.recv(e.send(b))
+    late = e.send(b)
+    assert e.exporter.expire(now=time.monotonic() + 1e6) == 1  # read after inflight_timeout
+    a2 = r.recv(late)  # a Hit: r maps the block under its lease, and may keep it
+    assert r.read(a2) == (1, 1)
+    del a1, a2
+    assert r.stats()["idle_mappings"] == 1
+    del b  # the exporter must ask for the idle mapping back
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0, 2.0), e.stats()
     assert r.stats()["idle_mappings"] == 0
 
 

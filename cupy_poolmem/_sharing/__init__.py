@@ -21,7 +21,9 @@ Invariants (every change to this package must keep them):
    exporter answers before the forwarder's message exists.  A ticket ends when a
    receiver claims it (or says ``Drop``), or after ``inflight_timeout`` (a message
    nobody reads pins memory that long at most).  A claimed ticket may be claimed
-   again, by another copy of the same message, while the block lives.
+   again, by another copy of the same message, while the block lives and while it is
+   among the block's 4096 most recently claimed tickets; a copy of an older message
+   is refused (``REFUSED``: :class:`SharingError`), never given other data.
 3. Claims come before mappings.  A receiver that does not map the block yet sends
    ``Claim`` and waits for the answer: a live ticket becomes a *lease* (and, the
    first time, the pool's file descriptor comes with it); a stale one is refused,
@@ -65,7 +67,8 @@ Invariants (every change to this package must keep them):
     flushed its queues, until its messages are claimed and the granted claims mapped
     (``exit_timeout``): an allocation nobody maps goes with the exporter's context.
     Receivers' mappings stay valid after it is gone.  A ``fork`` child gets a fresh, empty
-    sharing state and refuses to share when CUDA was in use in its parent.
+    sharing state and refuses to share when CUDA was in use in its parent; arrays it
+    inherited go without touching the parent's sharing state (its locks, the driver).
 """
 
 from __future__ import annotations

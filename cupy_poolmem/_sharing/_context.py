@@ -134,12 +134,21 @@ class SharingContext:
         if self.forked:
             return
         if self._importer is not None:
-            self._importer.flush()
+            self._importer.flush(min(5.0, self.settings.exit_timeout))
         if self._exporter is not None:
             self._exporter.at_exit(self.settings.exit_timeout)
 
     def abandon(self) -> None:
-        """In a forked child: let go of the parent's connections without using them."""
+        """In a forked child: let go of the parent's connections without using them.
+
+        Arrays the child inherited still reach this state when they go: they then
+        touch neither its locks (a parent thread may have held one at the fork) nor
+        the driver.
+        """
+        if self._importer is not None:
+            self._importer.abandoned = True
+        if self._exporter is not None:
+            self._exporter.abandoned = True
         for c in list(self._importer.clients.values()) if self._importer is not None else []:
             c.closed = True
             c.sender.dead = True

@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -24,13 +25,17 @@ from ._transport import Conn, Listener, Sender
 
 __all__ = ["Exporter", "Record", "LocalHold"]
 
+# Claimed tickets a record remembers (another copy of a message may claim again): the
+# most recent ones only, so a block sent a million times stays small.
+_CLAIMED_MAX = 4096
+
 
 class Record:
     """One exported block, as its exporter sees it.
 
     ``tickets``: messages on their way (ticket -> time registered); ``claimed``:
-    tickets received already (another copy of the same message may still claim
-    while the block lives); ``leases``: mappings per receiver connection;
+    the last ``_CLAIMED_MAX`` tickets received (another copy of one of those messages
+    may still claim while the block lives; a copy of an older one is refused); ``leases``: mappings per receiver connection;
     ``keepers``: receivers that may keep an idle mapping (asked to evict);
     ``events``: receivers' unmap events the final free waits on.
     """
@@ -67,7 +72,7 @@ class Record:
         self.stream_ptr = int(block.stream_ptr)
         self.dev, self.dev_uuid, self.data = dev, dev_uuid, data
         self.tickets: dict[bytes, float] = {}
-        self.claimed: set[bytes] = set()
+        self.claimed: OrderedDict[bytes, None] = OrderedDict()
         self.leases: dict[int, int] = {}
         self.keepers: set[int] = set()
         self.asked: set[int] = set()
@@ -147,6 +152,9 @@ class Exporter:
         self._janitor: threading.Thread | None = None
         self._wake = threading.Event()
         self.closed = False
+        # In a fork child: the parent's state, whose locks a parent thread may hold for
+        # ever; blocks it exported are left alone (they are the parent's to free).
+        self.abandoned = False
 
     # -- the listener --------------------------------------------------------------------
     @property
@@ -238,6 +246,8 @@ class Exporter:
         Returns True when the block is kept (limbo) for other processes; False lets
         the hot path free or cache it, ordered after every receiver's unmap.
         """
+        if self.abandoned:
+            return True
         with self.lock:
             if not rec.held():
                 self.records.pop(rec.export_id, None)
@@ -333,6 +343,8 @@ class Exporter:
         return LocalHold(self, rec)
 
     def let_go_local(self, rec: Record) -> None:
+        if self.abandoned:
+            return
         with self.lock:
             rec.local -= 1
         self._settle(rec)
@@ -340,9 +352,14 @@ class Exporter:
     def _claim_ticket(self, rec: Record, ticket: bytes) -> bool:
         """Mark ``ticket`` received (lock held); False if it is not one of ``rec``'s."""
         if rec.tickets.pop(ticket, None) is not None:
-            rec.claimed.add(ticket)
+            rec.claimed[ticket] = None
+            if len(rec.claimed) > _CLAIMED_MAX:
+                rec.claimed.popitem(last=False)
             return True
-        return ticket in rec.claimed
+        if ticket in rec.claimed:
+            rec.claimed.move_to_end(ticket)
+            return True
+        return False
 
     # -- the server ----------------------------------------------------------------------
     def _serve(self, conn: Conn) -> None:
@@ -410,6 +427,11 @@ class Exporter:
         if isinstance(f, _wire.Mapped):
             with self.lock:
                 peer.mapping = max(peer.mapping - 1, 0)
+                rec = self.records.get(f.export_id)
+            # A claim may have taken a limbo block's last ticket: ask its keepers now
+            # that the receiver knows the mapping (an Evict before it would be lost).
+            if rec is not None:
+                self._settle(rec)
             return
         if isinstance(f, _wire.Register):
             with self.lock:
@@ -431,8 +453,10 @@ class Exporter:
             if rec is None:
                 return
             if isinstance(f, _wire.Hit):
-                if self._claim_ticket(rec, f.ticket):
-                    rec.keepers.add(cid)  # a block received again is kept when let go
+                # A block received again is kept when let go; the receiver keeps it even
+                # when the ticket is gone (expired, or too old to be remembered).
+                if self._claim_ticket(rec, f.ticket) or rec.leases.get(cid, 0) > 0:
+                    rec.keepers.add(cid)
             elif isinstance(f, _wire.Drop):
                 rec.tickets.pop(f.ticket, None)
             elif isinstance(f, _wire.Unmap):
@@ -484,7 +508,10 @@ class Exporter:
             timeout = self.settings.inflight_timeout
             self._wake.wait(0.5 if timeout is None else min(max(timeout / 4, 0.01), 1.0))
             self._wake.clear()
-            self.expire()
+            try:
+                self.expire()
+            except Exception as exc:  # keep sweeping: later tickets must still expire
+                _warn_kept("freeing a block whose message expired", exc)
 
     def expire(self, now: float | None = None) -> int:
         """Give back tickets older than ``inflight_timeout``; return how many."""
@@ -493,10 +520,12 @@ class Exporter:
             return 0
         now = time.monotonic() if now is None else now
         with self.lock:
+            # Snapshots: a finalizer a garbage collection runs in this thread mid-scan
+            # (a block or round-tripped array let go) may change these dicts.
             stale = [
                 (rec, t)
-                for rec in self.records.values()
-                for t, born in rec.tickets.items()
+                for rec in list(self.records.values())
+                for t, born in list(rec.tickets.items())
                 if now - born > timeout
             ]
         for rec, t in stale:
@@ -547,8 +576,9 @@ class Exporter:
         done = not self.unclaimed()
         with self.lock:
             peers = list(self.peers.values())
+        flush_until = max(deadline, time.monotonic() + 0.1)  # for all peers together
         for p in peers:
-            p.sender.flush(max(deadline - time.monotonic(), 0.1))
+            p.sender.flush(max(flush_until - time.monotonic(), 0.0))
         if self.records:
             try:
                 self.driver.sync_own_events()

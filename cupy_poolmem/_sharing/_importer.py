@@ -230,6 +230,7 @@ class Importer:
         self._connecting: set[str] = set()  # addresses a thread is connecting to
         self._importing: set[str] = set()  # pools a thread is importing
         self._changed = threading.Condition(self.lock)  # either set shrank
+        self.abandoned = False  # in a fork child: the parent's mappings are left alone
 
     # -- connections -------------------------------------------------------------------------
     def client(self, address: str) -> Client:
@@ -456,6 +457,8 @@ class Importer:
     # -- letting go ------------------------------------------------------------------------------
     def dropped(self, m: Mapping, stream: Any) -> None:
         """One user of ``m`` is gone (its arrays, or a Numba handle) on ``stream``."""
+        if self.abandoned:
+            return
         sptr = stream.ptr
         if self.driver.is_capturing(sptr):  # a free now would become part of the graph
             with self.lock:
@@ -705,6 +708,8 @@ class Importer:
     def close_raw(self, m: Mapping) -> None:
         """A Numba handle let go; when nothing else uses the mapping it is freed, and
         the free has run when this returns (the exporter may then free the memory)."""
+        if self.abandoned:  # a fork child: the parent's mapping, not this process's
+            return
         self.dropped(m, LEGACY_STREAM)
         with self.driver.on_device(m.dev):
             self.driver.sync_stream(0)
@@ -723,5 +728,7 @@ class Importer:
             }
 
     def flush(self, timeout: float = 5.0) -> None:
+        """Wait (at most ``timeout`` s in all, however many exporters) for queued frames."""
+        deadline = time.monotonic() + timeout
         for c in list(self.clients.values()):
-            c.sender.flush(timeout)
+            c.sender.flush(max(deadline - time.monotonic(), 0.0))
