@@ -331,11 +331,11 @@ def test_24_short_lived_exporters_leave_nothing_behind():
     batch(16, 8)
     # 16 exporters came and went: a leak per exporter would add 16 descriptors or more;
     # the driver may open a file of its own now and then (seen: 2 for "/tmp/#N").
-    assert _wait_for(lambda: clean() and _fd_count() - base_fds < 8, 30.0), (
-        dict(cpm.sharing.stats()),
-        base_kinds,
-        _fd_kinds(),
-    )
+    ok = _wait_for(lambda: clean() and _fd_count() - base_fds < 8, 30.0)
+    now = _fd_kinds()
+    grown = {k: n - base_kinds.get(k, 0) for k, n in now.items() if n > base_kinds.get(k, 0)}
+    stats = {k: v for k, v in cpm.sharing.stats().items() if v}
+    assert ok, f"descriptors grown: {grown}; sharing stats not zero: {stats}"
 
 
 # -- messages that go wrong ----------------------------------------------------------------------
