@@ -243,13 +243,7 @@ class Importer:
         c = self.clients.get(address)
         if c is None:
             with self.lock:
-                while True:
-                    c = self.clients.get(address)
-                    if c is not None or address not in self._connecting:
-                        break
-                    self._changed.wait(1.0)
-                if c is None:
-                    self._connecting.add(address)
+                c = self._entry_or_turn(self.clients, self._connecting, address)
             if c is None:
                 try:
                     try:
@@ -258,16 +252,36 @@ class Importer:
                         raise SharingError(f"{_GONE} ({type(exc).__name__}: {exc})") from None
                     c = Client(self, address, conn)
                 finally:
-                    with self.lock:
-                        self._connecting.discard(address)
-                        if c is not None:
-                            self.clients[address] = c
-                        self._changed.notify_all()
+                    self._turn_done(self.clients, self._connecting, address, c)
                 if c.closed:  # it closed before it was listed: forget it now
                     self._tidy(c)
         if c.closed:
             raise SharingError(_GONE)
         return c
+
+    def _entry_or_turn(self, table: dict[str, Any], busy: set[str], key: str) -> Any:
+        """``table[key]``, or None once it is this thread's turn to make it (lock held).
+
+        While another thread makes the entry (``key`` in ``busy``), wait for it; when
+        none does, mark ``key`` busy for this thread, which ends its turn with
+        :meth:`_turn_done`.
+        """
+        while True:
+            entry = table.get(key)
+            if entry is not None:
+                return entry
+            if key not in busy:
+                busy.add(key)
+                return None
+            self._changed.wait(1.0)
+
+    def _turn_done(self, table: dict[str, Any], busy: set[str], key: str, entry: Any) -> None:
+        """End this thread's turn at ``key``: list ``entry`` (if made) and wake waiters."""
+        with self.lock:
+            busy.discard(key)
+            if entry is not None:
+                table[key] = entry
+            self._changed.notify_all()
 
     # -- receiving -----------------------------------------------------------------------------
     def give_back(self, d: _wire.Descriptor) -> None:
@@ -423,19 +437,15 @@ class Importer:
         that import instead of importing (and then closing) a second copy.
         """
         with self.lock:
-            while True:
-                pool = self.pools.get(uuid)
-                if pool is not None or uuid not in self._importing:
-                    break
-                self._changed.wait(1.0)
+            pool = self._entry_or_turn(self.pools, self._importing, uuid)
             if pool is not None:
                 return pool
             if fd is None:
+                self._turn_done(self.pools, self._importing, uuid, None)
                 raise SharingError(
                     "the exporting pool's file descriptor did not arrive with this message; "
                     "send it again from the exporting process"
                 )
-            self._importing.add(uuid)
         keepalive = None
         try:
             handle, keepalive = self.driver.import_pool(fd, kind, dev)
@@ -447,11 +457,7 @@ class Importer:
                 self.driver.close_pool(keepalive)
             raise
         finally:
-            with self.lock:
-                self._importing.discard(uuid)
-                if pool is not None:
-                    self.pools[uuid] = pool
-                self._changed.notify_all()
+            self._turn_done(self.pools, self._importing, uuid, pool)
         return pool
 
     # -- letting go ------------------------------------------------------------------------------
