@@ -182,10 +182,11 @@ class Driver:
         check_driver(self._d.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
     def is_capturing(self, stream: int) -> bool:
-        """Whether ``stream`` is being captured into a CUDA graph (frees must wait)."""
-        if stream == 0:
-            return False
-        err, status = self._d.cuStreamIsCapturing(stream)
-        if int(err):
-            return False
-        return int(status) != int(self._d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
+        """Whether work on ``stream`` must wait for a graph capture (frees must wait).
+
+        The pools' rule (:func:`cupy_poolmem._streams.capture_status`): a stream being
+        captured, or one the driver will not touch because a capture is under way.
+        """
+        from .._streams import CAPTURE_NONE, capture_status
+
+        return capture_status(stream) != CAPTURE_NONE
