@@ -253,6 +253,51 @@ def test_a_fork_child_forgets_its_copy_of_a_connection_without_breaking_the_pare
     other.close()
 
 
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/proc, pidfds)")
+def test_a_receiver_keeps_no_descriptor_of_an_exporter_it_reached(monkeypatch):
+    """A receiver's connection kept a pidfd of its exporter after it closed: a consumer
+    fed by 24 short-lived producers held 24 descriptors of dead processes."""
+    other = os.getppid()  # a live process that is not this one: pidfds can be taken
+    monkeypatch.setattr(_transport, "_peer_cred", lambda sock: (other, os.getuid()))
+    served = []
+    lst = _transport.Listener(b"family key", served.append)
+    try:
+        before = _open_fds()
+        for _ in range(5):
+            client = _transport.connect(lst.address, b"family key")
+            assert wait_for(lambda: served)
+            server = served.pop()
+            assert client.peer._fd == -1, "the receiving end watches nobody"
+            if hasattr(os, "pidfd_open"):
+                assert server.peer._fd >= 0, "the exporter watches its receiver"
+            client.close()
+            server.close()
+            assert server.peer._fd >= 0 or not hasattr(os, "pidfd_open")  # kept to reap
+            server.peer.close()  # what the exporter's reaper does once the peer is gone
+        assert _open_fds() == before
+    finally:
+        lst.close()
+
+
+def test_a_fork_child_drops_its_copy_of_the_exporters_pidfd(monkeypatch):
+    monkeypatch.setattr(_transport, "_peer_cred", lambda sock: (os.getppid(), os.getuid()))
+    served = []
+    lst = _transport.Listener(b"family key", served.append)
+    try:
+        client = _transport.connect(lst.address, b"family key")
+        assert wait_for(lambda: served)
+        server = served.pop()
+        server.forget()  # as a fork child does with what it inherited
+        assert server.peer._fd == -1
+        client.close()
+    finally:
+        lst.close()
+
+
 def test_a_context_forked_after_cuda_init_refuses_to_share(world):
     e = world.proc("exporter")
     b = e.pool().alloc(KB, payload=1)

@@ -57,12 +57,14 @@ class PeerProcess:
     included, are closed then).  A pidfd taken while the peer is connected makes this
     immune to pid reuse; where pidfds are missing, the pid is polled.  A pid of 0
     (the peer lives in a pid namespace this process cannot see) cannot be watched.
+    Only the exporter watches its receivers (``watch=True``): a receiver that kept a
+    pidfd of every exporter it ever reached held one descriptor per dead producer.
     """
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, watch: bool = True) -> None:
         self.pid = pid
         self._fd = -1
-        if pid > 0 and pid != os.getpid() and hasattr(os, "pidfd_open"):
+        if watch and pid > 0 and pid != os.getpid() and hasattr(os, "pidfd_open"):
             try:
                 self._fd = os.pidfd_open(pid)
             except OSError:
@@ -174,12 +176,14 @@ class Conn:
 
     def forget(self) -> None:
         """In a forked child: drop this process's copy of the descriptor, without
-        touching the socket the parent still uses (no shutdown, no lock)."""
+        touching the socket the parent still uses (no shutdown, no lock); its copy of
+        the peer's pidfd goes too (nobody in the child waits on it)."""
         self.closed = True
         try:
             self._c.close()
         except OSError:
             pass
+        self.peer.close()
 
 
 def _wrap(sock: socket.socket, authkey: bytes, server: bool, timeout: float) -> Conn:
@@ -202,7 +206,7 @@ def _wrap(sock: socket.socket, authkey: bytes, server: bool, timeout: float) -> 
         raise
     finally:
         sock.close()
-    return Conn(c, PeerProcess(pid))
+    return Conn(c, PeerProcess(pid, watch=server))
 
 
 class Listener:
