@@ -508,11 +508,31 @@ def check_access(array: Any, device: Any = None) -> None:
     if managed:
         return
     what = f"memory of a {type(array).__module__.split('.')[0]}.{type(array).__name__}"
+    if owner >= 0:  # CuPy's own record of the array's GPU comes first
+        owner = int(getattr(getattr(array, "data", None), "device_id", owner))
     if pool == 0:  # cudaMalloc or registered memory: device-level peer access applies
         if owner >= 0 and owner != dev and not can_access_peer(dev, owner):
             raise _cannot_access(dev, owner, f" ({what})")
         return
+    if owner == dev and not has_access(pool, dev):
+        # A pool's own GPU always has access, so the driver named the wrong GPU (seen:
+        # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL said 0 for pool memory on GPU 1, driver 580).
+        owner = _pool_owner(pool, dev)
+        if owner < 0:
+            raise WrongDeviceError(
+                f"{what} (pool memory) is not accessible from GPU {dev}: its pool grants that "
+                f"GPU no access. Grant it with pool.peer_access = [{dev}] or 'all'."
+            )
     require_access(pool, owner, dev, what)
+
+
+def _pool_owner(pool_handle: int, not_this: int) -> int:
+    """A GPU that can use the pool ``pool_handle`` other than ``not_this`` (its owner when
+    nothing else was granted); ``-3`` when none can."""
+    for d in range(device_count()):
+        if d != not_this and has_access(pool_handle, d):
+            return d
+    return -3
 
 
 class AccessGrants:

@@ -429,6 +429,7 @@ def _cupy_like(ptr: int):
 def test_check_access_on_pool_memory(pointers):
     info, asked, granted = pointers
     info[0x100] = (0, 0xA0, False)  # GPU 0's pool 0xA0
+    granted.add((0xA0, 0))  # a pool's own GPU always has access (what the driver says)
     with pytest.raises(cpm.WrongDeviceError, match="GPU 0 is not accessible from GPU 1"):
         cpm.check_access(_cupy_like(0x100))  # default: the current device (1 here)
     cpm.check_access(_cupy_like(0x100), device=0)
@@ -436,6 +437,26 @@ def test_check_access_on_pool_memory(pointers):
     cpm.check_access(_cupy_like(0x100), device=1)
     with pytest.raises(cpm.UnsupportedError, match="GPU 3 cannot access memory of GPU 0"):
         cpm.check_access(_cupy_like(0x100), device=3)
+
+
+def test_check_access_when_the_driver_names_the_wrong_gpu(pointers):
+    """2 x H200, driver 580: CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL said 0 for memory of a
+    GPU 1 pool with peer_access=None, so check_access(x, device=0) passed and a kernel on
+    GPU 0 would have faulted with cudaErrorIllegalAddress."""
+    info, _, granted = pointers
+    info[0x500] = (0, 0xB0, False)  # the driver says GPU 0; the pool is GPU 1's
+    granted.add((0xB0, 1))
+    with pytest.raises(cpm.WrongDeviceError, match="GPU 1 is not accessible from GPU 0"):
+        cpm.check_access(_cupy_like(0x500), device=0)  # found from the pool's access
+    on_gpu1 = SimpleNamespace(data=SimpleNamespace(ptr=0x500, device_id=1))
+    with pytest.raises(cpm.WrongDeviceError, match="GPU 1 is not accessible from GPU 0"):
+        cpm.check_access(on_gpu1, device=0)  # CuPy's own record of the array's GPU
+    cpm.check_access(on_gpu1, device=1)
+    info[0x600] = (0, 0xB1, False)  # a pool nobody can use (closed under us)
+    with pytest.raises(cpm.WrongDeviceError, match="grants that GPU no access"):
+        cpm.check_access(_cupy_like(0x600), device=0)
+    granted.add((0xB0, 0))
+    cpm.check_access(on_gpu1, device=0)  # granted now
 
 
 def test_check_access_on_other_memory(pointers):
