@@ -511,6 +511,13 @@ def serialize(x: Any, context: Any = None) -> tuple[dict, list]:
 
 
 # -- receiving ----------------------------------------------------------------------------------
+def _worker_device() -> Any:
+    """A context manager making the worker's GPU current (CuPy's ``Device``)."""
+    import cupy
+
+    return cupy.cuda.Device(_state.device)
+
+
 def _receive(d: Any) -> tuple[Any, str]:
     """Map the block of ``d``: ``(array, "view" | "copy")`` on this worker's GPU."""
     import cupy
@@ -524,7 +531,7 @@ def _receive(d: Any) -> tuple[Any, str]:
     if dev == mine:
         return view, "view"
     try:
-        with cupy.cuda.Device(mine):
+        with _worker_device():
             order = "F" if view.flags.f_contiguous and not view.flags.c_contiguous else "C"
             out = cupy.empty(view.shape, view.dtype, order=order)
             stream = cupy.cuda.get_current_stream()
@@ -604,13 +611,12 @@ def _refetch(sender: str, header: dict, cause: BaseException) -> Any:
     data = reply.get("data")
     if not isinstance(data, Serialized):
         raise TransferError(f"{sender} answered a refetch with {type(data).__name__}")
-    import cupy
     from distributed.protocol.compression import decompress
 
     frames = data.frames
     if "compression" in data.header:
         frames = decompress(data.header, frames)
-    with cupy.cuda.Device(_state.device):
+    with _worker_device():
         return merge_and_deserialize(data.header, frames)
 
 
