@@ -443,9 +443,8 @@ def parse_header(sub: Any) -> tuple[Any, str]:
         raise _bad(f"sender={sender!r:.80}")
     raw = sub.get("desc")
     if not isinstance(raw, (list, tuple)) or len(raw) != _DESCRIPTOR_FIELDS:
-        raise _bad(
-            f"desc of {type(raw).__name__} with {len(raw) if hasattr(raw, '__len__') else '?'} fields"
-        )
+        n = len(raw) if isinstance(raw, (list, tuple, str, bytes)) else "?"
+        raise _bad(f"desc of {type(raw).__name__} with {n} fields")
     fields = list(raw)
     for i in (12, 13):  # shape, strides
         if isinstance(fields[i], list):
@@ -548,10 +547,11 @@ def deserialize(header: Any, frames: list) -> Any:
     """``dask_deserialize`` of ``cupy.ndarray``: the IPC header, else the original."""
     st = _state
     if not (isinstance(header, dict) and HEADER_KEY in header):
-        orig = st.orig_deserialize
-        if orig is None:
-            from distributed.protocol.cupy import dask_deserialize_cupy_ndarray as orig
-        return orig(header, frames)
+        if st.orig_deserialize is None:
+            from distributed.protocol.cupy import dask_deserialize_cupy_ndarray
+
+            return dask_deserialize_cupy_ndarray(header, frames)
+        return st.orig_deserialize(header, frames)
     d, sender = parse_header(header)
     try:
         arr, how = _receive(d)
@@ -691,7 +691,7 @@ def _unregister() -> None:
 
 def _handshake_dicts(worker: Any) -> list[dict[str, Any]]:
     """The connection-argument dicts of ``worker`` (its own and its rpc pool's)."""
-    out = []
+    out: list[dict[str, Any]] = []
     for obj in (worker, getattr(worker, "rpc", None)):
         ca = getattr(obj, "connection_args", None)
         if isinstance(ca, dict) and all(ca is not o for o in out):

@@ -112,12 +112,12 @@ def peer_copy(nbytes: int, repeats: int) -> tuple[float, bool]:
     return statistics.median(times), can
 
 
-def run_cluster(plugin: bool, sizes: list[int], repeats: int) -> dict[str, Any]:
+def run_cluster(plugin: bool, sizes: list[int], repeats: int) -> dict[tuple[str, Any], Any]:
     """Times per mode and size on one fresh two-worker cluster."""
     import dask_cuda
     from distributed import Client
 
-    out: dict[str, Any] = {}
+    out: dict[tuple[str, Any], Any] = {}
     with (
         dask_cuda.LocalCUDACluster(
             CUDA_VISIBLE_DEVICES="0,1",
@@ -136,9 +136,12 @@ def run_cluster(plugin: bool, sizes: list[int], repeats: int) -> dict[str, Any]:
         a, b = sorted(client.scheduler_info()["workers"])
         modes = ["floor", "tcp", "ipc"] if plugin else ["default"]
         for mode in modes:
+            before: dict = {}
             if plugin:
-                client.run(_set_ipc, mode == "ipc")
-            before = client.run(_counters) if plugin else None
+                ok = client.run(_set_ipc, mode == "ipc")
+                if not all(ok.values()):
+                    raise SystemExit(f"the transfer path is not installed on every worker: {ok}")
+                before = client.run(_counters)
             for n in sizes:
                 print(f"... {mode} {n / 2**20:.0f} MiB", file=sys.stderr, flush=True)
                 dst = a if mode == "floor" else b
