@@ -44,6 +44,7 @@ __all__ = [
     "OutOfPoolMemoryError",
     "PinnedOutOfMemoryError",
     "SharingError",
+    "TransferError",
     "MissingDependencyError",
     "LogFormatError",
     "UsageError",
@@ -94,6 +95,16 @@ class UnsupportedError(PoolmemError, RuntimeError):
 
 class SharingError(PoolmemError, RuntimeError):
     """An array could not be shared with, or received from, another process."""
+
+
+class TransferError(SharingError, ConnectionError):
+    """A Dask chunk sent through pool IPC could not be received, nor fetched again
+    through Dask's own serialization.
+
+    Derives from :class:`ConnectionError` (an :class:`OSError`): Dask's worker then
+    treats the sender as unreachable for that transfer (it asks the scheduler where
+    else the data is, or has it computed again) instead of marking the task failed.
+    """
 
 
 class CUDADriverError(PoolmemError, RuntimeError):

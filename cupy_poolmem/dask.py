@@ -16,6 +16,22 @@ Three ways to use it (all per worker process, one GPU per worker as dask-cuda ru
 
 3. :func:`gather_stats` collects every worker's pool statistics.
 
+With the plugin (either way), CuPy chunks that move between two workers of the same
+host go through pool IPC: only a small descriptor travels over the worker's comm,
+the receiver maps the block (same GPU: a zero-copy view; another GPU: one
+device-to-device copy into its own pool).  Everything else - other hosts, memory not
+on an IPC pool, peers without the plugin, any failure to map - takes Dask's own
+serialization.  :func:`transfer_stats` says which path each worker's chunks took.
+The ``distributed.comm.cupy-poolmem`` config keys switch it (see
+:mod:`cupy_poolmem._dask_transfer` for how it hooks into distributed)::
+
+    distributed:
+      comm:
+        cupy-poolmem:
+          ipc: true               # false: Dask's own serialization for every chunk
+          min-bytes: 1MiB         # smaller chunks take Dask's own path
+          refetch-timeout: 120s   # a receiver that cannot map asks the sender again
+
 On each worker the plugin creates (through :func:`cupy_poolmem.set_allocator`) the
 device pool of the worker's GPU, which is device 0 of the process when
 ``CUDA_VISIBLE_DEVICES`` lists it first, as dask-cuda arranges; with ``pinned=True``
@@ -59,11 +75,22 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         install='pip install "cupy_poolmem[dask]"',
     ) from _exc
 
+from . import _dask_transfer
+from ._dask_transfer import TransferConfig
 from ._device import require_gpu
 from ._errors import InvalidOptionError, NoGPUError, OptionTypeError, PoolClosedError
 from ._sizes import format_bytes, parse_bytes
 
-__all__ = ["PoolmemPlugin", "dask_setup", "dask_teardown", "gather_stats", "CONFIG_DEFAULTS"]
+__all__ = [
+    "PoolmemPlugin",
+    "dask_setup",
+    "dask_teardown",
+    "gather_stats",
+    "transfer_stats",
+    "TransferConfig",
+    "CONFIG_DEFAULTS",
+    "TRANSFER_CONFIG_DEFAULTS",
+]
 
 logger = logging.getLogger("cupy_poolmem.dask")
 
@@ -76,6 +103,12 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "ipc": True,
 }
 dask.config.update_defaults({"cupy-poolmem": dict(CONFIG_DEFAULTS)})
+
+#: Defaults of the ``distributed.comm.cupy-poolmem`` config section (same-host transfers).
+TRANSFER_CONFIG_DEFAULTS: dict[str, Any] = dict(_dask_transfer.CONFIG_DEFAULTS)
+dask.config.update_defaults(
+    {"distributed": {"comm": {"cupy-poolmem": dict(TRANSFER_CONFIG_DEFAULTS)}}}
+)
 
 _SIZE_OPTIONS = ("pool_size", "maximum_pool_size", "release_threshold")
 # What fractions are validated against before the device's real size is known.
@@ -183,6 +216,9 @@ class PoolmemPlugin(WorkerPlugin):
       again replaces the previous one (teardown, then setup).
     * Teardown closes the pools (live arrays stay valid until freed) and restores
       ``cupy.get_default_memory_pool().malloc`` and the default pinned pool.
+    * Setup also installs same-host transfers through pool IPC on the worker
+      (unless ``distributed.comm.cupy-poolmem.ipc`` is false); teardown removes them.
+      See :func:`transfer_stats`.
 
     Examples
     --------
@@ -340,13 +376,17 @@ class PoolmemPlugin(WorkerPlugin):
                 if self.pinned:
                     self._pinned_alloc = cupy_poolmem.set_pinned_memory_allocator()
                     self._pinned_alloc.pool(dev)
+            transfers = False
+            if worker is not None:
+                transfers = _dask_transfer.install(worker, dev)
         except BaseException:
-            self._restore()
+            self._restore(worker)
             raise
         self.device = dev
         logger.info(
             "cupy_poolmem on %s: device %d (%s, CUDA_VISIBLE_DEVICES=%s), pool_size=%s, "
-            "maximum_pool_size=%s, release_threshold=%s, pinned=%s, ipc=%s",
+            "maximum_pool_size=%s, release_threshold=%s, pinned=%s, ipc=%s, "
+            "same-host IPC transfers=%s",
             where,
             dev,
             _device_name(dev),
@@ -356,14 +396,18 @@ class PoolmemPlugin(WorkerPlugin):
             _fmt(sizes["release_threshold"]),
             self.pinned,
             self.ipc,
+            transfers,
         )
 
     def teardown(self, worker: Any = None) -> None:
         """Close the pools and restore CuPy's default device and pinned allocators."""
-        self._restore()
+        self._restore(worker)
 
-    def _restore(self) -> None:
+    def _restore(self, worker: Any = None) -> None:
         from . import _allocator
+
+        if worker is not None:
+            _dask_transfer.uninstall(worker)
 
         dev_alloc, pin_alloc = self._device_alloc, self._pinned_alloc
         self._device_alloc = self._pinned_alloc = None
@@ -505,3 +549,39 @@ def gather_stats(
     if kind not in ("device", "pinned"):
         raise InvalidOptionError(f"kind must be 'device' or 'pinned'; got {kind!r}")
     return client.run(_worker_stats, kind, workers=workers)
+
+
+def _worker_transfer_counters() -> dict:
+    return _dask_transfer.counters()
+
+
+def transfer_stats(client: Any, *, workers: list[str] | None = None) -> dict[str, dict]:
+    """How every worker's CuPy chunks travelled: through pool IPC, or Dask's own path.
+
+    Parameters
+    ----------
+    client : distributed.Client
+    workers : list of str, optional
+        Worker addresses; default all.
+
+    Returns
+    -------
+    dict
+        ``{worker_address: counters}``, counters being ``installed`` and ``ipc``
+        (the path is installed / switched on), ``sent_ipc`` and ``sent_ipc_bytes``
+        (chunks this worker sent as a descriptor), ``received_view`` (received on
+        the same GPU: zero-copy), ``received_copy`` (from another GPU: one device
+        copy), ``received_bytes``, ``refetched`` (could not be mapped, came again
+        through Dask's serialization), ``refetch_served`` (the sender's side of
+        that) and ``fallback``: ``{reason: count}`` of the chunks serialized
+        through Dask's own path here (``"peer-without-plugin"`` for the client,
+        ``"no-recipient"`` for spilling, ``"other-host"``, ``"small"`` ... see
+        ``cupy_poolmem._dask_transfer.REASONS``).
+
+    Examples
+    --------
+    >>> stats = transfer_stats(client)  # doctest: +SKIP
+    >>> sum(s["sent_ipc"] for s in stats.values())  # doctest: +SKIP
+    12
+    """
+    return client.run(_worker_transfer_counters, workers=workers)

@@ -97,6 +97,7 @@ def test_error_hierarchy():
         cpm.OutOfPoolMemoryError,
         cpm.PinnedOutOfMemoryError,
         cpm.SharingError,
+        cpm.TransferError,
         cpm.MissingDependencyError,
         cpm.LogFormatError,
         cpm.UsageError,
@@ -108,6 +109,8 @@ def test_error_hierarchy():
     assert issubclass(cpm.UsageError, RuntimeError)
     assert issubclass(cpm.HandleStateError, ValueError)
     assert issubclass(cpm.HandleStateError, cpm.SharingError)
+    assert issubclass(cpm.TransferError, cpm.SharingError)
+    assert issubclass(cpm.TransferError, ConnectionError)  # Dask: sender unreachable
 
 
 def test_every_exported_error_is_in_the_hierarchy():

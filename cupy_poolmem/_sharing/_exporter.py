@@ -342,6 +342,24 @@ class Exporter:
             rec.local += 1
         return LocalHold(self, rec)
 
+    def hold_live(self, export_id: int, export_data: bytes) -> LocalHold | None:
+        """Hold block ``export_id`` for a new local array while this process still
+        uses it (its block object is alive), whatever became of the message tickets;
+        None when the block is gone or is in limbo.
+
+        For a receiver that gave its message back (``Drop``) and asks the sender for
+        the data by another route: the sender's own arrays keep the block, so no
+        ticket is needed to read it here.
+        """
+        with self.lock:
+            rec = self.records.get(export_id)
+            if rec is None or rec.data != export_data or rec.in_limbo:
+                return None
+            if rec.block_ref() is None:
+                return None
+            rec.local += 1
+        return LocalHold(self, rec)
+
     def let_go_local(self, rec: Record) -> None:
         if self.abandoned:
             return

@@ -15,6 +15,7 @@ from ._exporter import LocalHold
 from ._importer import Imported
 
 __all__ = [
+    "array_on",
     "describe",
     "receive",
     "rebuild",
@@ -130,9 +131,6 @@ def receive(ctx: Any, d: _wire.Descriptor) -> tuple[Any, int]:
 
 def rebuild(desc: Any, *extra: Any) -> Any:
     """Receiver side of a shared array (also the round trip back to its exporter)."""
-    import cupy
-    import numpy as np
-
     if extra:  # an older cupy_poolmem's positional message
         raise _wire.ProtocolError(
             f"message format {desc!r} from a different cupy_poolmem version (this one reads "
@@ -140,6 +138,14 @@ def rebuild(desc: Any, *extra: Any) -> Any:
         )
     d = _wire.check_descriptor(desc)
     owner, dev = receive(context(), d)
+    return array_on(owner, d, dev)
+
+
+def array_on(owner: Any, d: _wire.Descriptor, dev: int) -> Any:
+    """The array ``d`` describes, on the memory ``owner`` holds (``dev``: its GPU)."""
+    import cupy
+    import numpy as np
+
     dt = np.dtype(d.dtype)
     if d.kind == "numpy":
         pmem = cupy.cuda.PinnedMemoryPointer(owner, 0)

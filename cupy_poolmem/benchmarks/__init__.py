@@ -7,6 +7,7 @@ They need a GPU; ``bench`` runs each in its own process (they spawn workers)::
     python -m cupy_poolmem bench                 # alloc, pinned, ipc
     python -m cupy_poolmem bench alloc --quick   # one of them, shorter
     python -m cupy_poolmem bench dask            # needs dask, distributed, dask-cuda
+    python -m cupy_poolmem bench transfer        # the same, and two GPUs
 
 or directly ``python -m cupy_poolmem.benchmarks.alloc [--quick]``.  In a source
 checkout, ``benchmarks/*.py`` are thin wrappers that run these modules.
@@ -20,6 +21,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "pinned": ("pinned_bandwidth", "pinned host copies vs cudaHostAlloc, cuda.core"),
     "ipc": ("ipc", "sharing through multiprocessing vs torch and CuPy pickling"),
     "dask": ("dask_workload", "Dask graphs: the plugin vs dask-cuda's allocators"),
+    "transfer": ("dask_transfer", "a CuPy chunk between two GPU workers: TCP vs pool IPC"),
 }
 
 #: What ``python -m cupy_poolmem bench`` runs when given no name.

@@ -1,6 +1,6 @@
 """Dask workloads on one GPU worker: the cupy_poolmem plugin against dask-cuda's allocators.
 
-Same run, same process, one fresh ``LocalCUDACluster`` (1 worker x 4 threads) per
+Same run, same process, ``LocalCUDACluster`` (1 worker x 4 threads, TCP) per
 configuration:
 
 * ``cupy_poolmem plugin``            ``client.register_plugin(PoolmemPlugin())``
@@ -9,17 +9,26 @@ configuration:
 * ``dask-cuda rmm_pool_size``        RMM pool, CuPy allocating through RMM   (needs rmm)
 * ``dask-cuda rmm_async``            RMM ``cudaMallocAsync``, CuPy through RMM (needs rmm)
 
+The three configurations that need no start-up option share one cluster (dask-cuda's
+default first, then the plugin registered, re-registered with ``pool_size``); the RMM
+ones get a cluster each.  Cluster start-ups were most of the old run time.
+
 Workloads (inputs generated on the GPU and persisted before timing):
 
-* compute-bound: ``((x + x.T) * 2 - 1).mean(0).sum()`` on 20000^2 float64 in 1000^2 chunks
+* compute-bound: ``((x + x.T) * 2 - 1).mean(0).sum()`` on 16000^2 float64 in 2000^2 chunks
 * allocation-heavy: a fused chain of 8 elementwise ops plus a transpose and a sum on
-  4000^2 float64 in 100^2 chunks (1600 small chunks, ~20 temporaries each)
+  4000^2 float64 in 250^2 chunks (256 chunks, ~20 temporaries each)
+
+Chunk counts stay in the hundreds: thousands of tiny tasks made the scheduler (in
+this process) the bottleneck, and starved the worker's heartbeats.
 
 Prints one table: median seconds per ``compute()`` and the ratio to ``rmm_pool_size``
-(or to dask-cuda's default when rmm is not installed).  Lower is better.
+(or to dask-cuda's default when rmm is not installed).  Lower is better.  The full
+run takes about 2-3 minutes on one GPU, ``--quick`` (smaller arrays, 2 repeats, the
+plugin, dask-cuda's default and ``rmm_pool_size`` only) well under 90 s.
 
 ``python -m cupy_poolmem bench dask [--quick]``, or for every option
-``python -m cupy_poolmem.benchmarks.dask_workload [--quick] [--repeats 5]
+``python -m cupy_poolmem.benchmarks.dask_workload [--quick] [--repeats 3]
 [--configs plugin,default]``
 """
 
@@ -109,9 +118,35 @@ def _worker_allocator() -> str:
     return f"{type(alloc).__module__}.{type(alloc).__name__}"  # cupy_poolmem's PoolAllocator
 
 
-def run_config(label: str, cluster_kw: dict, plugin, args) -> dict:
+def _run_workloads(client, args) -> dict:
+    from distributed import wait
+
+    out = {}
+    (out["allocator"],) = client.run(_worker_allocator).values()
+    for name, build, n, chunk in (
+        ("compute", compute_bound, args.n, args.chunk),
+        ("alloc", allocation_heavy, args.small_n, args.small_chunk),
+    ):
+        x = client.persist(_random(n, chunk, seed=1))
+        wait(x)
+        expr = build(x)
+        value = float(expr.compute())  # warm-up (and the value, checked across rows)
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            float(expr.compute())
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
+        out[name + "_value"] = value
+        del x, expr
+        client.run(_collect)
+    return out
+
+
+def run_cluster(cluster_kw: dict, phases: list[tuple[str, Any]], args) -> dict[str, dict]:
+    """One cluster; each phase ``(key, plugin or None)`` measured in turn on it."""
     import dask_cuda
-    from distributed import Client, wait
+    from distributed import Client
 
     out = {}
     with (
@@ -119,47 +154,43 @@ def run_config(label: str, cluster_kw: dict, plugin, args) -> dict:
             n_workers=1,
             threads_per_worker=args.threads,
             CUDA_VISIBLE_DEVICES=args.device,
+            protocol="tcp",
             dashboard_address=None,
             **cluster_kw,
         ) as cluster,
         Client(cluster) as client,
     ):
-        if plugin is not None:
-            client.register_plugin(plugin)
-        (out["allocator"],) = client.run(_worker_allocator).values()
-        for name, build, n, chunk in (
-            ("compute", compute_bound, args.n, args.chunk),
-            ("alloc", allocation_heavy, args.small_n, args.small_chunk),
-        ):
-            x = client.persist(_random(n, chunk, seed=1))
-            wait(x)
-            expr = build(x)
-            value = float(expr.compute())  # warm-up (and the value, checked across rows)
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                float(expr.compute())
-                times.append(time.perf_counter() - t0)
-            out[name] = statistics.median(times)
-            out[name + "_value"] = value
-            del x, expr
-            client.run(_collect)
-        if plugin is not None:
-            from cupy_poolmem.dask import gather_stats
+        client.wait_for_workers(1, timeout=120)
+        registered = False
+        for key, plugin in phases:
+            print(f"... {key}", file=sys.stderr, flush=True)
+            if plugin is not None:
+                client.register_plugin(plugin)  # replaces the previous one (teardown first)
+                registered = True
+            elif registered:
+                client.unregister_worker_plugin("cupy-poolmem")
+                registered = False
+            r = _run_workloads(client, args)
+            if plugin is not None:
+                from cupy_poolmem.dask import gather_stats
 
-            (st,) = gather_stats(client).values()
-            out["pool"] = (
-                f"{st['n_allocs']:,} allocs, peak used "
-                f"{st['peak_used_bytes'] / 2**30:.2f} GiB, reserved "
-                f"{st['reserved_bytes'] / 2**30:.2f} GiB"
-            )
+                (st,) = gather_stats(client).values()
+                r["pool"] = (
+                    f"{st['n_allocs']:,} allocs, peak used "
+                    f"{st['peak_used_bytes'] / 2**30:.2f} GiB, reserved "
+                    f"{st['reserved_bytes'] / 2**30:.2f} GiB"
+                )
+            out[key] = r
     return out
 
 
 def _collect() -> None:
     import gc
 
+    import cupy
+
     gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()  # the next phase starts clean
 
 
 def _versions() -> str:
@@ -177,11 +208,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="python -m cupy_poolmem.benchmarks.dask_workload",
         description=(__doc__ or "").splitlines()[0],
     )
-    ap.add_argument("--n", type=int, default=20000)
-    ap.add_argument("--chunk", type=int, default=1000)
+    ap.add_argument("--n", type=int, default=16000)
+    ap.add_argument("--chunk", type=int, default=2000)
     ap.add_argument("--small-n", type=int, default=4000)
-    ap.add_argument("--small-chunk", type=int, default=100)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--small-chunk", type=int, default=250)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=4)
     ap.add_argument("--device", default="0", help="CUDA_VISIBLE_DEVICES for the worker")
     ap.add_argument(
@@ -194,10 +225,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="",
         help="comma-separated subset: plugin,plugin_pool,default,rmm_pool,rmm_async",
     )
-    ap.add_argument("--quick", action="store_true", help="smaller arrays, 2 repeats")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller arrays, 2 repeats, configs plugin, default and rmm_pool",
+    )
     args = ap.parse_args(argv)
     if args.quick:
-        args.n, args.chunk, args.small_n, args.repeats = 8000, 1000, 2000, 2
+        args.n, args.chunk, args.small_n, args.repeats = 8000, 2000, 2000, 2
+        if not args.configs:
+            args.configs = "plugin,default,rmm_pool"
 
     for mod in ("dask", "distributed", "dask_cuda"):
         if importlib.util.find_spec(mod) is None:
@@ -210,10 +247,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     wanted = {c for c in args.configs.split(",") if c}
     configs = [c for c in _configs(args.pool_size, have_rmm) if not wanted or c[3] in wanted]
 
-    results = {}
-    for label, kw, plugin, key in configs:
-        print(f"... {label}", file=sys.stderr, flush=True)
-        results[key] = (label, run_config(label, kw, plugin, args))
+    t_start = time.perf_counter()
+    labels = {key: label for label, _, _, key in configs}
+    # Configurations without cluster options share one cluster: dask-cuda's default
+    # first (CuPy's pool, emptied after), then the plugin phases.
+    shared = [(key, plugin) for _, kw, plugin, key in configs if not kw]
+    shared.sort(key=lambda p: p[1] is not None)
+    measured: dict[str, dict] = {}
+    if shared:
+        measured.update(run_cluster({}, shared, args))
+    for _label, kw, plugin, key in configs:
+        if kw:
+            measured.update(run_cluster(kw, [(key, plugin)], args))
+    results = {key: (labels[key], measured[key]) for _, _, _, key in configs}
 
     base_key = "rmm_pool" if "rmm_pool" in results else "default"
     if base_key not in results:
@@ -234,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     print(
         header(
-            "Dask workloads, 1 LocalCUDACluster worker x "
+            "Dask workloads, 1 LocalCUDACluster worker (TCP) x "
             f"{args.threads} threads (median of {args.repeats})"
         )
     )
@@ -266,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     values = {round(r["compute_value"], 3) for _, r in results.values()}
     if len(values) > 1:
         print(f"note: compute-bound results differ across rows: {sorted(values)}")
+    print(f"(run took {time.perf_counter() - t_start:.0f} s)")
 
 
 if __name__ == "__main__":
