@@ -83,6 +83,9 @@ class World:
         mp.setattr(cupy.cuda, "get_current_stream", lambda *a: self.current)
         mp.setattr(_streams, "capture_info", lambda s: self.status.get(s, (0, 0)))
         mp.setattr(_streams, "capture_status", lambda s: self.status.get(s, (0, 0))[0])
+        # Streams noted as capturing here are pretend handles: they must not stay in the
+        # module's registry, where a GPU test's real driver query of one crashed.
+        mp.setattr(_streams, "_capturing", {})
         mp.setattr(tp, "_drv", FakeDriver(self, tp._drv))
         mp.setattr(tp, "_set_attr", lambda *a: None)
 
