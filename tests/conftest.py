@@ -20,8 +20,8 @@ def pytest_collection_modifyitems(config, items):
         elif "multigpu" in item.keywords and N_GPUS < 2:
             item.add_marker(one_gpu)
     if N_GPUS:
-        # On a GPU machine the GPU tests run first.  The CPU tests drive the pools and
-        # the guard against fakes of the driver in this same process; a fake block that
+        # On a GPU machine the GPU tests run first.  The CPU tests drive the pools
+        # against fakes of the driver in this same process; a fake block that
         # outlives its test (collected after the fakes are undone) reaches the real
         # driver with a pretend pointer and stream, and a later GPU test crashed
         # (SIGSEGV / SIGFPE in the driver).  `.ci/gpu tests` also runs the two halves
