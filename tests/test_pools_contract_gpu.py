@@ -16,22 +16,10 @@ import cupy_poolmem as cpm
 pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
+
+from _waits import spin  # noqa: E402
+
 cupyx = pytest.importorskip("cupyx")
-
-_SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-}
-"""
-
-
-def spin(ms: float, stream) -> None:
-    """Keep ``stream`` busy for about ``ms`` milliseconds (a long-running kernel)."""
-    k = cupy.RawKernel(_SPIN, "spin")
-    rate = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)  # kHz
-    with stream:
-        k((1,), (1,), (np.int64(int(ms * rate)),))
 
 
 def _graph_mem_used() -> int:

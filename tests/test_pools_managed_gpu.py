@@ -13,19 +13,7 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 
-_SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-}
-"""
-
-
-def spin(ms: float, stream) -> None:
-    k = cupy.RawKernel(_SPIN, "spin")
-    rate = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)
-    with stream:
-        k((1,), (1,), (np.int64(int(ms * rate)),))
+from _waits import spin  # noqa: E402
 
 
 def _small_enough(nbytes: int) -> None:

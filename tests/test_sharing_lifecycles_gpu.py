@@ -20,27 +20,17 @@ import pytest
 
 import cupy_poolmem as cpm
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("ipc_allocator")]
 
 cupy = pytest.importorskip("cupy")
 
 import _mp_lifecycle as L  # noqa: E402
-from _waits import join, wait_for  # noqa: E402
+from _waits import ipc_allocator  # noqa: E402, F401 - the module fixture
+from _waits import join as _join  # noqa: E402
+from _waits import wait_for as _wait_for  # noqa: E402
 
 TIMEOUT = 120
 SPAWN = mp.get_context("spawn")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ipc_allocator():
-    before = cupy.cuda.get_allocator()
-    alloc = cpm.set_allocator()
-    yield alloc
-    cupy.cuda.set_allocator(before)
-
-
-_join = join
-_wait_for = wait_for
 
 
 def _settled():
