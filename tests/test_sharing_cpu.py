@@ -1314,6 +1314,46 @@ def test_well_formed_descriptors_pass_the_check():
     _wire.check_descriptor(_descriptor(shape=(4,), strides=(0,)))  # broadcast
 
 
+def test_the_fast_descriptor_check_and_the_field_by_field_list_agree():
+    """check_descriptor accepts in one expression; _problem names the failing field.
+    Random descriptors (mostly broken) must get the same verdict from both."""
+    import random
+
+    rng = random.Random(7)
+    choices = {
+        "version": [_wire.VERSION, _wire.VERSION + 1],
+        "kind": ["cupy", "numpy", "torch", 1],
+        "address": ["/tmp/x/s", b"/tmp", None],
+        "pool_uuid": ["pool", 3],
+        "device_uuid": ["GPU-x", "", None],
+        "pool_kind": [0, 1, 2, 3, True],
+        "export_id": [1, 0, 2**64, 2**64 - 1, 1.0, True],
+        "export_data": [b"\0" * 64, b"\0" * 63, "x" * 64],
+        "size": [1024, 0, -5, 8, 1024.0],
+        "ticket": [b"\1" * 16, b"\1" * 17, None],
+        "event": [None, b"\2" * 64, b"\2" * 8, "e"],
+        "offset": [0, 4, 1020, 1024, 1025, -1, False],
+        "shape": [(256,), (0,), (1,), (-1,), [256], (16, 16), (2, True), (300,)],
+        "strides": [(4,), (-4,), (0,), (64, 4), (4, 4), [4], (4.0,)],
+        "dtype": ["<f4", "<f8", "|u1", "O", "nope", 5, "<c16"],
+    }
+    verdicts = set()
+    for _ in range(4000):
+        change = {k: rng.choice(v) for k, v in choices.items() if rng.random() < 0.3}
+        d = _descriptor(**change)
+        problem = _wire._problem(d)
+        try:
+            _wire.check_descriptor(d)
+            ok = True
+        except _wire.ProtocolError as exc:
+            ok = False
+            assert problem is not None and str(exc) == problem, (change, problem, exc)
+        assert ok == (problem is None), (change, problem)
+        verdicts.add(ok)
+    assert verdicts == {True, False}
+    assert _wire._problem(tuple(_descriptor())) is not None
+
+
 # -- 12. races found while writing these tests ---------------------------------------------------
 def test_a_dead_receivers_events_stay_open_while_a_free_waits_on_them(world):
     e, r, core = _exporter_receiver(world)

@@ -24,6 +24,7 @@ from .._device import (
     on_device,
 )
 from .._errors import check_driver
+from .._streams import CAPTURE_NONE, capture_status
 from ._wire import POOL_PINNED
 
 __all__ = ["Driver"]
@@ -187,6 +188,4 @@ class Driver:
         The pools' rule (:func:`cupy_poolmem._streams.capture_status`): a stream being
         captured, or one the driver will not touch because a capture is under way.
         """
-        from .._streams import CAPTURE_NONE, capture_status
-
         return capture_status(stream) != CAPTURE_NONE

@@ -26,26 +26,35 @@ __all__ = [
 ]
 
 
-def _owner(mem: Any) -> Any:
-    """The pool Block, Imported or LocalHold behind CuPy (or pinned) memory, else None."""
+def _hotpath() -> Any:
+    """The hot-path module the pools use (Cython or its pure-Python twin)."""
     from .._pools import _hp
 
+    return _hp
+
+
+def _owner(mem: Any, hp: Any = None) -> Any:
+    """The pool Block, Imported or LocalHold behind CuPy (or pinned) memory, else None.
+
+    ``hp``: the hot-path module, when the caller has it at hand already."""
+    if hp is None:
+        hp = _hotpath()
     owner = getattr(mem, "_owner", None)
-    if owner is None and isinstance(mem, (_hp.Block, Imported, LocalHold)):
+    if owner is None and isinstance(mem, (hp.Block, Imported, LocalHold)):
         owner = mem
     return owner
 
 
-def _shareable(owner: Any) -> bool:
-    from .._pools import _hp
-
+def _shareable(owner: Any, hp: Any = None) -> bool:
+    if hp is None:
+        hp = _hotpath()
     if isinstance(owner, (Imported, LocalHold)):
         return True
     return (
-        isinstance(owner, _hp.Block)
+        isinstance(owner, hp.Block)
         and getattr(owner.core, "ipc", False)
         and not owner.core.closed
-        and not owner.flags & _hp.FLAG_CAPTURED  # graph memory cannot be exported
+        and not owner.flags & hp.FLAG_CAPTURED  # graph memory cannot be exported
     )
 
 
@@ -156,12 +165,13 @@ def array_on(owner: Any, d: _wire.Descriptor, dev: int) -> Any:
 
 def reduce_cupy(arr: Any) -> tuple:
     """Reduce a ``cupy.ndarray`` for multiprocessing: zero-copy when its pool allows it."""
-    import cupy
-
+    hp = _hotpath()
     mem = arr.data.mem
-    owner = _owner(mem)
-    if arr.size == 0 or owner is None or not _shareable(owner):
-        ctx = context()
+    owner = _owner(mem, hp)
+    ctx = context()
+    if arr.size == 0 or owner is None or not _shareable(owner, hp):
+        import cupy
+
         fb = ctx.settings.fallback
         if fb == "host" or arr.size == 0:
             return arr.__reduce__()
@@ -176,9 +186,9 @@ def reduce_cupy(arr: Any) -> tuple:
             with cupy.cuda.using_allocator(pool.malloc):
                 arr = cupy.array(arr, copy=True, order="K")
         mem = arr.data.mem
-        owner = _owner(mem)
+        owner = _owner(mem, hp)
     offset = arr.data.ptr - owner.ptr
-    d = describe(context(), owner, "cupy", offset, arr.shape, arr.strides, arr.dtype.str)
+    d = describe(ctx, owner, "cupy", offset, arr.shape, arr.strides, arr.dtype.str)
     return rebuild, (d,)
 
 
@@ -189,9 +199,10 @@ def reduce_numpy(arr: Any) -> tuple:
     base = arr
     while isinstance(base, np.ndarray) and base.base is not None:
         base = base.base
+    hp = _hotpath()
     owner = getattr(base, "mem", None)
-    owner = _owner(owner) if owner is not None else None
-    if owner is None or not _shareable(owner) or arr.size == 0:
+    owner = _owner(owner, hp) if owner is not None else None
+    if owner is None or not _shareable(owner, hp) or arr.size == 0:
         return arr.__reduce_ex__(4)
     offset = arr.__array_interface__["data"][0] - owner.ptr
     d = describe(context(), owner, "numpy", offset, arr.shape, arr.strides, arr.dtype.str)

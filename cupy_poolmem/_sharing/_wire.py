@@ -73,48 +73,97 @@ class Descriptor(NamedTuple):
     dtype: str
 
 
+_KINDS = ("cupy", "numpy")
+_POOL_KINDS = (POOL_DEVICE, POOL_PINNED, POOL_MANAGED)
+
+
 def check_descriptor(d: object) -> Descriptor:
-    """Return ``d`` if it is a well-formed descriptor of this version, else raise."""
-    if not isinstance(d, Descriptor):
-        raise ProtocolError(
+    """Return ``d`` if it is a well-formed descriptor of this version, else raise.
+
+    Every message takes this check, so the accepting path is one expression; what
+    :func:`_reject` names on failure is the same list of conditions, field by field.
+    """
+    if type(d) is not Descriptor or d.version != VERSION:
+        raise ProtocolError(_problem(d))
+    assert isinstance(d, Descriptor)
+    item = _itemsize(d.dtype)
+    shape, strides = d.shape, d.strides
+    if (
+        d.kind in _KINDS
+        and type(d.address) is str
+        and type(d.pool_uuid) is str
+        and type(d.device_uuid) is str
+        and d.pool_kind in _POOL_KINDS
+        and type(d.export_id) is int
+        and 0 < d.export_id < 2**64
+        and type(d.export_data) is bytes
+        and len(d.export_data) == HANDLE_BYTES
+        and type(d.size) is int
+        and d.size > 0
+        and type(d.ticket) is bytes
+        and len(d.ticket) == TICKET_BYTES
+        and (d.event is None or (type(d.event) is bytes and len(d.event) == HANDLE_BYTES))
+        and type(d.offset) is int
+        and 0 <= d.offset <= d.size
+        and type(shape) is tuple
+        and type(strides) is tuple
+        and len(strides) == len(shape)
+        and all(type(n) is int and n >= 0 for n in shape)
+        and all(type(st) is int for st in strides)
+        and item > 0
+        and _fits(d, item)
+    ):
+        return d
+    raise ProtocolError(_problem(d) or "a shared array's descriptor is malformed")
+
+
+def _problem(d: object) -> str | None:
+    """What is wrong with descriptor ``d``, checked one condition at a time (None: nothing)."""
+    if type(d) is not Descriptor:
+        return (
             f"a shared array arrived in a format this cupy_poolmem cannot read "
             f"({type(d).__name__}); install one cupy_poolmem version in every process"
         )
     if d.version != VERSION:
-        raise ProtocolError(
+        return (
             f"message format {d.version} from a different cupy_poolmem version (this one "
             f"reads format {VERSION}); install one cupy_poolmem version in every process"
         )
     checks = (
-        ("kind", lambda: d.kind in ("cupy", "numpy")),
-        ("address", lambda: isinstance(d.address, str)),
-        ("pool_uuid", lambda: isinstance(d.pool_uuid, str)),
-        ("device_uuid", lambda: isinstance(d.device_uuid, str)),
-        ("pool_kind", lambda: d.pool_kind in (POOL_DEVICE, POOL_PINNED, POOL_MANAGED)),
+        ("kind", lambda: d.kind in _KINDS),
+        ("address", lambda: type(d.address) is str),
+        ("pool_uuid", lambda: type(d.pool_uuid) is str),
+        ("device_uuid", lambda: type(d.device_uuid) is str),
+        ("pool_kind", lambda: d.pool_kind in _POOL_KINDS),
         ("export_id", lambda: _int(d.export_id) and 0 < d.export_id < 2**64),
         ("export_data", lambda: _bytes(d.export_data, HANDLE_BYTES)),
         ("size", lambda: _int(d.size) and d.size > 0),
         ("ticket", lambda: _bytes(d.ticket, TICKET_BYTES)),
         ("event", lambda: d.event is None or _bytes(d.event, HANDLE_BYTES)),
         ("offset", lambda: _int(d.offset) and 0 <= d.offset <= d.size),
-        ("shape", lambda: isinstance(d.shape, tuple) and all(_int(n) and n >= 0 for n in d.shape)),
-        ("strides", lambda: isinstance(d.strides, tuple) and len(d.strides) == len(d.shape)),
-        ("strides", lambda: all(_int(st) for st in d.strides)),
+        ("shape", lambda: type(d.shape) is tuple and all(_int(n) and n >= 0 for n in d.shape)),
+        (
+            "strides",
+            lambda: (
+                type(d.strides) is tuple
+                and len(d.strides) == len(d.shape)
+                and all(_int(st) for st in d.strides)
+            ),
+        ),
         ("dtype", lambda: _itemsize(d.dtype) > 0),
-        ("", lambda: _fits(d)),  # every element lies inside the block
     )
     for name, ok in checks:
         if not ok():
-            what = (
-                f"{name}={getattr(d, name)!r:.80}"
-                if name
-                else f"an array of shape {d.shape}, strides {d.strides} and dtype {d.dtype} at "
-                f"offset {d.offset} does not fit its {d.size}-byte block"
-            )
-            raise ProtocolError(
-                f"a shared array's descriptor is malformed ({what}); it was not mapped"
-            )
-    return d
+            what = f"{name}={getattr(d, name)!r:.80}"
+            break
+    else:
+        if _fits(d, _itemsize(d.dtype)):
+            return None
+        what = (
+            f"an array of shape {d.shape}, strides {d.strides} and dtype {d.dtype} at "
+            f"offset {d.offset} does not fit its {d.size}-byte block"
+        )
+    return f"a shared array's descriptor is malformed ({what}); it was not mapped"
 
 
 def _int(v: object) -> bool:
@@ -122,25 +171,35 @@ def _int(v: object) -> bool:
 
 
 def _bytes(v: object, n: int) -> bool:
-    return isinstance(v, bytes) and len(v) == n
+    return type(v) is bytes and len(v) == n
+
+
+_ITEMSIZES: dict[str, int] = {}  # dtype string -> item size (0: refused); a few entries
 
 
 def _itemsize(dtype: object) -> int:
     """The item size of a dtype string; 0 for anything else, and for object dtypes (the
     receiver would read pointers out of shared memory)."""
+    if type(dtype) is not str:
+        return 0
+    n = _ITEMSIZES.get(dtype)
+    if n is not None:
+        return n
     import numpy as np
 
-    if not isinstance(dtype, str):
-        return 0
     try:
         dt = np.dtype(dtype)
     except Exception:
         return 0
-    return 0 if dt.hasobject else dt.itemsize
+    n = 0 if dt.hasobject else dt.itemsize
+    if len(_ITEMSIZES) < 256:  # what peers send cannot grow it without bound
+        _ITEMSIZES[dtype] = n
+    return n
 
 
-def _fits(d: Descriptor) -> bool:
-    """Whether the array ``d`` describes lies within its block (an empty one always)."""
+def _fits(d: Descriptor, item: int) -> bool:
+    """Whether the array ``d`` describes (items of ``item`` bytes) lies within its block
+    (an empty one always)."""
     if 0 in d.shape:
         return True
     lo = hi = d.offset
@@ -150,7 +209,7 @@ def _fits(d: Descriptor) -> bool:
             lo += span
         else:
             hi += span
-    return lo >= 0 and hi + _itemsize(d.dtype) <= d.size
+    return lo >= 0 and hi + item <= d.size
 
 
 # -- frames ---------------------------------------------------------------------------------
