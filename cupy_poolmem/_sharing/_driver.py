@@ -51,6 +51,7 @@ class Driver:
         # (device, stream) -> (CUevent, handle bytes): re-recorded for each message, so a
         # receiver that waits after a later re-record waits for more work, never less.
         self._ipc_events: dict[tuple[int, int], tuple[Any, bytes]] = {}
+        self._get_stream: Any = None  # cupy.cuda.get_current_stream, once imported
 
     # -- devices ------------------------------------------------------------------------
     def on_device(self, dev: int) -> on_device:
@@ -70,9 +71,12 @@ class Driver:
 
     def current_stream(self) -> Any:
         """CuPy's current stream object in this thread."""
-        import cupy
+        get = self._get_stream
+        if get is None:
+            import cupy
 
-        return cupy.cuda.get_current_stream()
+            get = self._get_stream = cupy.cuda.get_current_stream
+        return get()
 
     # -- allocations ----------------------------------------------------------------------
     def export_pointer(self, ptr: int) -> bytes:

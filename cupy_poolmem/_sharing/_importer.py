@@ -551,6 +551,8 @@ class Importer:
 
     def _tell(self, out: list[tuple[Mapping, Any]]) -> None:
         """Send ``unmap`` for mappings just freed; tidy up after exporters that are gone."""
+        if not out:
+            return
         gone = set()
         for m, handle in out:
             c = m.client

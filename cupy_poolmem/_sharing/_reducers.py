@@ -153,14 +153,14 @@ def rebuild(desc: Any, *extra: Any) -> Any:
 def array_on(owner: Any, d: _wire.Descriptor, dev: int) -> Any:
     """The array ``d`` describes, on the memory ``owner`` holds (``dev``: its GPU)."""
     import cupy
-    import numpy as np
 
-    dt = np.dtype(d.dtype)
     if d.kind == "numpy":
+        import numpy as np
+
         pmem = cupy.cuda.PinnedMemoryPointer(owner, 0)
-        return np.ndarray(d.shape, dt, buffer=pmem, offset=d.offset, strides=d.strides)
+        return np.ndarray(d.shape, d.dtype, buffer=pmem, offset=d.offset, strides=d.strides)
     mem = cupy.cuda.UnownedMemory(owner.ptr, d.size, owner, dev)
-    return cupy.ndarray(d.shape, dt, cupy.cuda.MemoryPointer(mem, d.offset), d.strides)
+    return cupy.ndarray(d.shape, d.dtype, cupy.cuda.MemoryPointer(mem, d.offset), d.strides)
 
 
 def reduce_cupy(arr: Any) -> tuple:
