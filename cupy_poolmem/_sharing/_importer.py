@@ -39,17 +39,7 @@ LEGACY_STREAM = _Stream(0)
 class ImportedPool:
     """An exporter's pool imported into this process (one per pool, whoever asked)."""
 
-    __slots__ = (
-        "uuid",
-        "handle",
-        "keepalive",
-        "dev",
-        "kind",
-        "users",
-        "client",
-        "granted",
-        "frees",
-    )
+    __slots__ = ("uuid", "handle", "keepalive", "dev", "kind", "users", "client", "granted")
 
     def __init__(self, uuid: str, handle: int, keepalive: Any, dev: int, kind: int) -> None:
         self.uuid, self.handle, self.keepalive = uuid, handle, keepalive
@@ -57,9 +47,6 @@ class ImportedPool:
         self.users = 0  # mappings of this pool alive here
         self.client: Client | None = None  # the exporter it came from, when known
         self.granted: set[int] = set()  # devices given access to it here
-        # stream -> this process's IPC event of that stream, recorded after the latest
-        # free of one of its mappings there (see Importer._close_pool)
-        self.frees: dict[int, Any] = {}
 
 
 class Mapping:
@@ -526,7 +513,6 @@ class Importer:
             _warn_kept("unmapping a shared block", exc)
             return _KEEP
         ev, handle = self.driver.record_ipc_event(m.dev, sptr)
-        m.pool.frees[sptr] = ev
         self.closing[m.key] = ev
         if len(self.closing) > _CLOSING_MAX:
             # Forgetting it, a re-import would not wait for that free: make sure it ran.
@@ -550,8 +536,6 @@ class Importer:
 
     def _tell(self, out: list[tuple[Mapping, Any]]) -> None:
         """Send ``unmap`` for mappings just freed; tidy up after exporters that are gone."""
-        if not out:
-            return
         gone = set()
         for m, handle in out:
             c = m.client
@@ -634,24 +618,8 @@ class Importer:
             except Exception:
                 pass
         for p in pools:
-            self._close_pool(p)
-
-    def _close_pool(self, p: ImportedPool) -> None:
-        """Destroy an imported pool nothing maps any more, once its frees have run.
-
-        Destroying an imported pool while a free of its memory is pending is legal, but
-        the driver (580) then keeps a descriptor of ``/dev/nvidiactl`` open for good, and
-        so it does when the frees are done but no call synchronised with them (seen on
-        an H100: one descriptor per pool; a long-lived receiver of short-lived producers
-        runs out).  This waits on the host for the event recorded after each stream's
-        latest free of its memory (done already, unless that stream is still busy).
-        """
-        with self.driver.on_device(p.dev):
-            for ev in p.frees.values():
-                self.driver.sync_event(ev)
-        p.frees.clear()
-        self.driver.forget_pool(p.handle)
-        self.driver.close_pool(p.keepalive)
+            self.driver.forget_pool(p.handle)
+            self.driver.close_pool(p.keepalive)
 
     # -- frees during graph capture ----------------------------------------------------------------
     def _schedule_deferred(self) -> None:
