@@ -8,6 +8,7 @@ that the fake recorded no driver-rule violation.  See ``tests/_sharing_fakes.py`
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import os
@@ -311,6 +312,31 @@ def test_a_context_forked_after_cuda_init_refuses_to_share(world):
     del b
 
 
+@contextlib.contextmanager
+def _held_by_another_thread(lock):
+    """``lock`` is held by another thread (a parent's thread at a fork) inside the block."""
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with lock:
+            held.set()
+            done.wait(10.0)
+
+    t = _started(hold)
+    held.wait()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
+
+
+def _started(fn):
+    t = threading.Thread(target=fn)
+    t.start()
+    return t
+
+
 def test_arrays_a_fork_child_inherited_are_let_go_without_locks_or_the_driver(world):
     e = world.proc("exporter")
     core = e.pool()
@@ -321,25 +347,13 @@ def test_arrays_a_fork_child_inherited_are_let_go_without_locks_or_the_driver(wo
     inherited = [b, hold, b2]
     del b, hold, b2
     # A parent thread held the exporter's lock at the fork: it never runs in the child.
-    held, done = threading.Event(), threading.Event()
-
-    def parent_thread():
-        with e.exporter.lock:
-            held.set()
-            done.wait(10.0)
-
-    t = threading.Thread(target=parent_thread)
-    t.start()
-    held.wait()
-    address = e.exporter.address
-    e.ctx.abandon()  # what the fork child's hook does with the parent's sharing state
-    n_log = len(world.gpu.log)
-    child = threading.Thread(target=inherited.clear)  # the child lets its arrays go
-    child.start()
-    child.join(2.0)
-    stuck = child.is_alive()
-    done.set()
-    t.join()
+    with _held_by_another_thread(e.exporter.lock):
+        address = e.exporter.address
+        e.ctx.abandon()  # what the fork child's hook does with the parent's sharing state
+        n_log = len(world.gpu.log)
+        child = _started(inherited.clear)  # the child lets its arrays go
+        child.join(2.0)
+        stuck = child.is_alive()
     child.join()
     with socket.socket(socket.AF_UNIX) as s:  # wake the abandoned listener's thread
         s.connect(address)
@@ -351,32 +365,20 @@ def test_received_arrays_a_fork_child_inherited_are_let_go_without_locks_or_the_
     e, r, core = _exporter_receiver(world)
     b = core.alloc(KB, payload=1)
     inherited = [r.recv(e.send(b))]
-    held, done = threading.Event(), threading.Event()
+    with _held_by_another_thread(r.importer.lock):
+        r.ctx.abandon()
+        n_log = len([x for x in world.gpu.log if x[0] == "receiver"])
+        m = inherited[0].m
+        syncs = []
+        r.driver.sync_stream = syncs.append  # a Numba handle let go syncs the device
 
-    def parent_thread():
-        with r.importer.lock:
-            held.set()
-            done.wait(10.0)
+        def child_lets_go():
+            r.importer.close_raw(m)  # a Numba handle on the same mapping
+            inherited.clear()
 
-    t = threading.Thread(target=parent_thread)
-    t.start()
-    held.wait()
-    r.ctx.abandon()
-    n_log = len([x for x in world.gpu.log if x[0] == "receiver"])
-    m = inherited[0].m
-    syncs = []
-    r.driver.sync_stream = syncs.append  # a Numba handle let go syncs the device
-
-    def child_lets_go():
-        r.importer.close_raw(m)  # a Numba handle on the same mapping
-        inherited.clear()
-
-    child = threading.Thread(target=child_lets_go)
-    child.start()
-    child.join(2.0)
-    stuck = child.is_alive()
-    done.set()
-    t.join()
+        child = _started(child_lets_go)
+        child.join(2.0)
+        stuck = child.is_alive()
     child.join()
     assert not stuck, "a fork child's array waited for a lock its parent's thread held"
     assert len([x for x in world.gpu.log if x[0] == "receiver"]) == n_log and syncs == []
