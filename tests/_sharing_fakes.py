@@ -161,6 +161,9 @@ class _Proc:
         self.name = name
         self.alive = True
         self.host: Clock = {}
+        # what a synchronising call (not a query) saw complete: the driver settles the
+        # frees of an imported pool only there (see close_pool)
+        self.synced: Clock = {}
         self.lanes: dict[int, Clock] = {}
         self.imports: dict[int, _Import] = {}  # local ptr -> import (live or freed)
         self.pool_imports: dict[int, FakePoolImport] = {}
@@ -225,6 +228,11 @@ class FakeGPU:
         """``p``'s host waited for the work ``clock`` covers: it is complete."""
         _merge(p.host, clock)
         _merge(self.done, clock)
+
+    def host_synced(self, p: _Proc, clock: Clock | None) -> None:
+        """Like :meth:`host_waited`, through a synchronising call (not a query)."""
+        self.host_waited(p, clock)
+        _merge(p.synced, clock)
 
     # -- pools and allocations (the exporter's side) ------------------------------------
     def new_pool(self, owner: _Proc, device: int, kind: int, fd: int) -> _Pool:
@@ -494,11 +502,21 @@ class FakeDriver:
             if keepalive.closed:
                 g.violate(f"{self._name} closed imported pool {keepalive.pool.id} twice")
             keepalive.closed = True
+            synced = self._p.synced
             for imp in self._p.imports.values():
-                if imp.alloc.pool is keepalive.pool and not imp.dead and imp.freed is None:
+                if imp.alloc.pool is not keepalive.pool or imp.dead:
+                    continue
+                if imp.freed is None:
                     g.violate(
                         f"{self._name} closed imported pool {keepalive.pool.id} while it maps "
                         f"{imp.alloc.ptr:#x}"
+                    )
+                elif not _covered(imp.freed, synced):
+                    # legal for the driver, but on driver 580 it leaks a descriptor unless
+                    # a synchronising call saw the free done (a query is not enough)
+                    g.violate(
+                        f"{self._name} closed imported pool {keepalive.pool.id} before a "
+                        f"synchronising call saw its free of {imp.alloc.ptr:#x} done"
                     )
             g.log.append((self._name, "close_pool", keepalive.pool.id))
 
@@ -561,7 +579,7 @@ class FakeDriver:
         g = self._gpu
         with g.lock:
             for h in self._p.ipc_events.values():
-                g.host_waited(self._p, h.event.snap)
+                g.host_synced(self._p, h.event.snap)
 
     def open_event(self, handle: bytes) -> Any:
         self._hook("open_event", handle)
@@ -598,7 +616,7 @@ class FakeDriver:
         with g.lock:
             e = self._use(ev, "sync")
             if e is not None:
-                g.host_waited(self._p, e.snap)
+                g.host_synced(self._p, e.snap)
                 g.log.append((self._name, "sync_event", e.id, e.owner.name))
 
     def plain_event(self, stream: int, ev: Any = None) -> Any:
@@ -625,7 +643,7 @@ class FakeDriver:
     def sync_stream(self, stream: int) -> None:
         g = self._gpu
         with g.lock:
-            g.host_waited(self._p, g.knows(self._p, stream))
+            g.host_synced(self._p, g.knows(self._p, stream))
 
     def is_capturing(self, stream: int) -> bool:
         return stream in self._capturing

@@ -293,10 +293,10 @@ def _grown(before, after):
 def test_24_short_lived_exporters_leave_nothing_behind():
     """A long-lived receiver fed by short-lived producers: nothing grows per producer.
 
-    Seen: one pidfd per producer (the receiver's connection watched its exporter and
-    never closed the pidfd; fixed), and 2-4 ``/dev/nvidiactl`` descriptors per batch of
-    8 (imported pools destroyed before a synchronising call saw their frees done: the
-    driver keeps one descriptor for each; open, see issue 11).  The growth is taken per batch of 8: a leak
+    Seen before the fixes: one pidfd per producer (the receiver's connection watched its
+    exporter and never closed the pidfd), and 2-4 ``/dev/nvidiactl`` descriptors per
+    batch of 8 (imported pools destroyed before a synchronising call saw their frees
+    done; the driver keeps one descriptor for each).  The growth is taken per batch of 8: a leak
     per producer grows in every batch; a file the driver opens once stays put.
     """
     q = SPAWN.Queue()

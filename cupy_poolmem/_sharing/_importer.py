@@ -39,7 +39,17 @@ LEGACY_STREAM = _Stream(0)
 class ImportedPool:
     """An exporter's pool imported into this process (one per pool, whoever asked)."""
 
-    __slots__ = ("uuid", "handle", "keepalive", "dev", "kind", "users", "client", "granted")
+    __slots__ = (
+        "uuid",
+        "handle",
+        "keepalive",
+        "dev",
+        "kind",
+        "users",
+        "client",
+        "granted",
+        "frees",
+    )
 
     def __init__(self, uuid: str, handle: int, keepalive: Any, dev: int, kind: int) -> None:
         self.uuid, self.handle, self.keepalive = uuid, handle, keepalive
@@ -47,6 +57,9 @@ class ImportedPool:
         self.users = 0  # mappings of this pool alive here
         self.client: Client | None = None  # the exporter it came from, when known
         self.granted: set[int] = set()  # devices given access to it here
+        # stream -> event recorded after the latest free of one of its mappings there: the
+        # pool is destroyed once they are done (see Importer.close_done_pools)
+        self.frees: dict[int, Any] = {}
 
 
 class Mapping:
@@ -227,6 +240,7 @@ class Importer:
         self._pending: dict[tuple[str, bytes], threading.Event] = {}
         self._deferred: list[tuple[Mapping, Any]] = []
         self._deferred_thread: threading.Thread | None = None
+        self._closing_pools: list[ImportedPool] = []  # gone exporters' pools, frees pending
         self._connecting: set[str] = set()  # addresses a thread is connecting to
         self._importing: set[str] = set()  # pools a thread is importing
         self._changed = threading.Condition(self.lock)  # either set shrank
@@ -513,6 +527,7 @@ class Importer:
             _warn_kept("unmapping a shared block", exc)
             return _KEEP
         ev, handle = self.driver.record_ipc_event(m.dev, sptr)
+        m.pool.frees[sptr] = self.driver.plain_event(sptr, m.pool.frees.get(sptr))
         self.closing[m.key] = ev
         if len(self.closing) > _CLOSING_MAX:
             # Forgetting it, a re-import would not wait for that free: make sure it ran.
@@ -536,6 +551,8 @@ class Importer:
 
     def _tell(self, out: list[tuple[Mapping, Any]]) -> None:
         """Send ``unmap`` for mappings just freed; tidy up after exporters that are gone."""
+        if not out:
+            return
         gone = set()
         for m, handle in out:
             c = m.client
@@ -617,11 +634,41 @@ class Importer:
                 self.driver.close_event(ev)
             except Exception:
                 pass
-        for p in pools:
+        with self.lock:
+            self._closing_pools.extend(pools)
+        if not self.close_done_pools():
+            self._schedule_deferred()
+
+    def close_done_pools(self) -> bool:
+        """Destroy the gone exporters' pools whose frees have run; True when none is left.
+
+        Destroying an imported pool while a free of its memory is pending is legal, but
+        the driver (580) then keeps a descriptor of ``/dev/nvidiactl`` open for good, and
+        so it does when the frees are done but no call has synchronised with them (seen
+        on an H100: one descriptor per pool, a long-lived receiver of short-lived
+        producers runs out).  A pool goes once its free events are done (a query, never a
+        wait), after a synchronise on each (returns at once) lets the driver settle them.
+        """
+        with self.lock:
+            ready = []
+            for p in self._closing_pools:
+                with self.driver.on_device(p.dev):
+                    if all(self.driver.event_done(ev) for ev in p.frees.values()):
+                        ready.append(p)
+            for p in ready:
+                self._closing_pools.remove(p)
+            left = not self._closing_pools
+        for p in ready:
+            with self.driver.on_device(p.dev):
+                for ev in p.frees.values():
+                    self.driver.sync_event(ev)
+                    self.driver.close_event(ev)
+            p.frees.clear()
             self.driver.forget_pool(p.handle)
             self.driver.close_pool(p.keepalive)
+        return left
 
-    # -- frees during graph capture ----------------------------------------------------------------
+    # -- later: frees during graph capture, pools of gone exporters ------------------------------
     def _schedule_deferred(self) -> None:
         with self.lock:
             if self._deferred_thread is not None:
@@ -635,8 +682,9 @@ class Importer:
         while True:
             time.sleep(0.05)
             self.drain_deferred()
+            self.close_done_pools()
             with self.lock:
-                if not self._deferred:
+                if not self._deferred and not self._closing_pools:
                     self._deferred_thread = None
                     return
 
@@ -727,7 +775,7 @@ class Importer:
             return {
                 "imported_blocks": len(self.maps) - len(self.idle),
                 "idle_mappings": len(self.idle),
-                "imported_pools": len(self.pools),
+                "imported_pools": len(self.pools) + len(self._closing_pools),
                 "clients": len(clients),
                 "opened_events": sum(len(c.events) for c in clients),
                 "dropped_frames_in": sum(c.sender.dropped for c in clients),
