@@ -19,7 +19,7 @@ import cuda.core as cc
 import cupy
 from cuda.bindings import driver as _drv
 
-from . import _streams
+from . import _retire, _streams
 from ._device import (
     can_access_peer,
     check_device,
@@ -167,6 +167,7 @@ class Pool(_hp.PoolCore):
     _kind_name = "pool"
     _serial_counter = 0
     _held_for_sharing = 0  # bytes of freed blocks other processes still map (limbo)
+    _retire_token = 0  # the retirer's name for this pool's CUDA pool (0: none)
     _forked = False  # set in a child forked after CUDA started: the pool refuses to work
 
     def _setup(
@@ -179,6 +180,9 @@ class Pool(_hp.PoolCore):
         reuse_cache: int = 0,
     ) -> None:
         self._mr = mr
+        # The retirer owns the CUDA pool from now on: it is destroyed only after its
+        # frees are done and seen (see _retire.py), never by this object going away.
+        self._retire_token = _retire.retirer().adopt(mr) if mr is not None else 0
         self._max_size = max_size
         self._lock = threading.Lock()
         Pool._serial_counter += 1
@@ -570,8 +574,15 @@ class Pool(_hp.PoolCore):
         """
         if self._held_for_sharing:
             return
+        dev = self.device_id if self.kind == _hp.KIND_DEVICE else _retire.ALL_DEVICES
+        _retire.retirer().retire(self._retire_token, dev)
+
+    def __del__(self) -> None:
+        # A pool dropped without close(): flush its reuse cache and retire its CUDA
+        # pool the same way (never a bare destroy with frees pending).
         try:
-            self._mr.close()
+            if not self.closed:
+                self.close()
         except Exception:
             pass
 
@@ -1023,7 +1034,7 @@ class ManagedPool(Pool):
                     ok, why = ma.probe_pool_advice(int(mr.handle), dev)
                     choice, reason = ma.record_choice(dev, "pool" if ok else "managed", why)
                     if choice != "pool":
-                        mr.close()
+                        _retire.retirer().retire_resource(mr, dev)  # the probe's free
                         mr = None
             self.backend = choice
             self.backend_reason = reason
@@ -1158,7 +1169,7 @@ def managed_backend(device: int | None = None) -> tuple[str, str]:
         try:
             ok, why = ma.probe_pool_advice(int(mr.handle), dev)
         finally:
-            mr.close()
+            _retire.retirer().retire_resource(mr, dev)  # after the probe's free is done
     return ma.record_choice(dev, "pool" if ok else "managed", why)
 
 

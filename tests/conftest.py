@@ -27,3 +27,31 @@ def pytest_collection_modifyitems(config, items):
         # (SIGSEGV / SIGFPE in the driver).  `.ci/gpu tests` also runs the two halves
         # in separate processes.
         items.sort(key=lambda it: 0 if ("gpu" in it.keywords or "multigpu" in it.keywords) else 1)
+
+
+class _RetireLog:
+    """What a fake retirer did: devices synchronised, and resources closed, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+        self.capturing = False
+        self.active = [0]
+
+
+@pytest.fixture
+def fake_retirer():
+    """The process's pool retirer replaced by one that syncs nothing and never runs by
+    itself: ``r.drain()`` does the work; ``r.log.events`` says what it did."""
+    from cupy_poolmem import _retire
+
+    log = _RetireLog()
+    r = _retire.Retirer(
+        sync=lambda dev: log.events.append(("sync", dev)),
+        capture_underway=lambda: log.capturing,
+        active_devices=lambda: log.active,
+        background=False,
+    )
+    r.log = log
+    old, _retire._OWNER[0] = _retire._OWNER[0], r
+    yield r
+    _retire._OWNER[0] = old

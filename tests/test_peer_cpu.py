@@ -144,9 +144,12 @@ class FakeMR:
 
 
 def _fake_pool(device: int = 0, mr: FakeMR | None = None) -> cpm.DevicePool:
+    from cupy_poolmem import _retire
+
     pool = cpm.DevicePool.__new__(cpm.DevicePool)
     pool._attach(0x1000, device, _pools._hp.KIND_DEVICE)
     pool._mr = mr or FakeMR()
+    pool._retire_token = _retire.retirer().adopt(pool._mr)
     return pool
 
 
@@ -192,13 +195,15 @@ def test_closed_and_drained_pool_refuses_new_grants(four_gpus):
         pool.peer_access = [1]
 
 
-def test_drained_pool_revokes_its_grants_before_closing(four_gpus):
+def test_drained_pool_revokes_its_grants_before_closing(four_gpus, fake_retirer):
     pool = _fake_pool(0)
     pool.peer_access = [1]
     pool._drained()
-    assert pool._mr.events == [("set", (1,)), ("set", ()), ("close",)]
+    assert pool._mr.events == [("set", (1,)), ("set", ())]  # closed by the retirer
     other = _fake_pool(0)  # never granted anything: no driver call before close
     other._drained()
+    assert fake_retirer.drain()
+    assert pool._mr.events == [("set", (1,)), ("set", ()), ("close",)]
     assert other._mr.events == [("close",)]
 
 

@@ -1,0 +1,179 @@
+"""CPU tests of how pools' CUDA pools are destroyed: never before a sync saw their frees.
+
+Driver 580 corrupted its heap when an IPC pool was destroyed right after its last free
+(seen on an H100: the next pool created crashed in ``cuMemAllocFromPoolAsync``), so
+the pools hand their cuda.core resource to ``_retire.Retirer``; these tests play the
+driver (``tests/_hotpath_fakes.World`` and the ``fake_retirer`` fixture).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from _hotpath_fakes import World, twin_pools
+
+from cupy_poolmem import _hotpath_py as twin
+from cupy_poolmem import _pools, _retire, _streams
+
+pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
+
+KB = 4096
+
+
+class Resource:
+    def __init__(self, log: list, name: str = "r") -> None:
+        self.log, self.name = log, name
+
+    def close(self) -> None:
+        self.log.append(("close", self.name))
+
+
+# ---------------------------------------------------------------- the retirer itself
+def test_nothing_is_closed_before_a_sync_of_its_devices(fake_retirer):
+    log = fake_retirer.log.events
+    a = fake_retirer.adopt(Resource(log, "a"))
+    b = fake_retirer.adopt(Resource(log, "b"))
+    assert fake_retirer.held == 2
+    fake_retirer.retire(a, 1)
+    fake_retirer.retire(b, 1)
+    fake_retirer.retire(a, 1)  # twice: harmless
+    assert log == [] and fake_retirer.pending == 2 and fake_retirer.held == 0
+    assert fake_retirer.drain()
+    assert log == [("sync", 1), ("close", "a"), ("close", "b")]  # one sync per device
+    assert fake_retirer.pending == 0 and fake_retirer.n_retired == 2
+
+
+def test_a_capture_under_way_holds_retirement_back(fake_retirer):
+    log = fake_retirer.log.events
+    fake_retirer.retire(fake_retirer.adopt(Resource(log)), 0)
+    fake_retirer.log.capturing = True  # a sync now would invalidate the capture
+    assert not fake_retirer.drain()
+    assert log == [] and fake_retirer.pending == 1
+    fake_retirer.log.capturing = False
+    assert fake_retirer.drain()
+    assert log == [("sync", 0), ("close", "r")]
+
+
+def test_a_host_pool_syncs_every_active_device(fake_retirer):
+    log = fake_retirer.log.events
+    fake_retirer.log.active = [0, 2]
+    fake_retirer.retire(fake_retirer.adopt(Resource(log, "pinned")), _retire.ALL_DEVICES)
+    fake_retirer.retire(fake_retirer.adopt(Resource(log, "dev2")), 2)
+    fake_retirer.drain()
+    assert log == [("sync", 0), ("sync", 2), ("close", "pinned"), ("close", "dev2")]
+
+
+def test_a_failing_sync_is_counted_and_the_pool_still_goes():
+    log: list = []
+
+    def broken(dev):
+        raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    r = _retire.Retirer(broken, lambda: False, lambda: [0], background=False)
+    r.retire(r.adopt(Resource(log)), 0)
+    assert r.drain() and r.n_sync_errors == 1 and log == [("close", "r")]
+
+
+def test_the_background_thread_retires_and_then_stops():
+    log: list = []
+    synced = threading.Event()
+
+    def sync(dev):
+        log.append(("sync", dev))
+        synced.set()
+
+    r = _retire.Retirer(sync, lambda: False, lambda: [0], delay=0.01)
+    for i in range(3):
+        r.retire(r.adopt(Resource(log, str(i))), 0)
+    deadline = time.monotonic() + 10
+    while (r.pending or r._thread is not None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert synced.is_set() and r.pending == 0 and r._thread is None
+    assert log[0] == ("sync", 0) and sorted(log[1:]) == [
+        ("close", "0"),
+        ("close", "1"),
+        ("close", "2"),
+    ]
+
+
+def test_a_fork_child_never_closes_the_parents_pools(fake_retirer):
+    log = fake_retirer.log.events
+    kept = fake_retirer.adopt(Resource(log, "kept"))
+    fake_retirer.retire(fake_retirer.adopt(Resource(log, "due")), 0)
+    fake_retirer._after_fork_in_child()
+    assert fake_retirer.pending == 0 and fake_retirer.drain() and log == []
+    assert fake_retirer.held == 1 and kept
+
+
+# ---------------------------------------------------------------- pools use it
+@pytest.fixture(scope="module")
+def tp():
+    return twin_pools()
+
+
+@pytest.fixture
+def world(monkeypatch, tp, fake_retirer):
+    monkeypatch.setattr(_pools, "_hp", twin)
+    monkeypatch.setattr(_streams, "wait_streams", lambda *a: None)
+    w = World(monkeypatch, tp)
+    w.retirer = fake_retirer
+    yield w
+    gc.collect()
+
+
+def _closing(world, p):
+    """Record the pool's resource closing in the world's log, in order with the frees."""
+    p._mr.close = lambda: world.log.append(("close_pool",))
+    world.retirer._sync = lambda dev: world.log.append(("sync", dev))
+
+
+def test_a_closed_pool_is_destroyed_only_after_its_last_free_and_a_sync(world):
+    p = world.pool()
+    _closing(world, p)
+    m = p.malloc(KB)
+    ptr = m.ptr
+    p.close()
+    assert world.retirer.pending == 0  # a block is live: the CUDA pool stays
+    del m
+    assert ("free", ptr, 0x5000) in world.log and ("close_pool",) not in world.log
+    assert world.retirer.pending == 1
+    world.retirer.drain()
+    tail = [e for e in world.log if e[0] in ("free", "sync", "close_pool")]
+    assert tail[-3:] == [("free", ptr, 0x5000), ("sync", 0), ("close_pool",)]
+
+
+def test_a_pool_dropped_without_close_frees_its_cache_then_retires(world, tp, monkeypatch):
+    monkeypatch.setattr(tp.Pool, "__del__", _pools.Pool.__del__)  # the real finalizer
+    p = world.pool()
+    _closing(world, p)
+    m = p.malloc(KB)
+    ptr = m.ptr
+    del m
+    assert p.cached_bytes == KB  # in the reuse cache, not freed
+    del p
+    gc.collect()
+    assert ("free", ptr, 0x5000) in world.log  # the cache went back to the driver
+    assert world.retirer.pending == 1 and ("close_pool",) not in world.log
+    world.retirer.drain()
+    assert world.log[-2:] == [("sync", 0), ("close_pool",)]
+
+
+def test_a_pinned_pool_syncs_every_active_device(world, tp):
+    world.retirer.log.active = [0, 1]
+    p = world.pool(kind=twin.KIND_PINNED)
+    _closing(world, p)
+    p.close()
+    world.retirer.drain()
+    assert world.log[-3:] == [("sync", 0), ("sync", 1), ("close_pool",)]
+
+
+def test_pool_holds_its_resource_through_the_retirer(world):
+    p = world.pool()
+    token = p._retire_token
+    assert world.retirer._held[token] is p._mr
+    p._mr = SimpleNamespace()  # a garbage cycle clearing the pool's dict: nothing destroyed
+    assert token in world.retirer._held
