@@ -337,6 +337,16 @@ cdef class PoolCore:
                 self._free(ptr, sptr, stream)
         return freed
 
+    def take_cache(self):
+        """Empty the reuse cache without freeing: ``[ptr, ...]`` for the caller to free.
+
+        For a pool finalized inside a garbage cycle, whose cached blocks' streams may
+        be destroyed already: the retirer frees them after a device synchronise.
+        """
+        cache, self._cache = self._cache, {}
+        self.cached_bytes = 0
+        return [ptr for entries in cache.values() for ptr, stream in entries]
+
     def _try_alloc(self, size_t size, uintptr_t stream_ptr):
         """One raw attempt: returns ``(CUresult, ptr)``; used by the slow paths."""
         cdef CUdeviceptr dptr = 0

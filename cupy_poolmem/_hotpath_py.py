@@ -192,6 +192,12 @@ class PoolCore:
                 self._free_now(ptr, sptr, stream)
         return freed
 
+    def take_cache(self) -> list[int]:
+        """Empty the reuse cache without freeing: ``[ptr, ...]`` for the caller to free."""
+        cache, self._cache = self._cache, {}
+        self.cached_bytes = 0
+        return [ptr for entries in cache.values() for ptr, _stream in entries]
+
     def malloc(self, size: Any) -> Any:
         """Allocate ``size`` bytes on CuPy's current stream; see the pool's docstring."""
         if size.__class__ is not int or size < 0 or size > _SIZE_MAX:

@@ -575,14 +575,22 @@ class Pool(_hp.PoolCore):
         if self._held_for_sharing:
             return
         dev = self.device_id if self.kind == _hp.KIND_DEVICE else _retire.ALL_DEVICES
-        _retire.retirer().retire(self._retire_token, dev)
+        _retire.retirer().retire(self._retire_token, dev, getattr(self, "_leftovers", ()))
 
     def __del__(self) -> None:
-        # A pool dropped without close(): flush its reuse cache and retire its CUDA
-        # pool the same way (never a bare destroy with frees pending).
+        # A pool dropped without close(): retire its CUDA pool too (never a bare destroy
+        # with frees pending).  Its cached blocks go to the retirer unfreed: inside a
+        # garbage cycle their streams may be destroyed already (a cupy Stream's own
+        # finalizer), and a free on one crashed in the driver.
         try:
-            if not self.closed:
-                self.close()
+            if self.closed:
+                return
+            self._leftovers = self.take_cache()
+            self._mark_closed()
+            with _ALL_LOCK:
+                _ALL_POOLS.discard(self)
+            if self.n_allocs == self.n_frees and not self._held_for_sharing:
+                self._drained()
         except Exception:
             pass
 

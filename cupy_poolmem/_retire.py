@@ -59,15 +59,18 @@ class Retirer:
         sync: Callable[[int], None],
         capture_underway: Callable[[], bool],
         active_devices: Callable[[], Iterable[int]],
+        free: Callable[[int, int], None] | None = None,
         delay: float = 0.05,
         background: bool = True,
     ) -> None:
         self._sync, self._capture_underway = sync, capture_underway
+        self._free = free or _free_on_legacy_stream
         self._active_devices = active_devices
         self._delay, self._background = delay, background
         self._lock = threading.Lock()
         self._held: dict[int, Any] = {}  # token -> resource of a live pool
-        self._due: list[tuple[Any, int]] = []  # (resource, device or ALL_DEVICES)
+        # (resource, device or ALL_DEVICES, blocks still to free after the sync)
+        self._due: list[tuple[Any, int, tuple[int, ...]]] = []
         self._next = 1
         self._thread: threading.Thread | None = None
         self.n_retired = 0
@@ -80,13 +83,17 @@ class Retirer:
             self._held[token] = resource
         return token
 
-    def retire(self, token: int, device: int) -> None:
-        """The pool ``token`` is drained (its frees are queued): destroy it once done."""
+    def retire(self, token: int, device: int, leftovers: Iterable[int] = ()) -> None:
+        """The pool ``token`` is drained (its frees are queued): destroy it once done.
+
+        ``leftovers``: blocks of it nobody freed (a finalized pool's reuse cache); they
+        are freed after the sync, on the legacy stream, and synchronised again.
+        """
         with self._lock:
             resource = self._held.pop(token, None)
             if resource is None:
                 return  # retired already
-            self._due.append((resource, device))
+            self._due.append((resource, device, tuple(leftovers)))
         self._start()
 
     def retire_resource(self, resource: Any, device: int) -> None:
@@ -115,23 +122,39 @@ class Retirer:
         with self._lock:
             due, self._due = self._due, []
         devices: set[int] = set()
-        for _, dev in due:
+        for _, dev, _left in due:
             if dev == ALL_DEVICES:
                 devices.update(self._active_devices())
             else:
                 devices.add(dev)
-        for dev in sorted(devices):
-            try:
-                self._sync(dev)
-            except Exception:  # a broken context: its frees are gone with it
-                self.n_sync_errors += 1
-        for resource, _ in due:
+        self._sync_all(devices)
+        freed: set[int] = set()
+        for _, dev, left in due:
+            if not left:
+                continue
+            on = dev if dev != ALL_DEVICES else min(devices, default=0)
+            for ptr in left:
+                try:
+                    self._free(ptr, on)
+                except Exception:
+                    pass
+            freed.add(on)
+        if freed:  # the leftovers' frees must be seen done too
+            self._sync_all(freed)
+        for resource, _, _left in due:
             try:
                 resource.close()
             except Exception:
                 pass
             self.n_retired += 1
         return True
+
+    def _sync_all(self, devices: Iterable[int]) -> None:
+        for dev in sorted(devices):
+            try:
+                self._sync(dev)
+            except Exception:  # a broken context: its frees are gone with it
+                self.n_sync_errors += 1
 
     def _start(self) -> None:
         if not self._background:  # the owner calls drain()
@@ -172,6 +195,13 @@ def _sync_device(dev: int) -> None:
 
     with on_device(dev), relaxed_capture_mode():
         check_driver(_drv().cuCtxSynchronize(), "cuCtxSynchronize")
+
+
+def _free_on_legacy_stream(ptr: int, dev: int) -> None:
+    from ._device import _drv, on_device
+
+    with on_device(dev):
+        _drv().cuMemFreeAsync(ptr, 0)
 
 
 def _active_devices() -> list[int]:

@@ -49,6 +49,7 @@ def fake_retirer():
         sync=lambda dev: log.events.append(("sync", dev)),
         capture_underway=lambda: log.capturing,
         active_devices=lambda: log.active,
+        free=lambda ptr, dev: log.events.append(("free", ptr, dev)),
         background=False,
     )
     r.log = log

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 import warnings
 
 import numpy as np
@@ -548,3 +549,34 @@ def test_wrong_device_error():
     with cpm.DevicePool(device=0) as p, cupy.cuda.Device(1):
         with pytest.raises(cpm.WrongDeviceError, match="device 1 is current"):
             p.malloc(16)
+
+
+def test_pools_collected_in_cycles_with_their_streams_are_retired_safely():
+    """A pool dropped inside a garbage cycle with the stream its cached blocks were freed
+    on: the stream's finalizer may destroy it first, and freeing the cache there crashed
+    (SIGSEGV in cuStreamIsCapturing).  The retirer frees them after a sync instead, and
+    only then destroys the pool; pools created afterwards hold data."""
+    from cupy_poolmem import _retire
+
+    for i in range(16):
+        s = cupy.cuda.Stream(non_blocking=True)
+        p = cpm.DevicePool(ipc=bool(i % 2))
+        with s, cpm.using(p):
+            x = cupy.full(1 << 18, i, dtype=cupy.int32)
+            assert int(x.sum()) == i << 18
+            del x  # into the reuse cache, keyed by s
+        assert p.cached_bytes == 1 << 20
+        cycle = [p, s]
+        cycle.append(cycle)
+        del p, s, cycle
+        gc.collect()
+    r = _retire.retirer()
+    deadline = time.monotonic() + 30
+    while r.pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert r.pending == 0
+    q = cpm.DevicePool()
+    with cpm.using(q):
+        want = _pattern(3 << 20, 7)
+        assert (cupy.asarray(want).get() == want).all()
+    q.close()
