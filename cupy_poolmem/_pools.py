@@ -168,6 +168,7 @@ class Pool(_hp.PoolCore):
     _serial_counter = 0
     _held_for_sharing = 0  # bytes of freed blocks other processes still map (limbo)
     _retire_token = 0  # the retirer's name for this pool's CUDA pool (0: none)
+    _leftovers: list[int] = []  # blocks the retirer frees after its sync (never mutated)
     _forked = False  # set in a child forked after CUDA started: the pool refuses to work
 
     def _setup(
@@ -575,7 +576,7 @@ class Pool(_hp.PoolCore):
         if self._held_for_sharing:
             return
         dev = self.device_id if self.kind == _hp.KIND_DEVICE else _retire.ALL_DEVICES
-        _retire.retirer().retire(self._retire_token, dev, getattr(self, "_leftovers", ()))
+        _retire.retirer().retire(self._retire_token, dev, self._leftovers)
 
     def __del__(self) -> None:
         # A pool dropped without close(): retire its CUDA pool too (never a bare destroy
@@ -583,14 +584,9 @@ class Pool(_hp.PoolCore):
         # garbage cycle their streams may be destroyed already (a cupy Stream's own
         # finalizer), and a free on one crashed in the driver.
         try:
-            if self.closed:
-                return
-            self._leftovers = self.take_cache()
-            self._mark_closed()
-            with _ALL_LOCK:
-                _ALL_POOLS.discard(self)
-            if self.n_allocs == self.n_frees and not self._held_for_sharing:
-                self._drained()
+            if not self.closed:
+                self._leftovers = self.take_cache()
+                self.close()  # its cache flush now has nothing to free
         except Exception:
             pass
 
