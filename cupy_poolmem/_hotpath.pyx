@@ -337,7 +337,7 @@ cdef class PoolCore:
                 self._free(ptr, sptr, stream)
         return freed
 
-    def take_cache(self):
+    def _take_cache(self):
         """Empty the reuse cache without freeing: ``[ptr, ...]`` for the caller to free.
 
         For a pool finalized inside a garbage cycle, whose cached blocks' streams may

@@ -192,7 +192,7 @@ class PoolCore:
                 self._free_now(ptr, sptr, stream)
         return freed
 
-    def take_cache(self) -> list[int]:
+    def _take_cache(self) -> list[int]:
         """Empty the reuse cache without freeing: ``[ptr, ...]`` for the caller to free."""
         cache, self._cache = self._cache, {}
         self.cached_bytes = 0

@@ -585,7 +585,7 @@ class Pool(_hp.PoolCore):
         # finalizer), and a free on one crashed in the driver.
         try:
             if not self.closed:
-                self._leftovers = self.take_cache()
+                self._leftovers = self._take_cache()
                 self.close()  # its cache flush now has nothing to free
         except Exception:
             pass

@@ -173,8 +173,8 @@ def test_take_cache_empties_the_cache_without_freeing(world):
     del a, b
     n = len(world.log)
     assert p.cached_bytes == 3 * KB
-    assert set(p.take_cache()) == ptrs and p.cached_bytes == 0 and world.log[n:] == []
-    assert p.take_cache() == []
+    assert set(p._take_cache()) == ptrs and p.cached_bytes == 0 and world.log[n:] == []
+    assert p._take_cache() == []
 
 
 def test_a_pinned_pool_syncs_every_active_device(world, tp):
