@@ -177,20 +177,20 @@ cdef class Block:
             if self.share is not None and _shared_release is not None:
                 if _shared_release(self.ptr, self.size, self.stream, self.share):
                     return
+            kept = False  # a pool hook took the block (pinned deferral, graph memory)
             if core.release_hook is not None:
-                if core.release_hook(self.ptr, self.size, self.stream):
-                    return
-            if self.flags & _FLAG_SPECIAL:
-                if core._free_flagged(self.ptr, self.size, self.stream, self.flags):
-                    return
+                kept = core.release_hook(self.ptr, self.size, self.stream)
+            if not kept and self.flags & _FLAG_SPECIAL:
+                kept = core._free_flagged(self.ptr, self.size, self.stream, self.flags)
         except BaseException:
             # Never free memory whose fate a hook could not decide: leaking is safe,
             # reuse while another process reads is not.
             core.n_free_errors += 1
             return
-        core._release(self.ptr, self.size, self.stream_ptr, self.stream)
+        if not kept:
+            core._release(self.ptr, self.size, self.stream_ptr, self.stream)
         if core.closed and core.n_frees == core.n_allocs:
-            core._drained()
+            core._drained()  # a closed pool's last block, however it went
 
 
 cdef class PoolCore:

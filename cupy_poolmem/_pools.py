@@ -75,7 +75,7 @@ _A = _drv.CUmemPool_attribute
 
 # Every pool alive in this process (statistics(), logs and sharing walk it).
 _ALL_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
-_ALL_LOCK = threading.Lock()
+_ALL_LOCK = threading.RLock()  # reentrant: a pool's __del__ may run inside a GC here
 # Callables run before an out-of-memory retry (sharing's limbo collection registers here).
 _OOM_CALLBACKS: list[Any] = []
 # Callables run with each IPC-enabled pool when it is created (sharing registers here).
@@ -929,6 +929,15 @@ class PinnedPool(Pool):
     def _reclaim(self) -> None:
         self._release_done(wait=True)
         super()._reclaim()
+
+    def _drained(self) -> None:
+        # Blocks still waiting for their streams go to the retirer, which frees them
+        # after its sync (never lost, never freed before their streams' work).
+        with self._pending_lock:
+            left, self._pending = [ptr for _, ptr, _ in self._pending], deque()
+        if left:
+            self._leftovers = [*getattr(self, "_leftovers", ()), *left]
+        super()._drained()
 
     def trim(self, keep: int | str = 0, *, sync: bool = True) -> int:
         self._release_done(wait=sync)

@@ -67,14 +67,20 @@ class Retirer:
         self._free = free or _free_on_legacy_stream
         self._active_devices = active_devices
         self._delay, self._background = delay, background
-        self._lock = threading.Lock()
+        # Reentrant: retire() runs from pools' finalizers, and a garbage collection can
+        # start while this thread holds the lock (any allocation under it).
+        self._lock = threading.RLock()
         self._held: dict[int, Any] = {}  # token -> resource of a live pool
+        self._kept: list[Any] = []  # never closed: a fork child's, or ones no sync reached
         # (resource, device or ALL_DEVICES, blocks still to free after the sync)
         self._due: list[tuple[Any, int, tuple[int, ...]]] = []
         self._next = 1
         self._thread: threading.Thread | None = None
         self.n_retired = 0
         self.n_sync_errors = 0
+        self._forked = False
+        self._failures = 0  # drains in a row whose sync failed
+        self.max_failures = 100  # then the resources are kept, never destroyed unsynced
 
     def adopt(self, resource: Any) -> int:
         """Hold ``resource`` for a new pool; the token names it in :meth:`retire`."""
@@ -93,6 +99,9 @@ class Retirer:
             resource = self._held.pop(token, None)
             if resource is None:
                 return  # retired already
+            if self._forked:  # the parent's or the child's: CUDA is unusable here
+                self._kept.append(resource)
+                return
             self._due.append((resource, device, tuple(leftovers)))
         self._start()
 
@@ -113,7 +122,10 @@ class Retirer:
             return len(self._held)
 
     def drain(self) -> bool:
-        """Synchronise and destroy what is due now; False when a capture holds it back."""
+        """Synchronise and destroy what is due now; False when held back (a capture, a
+        failed sync)."""
+        if self._forked:  # CUDA is unusable in a fork child
+            return True
         with self._lock:
             if not self._due:
                 return True
@@ -121,13 +133,33 @@ class Retirer:
             return False
         with self._lock:
             due, self._due = self._due, []
+        try:
+            return self._retire_batch(due)
+        except BaseException:
+            with self._lock:  # nothing is lost: the batch is tried again
+                self._due[:0] = due
+            raise
+
+    def _retire_batch(self, due: list[tuple[Any, int, tuple[int, ...]]]) -> bool:
         devices: set[int] = set()
         for _, dev, _left in due:
             if dev == ALL_DEVICES:
                 devices.update(self._active_devices())
             else:
                 devices.add(dev)
-        self._sync_all(devices)
+        if not self._sync_all(devices):
+            # A sync refused (a capture the pools never saw, a broken context): try
+            # again later; after many failures keep them (a leak, never an unsynced
+            # destroy).
+            self._failures += 1
+            with self._lock:
+                if self._failures >= self.max_failures:
+                    self._kept.extend(r for r, _, _ in due)
+                    self._failures = 0
+                else:
+                    self._due[:0] = due
+            return False
+        self._failures = 0
         freed: set[int] = set()
         for _, dev, left in due:
             if not left:
@@ -139,8 +171,10 @@ class Retirer:
                 except Exception:
                     pass
             freed.add(on)
-        if freed:  # the leftovers' frees must be seen done too
-            self._sync_all(freed)
+        if freed and not self._sync_all(freed):  # the leftovers' frees, seen done too
+            with self._lock:
+                self._kept.extend(r for r, _, _ in due)
+            return False
         for resource, _, _left in due:
             try:
                 resource.close()
@@ -149,12 +183,15 @@ class Retirer:
             self.n_retired += 1
         return True
 
-    def _sync_all(self, devices: Iterable[int]) -> None:
+    def _sync_all(self, devices: Iterable[int]) -> bool:
+        ok = True
         for dev in sorted(devices):
             try:
                 self._sync(dev)
-            except Exception:  # a broken context: its frees are gone with it
+            except Exception:
                 self.n_sync_errors += 1
+                ok = False
+        return ok
 
     def _start(self) -> None:
         if not self._background:  # the owner calls drain()
@@ -182,9 +219,12 @@ class Retirer:
 
     def _after_fork_in_child(self) -> None:
         """CUDA is unusable in a fork child: keep the parent's resources, never close them."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._thread = None
-        self._held = dict(self._held)
+        self._background = False  # no thread, no CUDA call here: nothing is ever closed
+        self._forked = True
+        self._kept = [*self._kept, *self._held.values(), *(r for r, _, _ in self._due)]
+        self._held = {}
         self._due = []
 
 

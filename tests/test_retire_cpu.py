@@ -67,15 +67,64 @@ def test_a_host_pool_syncs_every_active_device(fake_retirer):
     assert log == [("sync", 0), ("sync", 2), ("close", "pinned"), ("close", "dev2")]
 
 
-def test_a_failing_sync_is_counted_and_the_pool_still_goes():
+def test_a_failing_sync_is_retried_and_the_pool_never_destroyed_unsynced():
+    log: list = []
+    fail = [True]
+
+    def sync(dev):
+        if fail[0]:
+            raise RuntimeError("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
+        log.append(("sync", dev))
+
+    r = _retire.Retirer(sync, lambda: False, lambda: [0], background=False)
+    r.retire(r.adopt(Resource(log)), 0)
+    assert not r.drain() and r.n_sync_errors == 1 and log == [] and r.pending == 1
+    fail[0] = False
+    assert r.drain() and log == [("sync", 0), ("close", "r")]
+
+
+def test_a_sync_that_keeps_failing_keeps_the_pool_for_good():
     log: list = []
 
     def broken(dev):
         raise RuntimeError("CUDA_ERROR_ILLEGAL_ADDRESS")
 
     r = _retire.Retirer(broken, lambda: False, lambda: [0], background=False)
+    r.max_failures = 3
     r.retire(r.adopt(Resource(log)), 0)
-    assert r.drain() and r.n_sync_errors == 1 and log == [("close", "r")]
+    for _ in range(3):
+        assert not r.drain()
+    assert r.pending == 0 and len(r._kept) == 1 and log == []  # leaked, never destroyed
+
+
+def test_a_drain_that_raises_loses_nothing():
+    log: list = []
+    r = _retire.Retirer(lambda dev: None, lambda: False, lambda: [0], background=False)
+
+    class Bad(Resource):
+        def close(self):
+            raise KeyboardInterrupt
+
+    r.retire(r.adopt(Bad(log)), 0)
+    with pytest.raises(KeyboardInterrupt):
+        r.drain()
+    assert r.pending == 1  # tried again next time
+
+
+def test_retire_from_a_finalizer_while_the_lock_is_held_does_not_deadlock(fake_retirer):
+    log = fake_retirer.log.events
+    token = fake_retirer.adopt(Resource(log))
+    done = threading.Event()
+
+    def body():
+        with fake_retirer._lock:  # a garbage collection starting under the lock ...
+            fake_retirer.retire(token, 0)  # ... runs a pool's finalizer here
+        done.set()
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    assert done.wait(5), "retire() deadlocked on its own lock"
+    assert fake_retirer.pending == 1
 
 
 def test_the_background_thread_retires_and_then_stops():
@@ -103,10 +152,31 @@ def test_the_background_thread_retires_and_then_stops():
 def test_a_fork_child_never_closes_the_parents_pools(fake_retirer):
     log = fake_retirer.log.events
     kept = fake_retirer.adopt(Resource(log, "kept"))
-    fake_retirer.retire(fake_retirer.adopt(Resource(log, "due")), 0)
+    due = Resource(log, "due")
+    fake_retirer.retire(fake_retirer.adopt(due), 0)
     fake_retirer._after_fork_in_child()
-    assert fake_retirer.pending == 0 and fake_retirer.drain() and log == []
-    assert fake_retirer.held == 1 and kept
+    fake_retirer.retire(kept, 0)
+    fake_retirer.retire(fake_retirer.adopt(Resource(log, "child")), 0)
+    assert fake_retirer.drain() and log == []  # no sync, no close: CUDA is unusable
+    assert fake_retirer.pending == 0 and fake_retirer.held == 0
+    assert due in fake_retirer._kept and len(fake_retirer._kept) == 3  # never released
+
+
+def test_the_fork_handler_is_registered():
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys; from cupy_poolmem import _retire as R\n"
+        "r = R.retirer()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if r._forked and not r._background else 3)\n"
+        "_, st = os.waitpid(pid, 0); sys.exit(os.waitstatus_to_exitcode(st))\n"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
 
 
 # ---------------------------------------------------------------- pools use it
@@ -192,3 +262,25 @@ def test_pool_holds_its_resource_through_the_retirer(world):
     assert world.retirer._held[token] is p._mr
     p._mr = SimpleNamespace()  # a garbage cycle clearing the pool's dict: nothing destroyed
     assert token in world.retirer._held
+
+
+def test_a_closed_pinned_pool_whose_last_free_is_deferred_is_retired(world, tp, monkeypatch):
+    world.retirer.log.active = [0]
+    p = world.pool(cls=tp.PinnedPool, kind=twin.KIND_PINNED)
+    _closing(world, p)
+    p._pending = __import__("collections").deque()
+    p._pending_lock = threading.Lock()
+
+    def defer(ptr, size, stream):  # the pinned pool's hook: held until its stream is done
+        p._pending.append(([], ptr, stream))
+        return True
+
+    p.release_hook = defer
+    m = p.malloc(KB)
+    ptr = m.ptr
+    p.close()
+    n = len(world.log)
+    del m  # the hook keeps it; the pool is drained all the same
+    assert world.retirer.pending == 1
+    world.retirer.drain()
+    assert world.log[n:] == [("sync", 0), ("legacy_free", ptr, 0), ("sync", 0), ("close_pool",)]
