@@ -694,7 +694,7 @@ class Guard:
             else (
                 f"it is still in the quarantine, poisoned with 0x{self.options.poison:02X} bytes"
                 if dead.state == QUARANTINED
-                else "the address is not allocated now"
+                else "this pool has not handed the address out again"
             )
         )
         msg = (
@@ -1025,11 +1025,27 @@ def check(obj: Any, generation: int | None = None) -> GuardedBlock:
     """
     if generation is not None and (isinstance(generation, bool) or not isinstance(generation, int)):
         raise OptionTypeError(f"generation must be an int or None; got {generation!r}")
-    guard, ptr = _locate(obj)
+    guard, ptr = _locate(obj, generation)
     return guard.check(ptr, generation)
 
 
-def _locate(obj: Any) -> tuple[Guard, int]:
+def _rank(g: Guard, ptr: int, generation: int | None) -> tuple[int, int]:
+    """How well guard ``g`` knows ``ptr``: (live 3 / quarantined 2 / remembered 1 / not 0,
+    the generation found), so that the newest knowledge of an address wins."""
+    rec = g._find_live(ptr)
+    if rec is not None and (generation is None or rec.generation == generation):
+        return 3, rec.generation
+    dead = g._find_dead(ptr, generation)
+    if dead is not None and generation is not None and dead.generation == generation:
+        return 4, dead.generation  # the generation asked for: only one guard can have it
+    if rec is not None:
+        return 3, rec.generation
+    if dead is not None:
+        return (2 if dead.state == QUARANTINED else 1), dead.generation
+    return 0, 0
+
+
+def _locate(obj: Any, generation: int | None = None) -> tuple[Guard, int]:
     owner = None
     if isinstance(obj, bool):
         raise OptionTypeError(f"check() takes an array, a MemoryPointer or an int; got {obj!r}")
@@ -1063,12 +1079,11 @@ def _locate(obj: Any) -> tuple[Guard, int]:
             "check(): no pool in this process has a guard; use DevicePool(guard=True), "
             f"cupy_poolmem.set_allocator(guard=True) or {ENV}=1"
         )
-    for g in guards:
-        if g._find_live(ptr) is not None:
-            return g, ptr
-    for g in guards:
-        if g._find_dead(ptr) is not None:
-            return g, ptr
+    # Several pools may have used an address over time: the guard that knows it best
+    # (the generation asked for, live, quarantined, then the newest freed) answers.
+    best = max(((_rank(g, ptr, generation), i) for i, g in enumerate(guards)), default=None)
+    if best is not None and best[0][0] > 0:
+        return guards[best[1]], ptr
     raise InvalidOptionError(
         f"check(0x{ptr:x}): no guarded pool has allocated this address (or freed it "
         "recently enough to remember); it is not memory from a guarded cupy_poolmem pool"

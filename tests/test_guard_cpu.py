@@ -655,3 +655,20 @@ def test_a_block_held_for_other_processes_is_guarded_when_sharing_frees_it(world
     assert p.release_hook(ptr, size, stream) is True
     assert g.stats()["quarantined_blocks"] == 1
     assert ("fill", ptr, size, POISON, S) in world.log
+
+
+def test_check_of_a_raw_pointer_asks_the_guard_that_knows_it_best(world):
+    p1, g1, _ = _guarded(world, quarantine_bytes=0)
+    p2, g2, _ = _guarded(world)
+    m = p1.malloc(64)
+    ptr, old_gen = m.ptr, _guard.check(m).generation
+    del m  # p1 frees it at once: the address goes back to the (shared) fake heap
+    m2 = p2.malloc(64)
+    assert m2.ptr == ptr, "the fake heap reuses the address for the other pool"
+    new_gen = _guard.check(ptr).generation
+    assert new_gen == _guard.check(m2).generation != old_gen, "the live block wins"
+    with pytest.raises(cpm.UseAfterFreeError, match=f"generation {old_gen}"):
+        _guard.check(ptr, old_gen)  # the generation names p1's block
+    del m2
+    with pytest.raises(cpm.UseAfterFreeError, match="still in the quarantine"):
+        _guard.check(ptr, new_gen)
