@@ -380,5 +380,5 @@ class GuardWarning(RuntimeWarning):
 
     The message is the text the matching :class:`GuardError` would carry.  Turn them
     into errors for one run with ``python -W error::cupy_poolmem.GuardWarning``, or
-    filter them with :mod:`warnings`.
+    filter them with the ``warnings`` module.
     """

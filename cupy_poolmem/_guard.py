@@ -34,7 +34,7 @@ give the guard a fake of it.
 Errors found inside a destructor cannot be raised there: in ``mode="raise"`` they
 wait, and the next allocation from the pool, :meth:`Guard.verify` or :func:`check`
 raises them (one per call); in ``mode="warn"`` a :class:`~cupy_poolmem.GuardWarning`
-is issued at once.  Both count them and keep them in :attr:`Guard.events`.
+is issued at once.  Both count them and keep them in ``pool.guard.events``.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class GuardOptions:
         is raised by the next allocation from the pool, :meth:`Guard.verify` or
         :func:`~cupy_poolmem.check`.  ``"warn"``: a
         :class:`~cupy_poolmem.GuardWarning` at once, and the program goes on.  Both
-        count every report (:meth:`Guard.stats`) and keep it in :attr:`Guard.events`.
+        count every report (:meth:`Guard.stats`) and keep it in ``pool.guard.events``.
     red_zone : int
         Bytes after each block filled with ``canary`` and checked when it is freed;
         writes further past the end than this are not seen.  ``0`` turns the check
@@ -324,7 +324,7 @@ class GuardedBlock:
 
 @dataclass(frozen=True)
 class GuardEvent:
-    """One report of the guard (kept in :attr:`Guard.events`, written to the log).
+    """One report of the guard (kept in ``pool.guard.events``, written to the log).
 
     Attributes
     ----------

@@ -672,3 +672,22 @@ def test_check_of_a_raw_pointer_asks_the_guard_that_knows_it_best(world):
     del m2
     with pytest.raises(cpm.UseAfterFreeError, match="still in the quarantine"):
         _guard.check(ptr, new_gen)
+
+
+def test_benchmark_reports_the_guards_overhead_per_allocation():
+    from cupy_poolmem.benchmarks import alloc
+
+    plain = [1e-6, 2e-6, 3e-6, 50e-6]
+    guarded = [21e-6, 32e-6, 103e-6, 90e-6]
+    line = alloc.guard_overhead(
+        [
+            ("cupy MemoryPool (baseline)", [1.0] * 4, None),
+            ("cupy_poolmem DevicePool [python]", plain, None),
+            (alloc.GUARD_ROW, guarded, None),
+        ]
+    )
+    assert line == (
+        "guard overhead per allocation + free (vs DevicePool): "
+        "empty 1KiB +20.0 us, empty 1MiB +30.0 us, empty 64MiB +100.0 us"
+    )
+    assert alloc.guard_overhead([("cupy_poolmem DevicePool [python]", plain, None)]) is None
