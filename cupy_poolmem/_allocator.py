@@ -9,6 +9,7 @@ from typing import Any
 
 import cupy
 
+from . import _guard
 from ._device import nearest_numa_node, require_gpu, resolve_peer_access
 from ._errors import OptionTypeError, PoolClosedError
 from ._pools import DevicePool, PinnedPool, Pool, _hp, _raise_bad_size
@@ -77,6 +78,14 @@ class PoolAllocator(_hp.Dispatch):
             p.close()
 
 
+class _GuardedAllocator(PoolAllocator):
+    """A :class:`PoolAllocator` for guarded pools: each call goes through ``pool.malloc``
+    (the guard's) instead of the hot path's C-level call (see ``_guard``)."""
+
+    def __call__(self, size: Any) -> Any:
+        return self.pool().malloc(size)
+
+
 def set_allocator(**pool_options: Any) -> PoolAllocator:
     """Make CuPy allocate device memory from stream-ordered pools, one per GPU.
 
@@ -91,7 +100,8 @@ def set_allocator(**pool_options: Any) -> PoolAllocator:
         from another GPU works as with CuPy's own pool; ``None`` keeps each pool's
         memory to its own GPU, a list names the GPUs.  Checked for every pair of GPUs
         here, so a pair that cannot access each other fails now, not at a later
-        allocation.
+        allocation.  ``guard`` (default: ``CUPY_POOLMEM_GUARD``) puts every pool under
+        the debug guard (:doc:`guard`).
 
     Returns
     -------
@@ -107,9 +117,12 @@ def set_allocator(**pool_options: Any) -> PoolAllocator:
     pool_options.setdefault("ipc", True)
     pool_options.setdefault("peer_access", "all")
     _validate_options(DevicePool, pool_options)
+    # Read CUPY_POOLMEM_GUARD once: every device's pool gets the same answer.
+    guard = pool_options["guard"] = _guard.resolve(pool_options.get("guard")) or False
     for dev in range(require_gpu()):
         resolve_peer_access(pool_options["peer_access"], dev)
-    alloc = PoolAllocator(lambda dev: DevicePool(device=dev, **pool_options), "device")
+    cls = _GuardedAllocator if guard else PoolAllocator
+    alloc = cls(lambda dev: DevicePool(device=dev, **pool_options), "device")
     alloc.pool()  # create the current device's pool now: bad options fail here
     cupy.cuda.set_allocator(alloc)
     _replace("device", alloc)

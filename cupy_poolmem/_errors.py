@@ -49,6 +49,12 @@ __all__ = [
     "LogFormatError",
     "UsageError",
     "HandleStateError",
+    "GuardError",
+    "UseAfterFreeError",
+    "UnorderedReuseError",
+    "DoubleFreeError",
+    "OutOfBoundsWriteError",
+    "GuardWarning",
     "check_driver",
     "GPU_EXTRA_HINT",
 ]
@@ -291,4 +297,99 @@ class HandleStateError(SharingError, ValueError):
     before it was opened, or opened in the process that exported it.
 
     Also a :class:`ValueError`, which Numba's own ``IpcHandle`` raises in these cases.
+    """
+
+
+# ----------------------------------------------------------------------------------------
+# Guard mode (cupy_poolmem._guard): memory-safety bugs, distinct from out-of-memory and
+# driver errors.  RuntimeError as the common builtin base: a corrupted heap is a runtime
+# failure, and none of them is an OutOfMemoryError that a retry-after-freeing handler
+# would swallow.
+# ----------------------------------------------------------------------------------------
+class GuardError(PoolmemError, RuntimeError):
+    """A memory-safety bug found by the guard (``DevicePool(guard=True)``).
+
+    The message names the block (pointer, size, generation), where it was allocated
+    and freed, and the likely fix.  Raised, or only warned about
+    (:class:`GuardWarning`), as :class:`~cupy_poolmem.GuardOptions` says.
+
+    Attributes
+    ----------
+    kind : str
+        ``"use_after_free"``, ``"unordered_stream"``, ``"double_free"``,
+        ``"unknown_free"`` or ``"out_of_bounds"``; the column ``op`` of the allocation
+        log says ``guard:<kind>``.
+    block : GuardedBlock or None
+        The block concerned (a snapshot), when known.
+    offset : int or None
+        For damaged memory: offset of the first changed byte from the block's start.
+    n_changed : int
+        For damaged memory: how many bytes were changed.
+
+    Examples
+    --------
+    >>> e = UseAfterFreeError("block 0x7f00 was written after it was freed")
+    >>> isinstance(e, GuardError), isinstance(e, RuntimeError), e.kind
+    (True, True, 'use_after_free')
+    """
+
+    kind = "guard"
+
+    def __init__(
+        self, message: str, block: Any = None, offset: int | None = None, n_changed: int = 0
+    ) -> None:
+        super().__init__(message)
+        self.block, self.offset, self.n_changed = block, offset, int(n_changed)
+
+
+class UseAfterFreeError(GuardError, ReferenceError):
+    """Memory was used after its allocation was freed.
+
+    Written after the free (the poison pattern of a quarantined block changed), or a
+    pointer checked with :func:`~cupy_poolmem.check` that no longer names a live
+    allocation (freed, or its address reused by a newer generation).  Also a
+    :class:`ReferenceError`, Python's error for using an object that is gone.
+    """
+
+    kind = "use_after_free"
+
+
+class UnorderedReuseError(UseAfterFreeError):
+    """A block was freed while a stream that may still use it was not ordered before its reuse.
+
+    The block was dropped while a stream other than its allocation stream was current,
+    and that stream was not declared with :func:`~cupy_poolmem.record_stream`: the pool
+    reuses the memory in the order of the allocation stream only.
+    """
+
+    kind = "unordered_stream"
+
+
+class DoubleFreeError(GuardError):
+    """A block was freed twice, or a pointer the pool never handed out was freed.
+
+    ``kind`` is ``"double_free"`` or ``"unknown_free"``.  The second free is not
+    done: the guard never frees memory twice.
+    """
+
+    kind = "double_free"
+
+    def __init__(self, message: str, block: Any = None, *, unknown: bool = False) -> None:
+        super().__init__(message, block)
+        if unknown:
+            self.kind = "unknown_free"
+
+
+class OutOfBoundsWriteError(GuardError):
+    """Something wrote past the end of an allocation (into the guard's red zone)."""
+
+    kind = "out_of_bounds"
+
+
+class GuardWarning(RuntimeWarning):
+    """The warning category of the guard's reports in ``mode="warn"``.
+
+    The message is the text the matching :class:`GuardError` would carry.  Turn them
+    into errors for one run with ``python -W error::cupy_poolmem.GuardWarning``, or
+    filter them with the ``warnings`` module.
     """

@@ -19,7 +19,7 @@ import cuda.core as cc
 import cupy
 from cuda.bindings import driver as _drv
 
-from . import _retire, _streams
+from . import _guard, _retire, _streams
 from ._device import (
     can_access_peer,
     check_device,
@@ -170,6 +170,7 @@ class Pool(_hp.PoolCore):
     _retire_token = 0  # the retirer's name for this pool's CUDA pool (0: none)
     _leftovers: list[int] = []  # blocks the retirer frees after its sync (never mutated)
     _forked = False  # set in a child forked after CUDA started: the pool refuses to work
+    guard: Any = None  # a _guard.Guard when the pool was created with guard=... (device pools)
 
     def _setup(
         self,
@@ -279,6 +280,8 @@ class Pool(_hp.PoolCore):
         invalidate the capture): the trim then releases only what is already free.
         """
         gc.collect()
+        if self.guard is not None:
+            self.guard.flush()  # blocks held in the guard's quarantine go back first
         self.flush_cache()
         for cb in list(_OOM_CALLBACKS):
             try:
@@ -311,7 +314,7 @@ class Pool(_hp.PoolCore):
                 "end it with stream.end_capture() (which raises) and capture again",
             )
         if state == _streams.CAPTURE_NONE:  # capture ended in between: the plain path
-            return self.malloc(size)
+            return _hp.PoolCore.malloc(self, size)  # the hot path's (a guard's adds nothing)
         _streams.note_capture(sptr, stream)
         if size == 0:
             return self._make_block(0, 0, stream, 0)
@@ -529,6 +532,8 @@ class Pool(_hp.PoolCore):
         >>> released = pool.trim()  # doctest: +SKIP
         """
         keep_b = parse_bytes(keep, name="keep")
+        if self.guard is not None:
+            self.guard.flush()
         self.flush_cache()
         if self.n_capture_held:
             self._drain_capture_held()
@@ -560,6 +565,8 @@ class Pool(_hp.PoolCore):
         """
         if self.closed:
             return
+        if self.guard is not None:
+            self.guard.close()  # the quarantine is checked and freed before the pool goes
         self._mark_closed()
         with _ALL_LOCK:
             _ALL_POOLS.discard(self)
@@ -640,6 +647,14 @@ class DevicePool(Pool):
         ordinals: exactly those; a GPU that cannot access this one raises
         :class:`~cupy_poolmem.UnsupportedError` naming both.  Settable later with
         :attr:`peer_access`.
+    guard : bool, str, dict, GuardOptions or None
+        Debug mode that catches use-after-free, double frees, out-of-bounds writes and
+        unordered cross-stream reuse (:doc:`guard`): ``True``, ``"raise"``,
+        ``"warn"``, a dict of :class:`~cupy_poolmem.GuardOptions` fields or a
+        ``GuardOptions``; ``False`` turns it off.  ``None`` (default) reads
+        ``CUPY_POOLMEM_GUARD`` (unset: off).  It slows every allocation and free
+        (fills, checks that synchronise the block's stream) and disables the reuse
+        cache; the pool's statistics count each block with its red zone.
 
     Notes
     -----
@@ -677,9 +692,11 @@ class DevicePool(Pool):
         ipc: bool = False,
         reuse_cache: int | str = "1GiB",
         peer_access: Any = "all",
+        guard: Any = None,
     ) -> None:
         dev = check_device(device)
         ipc = _check_bool(ipc, "ipc")
+        guard_options = _guard.resolve(guard)
         cache = parse_bytes(reuse_cache, name="reuse_cache")
         peers = resolve_peer_access(peer_access, dev)
         with cupy.cuda.Device(dev) as d:
@@ -712,6 +729,12 @@ class DevicePool(Pool):
             self.ipc = ipc
             self._setup(mr, dev, _hp.KIND_DEVICE, release_threshold, max_b, cache)
             self._capacity = int(total)
+            if guard_options is not None:
+                try:
+                    _guard.attach(self, guard_options)
+                except BaseException:
+                    self.close()
+                    raise
 
     @property
     def peer_access(self) -> tuple[int, ...]:

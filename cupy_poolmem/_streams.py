@@ -263,3 +263,6 @@ def record_stream(array: Any, stream: Any) -> None:
     if entry[0] == block.stream_ptr and entry[1] == dev:
         return  # the allocation stream: the free is ordered after its work already
     block._record(entry)
+    guard = getattr(core, "guard", None)
+    if guard is not None:  # guard mode: a free with this stream current is ordered
+        guard.note_stream(block.ptr, entry[0])

@@ -146,13 +146,40 @@ def _check_size(size: Any) -> int:
     return size
 
 
-def _forget(allocations: Any, key: int) -> Callable[[], None]:
-    """Finalizer for a Numba pointer: drop the pool block it owns (freeing it)."""
+class _Held:
+    """What the plugin keeps in ``allocations`` for one pointer: the pool memory.
+
+    The pointer's finalizer holds it weakly and frees only if the dictionary still
+    holds *this* object under its address: after ``reset()`` (which freed everything)
+    the address may already belong to a newer allocation, which a stale finalizer must
+    not free.
+    """
+
+    __slots__ = ("mem", "__weakref__")
+
+    def __init__(self, mem: Any) -> None:
+        self.mem = mem
+
+
+def _forget(
+    allocations: Any, key: int, held: _Held, guard: Any = None, generation: int = 0
+) -> Callable[[], None]:
+    """Finalizer for a Numba pointer: drop the pool block it owns (freeing it).
+
+    A second free of the allocation (its entry is gone already) is not done; a guarded
+    pool reports it as a :class:`~cupy_poolmem.DoubleFreeError`.
+    """
+    ref = weakref.ref(held)
 
     def finalizer() -> None:
         # Context.reset() may have cleared the dict already (also at interpreter exit).
         with contextlib.suppress(Exception):
-            allocations.pop(key, None)
+            h = ref()
+            if h is not None and allocations.get(key) is h:
+                allocations.pop(key, None)
+                return
+            if guard is not None:
+                guard.report_foreign_free(key, generation, "a Numba pointer's finalizer")
 
     return finalizer
 
@@ -208,11 +235,17 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         ctx = weakref.proxy(self.context)
         if size == 0:
             return MemoryPointer(ctx, _drv.CUdeviceptr(0), 0)
-        mem = _device_pool(dev).malloc(size)  # raises OutOfPoolMemoryError when full
+        pool = _device_pool(dev)
+        mem = pool.malloc(size)  # raises OutOfPoolMemoryError when full
         ptr = int(mem.ptr)
-        self.allocations[ptr] = mem
+        held = self.allocations[ptr] = _Held(mem)
+        guard = pool.guard
+        gen = guard.generation(ptr) if guard is not None else 0
         return MemoryPointer(
-            ctx, _drv.CUdeviceptr(ptr), size, finalizer=_forget(self.allocations, ptr)
+            ctx,
+            _drv.CUdeviceptr(ptr),
+            size,
+            finalizer=_forget(self.allocations, ptr, held, guard, gen),
         )
 
     def memhostalloc(

@@ -35,6 +35,7 @@ __all__ = [
     "TagSummary",
     "CallsiteSummary",
     "Leak",
+    "GuardReport",
     "read_log",
     "load",
     "summarize",
@@ -176,7 +177,7 @@ def _read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
                 (t, pid, thread, dev, stream, op, ptr, size, tag, site, used, res) = (
                     row[i] for i in idx
                 )
-                if op not in ("alloc", "free"):
+                if op not in ("alloc", "free") and not op.startswith("guard:"):
                     raise ValueError(op)
                 events.append(
                     LogEvent(
@@ -313,6 +314,20 @@ class Leak:
 
 
 @dataclass
+class GuardReport:
+    """A ``guard:<kind>`` line of a log: a bug the guard found (see :doc:`guard`)."""
+
+    pid: int
+    device: int
+    kind: str  # "use_after_free", "out_of_bounds", "double_free", ...
+    ptr: int
+    size: int
+    tag: str
+    callsite: str  # "alloc <site> | free <site>"
+    time: float  # seconds after the first event of all logs
+
+
+@dataclass
 class Summary:
     """What :func:`summarize` finds in a set of logs.
 
@@ -335,6 +350,9 @@ class Summary:
         Biggest total first, at most ``top``.
     leaks : list of Leak
         Biggest first (all of them).
+    guard_reports : list of GuardReport
+        What guarded pools found (use after free, out-of-bounds writes, double
+        frees...), in time order.
     """
 
     files: list[str]
@@ -351,6 +369,7 @@ class Summary:
     tags: list[TagSummary] = field(default_factory=list)
     top_callsites: list[CallsiteSummary] = field(default_factory=list)
     leaks: list[Leak] = field(default_factory=list)
+    guard_reports: list[GuardReport] = field(default_factory=list)
 
     @property
     def duration(self) -> float:
@@ -393,6 +412,24 @@ class Summary:
             )
         if self.n_bad_lines:
             out.append(f"  {self.n_bad_lines} unreadable line(s) skipped")
+        if self.guard_reports:
+            kinds: dict[str, int] = {}
+            for g in self.guard_reports:
+                kinds[g.kind] = kinds.get(g.kind, 0) + 1
+            out += [
+                "",
+                f"Guard reports: {len(self.guard_reports)} ("
+                + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+                + ")",
+            ]
+            for g in self.guard_reports[:top]:
+                dev = "pinned" if g.device < 0 else f"device {g.device}"
+                out.append(
+                    f"  {g.kind:<17} at {g.time:.3f} s  pid {g.pid} {dev}  0x{g.ptr:x} "
+                    f"({format_bytes(g.size)})  {g.tag or UNTAGGED}  {g.callsite or '-'}"
+                )
+            if len(self.guard_reports) > top:
+                out.append(f"  ... {len(self.guard_reports) - top} more")
         if not self.n_events:
             out.append("  (no events)")
             return "\n".join(out)
@@ -467,6 +504,13 @@ def _summarize(loaded: _Loaded, top: int, tag_depth: int | None) -> Summary:
     sites: dict[str, CallsiteSummary] = {}
     pids = set()
     for e in events:
+        if e.op.startswith("guard:"):
+            summ.guard_reports.append(
+                GuardReport(
+                    e.pid, e.device, e.op[6:], e.ptr, e.size, e.tag, e.callsite, e.time - t0
+                )
+            )
+            continue
         key = (e.pid, e.device)
         s = series.get(key)
         if s is None:
@@ -659,6 +703,8 @@ def _series_arrays(events: list[LogEvent], tag_depth: int | None) -> dict[tuple[
     raw: dict[tuple[int, int], dict[str, list]] = {}
     live: dict[tuple[int, int, int], tuple[int, str]] = {}
     for e in events:
+        if e.op.startswith("guard:"):
+            continue  # reports, not memory events
         key = (e.pid, e.device)
         r = raw.get(key)
         if r is None:

@@ -1079,7 +1079,11 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
     ``stream``
         Handle of the CUDA stream the block was allocated on (``0``: legacy default).
     ``op``
-        ``alloc`` or ``free``.
+        ``alloc`` or ``free``; ``guard:<kind>`` for a report of a guarded pool
+        (``guard:use_after_free``, ``guard:out_of_bounds``, ``guard:double_free``,
+        ``guard:unknown_free``, ``guard:unordered_stream``): its ``pointer``, ``size``,
+        ``stream`` and ``tag`` are the block's, its ``callsite`` reads
+        ``alloc <site> | free <site>`` (see :doc:`guard`).
     ``pointer``
         Address, hexadecimal (``0x7f...``).  Pointers are reused after frees.
     ``size``
@@ -1176,6 +1180,43 @@ def log_path() -> str | None:
     """The file the log is being written to, or ``None`` when no log is open."""
     w = _OBSERVER._writer
     return None if w is None else w.path
+
+
+def _log_guard_event(
+    core: Any, op: str, ptr: int, size: int, stream_ptr: int, tag_: str, callsite: str
+) -> None:
+    """One ``guard:<kind>`` line in the allocation log when one is open.  Never raises."""
+    obs = _OBSERVER
+    if obs._writer is None:
+        return
+    try:
+        t = _time()
+        thread = _current_thread().name
+        dev = int(core.device_id)
+
+        def write() -> None:
+            w = obs._writer
+            if w is not None:
+                w.row(
+                    [
+                        f"{t:.6f}",
+                        obs._pid,
+                        thread,
+                        dev,
+                        stream_ptr,
+                        op,
+                        f"0x{ptr:x}",
+                        size,
+                        tag_,
+                        callsite,
+                        obs._dev_used.get(dev, ""),
+                        obs._dev_reserved.get(dev, ""),
+                    ]
+                )
+
+        obs._locked(write)
+    except Exception as exc:
+        obs._error(exc)
 
 
 def _atexit_close() -> None:

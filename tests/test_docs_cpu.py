@@ -23,6 +23,7 @@ PAGES = [
     "managed_pool",
     "sharing",
     "observability",
+    "guard",
     "dask",
     "numba",
     "cli",

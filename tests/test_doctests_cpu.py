@@ -11,7 +11,8 @@ import pytest
 MODULES = {
     "cupy_poolmem": 1,
     "cupy_poolmem._sizes": 6,
-    "cupy_poolmem._errors": 4,
+    "cupy_poolmem._errors": 5,
+    "cupy_poolmem._guard": 5,
     "cupy_poolmem._device": 1,
     "cupy_poolmem.report": 6,
     "cupy_poolmem.stats": 12,

@@ -3,7 +3,10 @@
 Prints one table: microseconds per operation and the ratio to CuPy's MemoryPool,
 all measured in this process and run, round-robin (each allocator's best of four
 rounds, so drift hits every row alike).  The DevicePool rows run with observability
-off (the default: no cost); the last rows switch statistics and a tracked log on.
+off (the default: no cost); the last rows switch statistics and a tracked log on, and
+put a pool under the debug guard (``DevicePool(guard=True)``: red zone fill, poison fill,
+a check that synchronises at each free and at each block's exit from the quarantine);
+a line after the table gives the guard's overhead per allocation and free.
 
 ``python -m cupy_poolmem bench alloc [--quick]``
 
@@ -16,6 +19,7 @@ already holding 1 GiB.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import statistics
@@ -73,7 +77,12 @@ def peers() -> list[tuple[Any, ...]]:
     )
     lpool = cupy_poolmem.DevicePool()
     out.append(("DevicePool with start_log(track=True)", lpool.malloc, lpool.close, _logging))
+    gpool = cupy_poolmem.DevicePool(guard=True)
+    out.append((GUARD_ROW, gpool.malloc, gpool.close, contextlib.nullcontext))
     return out
+
+
+GUARD_ROW = "DevicePool guard=True (debug mode)"
 
 
 class _logging:
@@ -88,6 +97,19 @@ class _logging:
     def __exit__(self, *exc):
         cupy_poolmem.stop_log()
         self._dir.cleanup()
+
+
+def guard_overhead(measured: list[tuple[str, list[float], Any]]) -> str | None:
+    """One line: what the guard adds per allocation + free, against the plain DevicePool."""
+    by_name = {name: vals for name, vals, _ in measured}
+    plain = next((v for k, v in by_name.items() if k.startswith("cupy_poolmem DevicePool [")), None)
+    guarded = by_name.get(GUARD_ROW)
+    if plain is None or guarded is None:
+        return None
+    parts = [
+        f"{label} +{(g - p) * 1e6:.1f} us" for (label, _size), g, p in zip(CASES, guarded, plain)
+    ]
+    return "guard overhead per allocation + free (vs DevicePool): " + ", ".join(parts)
 
 
 def _pure_python_row(n: int) -> list[float] | None:
@@ -310,6 +332,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if cleanup:
             cleanup()
     print(table(["allocator"] + [c[0] for c in CASES] + ["chain 10k f32"], rows))
+    overhead = guard_overhead(measured)
+    if overhead:
+        print(overhead)
     print()
     print("allocation on a non-blocking stream (the graph-capture query): microseconds")
     print(_stream_costs(quick))

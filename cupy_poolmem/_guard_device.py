@@ -1,0 +1,150 @@
+"""The guard's device work: byte-pattern fills and checks, and questions about streams.
+
+``_guard.Guard`` calls one object with this interface; CPU tests give it a fake.
+
+- ``fill(ptr, n, byte, stream)``: ``cuMemsetD8Async`` on the stream (no sync).
+- ``find(ptr, n, byte, stream)``: ``(first offset whose byte differs or -1, how many
+  differ)``.  One kernel on the stream (a grid-stride loop, ``atomicMin`` of the first
+  offset, ``atomicAdd`` of the count into a 16-byte result buffer), then a 16-byte copy
+  back and a synchronisation of that stream: the one host wait of each check.
+- ``current_stream()``, ``non_blocking(stream_ptr)``, ``capturing(stream_ptr)``,
+  ``capture_underway()``.
+
+Result buffers come from ``cudaMalloc`` (never from a pool, so a check never allocates
+through the guard it serves), 16 bytes each, kept per device for the process and
+reused; a check that runs inside another (a destructor run by the garbage collector
+during a check) takes a buffer of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import cupy
+import numpy as np
+from cuda.bindings import driver as _drv
+
+from . import _streams
+from ._errors import UnsupportedError, check_driver
+
+__all__ = ["DeviceOps"]
+
+_SOURCE = r"""
+extern "C" __global__ void cupy_poolmem_guard_find(
+    const unsigned char* p, unsigned long long n, unsigned int pattern,
+    unsigned long long* out)
+{
+    const unsigned char want = (unsigned char)pattern;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+         i < n; i += stride) {
+        if (p[i] != want) {
+            atomicMin(&out[0], i);
+            atomicAdd(&out[1], 1ULL);
+        }
+    }
+}
+"""
+_NAME = "cupy_poolmem_guard_find"
+_THREADS = 256
+_MAX_BLOCKS = 4096
+_NONE = np.uint64(0xFFFFFFFFFFFFFFFF)
+_CU_STREAM_NON_BLOCKING = 1
+
+_lock = threading.Lock()
+_kernels: dict[int, Any] = {}
+_buffers: dict[int, list[int]] = {}  # device -> free 16-byte result buffers
+
+
+class DeviceOps:
+    """Fills and checks on device ``device`` (see the module docstring)."""
+
+    def __init__(self, device: int) -> None:
+        self.device = int(device)
+
+    def prepare(self) -> None:
+        """Compile the check kernel now (NVRTC, cached on disk by CuPy), not in a free."""
+        self._kernel()
+
+    def _kernel(self) -> Any:
+        k = _kernels.get(self.device)
+        if k is None:
+            with cupy.cuda.Device(self.device):
+                k = cupy.RawKernel(_SOURCE, _NAME)
+                try:
+                    k.compile()
+                except Exception as exc:
+                    raise UnsupportedError(
+                        f"the guard's check kernel does not compile on device {self.device} "
+                        f"({type(exc).__name__}: {exc}); CuPy needs NVRTC for RawKernel. "
+                        "Create the pool without guard=..."
+                    ) from exc
+            k = _kernels.setdefault(self.device, k)
+        return k
+
+    def _take(self) -> int:
+        with _lock:
+            free = _buffers.setdefault(self.device, [])
+            if free:
+                return free.pop()
+        with cupy.cuda.Device(self.device):
+            return int(cupy.cuda.runtime.malloc(16))
+
+    def _give(self, buf: int) -> None:
+        with _lock:
+            _buffers.setdefault(self.device, []).append(buf)
+
+    def fill(self, ptr: int, n: int, byte: int, stream: Any) -> None:
+        if n <= 0:
+            return
+        with cupy.cuda.Device(self.device):
+            check_driver(
+                _drv.cuMemsetD8Async(int(ptr), int(byte), int(n), int(stream.ptr)),
+                "cuMemsetD8Async",
+            )
+
+    def find(self, ptr: int, n: int, byte: int, stream: Any) -> tuple[int, int]:
+        if n <= 0:
+            return -1, 0
+        kernel = self._kernel()
+        buf = self._take()
+        try:
+            with cupy.cuda.Device(self.device), stream:
+                sptr = int(stream.ptr)
+                # out[0] = UINT64_MAX (no difference yet), out[1] = 0 (count).
+                check_driver(_drv.cuMemsetD8Async(buf, 0xFF, 8, sptr), "cuMemsetD8Async")
+                check_driver(_drv.cuMemsetD8Async(buf + 8, 0, 8, sptr), "cuMemsetD8Async")
+                data = _view(ptr, n, np.uint8, self.device)
+                out = _view(buf, 16, np.uint64, self.device)
+                blocks = max(1, min(_MAX_BLOCKS, (n + _THREADS - 1) // _THREADS))
+                kernel((blocks,), (_THREADS,), (data, np.uint64(n), np.uint32(byte), out))
+                res = out.get(stream=stream)  # copies on the stream, then synchronises it
+        finally:
+            self._give(buf)
+        first, count = res[0], int(res[1])
+        return (-1 if first == _NONE else int(first)), count
+
+    def current_stream(self) -> int:
+        return int(cupy.cuda.get_current_stream().ptr)
+
+    def non_blocking(self, stream_ptr: int) -> bool:
+        if stream_ptr <= 2:
+            return False
+        err, flags = _drv.cuStreamGetFlags(stream_ptr)
+        if int(err):
+            return True  # unknown (another device's stream?): assume no implicit ordering
+        return bool(int(flags) & _CU_STREAM_NON_BLOCKING)
+
+    def capturing(self, stream_ptr: int) -> bool:
+        return _streams.capture_status(int(stream_ptr)) != _streams.CAPTURE_NONE
+
+    def capture_underway(self) -> bool:
+        return _streams.any_capture_underway()
+
+
+def _view(ptr: int, nbytes: int, dtype: Any, device: int) -> Any:
+    """A CuPy array over raw device memory (owns nothing)."""
+    mem = cupy.cuda.UnownedMemory(int(ptr), int(nbytes), None, device)
+    n = int(nbytes) // np.dtype(dtype).itemsize
+    return cupy.ndarray((n,), dtype, cupy.cuda.MemoryPointer(mem, 0))

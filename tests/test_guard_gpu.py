@@ -1,0 +1,317 @@
+"""GPU tests of guard mode: each bug class planted for real, found with its class and call sites.
+
+- a write through a stale pointer (a raw-pointer view kept after its array died);
+- a kernel writing one element past the end (a RawKernel and an ElementwiseKernel);
+- a double free through the Numba plugin (its memory manager reset under a live array),
+  in a spawned process (Numba picks its memory manager once per process);
+- an unordered cross-stream reuse (an array dropped on another stream without
+  ``record_stream``);
+- a correct program gives the same numbers with and without the guard, and the guard
+  reports nothing for it.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import traceback
+
+import numpy as np
+import pytest
+
+import cupy_poolmem as cpm
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy")
+
+THIS = os.path.basename(__file__)
+TIMEOUT = 300
+
+_OOB_RAW = r"""
+extern "C" __global__ void write_one_past_the_end(float* a, int n) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) a[n] = 42.0f;   // index n: one past the end
+}
+"""
+
+
+def _line(marker: str) -> int:
+    """The line of this file that carries ``marker`` in a comment."""
+    with open(__file__, encoding="utf-8") as f:
+        hits = [i for i, text in enumerate(f, 1) if f"# {marker}" in text]
+    assert len(hits) == 1, f"marker {marker!r} must be on exactly one line; found {hits}"
+    return hits[0]
+
+
+def _site(marker: str, function: str) -> str:
+    return f"{THIS}:{_line(marker)} in {function}"
+
+
+@pytest.fixture
+def pool():
+    p = cpm.DevicePool(
+        guard=cpm.GuardOptions(mode="raise", cross_stream="raise", quarantine_blocks=64)
+    )
+    assert p.guard is not None, "DevicePool(guard=...) must attach a guard"
+    yield p
+    cupy.cuda.runtime.deviceSynchronize()
+    gc.collect()
+    p.close()
+
+
+def _raw_view(ptr: int, nbytes: int, dtype, device: int):
+    """What a C library, a DLPack consumer or a Numba view keeps: the bare address."""
+    mem = cupy.cuda.UnownedMemory(ptr, nbytes, None, device)
+    n = nbytes // np.dtype(dtype).itemsize
+    return cupy.ndarray((n,), dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+
+# ---------------------------------------------------------------------------- use after free
+def test_write_through_a_stale_pointer_is_use_after_free(pool):
+    with cpm.using(pool):
+        x = cupy.arange(1024, dtype=cupy.float32)  # ALLOC-UAF
+    ptr, gen = x.data.ptr, cpm.check(x).generation
+    assert cpm.check(ptr, gen).state == "live"
+    stale = _raw_view(ptr, 4096, cupy.float32, pool.device_id)
+    del x  # FREE-UAF
+    with pytest.raises(cpm.UseAfterFreeError, match="still in the quarantine") as ei:
+        cpm.check(ptr, gen)  # the raw pointer's owner asks before using it
+    assert ei.value.block.free_site and _site("FREE-UAF", "test_write_through") in (
+        ei.value.block.free_site
+    ), str(ei.value)
+    stale[100:102].fill(7.0)  # the bug: a kernel writes through the stale pointer
+    with pytest.raises(cpm.UseAfterFreeError) as ei:
+        pool.guard.verify()
+    err = ei.value
+    text = str(err)
+    assert (err.offset, err.n_changed) == (400, 8), (
+        f"expected the 8 bytes of elements 100-101 (offset 400) changed; got offset "
+        f"{err.offset}, {err.n_changed} bytes: {text}"
+    )
+    assert (err.block.ptr, err.block.size, err.block.generation) == (ptr, 4096, gen), text
+    assert _site("ALLOC-UAF", "test_write_through") in text, text
+    assert _site("FREE-UAF", "test_write_through") in text, text
+    assert pool.guard.counts["use_after_free"] == 2  # the check() above, and the write
+
+
+def test_freed_memory_reads_as_poison_while_quarantined(pool):
+    with cpm.using(pool):
+        x = cupy.full(256, 1.5, dtype=cupy.float64)
+    ptr = x.data.ptr
+    del x
+    seen = _raw_view(ptr, 256 * 8, cupy.uint8, pool.device_id).get()
+    assert (seen == pool.guard.options.poison).all(), (
+        "a freed block must hold the poison byte until it leaves the quarantine; "
+        f"saw bytes {np.unique(seen)[:8]}"
+    )
+
+
+# ---------------------------------------------------------------------------- out of bounds
+def _raw_kernel_one_past(a, n):
+    k = cupy.RawKernel(_OOB_RAW, "write_one_past_the_end")
+    k((1,), (1,), (a, np.int32(n)))
+
+
+def _elementwise_one_past(a, n):
+    k = cupy.ElementwiseKernel(
+        "int32 n", "raw float32 a", "if (i == 0) a[n] = 42.0f;", "cpm_test_write_one_past"
+    )
+    k(np.int32(n), a, size=1)
+
+
+@pytest.mark.parametrize("kernel", [_raw_kernel_one_past, _elementwise_one_past])
+def test_kernel_writing_one_element_past_the_end(pool, kernel):
+    n = 1000
+    with cpm.using(pool):
+        a = cupy.zeros(n, dtype=cupy.float32)  # ALLOC-OOB
+    ptr, gen = a.data.ptr, cpm.check(a).generation
+    kernel(a, n)
+    assert float(a[n - 1]) == 0.0, "the last element itself is untouched"
+    del a  # FREE-OOB
+    with pytest.raises(cpm.OutOfBoundsWriteError) as ei, cpm.using(pool):
+        cupy.empty(8, dtype=cupy.uint8)  # the next allocation raises what the free found
+    err = ei.value
+    text = str(err)
+    assert (err.offset, err.n_changed) == (4 * n, 4), (
+        f"expected the 4 bytes of a[{n}] (offset {4 * n}) changed; got offset {err.offset}, "
+        f"{err.n_changed} bytes: {text}"
+    )
+    assert (err.block.ptr, err.block.size, err.block.generation) == (ptr, 4 * n, gen), text
+    assert _site("ALLOC-OOB", "test_kernel_writing") in text, text
+    assert "bounds test" in text
+    with cpm.using(pool):
+        ok = cupy.arange(10)  # reported once: allocation works again
+    assert int(ok.sum()) == 45
+
+
+# ---------------------------------------------------------------------------- streams
+def test_unordered_cross_stream_reuse_is_reported(pool):
+    s1 = cupy.cuda.Stream(non_blocking=True)
+    s2 = cupy.cuda.Stream(non_blocking=True)
+    with cpm.using(pool):
+        with s1:
+            x = cupy.ones(1 << 16, dtype=cupy.float32)  # ALLOC-XS
+        with s2:
+            y = x * 2  # s2 reads x ...
+            del x  # FREE-XS  ... and x goes while s2 is current, with no record_stream
+    s2.synchronize()
+    del y  # its values may hold poison: x's memory was poisoned on s1 while s2 read it
+    with pytest.raises(cpm.UnorderedReuseError) as ei:
+        pool.guard.raise_pending()
+    text = str(ei.value)
+    assert f"stream 0x{s1.ptr:x}" in text and f"stream 0x{s2.ptr:x}" in text, text
+    assert _site("ALLOC-XS", "test_unordered") in text, text
+    assert _site("FREE-XS", "test_unordered") in text, text
+    assert isinstance(ei.value, cpm.UseAfterFreeError)
+    # The fix: record the other stream before dropping the array.
+    with cpm.using(pool):
+        with s1:
+            x = cupy.ones(1 << 16, dtype=cupy.float32)
+        with s2:
+            y = x * 2
+            cpm.record_stream(x, s2)
+            del x
+    s2.synchronize()
+    assert float(y[0]) == 2.0 and float(y[-1]) == 2.0, "read before the (ordered) poison"
+    assert pool.guard.counts["unordered_stream"] == 1, "record_stream orders the free"
+    assert pool.guard.stats()["pending"] == 0
+
+
+# ---------------------------------------------------------------------------- double free
+def test_double_free_through_the_numba_plugin():
+    pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
+    out = _in_fresh_process(_numba_double_free)
+    assert out["kind"] == "double_free", out
+    msg = out["msg"]
+    assert f"block 0x{out['ptr']:x}" in msg, msg
+    assert _site("NUMBA-RESET", "_numba_double_free") in msg, msg  # the first free
+    assert _site("NUMBA-DEL", "_numba_double_free") in msg, msg  # the second one
+    assert _site("NUMBA-ALLOC", "_numba_double_free") in msg, msg
+    assert "Numba pointer's finalizer" in msg
+    assert out["newer_intact"], "the stale finalizer must not free the newer allocation"
+
+
+def _numba_double_free() -> dict:
+    import cupy
+    import numpy as np
+    from numba import cuda
+
+    import cupy_poolmem as cpm
+    import cupy_poolmem.numba as cpn
+
+    cuda.set_memory_manager(cpn.PoolmemNumbaManager)
+    cpm.set_allocator(ipc=False, guard=cpm.GuardOptions(mode="raise", quarantine_bytes=0))
+    d = cuda.device_array(256, dtype=np.float32)  # NUMBA-ALLOC
+    ptr = int(d.device_ctypes_pointer.value)
+    cuda.current_context().memory_manager.reset()  # NUMBA-RESET  frees d's memory
+    newer = cuda.to_device(np.arange(256, dtype=np.float32))  # may reuse the address
+    del d  # NUMBA-DEL  d's pointer finalizer frees it a second time
+    gc.collect()
+    pool = cpm.get_pool()
+    try:
+        pool.guard.verify()
+    except cpm.DoubleFreeError as e:
+        kind, msg = e.kind, str(e)
+    else:
+        kind, msg = None, f"no report; guard stats {pool.guard.stats()}"
+    cupy.cuda.runtime.deviceSynchronize()
+    intact = bool((newer.copy_to_host() == np.arange(256, dtype=np.float32)).all())
+    return {"kind": kind, "msg": msg, "ptr": ptr, "newer_intact": intact}
+
+
+def _in_fresh_process(fn, *args):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_trampoline, args=(q, fn, args))
+    p.start()
+    try:
+        status, value = q.get(timeout=TIMEOUT)
+    finally:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)
+    assert status == "ok", value
+    return value
+
+
+def _trampoline(q, fn, args):
+    import numpy as np
+
+    if not hasattr(np, "row_stack"):  # numba-cuda <= 0.30 overloads it (gone in NumPy 2.5)
+        np.row_stack = np.vstack
+    try:
+        q.put(("ok", fn(*args)))
+    except BaseException:
+        q.put(("err", traceback.format_exc()))
+
+
+# ---------------------------------------------------------------------------- correct programs
+def _workload():
+    """Temporaries, views, two streams with record_stream, a reduction: deterministic."""
+    a = cupy.arange(1 << 15, dtype=cupy.float64)
+    for i in range(12):
+        b = (a * (i + 1) + 1.0) ** 2
+        a = cupy.sqrt(b)[::-1].copy() - i
+    s = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.get_current_stream().synchronize()
+    with s:
+        c = a[1::2] * 3
+    cpm.record_stream(a, s)
+    s.synchronize()
+    total = float(c.sum()) + float(a.sum())
+    return cupy.asnumpy(a), cupy.asnumpy(c), total
+
+
+def test_a_correct_program_gives_the_same_results_under_the_guard(pool):
+    plain = cpm.DevicePool(guard=False)
+    try:
+        with cpm.using(plain):
+            ref = _workload()
+        with cpm.using(pool):
+            got = _workload()
+    finally:
+        cupy.cuda.runtime.deviceSynchronize()
+        gc.collect()
+        plain.close()
+    np.testing.assert_array_equal(got[0], ref[0])
+    np.testing.assert_array_equal(got[1], ref[1])
+    assert got[2] == ref[2]
+    assert pool.guard.verify() == 0
+    pool.guard.flush()  # every quarantined block checked
+    assert sum(pool.guard.counts.values()) == 0, pool.guard.events
+    assert pool.guard.stats()["internal_errors"] == 0
+
+
+def test_set_allocator_with_guard_dispatches_through_the_guard():
+    before = cupy.cuda.get_allocator()
+    try:
+        alloc = cpm.set_allocator(ipc=False, guard="warn")
+        x = cupy.arange(100, dtype=cupy.int64)
+        info = cpm.check(x)
+        assert info.state == "live" and info.size == 800
+        assert alloc.pool().guard is not None and alloc.pool().guard.options.mode == "warn"
+        assert int(x.sum()) == 4950
+        ptr = x.data.ptr
+        del x
+        with pytest.warns(cpm.GuardWarning, match="use after free"):
+            assert cpm.check(ptr).state == "quarantined"
+        alloc.close()
+    finally:
+        cupy.cuda.set_allocator(before)
+
+
+def test_environment_variable_guards_new_device_pools(monkeypatch):
+    monkeypatch.setenv("CUPY_POOLMEM_GUARD", "warn,red_zone=64")
+    p = cpm.DevicePool()
+    try:
+        assert p.guard is not None and p.guard.options.red_zone == 64
+    finally:
+        p.close()
+    monkeypatch.setenv("CUPY_POOLMEM_GUARD", "0")
+    q = cpm.DevicePool()
+    try:
+        assert q.guard is None
+    finally:
+        q.close()
