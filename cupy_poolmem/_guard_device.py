@@ -26,6 +26,7 @@ import numpy as np
 from cuda.bindings import driver as _drv
 
 from . import _streams
+from ._device import on_device
 from ._errors import UnsupportedError, check_driver
 
 __all__ = ["DeviceOps"]
@@ -57,29 +58,58 @@ _kernels: dict[int, Any] = {}
 _buffers: dict[int, list[int]] = {}  # device -> free 16-byte result buffers
 
 
+def _sptr(stream: Any) -> int:
+    """A stream handle from a CuPy/cuda.core stream object or an int."""
+    ptr = getattr(stream, "ptr", None)
+    if ptr is None:
+        ptr = getattr(stream, "handle", stream)
+    return int(ptr or 0)
+
+
+def _core_stream(sptr: int) -> Any:
+    from cuda.core import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Stream
+
+    if sptr in (0, 1):
+        return LEGACY_DEFAULT_STREAM
+    if sptr == 2:
+        return PER_THREAD_DEFAULT_STREAM
+    return Stream.from_handle(sptr)
+
+
 class DeviceOps:
-    """Fills and checks on device ``device`` (see the module docstring)."""
+    """Fills and checks on device ``device`` (see the module docstring).
+
+    Nothing here goes through CuPy: these run inside the pool's free, which CuPy may
+    call from the middle of its own work (a temporary dropped between two kernels),
+    where a CuPy kernel launch and read-back crashed the process (H100, CuPy 14.2).
+    The check kernel is compiled by cuda.core (NVRTC) and launched with
+    ``cuda.core.launch``; fills, the result buffer and its read-back are driver calls.
+    """
 
     def __init__(self, device: int) -> None:
         self.device = int(device)
 
     def prepare(self) -> None:
-        """Compile the check kernel now (NVRTC, cached on disk by CuPy), not in a free."""
+        """Compile the check kernel now (NVRTC), not in a free."""
         self._kernel()
 
     def _kernel(self) -> Any:
         k = _kernels.get(self.device)
         if k is None:
-            with cupy.cuda.Device(self.device):
-                k = cupy.RawKernel(_SOURCE, _NAME)
-                try:
-                    k.compile()
-                except Exception as exc:
-                    raise UnsupportedError(
-                        f"the guard's check kernel does not compile on device {self.device} "
-                        f"({type(exc).__name__}: {exc}); CuPy needs NVRTC for RawKernel. "
-                        "Create the pool without guard=..."
-                    ) from exc
+            from cuda.core import Device, Program, ProgramOptions
+
+            try:
+                with on_device(self.device):
+                    cc = Device(self.device).compute_capability
+                    opts = ProgramOptions(arch=f"sm_{cc[0]}{cc[1]}")
+                    code = Program(_SOURCE, code_type="c++", options=opts).compile("cubin")
+                    k = code.get_kernel(_NAME)
+            except Exception as exc:
+                raise UnsupportedError(
+                    f"the guard's check kernel does not compile on device {self.device} "
+                    f"({type(exc).__name__}: {exc}); the guard needs NVRTC (cuda.core's "
+                    "Program). Create the pool without guard=..."
+                ) from exc
             k = _kernels.setdefault(self.device, k)
         return k
 
@@ -88,8 +118,8 @@ class DeviceOps:
             free = _buffers.setdefault(self.device, [])
             if free:
                 return free.pop()
-        with cupy.cuda.Device(self.device):
-            return int(cupy.cuda.runtime.malloc(16))
+        with on_device(self.device):
+            return int(check_driver(_drv.cuMemAlloc(16), "cuMemAlloc"))
 
     def _give(self, buf: int) -> None:
         with _lock:
@@ -98,28 +128,40 @@ class DeviceOps:
     def fill(self, ptr: int, n: int, byte: int, stream: Any) -> None:
         if n <= 0:
             return
-        with cupy.cuda.Device(self.device):
+        with on_device(self.device):
             check_driver(
-                _drv.cuMemsetD8Async(int(ptr), int(byte), int(n), int(stream.ptr)),
+                _drv.cuMemsetD8Async(int(ptr), int(byte), int(n), _sptr(stream)),
                 "cuMemsetD8Async",
             )
 
     def find(self, ptr: int, n: int, byte: int, stream: Any) -> tuple[int, int]:
         if n <= 0:
             return -1, 0
+        from cuda.core import LaunchConfig, launch
+
         kernel = self._kernel()
         buf = self._take()
+        res = np.empty(2, dtype=np.uint64)
         try:
-            with cupy.cuda.Device(self.device), stream:
-                sptr = int(stream.ptr)
+            with on_device(self.device):
+                sptr = _sptr(stream)
                 # out[0] = UINT64_MAX (no difference yet), out[1] = 0 (count).
                 check_driver(_drv.cuMemsetD8Async(buf, 0xFF, 8, sptr), "cuMemsetD8Async")
                 check_driver(_drv.cuMemsetD8Async(buf + 8, 0, 8, sptr), "cuMemsetD8Async")
-                data = _view(ptr, n, np.uint8, self.device)
-                out = _view(buf, 16, np.uint64, self.device)
                 blocks = max(1, min(_MAX_BLOCKS, (n + _THREADS - 1) // _THREADS))
-                kernel((blocks,), (_THREADS,), (data, np.uint64(n), np.uint32(byte), out))
-                res = out.get(stream=stream)  # copies on the stream, then synchronises it
+                launch(
+                    _core_stream(sptr),
+                    LaunchConfig(grid=blocks, block=_THREADS),
+                    kernel,
+                    np.uint64(ptr),
+                    np.uint64(n),
+                    np.uint32(byte),
+                    np.uint64(buf),
+                )
+                check_driver(
+                    _drv.cuMemcpyDtoHAsync(res.ctypes.data, buf, 16, sptr), "cuMemcpyDtoHAsync"
+                )
+                check_driver(_drv.cuStreamSynchronize(sptr), "cuStreamSynchronize")
         finally:
             self._give(buf)
         first, count = res[0], int(res[1])
@@ -141,10 +183,3 @@ class DeviceOps:
 
     def capture_underway(self) -> bool:
         return _streams.any_capture_underway()
-
-
-def _view(ptr: int, nbytes: int, dtype: Any, device: int) -> Any:
-    """A CuPy array over raw device memory (owns nothing)."""
-    mem = cupy.cuda.UnownedMemory(int(ptr), int(nbytes), None, device)
-    n = int(nbytes) // np.dtype(dtype).itemsize
-    return cupy.ndarray((n,), dtype, cupy.cuda.MemoryPointer(mem, 0))
