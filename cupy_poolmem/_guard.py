@@ -613,8 +613,11 @@ class Guard:
             first, n = -1, 0
         if n:
             self._report_uaf(rec, first, n)
-        self._retire(rec)
+        # Free first: _retire drops the record's reference to its stream, which may be
+        # the last one (a stream the program has let go); the CUstream is destroyed
+        # then, and a free enqueued on it afterwards crashed the driver (H100).
         self._pool._free_now(rec.ptr, rec.stream_ptr, rec.stream)
+        self._retire(rec)
 
     def _retire(self, rec: _Rec) -> None:
         rec.state = FREED

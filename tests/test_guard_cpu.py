@@ -239,6 +239,36 @@ def test_quarantine_is_fifo_and_bounded_by_count(world):
     assert p.n_frees == 4 and p.live_bytes == 0, "the pool counts quarantined blocks as freed"
 
 
+def test_a_quarantined_block_keeps_its_stream_until_its_real_free(world, monkeypatch):
+    """The record dropped its stream before the free was enqueued on it: when that was
+    the last reference (a stream the program had let go), the CUstream was destroyed
+    first and the driver crashed in cuMemFreeAsync (H100, pool close after a test)."""
+    import weakref
+
+    class Stream:
+        ptr = 0x6000
+
+    p, g, ops = _guarded(world, quarantine_blocks=4)
+    world.current = Stream()
+    m = p.malloc(64)
+    ptr = m.ptr
+    alive = weakref.ref(world.current)
+    world.current = cupy.cuda.ExternalStream(S, 0)
+    del m  # quarantined: the record holds the only reference to its stream
+    assert alive() is not None and _frees(world) == []
+    seen = []
+    real = twin._free
+
+    def free(fptr, sptr):
+        seen.append((fptr, sptr, alive() is not None))
+        return real(fptr, sptr)
+
+    monkeypatch.setattr(twin, "_free", free)
+    assert g.flush() == 1
+    assert seen == [(ptr, 0x6000, True)], "freed on a stream that was already gone"
+    assert alive() is None, "the stream goes once its last block is really freed"
+
+
 def test_quarantine_is_bounded_by_bytes(world):
     total = 1000 + RZ
     p, g, ops = _guarded(world, quarantine_bytes=2 * total + 1, quarantine_blocks=100)
