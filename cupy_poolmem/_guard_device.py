@@ -18,6 +18,7 @@ during a check) takes a buffer of its own.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any
 
@@ -55,6 +56,7 @@ _CU_STREAM_NON_BLOCKING = 1
 
 _lock = threading.Lock()
 _kernels: dict[int, Any] = {}
+_keep: list[Any] = []  # the compiled programs (their kernels are used by handle)
 _buffers: dict[int, list[int]] = {}  # device -> free 16-byte result buffers
 
 
@@ -66,24 +68,17 @@ def _sptr(stream: Any) -> int:
     return int(ptr or 0)
 
 
-def _core_stream(sptr: int) -> Any:
-    from cuda.core import LEGACY_DEFAULT_STREAM, PER_THREAD_DEFAULT_STREAM, Stream
-
-    if sptr in (0, 1):
-        return LEGACY_DEFAULT_STREAM
-    if sptr == 2:
-        return PER_THREAD_DEFAULT_STREAM
-    return Stream.from_handle(sptr)
-
-
 class DeviceOps:
     """Fills and checks on device ``device`` (see the module docstring).
 
     Nothing here goes through CuPy: these run inside the pool's free, which CuPy may
     call from the middle of its own work (a temporary dropped between two kernels),
     where a CuPy kernel launch and read-back crashed the process (H100, CuPy 14.2).
-    The check kernel is compiled by cuda.core (NVRTC) and launched with
-    ``cuda.core.launch``; fills, the result buffer and its read-back are driver calls.
+    No cuda.core ``Stream`` is made either (wrapping the program's streams with
+    ``Stream.from_handle`` in every check left later driver calls crashing).  The
+    check kernel is compiled by cuda.core (NVRTC) once; its launch
+    (``cuLaunchKernel`` on the stream handle), the fills, the result buffer and its
+    read-back are driver calls.
     """
 
     def __init__(self, device: int) -> None:
@@ -103,7 +98,9 @@ class DeviceOps:
                     cc = Device(self.device).compute_capability
                     opts = ProgramOptions(arch=f"sm_{cc[0]}{cc[1]}")
                     code = Program(_SOURCE, code_type="c++", options=opts).compile("cubin")
-                    k = code.get_kernel(_NAME)
+                    kobj = code.get_kernel(_NAME)
+                    k = _drv.CUkernel(int(kobj.handle))
+                    _keep.append((code, kobj))  # the library stays loaded for the process
             except Exception as exc:
                 raise UnsupportedError(
                     f"the guard's check kernel does not compile on device {self.device} "
@@ -137,8 +134,6 @@ class DeviceOps:
     def find(self, ptr: int, n: int, byte: int, stream: Any) -> tuple[int, int]:
         if n <= 0:
             return -1, 0
-        from cuda.core import LaunchConfig, launch
-
         kernel = self._kernel()
         buf = self._take()
         res = np.empty(2, dtype=np.uint64)
@@ -149,14 +144,14 @@ class DeviceOps:
                 check_driver(_drv.cuMemsetD8Async(buf, 0xFF, 8, sptr), "cuMemsetD8Async")
                 check_driver(_drv.cuMemsetD8Async(buf + 8, 0, 8, sptr), "cuMemsetD8Async")
                 blocks = max(1, min(_MAX_BLOCKS, (n + _THREADS - 1) // _THREADS))
-                launch(
-                    _core_stream(sptr),
-                    LaunchConfig(grid=blocks, block=_THREADS),
-                    kernel,
-                    np.uint64(ptr),
-                    np.uint64(n),
-                    np.uint32(byte),
-                    np.uint64(buf),
+                fn = check_driver(_drv.cuKernelGetFunction(kernel), "cuKernelGetFunction")
+                args = (
+                    (int(ptr), int(n), int(byte), int(buf)),
+                    (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_uint, ctypes.c_void_p),
+                )
+                check_driver(
+                    _drv.cuLaunchKernel(fn, blocks, 1, 1, _THREADS, 1, 1, 0, sptr, args, 0),
+                    "cuLaunchKernel",
                 )
                 check_driver(
                     _drv.cuMemcpyDtoHAsync(res.ctypes.data, buf, 16, sptr), "cuMemcpyDtoHAsync"
