@@ -35,6 +35,18 @@ Errors found inside a destructor cannot be raised there: in ``mode="raise"`` the
 wait, and the next allocation from the pool, :meth:`Guard.verify` or :func:`check`
 raises them (one per call); in ``mode="warn"`` a :class:`~cupy_poolmem.GuardWarning`
 is issued at once.  Both count them and keep them in ``pool.guard.events``.
+
+Quarantined blocks count as freed for the pool (``n_frees``), so the pool's retirement
+(``_retire.py``: its CUDA pool destroyed only after a device synchronisation) must
+never leave one behind.  ``Pool.close()`` marks the guard closed (later frees are
+checked and freed at once) and frees the quarantine, checked, on the blocks' own
+streams, which the records keep alive until then; if nothing may synchronise (a graph
+capture under way) the rest goes to the retirer as leftovers.  A pool finalized
+without ``close()`` (always inside a garbage collection: the pool and its guard
+reference each other) hands its whole quarantine to the retirer unchecked, as it does
+its reuse cache: a stream in the same garbage may be destroyed already.  Blocks freed
+by the garbage collector are freed at once, unchecked, for the same reason.
+``stats()["unchecked_blocks"]`` counts both.
 """
 
 from __future__ import annotations
@@ -483,6 +495,8 @@ class Guard:
         }
         self.n_internal_errors = 0
         self._warned_internal = False
+        self._closed = False  # the pool is closing: no block enters the quarantine
+        self.n_unchecked = 0  # quarantined blocks handed to the retirer without a check
         _GUARDS.add(self)
 
     # -- allocation --------------------------------------------------------------------
@@ -553,6 +567,15 @@ class Guard:
         if rec is None:
             return self._bad_free(ptr, "the pool's free", _site())
         rec.free_site = _site()
+        if _IN_GC[0]:
+            # Freed by the garbage collector: streams in the same garbage may be
+            # destroyed already (a CuPy Stream's finalizer), and a check, a fill or an
+            # eviction on one crashed the driver; the stream current now says nothing of
+            # the block.  The pool frees it at once, unchecked.
+            self._remember(rec)
+            with self._lock:
+                self.n_unchecked += 1
+            return False
         cur = ops.current_stream()
         rec.free_stream = cur
         if self.options.cross_stream != "off" and not self._ordered(cur, rec):
@@ -560,21 +583,30 @@ class Guard:
         sptr = rec.stream_ptr
         if ops.capturing(sptr) or ops.capture_underway():
             # Nothing may synchronise now, and a fill would become part of a graph.
-            self._retire(rec)
+            self._remember(rec)
             return False
         if rec.red_zone:
             first, n = ops.find(ptr + rec.size, rec.red_zone, self.options.canary, stream)
             if n:
                 self._report_oob(rec, first, n, "when it was freed")
-        if self._pool.closed:
-            self._retire(rec)
+        if self._closed:  # the pool frees it at once (it is closing: no quarantine)
+            self._remember(rec)
             return False
         ops.fill(ptr, rec.total, self.options.poison, stream)
-        rec.state = QUARANTINED
         with self._lock:
-            self._q.append(rec)
-            self._q_index[ptr] = rec
-            self._q_bytes += rec.total
+            # Checked again under the lock: close() empties the quarantine under it, and
+            # a block entering after that would never be freed.
+            if self._closed:
+                entered = False
+            else:
+                entered = True
+                rec.state = QUARANTINED
+                self._q.append(rec)
+                self._q_index[ptr] = rec
+                self._q_bytes += rec.total
+        if not entered:
+            self._remember(rec)
+            return False
         self._evict(everything=False)
         return True
 
@@ -611,15 +643,36 @@ class Guard:
         except Exception as exc:
             self._internal(exc)
             first, n = -1, 0
-        if n:
-            self._report_uaf(rec, first, n)
-        # Free first: _retire drops the record's reference to its stream, which may be
-        # the last one (a stream the program has let go); the CUstream is destroyed
-        # then, and a free enqueued on it afterwards crashed the driver (H100).
-        self._pool._free_now(rec.ptr, rec.stream_ptr, rec.stream)
-        self._retire(rec)
+        try:
+            if n:
+                self._report_uaf(rec, first, n)
+        finally:  # never lost: freed whatever the report did
+            # Free first: _remember drops the record's reference to its stream, which
+            # may be the last one (a stream the program has let go); the CUstream is
+            # destroyed then, and a free enqueued on it afterwards crashed the driver.
+            self._pool._free_now(rec.ptr, rec.stream_ptr, rec.stream)
+            self._remember(rec)
 
-    def _retire(self, rec: _Rec) -> None:
+    def take_quarantine(self) -> list[int]:
+        """Empty the quarantine without checking or freeing: ``[ptr, ...]``, oldest first.
+
+        For a pool that cannot free on its blocks' streams now (finalized inside a
+        garbage cycle, where a stream may be destroyed already; closed during a graph
+        capture): the pool hands them to its retirer, which frees them on the legacy
+        stream after a device synchronisation.  Their poison is not checked
+        (``stats()["unchecked_blocks"]`` counts them).
+        """
+        with self._lock:
+            recs, self._q = list(self._q), deque()
+            self._q_index.clear()
+            self._q_bytes = 0
+            self.n_unchecked += len(recs)
+        for rec in recs:
+            self._remember(rec)
+        return [rec.ptr for rec in recs]
+
+    def _remember(self, rec: _Rec) -> None:
+        """``rec`` is freed (or about to be, by the pool): keep it in the history."""
         rec.state = FREED
         rec.stream = None  # the stream object is needed only until the real free
         if self.options.history:
@@ -757,9 +810,21 @@ class Guard:
             return 0
         return self._evict(everything=True)
 
-    def close(self) -> None:
-        """Flush the quarantine (the pool is closing)."""
+    def close(self) -> list[int]:
+        """The pool is closing: empty the quarantine; returns what the pool must hand
+        to its retirer.
+
+        From now on freed blocks are checked and freed at once, never quarantined.
+        The quarantine is checked and freed on its blocks' streams (which the records
+        keep alive); what cannot be (a graph capture is under way, so nothing may
+        synchronise) is returned unchecked, for the retirer to free after its sync.
+        """
+        with self._lock:
+            self._closed = True
+            if not self._q:
+                return []
         self.flush()
+        return self.take_quarantine()
 
     def stats(self) -> dict[str, Any]:
         """Counts and sizes: live, quarantined, reports by kind, pending errors.
@@ -776,6 +841,7 @@ class Guard:
                 "quarantined_blocks": len(self._q),
                 "quarantined_bytes": self._q_bytes,
                 "remembered_frees": len(self._history),
+                "unchecked_blocks": self.n_unchecked,
                 "counts": dict(self.counts),
                 "pending": len(self._pending),
                 "internal_errors": self.n_internal_errors,
@@ -947,6 +1013,20 @@ def _log(pool: Any, err: GuardError) -> None:
 
 # Guards alive, for check() on raw pointers and the exit report of unraised errors.
 _GUARDS: weakref.WeakSet[Guard] = weakref.WeakSet()
+# Whether a garbage collection is under way (its finalizers free blocks): set by a
+# gc callback installed with the first guard.
+_IN_GC = [False]
+
+
+def _gc_phase(phase: str, info: Any) -> None:
+    _IN_GC[0] = phase == "start"
+
+
+def _watch_gc() -> None:
+    import gc
+
+    if _gc_phase not in gc.callbacks:
+        gc.callbacks.append(_gc_phase)
 
 
 @atexit.register
@@ -968,6 +1048,7 @@ def attach(pool: Any, options: GuardOptions, ops: Any = None) -> Guard:
 
         ops = DeviceOps(int(pool.device_id))
         ops.prepare()
+    _watch_gc()
     g = Guard(pool, options, ops)
     pool.cache_limit = 0
     pool.cache_max_block = 0

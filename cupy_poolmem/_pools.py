@@ -565,9 +565,13 @@ class Pool(_hp.PoolCore):
         """
         if self.closed:
             return
-        if self.guard is not None:
-            self.guard.close()  # the quarantine is checked and freed before the pool goes
         self._mark_closed()
+        if self.guard is not None:
+            # The quarantine is checked and freed on its blocks' streams before the
+            # pool goes; what cannot be now (a capture under way) goes to the retirer.
+            left = self.guard.close()
+            if left:
+                self._leftovers = [*self._leftovers, *left]
         with _ALL_LOCK:
             _ALL_POOLS.discard(self)
         if self.n_allocs == self.n_frees and not self._held_for_sharing:
@@ -592,7 +596,10 @@ class Pool(_hp.PoolCore):
         # finalizer), and a free on one crashed in the driver.
         try:
             if not self.closed:
-                self._leftovers = self._take_cache()
+                left = self._take_cache()
+                if self.guard is not None:  # the quarantine too, unchecked (same reason)
+                    left += self.guard.take_quarantine()
+                self._leftovers = left
                 self.close()  # its cache flush now has nothing to free
         except Exception:
             pass

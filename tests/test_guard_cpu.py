@@ -12,6 +12,7 @@ import csv
 import gc
 import os
 import warnings
+import weakref
 
 import cupy
 import numpy as np
@@ -46,11 +47,16 @@ def tp():
 
 
 @pytest.fixture
-def world(monkeypatch, tp):
+def world(monkeypatch, tp, fake_retirer):
     monkeypatch.setattr(_pools, "_hp", twin)  # record_stream and check look blocks up there
     monkeypatch.setattr(_streams, "wait_streams", lambda *a: None)
     w = World(monkeypatch, tp)
     Heap(w, monkeypatch)
+    # Pools of these tests retire into a fake retirer: their pretend pointers (leftovers)
+    # must never reach the real driver.
+    w.retirer = fake_retirer
+    fake_retirer._sync = lambda dev: w.log.append(("sync", dev))
+    fake_retirer._free = lambda ptr, dev: w.log.append(("legacy_free", ptr, dev))
     yield w
     gc.collect()
 
@@ -248,7 +254,7 @@ def test_a_quarantined_block_keeps_its_stream_until_its_real_free(world, monkeyp
     class Stream:
         ptr = 0x6000
 
-    p, g, ops = _guarded(world, quarantine_blocks=4)
+    p, g, ops = _guarded(world, quarantine_blocks=4, cross_stream="off")
     world.current = Stream()
     m = p.malloc(64)
     ptr = m.ptr
@@ -352,6 +358,155 @@ def test_after_close_frees_are_checked_but_not_quarantined(world):
     del m
     assert _frees(world) == [ptr]
     assert g.counts["out_of_bounds"] == 1
+
+
+# ---------------------------------------------------------------------------- retirement
+def _closing(world, p):
+    """The pool's CUDA pool destruction, in the world's log in order with the frees."""
+    p._mr.close = lambda: world.log.append(("close_pool",))
+
+
+def _device_work(world, since):
+    return [e for e in world.log[since:] if e[0] in ("fill", "find", "free")]
+
+
+def test_close_frees_the_quarantine_checked_then_the_pool_is_retired(world):
+    p, g, ops = _guarded(world, quarantine_blocks=8)
+    _closing(world, p)
+    a, b = p.malloc(64), p.malloc(32)  # ALLOC-CLOSE
+    pa, pb = a.ptr, b.ptr
+    del a, b  # both quarantined
+    ops.write(pb + 3, b"\x07")  # a stale pointer writes into the second
+    assert _frees(world) == [] and world.retirer.held == 1
+    p.close()
+    assert ("find", pa, 64 + RZ, POISON, S) in world.log, "checked on its own stream"
+    assert ("find", pb, 32 + RZ, POISON, S) in world.log
+    assert _frees(world) == [pa, pb], "freed on their streams, oldest first"
+    assert g.counts["use_after_free"] == 1 and g.stats()["quarantined_blocks"] == 0
+    assert g.stats()["unchecked_blocks"] == 0
+    assert world.retirer.pending == 1, "drained: the pool is handed to the retirer"
+    assert world.retirer._due[0][2] == (), "nothing left for the retirer to free"
+    world.retirer.drain()
+    assert [e for e in world.log if e[0] in ("free", "sync", "close_pool")][-2:] == [
+        ("sync", 0),
+        ("close_pool",),
+    ]
+    p.close()  # twice: harmless
+    assert world.retirer.pending == 0 and world.retirer.held == 0
+
+
+def test_close_during_a_capture_hands_the_quarantine_to_the_retirer(world):
+    p, g, ops = _guarded(world, quarantine_blocks=8)
+    _closing(world, p)
+    ms = [p.malloc(64) for _ in range(3)]
+    del ms
+    ptrs = [b.ptr for b in g.blocks()]  # quarantine order, oldest first
+    assert len(ptrs) == 3 and all(b.state == "quarantined" for b in g.blocks())
+    ops.underway = True  # another stream captures a graph: nothing may synchronise
+    n = len(world.log)
+    p.close()
+    assert _device_work(world, n) == [], "no check, no free while the capture runs"
+    assert g.stats()["quarantined_blocks"] == 0 and g.stats()["unchecked_blocks"] == 3
+    assert world.retirer.pending == 1 and world.retirer._due[0][2] == tuple(ptrs)
+    world.retirer.drain()
+    assert world.log[n:] == [
+        ("sync", 0),
+        *[("legacy_free", ptr, 0) for ptr in ptrs],
+        ("sync", 0),
+        ("close_pool",),
+    ], "freed after the sync, on the legacy stream, then synced again before the destroy"
+
+
+def test_a_closed_pool_with_live_blocks_keeps_quarantine_leftovers_until_drained(world):
+    p, g, ops = _guarded(world, quarantine_blocks=8)
+    _closing(world, p)
+    gone, live = p.malloc(64), p.malloc(16)
+    pg = gone.ptr
+    del gone
+    ops.underway = True
+    p.close()
+    ops.underway = False
+    assert world.retirer.pending == 0, "a live block: the CUDA pool stays"
+    n = len(world.log)
+    del live  # the last block: checked (red zone) and freed at once, not quarantined
+    assert [e[0] for e in _device_work(world, n)] == ["find", "free"]
+    assert world.retirer.pending == 1 and world.retirer._due[0][2] == (pg,)
+    world.retirer.drain()
+    assert ("legacy_free", pg, 0) in world.log and world.log[-1] == ("close_pool",)
+
+
+def test_a_guarded_pool_dropped_without_close_is_retired_with_its_quarantine(
+    world, tp, monkeypatch
+):
+    """Inside a garbage cycle (a guarded pool is always in one: it and its guard
+    reference each other) the quarantined blocks' streams may be destroyed already:
+    nothing reaches the driver from the finalizer; the retirer frees them after a sync."""
+    monkeypatch.setattr(tp.Pool, "__del__", _pools.Pool.__del__)  # the real finalizer
+    p, g, ops = _guarded(world, quarantine_blocks=8)
+    _closing(world, p)
+    ms = [p.malloc(64) for _ in range(2)]
+    del ms
+    ptrs = [b.ptr for b in g.blocks()]  # quarantine order, oldest first
+    assert len(ptrs) == 2 and g.stats()["quarantined_blocks"] == 2
+    guard = weakref.ref(g)
+    n = len(world.log)
+    del p, g
+    gc.collect()
+    assert guard() is None, "the pool and its guard were collected"
+    assert _device_work(world, n) == [], "no check, fill or free from the finalizer"
+    assert world.retirer.pending == 1 and world.retirer.held == 0
+    world.retirer.drain()
+    assert world.log[n:] == [
+        ("sync", 0),
+        *[("legacy_free", ptr, 0) for ptr in ptrs],
+        ("sync", 0),
+        ("close_pool",),
+    ]
+
+
+def test_a_block_freed_while_close_runs_is_never_left_in_the_quarantine(world):
+    """close() empties the quarantine under the guard's lock; a free that passed the
+    closed test before must not put its block there afterwards (it would never be
+    freed, and the pool would be retired without it)."""
+    p, g, ops = _guarded(world, quarantine_blocks=8)
+    _closing(world, p)
+    m = p.malloc(64)
+    ptr = m.ptr
+    fill = ops.fill
+
+    def fill_then_close(fptr, n, byte, stream):  # the poison fill: close() runs meanwhile
+        fill(fptr, n, byte, stream)
+        if byte == POISON:
+            p.close()
+
+    ops.fill = fill_then_close
+    del m
+    assert g.stats()["quarantined_blocks"] == 0 and _frees(world) == [ptr]
+    assert world.retirer.pending == 1, "its free was the last: the pool is retired"
+
+
+def test_blocks_freed_by_the_garbage_collector_are_freed_unchecked(world):
+    """A garbage collection may have destroyed the block's stream (a CuPy Stream's
+    finalizer) before the block's free: the guard adds no device work there, and the
+    stream current at that moment says nothing about the block."""
+    p, g, ops = _guarded(world, quarantine_blocks=8, cross_stream="raise")
+    old = p.malloc(32)
+    po = old.ptr
+    del old  # quarantined normally
+    m = p.malloc(64)
+    ptr = m.ptr
+    cycle = [m]
+    cycle.append(cycle)
+    world.current = cupy.cuda.ExternalStream(0x6000, 0)  # no sign of use: not reported
+    n = len(world.log)
+    del m, cycle
+    gc.collect()
+    assert _device_work(world, n) == [("free", ptr, S)], "freed at once on its stream"
+    assert g.stats()["unchecked_blocks"] == 1 and g.counts["unordered_stream"] == 0
+    assert [b.ptr for b in g.blocks()] == [po], "the quarantine is not evicted meanwhile"
+    with pytest.raises(cpm.UseAfterFreeError, match="which was freed at"):
+        _guard.check(ptr)  # remembered for later reports
+    assert not _guard._IN_GC[0]
 
 
 # ---------------------------------------------------------------------------- generations
