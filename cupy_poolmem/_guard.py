@@ -829,6 +829,10 @@ class Guard:
     def stats(self) -> dict[str, Any]:
         """Counts and sizes: live, quarantined, reports by kind, pending errors.
 
+        ``unchecked_blocks``: blocks freed without the guard's checks (freed by the
+        garbage collector, or quarantined when the pool was dropped without
+        ``close()`` or closed during a graph capture: see :doc:`guard`).
+
         Examples
         --------
         >>> pool.guard.stats()["counts"]["use_after_free"]  # doctest: +SKIP
