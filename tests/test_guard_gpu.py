@@ -7,7 +7,10 @@
 - an unordered cross-stream reuse (an array dropped on another stream without
   ``record_stream``);
 - a correct program gives the same numbers with and without the guard, and the guard
-  reports nothing for it.
+  reports nothing for it;
+- the pool's retirement: a guarded pool dropped in a garbage cycle with its stream, one
+  closed during a graph capture, and one closed after the program let go of the
+  stream its quarantined block was freed on (each in a process of its own).
 """
 
 from __future__ import annotations
@@ -318,6 +321,206 @@ def test_a_correct_program_gives_the_same_results_under_the_guard():
     assert r["verify"] == 0
     assert sum(r["counts"].values()) == 0, r["events"]
     assert r["internal_errors"] == 0
+
+
+# ---------------------------------------------------------------------------- retirement
+# Each in a process of its own: the retirer is the process's, and a crash (a free on a
+# destroyed stream) fails the test instead of the session.
+def _wait_retired(timeout: float = 30.0) -> int:
+    """Wait for the process's retirer to destroy what is due; returns what is left."""
+    from cupy_poolmem import _retire
+
+    r = _retire.retirer()
+    deadline = time.monotonic() + timeout
+    while r.pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return r.pending
+
+
+def _new_pool_holds_data(seed: int) -> bool:
+    """A pool created after the retirement allocates, and its memory holds a pattern."""
+    import cupy
+
+    import cupy_poolmem as cpm
+
+    want = np.random.default_rng(seed).integers(0, 2**31 - 1, 3 << 18, dtype=np.int32)
+    q = cpm.DevicePool()
+    try:
+        with cpm.using(q):
+            got = cupy.asarray(want).get()
+    finally:
+        q.close()
+    return bool((got == want).all())
+
+
+def _dropped_in_cycles_with_their_streams() -> dict:
+    import weakref
+
+    import cupy
+
+    import cupy_poolmem as cpm
+    from cupy_poolmem import _retire
+
+    r = _retire.retirer()
+    sums, quarantined, collected = [], [], []
+    for i in range(8):
+        s = cupy.cuda.Stream(non_blocking=True)
+        p = cpm.DevicePool(guard=cpm.GuardOptions(quarantine_blocks=64), ipc=bool(i % 2))
+        with s, cpm.using(p):
+            x = cupy.full(1 << 18, i, dtype=cupy.int32)
+            sums.append(int(x.sum()))
+            del x  # poisoned on s and quarantined: its record holds s
+        quarantined.append(p.guard.stats()["quarantined_blocks"])
+        guard = weakref.ref(p.guard)
+        cycle = [p, s]
+        cycle.append(cycle)
+        del p, s, cycle
+        gc.collect()  # s's finalizer may destroy it before the pool's runs
+        collected.append(guard() is None)
+    return {
+        "sums": sums,
+        "quarantined": quarantined,
+        "collected": collected,
+        "pending": _wait_retired(),
+        "retired": r.n_retired,
+        "sync_errors": r.n_sync_errors,
+        "data": _new_pool_holds_data(1),
+    }
+
+
+def test_a_guarded_pool_dropped_in_a_cycle_with_its_stream_is_retired_safely():
+    """Its quarantined blocks were poisoned on a stream that goes in the same garbage:
+    the finalizer hands them to the retirer unchecked (a free or a check on the
+    destroyed stream crashed the driver), which frees them after a sync."""
+    r = _in_fresh_process(_dropped_in_cycles_with_their_streams)
+    assert r["sums"] == [i << 18 for i in range(8)], r
+    assert all(q >= 1 for q in r["quarantined"]), r
+    assert all(r["collected"]), r
+    assert r["pending"] == 0 and r["retired"] >= 8 and r["sync_errors"] == 0, r
+    assert r["data"], "a pool created afterwards must hold its data"
+
+
+def _closed_during_a_capture() -> dict:
+    import cupy
+
+    import cupy_poolmem as cpm
+    from cupy_poolmem import _retire
+
+    r = _retire.retirer()
+    freed: list[int] = []
+    real_free = r._free
+
+    def free(ptr: int, dev: int) -> None:  # the retirer's free of leftovers, recorded
+        freed.append(int(ptr))
+        real_free(ptr, dev)
+
+    r._free = free
+    n = 1 << 20
+    guarded = cpm.DevicePool(guard=cpm.GuardOptions(quarantine_blocks=64))
+    mr = guarded.memory_resource
+    with cpm.using(guarded):
+        xs = [cupy.full(n, i, dtype=cupy.int32) for i in range(4)]
+        values = [int(x[-1]) for x in xs]
+    del xs  # poisoned and quarantined
+    cupy.cuda.runtime.deviceSynchronize()
+    ptrs = sorted(b.ptr for b in guarded.guard.blocks() if b.state == "quarantined")
+    plain = cpm.DevicePool()
+    s = cupy.cuda.Stream(non_blocking=True)
+    with cpm.using(plain), s:
+        a = cupy.arange(n, dtype=cupy.int32)
+        b = a + 1  # warm-up: the kernel is built before the capture
+        del b
+        s.synchronize()
+        s.begin_capture(cupy.cuda.runtime.streamCaptureModeRelaxed)
+        b = a + 1  # graph memory of the plain pool: the pools know a capture is under way
+        guarded.close()  # a check would synchronise: the quarantine goes to the retirer
+        stats = guarded.guard.stats()
+        used_during = int(mr.attributes.used_mem_current)  # still allocated, not freed
+        pending_during = r.pending
+        freed_during = list(freed)
+        graph = s.end_capture()
+        graph.launch(s)
+        s.synchronize()
+        got = b.get()
+        del b
+        s.synchronize()
+        del graph
+    out = {
+        "values": values,
+        "ptrs": ptrs,
+        "quarantined_after": stats["quarantined_blocks"],
+        "unchecked": stats["unchecked_blocks"],
+        "used_during": used_during,
+        "block_bytes": 4 * n + guarded.guard.options.red_zone,
+        "pending_during": pending_during,
+        "freed_during": freed_during,
+        "graph_ok": bool((got == np.arange(n, dtype=np.int32) + 1).all()),
+        "pending": _wait_retired(),
+        "sync_errors": r.n_sync_errors,
+    }
+    out["freed"] = sorted(freed)
+    plain.close()
+    out["data"] = _new_pool_holds_data(2)
+    return out
+
+
+def test_a_guarded_pool_closed_during_a_capture_leaves_its_quarantine_to_the_retirer():
+    r = _in_fresh_process(_closed_during_a_capture)
+    assert r["values"] == [0, 1, 2, 3], r
+    assert len(r["ptrs"]) == 4, r
+    assert r["quarantined_after"] == 0 and r["unchecked"] == 4, r
+    assert r["used_during"] >= 4 * r["block_bytes"], "quarantined blocks freed in a capture"
+    assert r["pending_during"] == 1 and r["freed_during"] == [], r
+    assert r["graph_ok"], "the capture was not disturbed"
+    assert r["pending"] == 0 and r["sync_errors"] == 0, r
+    assert r["freed"] == r["ptrs"], "the retirer freed exactly the quarantined blocks"
+    assert r["data"], "a pool created afterwards must hold its data"
+
+
+def _close_checks_on_a_stream_the_program_dropped() -> dict:
+    import weakref
+
+    import cupy
+
+    import cupy_poolmem as cpm
+
+    pool = cpm.DevicePool(guard=cpm.GuardOptions(quarantine_blocks=64, cross_stream="off"))
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s, cpm.using(pool):
+        x = cupy.arange(1 << 16, dtype=cupy.float32)
+        ptr, gen = x.data.ptr, cpm.check(x).generation
+        del x  # poisoned on s and quarantined
+    s.synchronize()
+    stale = _raw_view(ptr, 4 << 16, cupy.float32, pool.device_id)
+    stale[10:12].fill(3.0)  # a stale pointer writes (on the legacy stream)
+    cupy.cuda.runtime.deviceSynchronize()
+    del stale
+    alive = weakref.ref(s)
+    del s  # only the block's record holds the stream now
+    held = alive() is not None
+    pool.close()  # checks the block on its stream, frees it there, then lets go of s
+    try:
+        pool.guard.raise_pending()
+    except cpm.UseAfterFreeError as e:
+        found = {"offset": e.offset, "n": e.n_changed, "gen": e.block.generation}
+    else:
+        found = None
+    return {
+        "held": held,
+        "released": alive() is None,
+        "gen": gen,
+        "found": found,
+        "pending": _wait_retired(),
+        "data": _new_pool_holds_data(3),
+    }
+
+
+def test_close_checks_the_quarantine_on_a_stream_the_program_let_go():
+    r = _in_fresh_process(_close_checks_on_a_stream_the_program_dropped)
+    assert r["held"], "a quarantined block's record keeps its stream alive"
+    assert r["found"] == {"offset": 40, "n": 8, "gen": r["gen"]}, r
+    assert r["released"], "the stream goes once its last block is really freed"
+    assert r["pending"] == 0 and r["data"], r
 
 
 def test_set_allocator_with_guard_dispatches_through_the_guard():
