@@ -188,13 +188,22 @@ def nearest_numa_node(device: int | None = None) -> int:
         return -1
 
 
+class _Bound(threading.local):
+    """Per thread: the device whose primary context this thread was seen to have bound."""
+
+    dev = -1
+
+
+_bound = _Bound()
+
+
 class on_device:
     """Make ``dev`` current, with its primary context bound to this thread, for a block.
 
     Threads the user never touched CUDA in (multiprocessing's feeder, the sharing
     server's threads, dask's worker threads) have no current context until a runtime
     call makes one.  When ``dev`` is already current (the common case) this costs one
-    runtime and one driver query.
+    runtime query; the driver is asked for the bound context once per thread and device.
     """
 
     __slots__ = ("dev", "prev")
@@ -205,14 +214,17 @@ class on_device:
 
     def __enter__(self) -> None:
         rt = _runtime()
-        self.prev = rt.getDevice()
-        if self.prev != self.dev:
+        prev = self.prev = rt.getDevice()
+        if prev != self.dev:
             rt.setDevice(self.dev)  # binds the device's primary context
+            return
+        if _bound.dev == prev:
             return
         err, ctx = _drv().cuCtxGetCurrent()
         if int(err) or not int(ctx):
             rt.setDevice(self.dev)
             rt.free(0)  # makes the primary context current
+        _bound.dev = prev
 
     def __exit__(self, *exc: Any) -> None:
         if self.prev != self.dev:

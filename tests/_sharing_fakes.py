@@ -630,10 +630,24 @@ class FakeDriver:
             ev.event.snap = g.knows(self._p, stream)
             return ev
 
+    @contextlib.contextmanager
+    def relaxed(self) -> Iterator[None]:
+        prev = getattr(self._tls, "relaxed", False)
+        self._tls.relaxed = True
+        try:
+            yield
+        finally:
+            self._tls.relaxed = prev
+
     def event_done(self, ev: Any) -> bool:
         """Always done (the fake runs work at once); seeing it done orders what the host
-        does next after that work, as a real query that returned True does."""
+        does next after that work, as a real query that returned True does.  A query
+        while a stream of this process captures (global mode) from a thread not in
+        relaxed mode would fail and invalidate that capture on a real GPU."""
+        self._hook("event_done", ev)
         g = self._gpu
+        if self._capturing and not getattr(self._tls, "relaxed", False):
+            g.violate(f"{self._name}: event query during a graph capture (not relaxed)")
         with g.lock:
             e = self._use(ev, "query")
             if e is not None:

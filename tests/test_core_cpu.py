@@ -293,3 +293,58 @@ def test_old_top_level_spellings_warn_and_forward():
         assert cpm.sharing_stats() == cpm.sharing.stats()
     with pytest.warns(DeprecationWarning, match="sharing.collect"):
         assert cpm.collect() == 0
+
+
+def test_on_device_asks_the_driver_for_the_context_once_per_thread(monkeypatch):
+    """on_device: a thread with no context gets the primary context bound; afterwards
+    the same thread pays one runtime query per entry, a new thread asks again."""
+    import threading
+
+    from cupy_poolmem import _device
+
+    calls: list[str] = []
+    bound: set[int] = set()  # threads with a current context
+
+    class RT:
+        def getDevice(self):
+            calls.append("getDevice")
+            return 0
+
+        def setDevice(self, d):
+            calls.append(f"setDevice({d})")
+
+        def free(self, p):
+            calls.append("free(0)")
+            bound.add(threading.get_ident())
+
+    class Drv:
+        def cuCtxGetCurrent(self):
+            calls.append("cuCtxGetCurrent")
+            return 0, (1 if threading.get_ident() in bound else 0)
+
+    monkeypatch.setattr(_device, "_runtime", RT)
+    monkeypatch.setattr(_device, "_drv", Drv)
+
+    def enter_twice(out):
+        for _ in range(2):
+            with _device.on_device(0):
+                pass
+        out.extend(calls)
+        calls.clear()
+
+    first: list[str] = []
+    t = threading.Thread(target=enter_twice, args=(first,))
+    t.start()
+    t.join(5)
+    # no context in a fresh thread: bound once, then only the device query
+    assert first == ["getDevice", "cuCtxGetCurrent", "setDevice(0)", "free(0)", "getDevice"]
+    second: list[str] = []
+    bound.add(-1)  # (the thread ids differ; a new thread asks the driver again)
+    t = threading.Thread(target=enter_twice, args=(second,))
+    t.start()
+    t.join(5)
+    assert second[:2] == ["getDevice", "cuCtxGetCurrent"] and second.count("cuCtxGetCurrent") == 1
+    # another device than the current one: set, and restored after
+    with _device.on_device(1):
+        pass
+    assert calls[-2:] == ["setDevice(1)", "setDevice(0)"]

@@ -1488,36 +1488,79 @@ def test_threads_receiving_from_one_exporter_share_one_connection(world):
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
 
 
-def test_a_receive_does_not_hold_the_importer_lock_while_it_sends(world, monkeypatch):
+def test_a_receive_never_waits_on_the_socket_and_its_hit_arrives_later(world, monkeypatch):
+    """A Hit is posted lazily: the receive returns while the exporter's socket is full,
+    the importer's lock stays free meanwhile, and the exporter still gets the Hit (its
+    ticket claimed) once the socket drains."""
     e, r, core = _exporter_receiver(world)
     b = core.alloc(KB, payload=1)
     m1, m2 = e.send(b), e.send(b)
     imp = r.recv(m1)
     c = imp.m.client
+    assert wait_for(lambda: e.stats()["tickets_out"] == 1)
     gate, sending = threading.Event(), threading.Event()
-    real = c.conn.try_send
+    real = c.conn.send
 
-    def full_socket(data):  # the exporter's socket buffer is full for a while
+    def full_socket(data, fd=None):  # the exporter's socket buffer is full for a while
         sending.set()
         gate.wait(5.0)
-        return real(data)
+        return real(data, fd)
 
-    monkeypatch.setattr(c.conn, "try_send", full_socket)
+    monkeypatch.setattr(c.conn, "send", full_socket)
     got = []
     t = threading.Thread(target=lambda: got.append(r.recv(m2)))  # a Hit
     t.start()
     try:
-        assert sending.wait(5.0)
+        t.join(2.0)
+        assert not t.is_alive() and len(got) == 1, "a receive waited on the socket"
+        assert sending.wait(5.0)  # the sender thread took the Hit and is stuck sending it
         free = r.importer.lock.acquire(timeout=1.0)
         if free:
             r.importer.lock.release()
         assert free, "the importer's lock was held across a blocking send"
+        assert e.stats()["tickets_out"] == 1  # not there yet: the ticket pins the block
     finally:
         gate.set()
         t.join(5.0)
-    assert len(got) == 1 and r.read(got[0]) == (1, 1)
+    assert wait_for(lambda: e.stats()["tickets_out"] == 0)
+    assert r.read(got[0]) == (1, 1)
     got.clear()
     del imp, b
+
+
+def test_lazy_frames_keep_their_order_behind_and_before_urgent_ones():
+    """Sender: lazy frames wait at most ``delay`` unless an urgent frame or a flush
+    comes; the socket sees every frame once, in the order posted."""
+    from cupy_poolmem._sharing._transport import Sender
+
+    sent = []
+
+    class Conn:
+        def send(self, data, fd=None):
+            sent.append(_wire.decode(data))
+
+    s = Sender(Conn(), "test", delay=60.0)  # lazy frames alone would wait a minute
+    s.post(_wire.Hit(1, b"a" * 16), lazy=True)
+    s.post(_wire.Hit(2, b"b" * 16), lazy=True)
+    time.sleep(0.05)
+    assert sent == []  # still gathering
+    s.post(_wire.Unmap(1, None))  # urgent: goes now, behind the two Hits
+    assert wait_for(lambda: sum(len(f) for f in sent) == 3)
+    s.post(_wire.Hit(3, b"c" * 16), lazy=True)
+    assert not s.idle()
+    assert s.flush(5.0)
+    frames = [f for batch in sent for f in batch]
+    assert [type(f).__name__ for f in frames] == ["Hit", "Hit", "Unmap", "Hit"]
+    assert [f.export_id for f in frames] == [1, 2, 1, 3]
+    s.close()
+    fast = Sender(Conn(), "test", delay=0.001)
+    sent.clear()
+    for i in range(1, 1001):
+        fast.post(_wire.Hit(i, bytes(16)), lazy=True)
+    assert wait_for(lambda: sum(len(f) for f in sent) == 1000)  # no flush needed
+    assert [f.export_id for batch in sent for f in batch] == list(range(1, 1001))
+    assert len(sent) < 1000  # gathered into batches
+    fast.close()
 
 
 def test_an_exporter_leaving_mid_receive_does_not_close_the_event_being_waited_on(world):
@@ -1867,3 +1910,154 @@ def test_a_numba_handle_opened_while_an_unmap_is_queued_waits_for_it(world):
     r.importer.close_raw(raw)
     del b
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_a_hit_whose_wait_fails_gives_its_ticket_back_and_keeps_the_mapping(world):
+    """The re-send fast path: the sender's event fails to be waited on (a driver
+    error) -> the receive raises with the CUDA error name, the ticket goes back to the
+    exporter (nothing stays pinned for inflight_timeout), the user taken is let go
+    again, and the next message for the block is received normally."""
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=7)
+    imp = r.recv(e.send(b))
+    m = imp.m
+    msg = e.send(b)
+
+    def broken(ev):
+        raise CUDADriverError("cuEventSynchronize", 999, "CUDA_ERROR_UNKNOWN")
+
+    r.driver._hooks["sync_event"] = broken
+    with pytest.raises(CUDADriverError, match="CUDA_ERROR_UNKNOWN"):
+        r.recv(msg)
+    r.driver._hooks.clear()
+    gc.collect()
+    assert m.users == 1  # only ``imp``
+    assert wait_for(lambda: e.stats()["tickets_out"] == 0)
+    imp2 = r.recv(e.send(b))
+    assert imp2.m is m and r.read(imp2) == (1, 7)
+    del imp, imp2
+    assert r.stats()["idle_mappings"] == 1
+    b = None
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+    assert world.gpu.violations == []
+
+
+def test_gone_exporters_pools_close_in_relaxed_mode_during_a_capture(world):
+    """A graph capture under way in the receiver (global mode, on another stream): the
+    pools of an exporter that is gone are still closed, with every event query made in
+    relaxed capture mode (a plain query would fail and invalidate the capture)."""
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=3)
+    imp = r.recv(e.send(b))
+    r.driver._capturing.add(0x99)
+    try:
+        del imp, b
+        e.exit()
+        assert wait_for(lambda: r.stats()["clients"] == 0)
+        assert wait_for(lambda: r.stats()["imported_pools"] == 0)
+    finally:
+        r.driver._capturing.discard(0x99)
+    assert world.gpu.violations == []
+
+
+def test_a_failing_pool_close_keeps_that_pool_and_the_others_still_close(world):
+    """close_done_pools: a driver error while settling one gone exporter's pool keeps
+    that pool (imported, never destroyed unsynchronised), warns, and does not stop the
+    pools of later exporters from closing."""
+    r = world.proc("receiver")
+    failing = {"on": True}
+
+    def broken(ev):
+        if failing["on"] and threading.current_thread() is not threading.main_thread():
+            raise CUDADriverError("cuEventSynchronize", 999, "CUDA_ERROR_UNKNOWN")
+
+    for i in range(2):
+        e = world.proc(f"e{i}")
+        core = e.pool()
+        b = core.alloc(KB, payload=i)
+        imp = r.recv(e.send(b))
+        del imp, b
+        if i == 0:
+            r.driver._hooks["sync_event"] = broken
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                e.exit()
+                assert wait_for(lambda: r.importer._kept_pools)
+            assert any("closing the pool" in str(w.message) for w in caught)
+            r.driver._hooks.clear()
+            kept = r.importer._kept_pools[0]
+            assert kept.keepalive.closed is False  # kept, not destroyed
+        else:
+            e.exit()
+        core.dispose()
+        world.procs.remove(e)
+    assert wait_for(lambda: r.stats()["clients"] == 0)
+    assert wait_for(lambda: r.stats()["imported_pools"] == 1)  # only the kept one
+    assert world.gpu.violations == []
+
+
+def test_event_done_counts_errors_other_than_not_ready_as_done():
+    """Driver.event_done: NOT_READY is the only 'not yet'; a sticky error (illegal
+    address) or a destroyed context counts as done, so nothing polls for ever."""
+    drv = Driver()
+    answers = iter([600, 0, 700, 201])
+
+    class D:
+        @staticmethod
+        def cuEventQuery(ev):
+            return (next(answers),)
+
+    drv._d = D
+    assert [drv.event_done(object()) for _ in range(4)] == [False, True, True, True]
+
+
+def test_the_deferred_retry_backs_off_while_nothing_changes_and_stops_when_done(world, monkeypatch):
+    """A free deferred by a capture that lasts: the retry thread polls at 20 Hz at
+    first, then backs off to once a second; when the capture ends it lets go and the
+    thread ends."""
+    sleeps: list[float] = []
+    real_sleep = time.sleep
+
+    def fast_sleep(s):
+        if threading.current_thread().name != "cupy_poolmem-deferred":
+            return real_sleep(s)
+        sleeps.append(s)
+        real_sleep(0.001)
+
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=5)
+    imp = r.recv(e.send(b))
+    m = imp.m
+    monkeypatch.setattr(_importer.time, "sleep", fast_sleep)
+    r.driver._set_stream(FakeStream(0x99))
+    imp.stream = FakeStream(0x99)
+    r.driver._capturing.add(0x99)
+    del imp  # deferred: its stream captures
+    assert wait_for(lambda: len(sleeps) >= 8)
+    assert sleeps[0] == 0.05 and max(sleeps) == 1.0 and sleeps == sorted(sleeps)
+    assert m.users == 1  # still deferred
+    r.driver._capturing.discard(0x99)
+    assert wait_for(lambda: r.importer._deferred_thread is None)
+    assert m.users == 0
+    del b
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+    assert world.gpu.violations == []
+
+
+def test_free_events_of_an_imported_pool_stay_bounded_with_a_stream_per_task(world):
+    """A worker that makes a new stream per task: the imported pool keeps one free
+    event per stream only until those frees are done (bounded), and the events it let
+    go were synchronised first; the pool still closes cleanly when the exporter goes."""
+    e, r, core = _exporter_receiver(world)
+    blocks = [core.alloc(KB, payload=i) for i in range(40)]
+    for i, blk in enumerate(blocks):
+        r.driver._set_stream(FakeStream(0x1000 + i))  # a new stream per task
+        imp = r.recv(e.send(blk))
+        assert r.read(imp) == (1, i)
+        del imp  # unmapped on that stream
+    pool = next(iter(r.importer.pools.values()))
+    assert len(pool.frees) <= _importer._FREES_MAX + 1
+    blocks.clear()
+    e.exit()
+    assert wait_for(lambda: r.stats()["imported_pools"] == 0)
+    assert world.gpu.violations == []

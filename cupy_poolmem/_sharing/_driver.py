@@ -24,10 +24,12 @@ from .._device import (
     on_device,
 )
 from .._errors import check_driver
-from .._streams import CAPTURE_NONE, capture_status
+from .._streams import CAPTURE_NONE, capture_status, relaxed_capture_mode
 from ._wire import POOL_PINNED
 
 __all__ = ["Driver"]
+
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 
 class Driver:
@@ -179,9 +181,20 @@ class Driver:
         return ev
 
     def event_done(self, ev: Any) -> bool:
-        """Whether the work ``ev`` covers has finished (no wait)."""
+        """Whether the work ``ev`` covers has finished (no wait).
+
+        Any answer but "not ready" counts as finished: after a sticky context error (an
+        illegal address, say) that work never runs, and a caller polling for it would
+        poll for ever; the next synchronising call reports the error by name.
+        """
         (err,) = self._d.cuEventQuery(ev)
-        return int(err) == 0
+        return int(err) != _NOT_READY
+
+    def relaxed(self) -> Any:
+        """A context manager: this thread may query, wait on and destroy while another
+        thread captures a graph in global mode (those calls would otherwise fail and
+        invalidate that capture)."""
+        return relaxed_capture_mode()
 
     def sync_stream(self, stream: int) -> None:
         check_driver(self._d.cuStreamSynchronize(stream), "cuStreamSynchronize")

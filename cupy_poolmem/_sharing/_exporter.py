@@ -178,8 +178,8 @@ class Exporter:
         The ticket pins the block until a receiver claims it, or ``inflight_timeout``.
         The event covers the work enqueued on the block's allocation stream so far.
         """
-        address = self.address  # the listener runs before any message can exist
-        del address
+        if self._listener is None:
+            self.address  # noqa: B018  (the listener runs before any message can exist)
         with self.lock:
             rec = block.share
             if rec is None:

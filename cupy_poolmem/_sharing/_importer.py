@@ -26,6 +26,7 @@ __all__ = ["Importer", "Mapping", "Imported", "Client"]
 
 _SEEN_MAX = 4096
 _CLOSING_MAX = 1024
+_FREES_MAX = 8  # free events kept per imported pool before the done ones are let go
 _KEEP = object()  # an unmap the driver refused: the lease stays (leaking is the safe side)
 
 
@@ -170,8 +171,9 @@ class Client:
         return slot[1], slot[2]
 
     def send_now(self, frame: Any) -> None:
-        """Send at once when the connection is free (no thread hand-off), else queue it."""
-        if not self.conn.try_send(_wire.encode(frame)):
+        """Send at once when nothing is queued and the connection is free (no thread
+        hand-off), else queue it behind what is queued."""
+        if not (self.sender.idle() and self.conn.try_send(_wire.encode(frame))):
             self.sender.post(frame)
 
     def _read(self) -> None:
@@ -241,6 +243,7 @@ class Importer:
         self._deferred: list[tuple[Mapping, Any]] = []
         self._deferred_thread: threading.Thread | None = None
         self._closing_pools: list[ImportedPool] = []  # gone exporters' pools, frees pending
+        self._kept_pools: list[ImportedPool] = []  # their close failed: never destroyed
         self._connecting: set[str] = set()  # addresses a thread is connecting to
         self._importing: set[str] = set()  # pools a thread is importing
         self._changed = threading.Condition(self.lock)  # either set shrank
@@ -312,6 +315,9 @@ class Importer:
         sender's writes; the owner the received array keeps."""
         if self._deferred:
             self.drain_deferred()
+        hit = self._hit(d, stream, host_order)
+        if hit is not None:
+            return hit
         c = self.client(d.address)
         with self.lock:  # its events stay open while this receive uses them
             if c.closed:
@@ -355,9 +361,9 @@ class Importer:
                         break
                 wait.wait(self.settings.claim_timeout)
             if hit is not None:
-                # Sent without the lock: a send blocks while the exporter's socket is
-                # full, and the thread that reads the exporter's frames needs the lock.
-                c.send_now(_wire.Hit(d.export_id, d.ticket))
+                # Nobody waits for it: the sender thread takes it within a few ms, with
+                # the others posted meanwhile (the ticket pins the block until then).
+                c.sender.post(_wire.Hit(d.export_id, d.ticket), lazy=True)
                 return hit
             try:
                 told = True
@@ -376,6 +382,44 @@ class Importer:
                 gone = c.closed and not c.busy
             if gone:  # the exporter went while this receive ran
                 self._tidy(c)
+
+    def _hit(self, d: _wire.Descriptor, stream: Any, host_order: bool) -> Imported | None:
+        """A block this process maps under a lease already, with the sender's event open
+        here: take the message in one step (the common re-send), else None (full path).
+
+        The new user keeps the mapping, so the client keeps its keys, and with them its
+        events (see :meth:`_tidy`), while the event is waited on outside the lock.
+        """
+        key = (d.pool_uuid, d.export_data)
+        with self.lock:
+            m = self.maps.get(key)
+            if m is None or not m.leased:
+                return None
+            c = m.client
+            if c is None or c.closed or c.address != d.address or m.export_id != d.export_id:
+                return None  # the full path tells these apart (gone, or a protocol error)
+            ev = None
+            if d.event is not None:
+                ev = c.events.get(d.event)
+                if ev is None:
+                    return None  # opened on the full path
+            m.users += 1  # before anything allocates (see receive)
+            self.idle.pop(key, None)
+            m.keep = True
+            hit = Imported(self, m, stream)
+        try:
+            if ev is not None:
+                if host_order or self.settings.receive_order == "sync":
+                    self.driver.sync_event(ev)
+                else:
+                    self.driver.wait_event(stream.ptr, ev)
+        except BaseException:
+            c.sender.post(_wire.Drop(d.export_id, d.ticket))
+            raise  # the user taken goes with ``hit``
+        # Nobody waits for it: the sender thread takes it within a few ms, with the
+        # others posted meanwhile (the ticket pins the block until then).
+        c.sender.post(_wire.Hit(d.export_id, d.ticket), lazy=True)
+        return hit
 
     def _claim_and_map(
         self,
@@ -527,7 +571,10 @@ class Importer:
             _warn_kept("unmapping a shared block", exc)
             return _KEEP
         ev, handle = self.driver.record_ipc_event(m.dev, sptr)
-        m.pool.frees[sptr] = self.driver.plain_event(sptr, m.pool.frees.get(sptr))
+        frees = m.pool.frees
+        if sptr not in frees and len(frees) >= _FREES_MAX:
+            self._prune_frees(frees)
+        frees[sptr] = self.driver.plain_event(sptr, frees.get(sptr))
         self.closing[m.key] = ev
         if len(self.closing) > _CLOSING_MAX:
             # Forgetting it, a re-import would not wait for that free: make sure it ran.
@@ -536,6 +583,17 @@ class Importer:
                 self.driver.sync_event(old)
         m.pool.users -= 1
         return handle if m.leased else None
+
+    def _prune_frees(self, frees: dict[int, Any]) -> None:
+        """Let go of the free events that are done (lock held, device current): a worker
+        that makes a new stream per task would otherwise keep one event per stream for
+        as long as the exporter lives.  Each is synchronised first (returns at once),
+        which is what the driver needs to settle those frees (see close_done_pools)."""
+        for s, ev in list(frees.items()):
+            if self.driver.event_done(ev):
+                self.driver.sync_event(ev)
+                self.driver.close_event(ev)
+                del frees[s]
 
     def _forget(self, m: Mapping) -> None:
         """Take ``m`` out of the tables (lock held); remember it was received."""
@@ -648,45 +706,82 @@ class Importer:
         on an H100: one descriptor per pool, a long-lived receiver of short-lived
         producers runs out).  A pool goes once its free events are done (a query, never a
         wait), after a synchronise on each (returns at once) lets the driver settle them.
+        Run in relaxed capture mode: another thread's graph capture is left alone.  A
+        pool whose close fails is kept (never destroyed unsynchronised) and counted.
         """
-        with self.lock:
-            ready = []
-            for p in self._closing_pools:
-                with self.driver.on_device(p.dev):
-                    if all(self.driver.event_done(ev) for ev in p.frees.values()):
-                        ready.append(p)
+        with self.driver.relaxed():
+            with self.lock:
+                ready = [p for p in self._closing_pools if self._frees_done(p)]
+                for p in ready:
+                    self._closing_pools.remove(p)
+                left = not self._closing_pools
             for p in ready:
-                self._closing_pools.remove(p)
-            left = not self._closing_pools
-        for p in ready:
-            with self.driver.on_device(p.dev):
-                for ev in p.frees.values():
-                    self.driver.sync_event(ev)
-                    self.driver.close_event(ev)
-            p.frees.clear()
-            self.driver.forget_pool(p.handle)
-            self.driver.close_pool(p.keepalive)
+                try:
+                    with self.driver.on_device(p.dev):
+                        for ev in list(p.frees.values()):
+                            self.driver.sync_event(ev)
+                            self.driver.close_event(ev)
+                    p.frees.clear()
+                    self.driver.forget_pool(p.handle)
+                    self.driver.close_pool(p.keepalive)
+                except Exception as exc:
+                    from ._exporter import _warn_kept
+
+                    with self.lock:
+                        self._kept_pools.append(p)  # leaking beats an unsynchronised destroy
+                    _warn_kept("closing the pool of an exporter that is gone", exc)
         return left
+
+    def _frees_done(self, p: ImportedPool) -> bool:
+        """Whether every free queued on ``p``'s memory here has run (lock held)."""
+        try:
+            with self.driver.on_device(p.dev):
+                return all(self.driver.event_done(ev) for ev in p.frees.values())
+        except Exception:
+            return False  # asked again later (the retry backs off)
 
     # -- later: frees during graph capture, pools of gone exporters ------------------------------
     def _schedule_deferred(self) -> None:
         with self.lock:
             if self._deferred_thread is not None:
                 return
-            self._deferred_thread = threading.Thread(
+            t = threading.Thread(
                 target=self._retry_deferred, name="cupy_poolmem-deferred", daemon=True
             )
-            self._deferred_thread.start()
+            self._deferred_thread = t
+        try:
+            t.start()
+        except RuntimeError:  # interpreter shutdown: nothing runs later
+            with self.lock:
+                self._deferred_thread = None
 
     def _retry_deferred(self) -> None:
-        while True:
-            time.sleep(0.05)
-            self.drain_deferred()
-            self.close_done_pools()
+        """Retry deferred frees and pool closes: every 50 ms while work gets done, backing
+        off to once a second while nothing changes (a capture that lasts, frees that
+        wait on a stalled stream)."""
+        delay = 0.05
+        try:
+            while True:
+                time.sleep(delay)
+                before = (len(self._deferred), len(self._closing_pools))
+                try:
+                    self.drain_deferred()
+                    self.close_done_pools()
+                except Exception as exc:
+                    from ._exporter import _warn_kept
+
+                    _warn_kept("a deferred unmap or pool close", exc)
+                with self.lock:
+                    now = (len(self._deferred), len(self._closing_pools))
+                    if now == (0, 0):  # checked and cleared under one lock: no lost work
+                        self._deferred_thread = None
+                        return
+                delay = 0.05 if now != before else min(delay * 2, 1.0)
+        except BaseException:  # the thread dies (shutdown): a later call starts another
             with self.lock:
-                if not self._deferred and not self._closing_pools:
+                if self._deferred_thread is threading.current_thread():
                     self._deferred_thread = None
-                    return
+            raise
 
     def drain_deferred(self) -> None:
         """Let go, now, of mappings dropped while their stream was being captured."""
@@ -775,7 +870,9 @@ class Importer:
             return {
                 "imported_blocks": len(self.maps) - len(self.idle),
                 "idle_mappings": len(self.idle),
-                "imported_pools": len(self.pools) + len(self._closing_pools),
+                "imported_pools": len(self.pools)
+                + len(self._closing_pools)
+                + len(self._kept_pools),
                 "clients": len(clients),
                 "opened_events": sum(len(c.events) for c in clients),
                 "dropped_frames_in": sum(c.sender.dropped for c in clients),

@@ -63,7 +63,8 @@ def describe(
 ) -> _wire.Descriptor:
     """The descriptor of a new message for ``owner`` (a pool block, a received mapping's
     owner, or a round-tripped array), its ticket registered with the exporter."""
-    ctx.check_not_forked()
+    if ctx.forked:
+        ctx.check_not_forked()
     if isinstance(owner, Imported):  # forward to a third process
         m = owner.m
         ticket = ctx.importer.forward(owner)
@@ -118,10 +119,11 @@ def receive(ctx: Any, d: _wire.Descriptor) -> tuple[Any, int]:
     Back in its exporter, the owner holds the block locally; elsewhere it is the
     importer's owner of a mapping, ordered after the sender's writes.
     """
-    ctx.check_not_forked()
+    if ctx.forked:
+        ctx.check_not_forked()
     drv = ctx.driver
-    own = ctx.exporter_address()
-    if own is not None and d.address == own:  # back in the exporter: its own memory
+    exp = ctx._exporter
+    if exp is not None and d.address == exp.own_address:  # back in the exporter: its own memory
         hold = ctx.exporter.take_local(d.export_id, d.ticket)
         dev = hold.rec.dev if hold.rec.dev >= 0 else drv.current_device()
         if d.event is not None:

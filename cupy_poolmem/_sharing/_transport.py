@@ -283,20 +283,33 @@ class Sender:
     ``post`` never blocks and is safe from ``__del__``.  At most ``limit`` frames wait;
     beyond that a frame is dropped and counted (every frame the protocol posts is one
     whose loss keeps memory held, never frees it early).
+
+    ``post(frame, lazy=True)`` is for frames nobody waits on (a receiver's ``Hit``): the
+    thread sends them within ``delay`` seconds, together with whatever else was posted
+    by then, so a steady stream of them costs a deque append each instead of a wake-up
+    and a system call each.  Any other post (or :meth:`flush`) sends them at once; order
+    is kept either way.
     """
 
-    def __init__(self, conn: Conn, name: str, limit: int = 65536) -> None:
+    def __init__(self, conn: Conn, name: str, limit: int = 65536, delay: float = 0.002) -> None:
         self.conn = conn
         self.name = name
         self.limit = limit
+        self.delay = delay
         self.dropped = 0
         self._q: deque[Any] = deque()
         self._cv = threading.Condition(threading.RLock())
         self._thread: threading.Thread | None = None
         self._busy = False
+        self._woken = False  # the thread was told about the frames queued now
+        self._urgent = False  # a frame (or a flush) that must not wait for ``delay``
         self.dead = False
 
-    def post(self, frame: Any) -> None:
+    def idle(self) -> bool:
+        """Nothing queued and nothing being sent: a frame sent now keeps the order."""
+        return not self._q and not self._busy
+
+    def post(self, frame: Any, lazy: bool = False) -> None:
         if self.dead:
             return
         if len(self._q) >= self.limit:
@@ -310,16 +323,28 @@ class Sender:
                 )
             return
         self._q.append(frame)
+        # Appended before the flag is read; the thread clears the flag before it looks
+        # at the queue a last time: a frame is never left queued with nobody woken.
+        if lazy and self._woken:
+            return
         with self._cv:
+            self._woken = True
+            if not lazy:
+                self._urgent = True
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
-            self._cv.notify()
+            self._cv.notify_all()  # the thread, not only a flush() waiting meanwhile
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._q and not self.dead:
+                while not self.dead:
+                    if self._q:
+                        break
+                    self._woken = False
+                    if self._q:
+                        break
                     self._busy = False
                     self._cv.notify_all()
                     self._cv.wait()
@@ -328,9 +353,14 @@ class Sender:
                     self._cv.notify_all()
                     return
                 self._busy = True
+                if not self._urgent and self.delay > 0:
+                    self._cv.wait(self.delay)  # gather lazy frames; an urgent post wakes it
+                self._urgent = False
             frames = []
             while self._q:
                 frames.append(self._q.popleft())
+            if not frames:
+                continue
             try:
                 self.conn.send(_wire.encode_batch(frames))
             except (OSError, ValueError):
@@ -352,6 +382,9 @@ class Sender:
         """Wait until every posted frame was handed to the socket; False on timeout."""
         deadline = time.monotonic() + timeout
         with self._cv:
+            if self._q:  # lazy frames go now
+                self._urgent = True
+                self._cv.notify_all()
             while (self._q or self._busy) and not self.dead:
                 left = deadline - time.monotonic()
                 if left <= 0:
