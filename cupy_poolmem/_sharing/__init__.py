@@ -29,7 +29,10 @@ Invariants (every change to this package must keep them):
    first time, the pool's file descriptor comes with it); a stale one is refused,
    and the receiver raises :class:`SharingError` instead of mapping memory the
    exporter may have reused.  Once it has mapped the block (or given the lease back)
-   the receiver says ``Mapped``.  A receiver that maps it already sends ``Hit``.
+   the receiver says ``Mapped``.  A receiver that maps it already sends ``Hit``,
+   lazily: its sender thread batches them within a few milliseconds (nobody waits
+   for one; the ticket pins the block until it arrives), in order with its other
+   frames.
 4. Leases cover mappings.  A receiver holds one lease per mapping, from the granted
    claim to ``Unmap``, while arrays use the mapping and while it idles in the
    receiver's cache.  Leases are counted per connection.  When a connection closes,
