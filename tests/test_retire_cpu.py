@@ -179,6 +179,95 @@ def test_the_fork_handler_is_registered():
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
 
 
+def test_leftovers_of_a_held_pool_are_freed_after_a_sync_and_before_its_close(fake_retirer):
+    log = fake_retirer.log.events
+    token = fake_retirer.adopt(Resource(log))
+    fake_retirer.add_leftovers(token, 1, [0xA, 0xB])
+    fake_retirer.add_leftovers(token, 1, [])  # nothing: no work
+    fake_retirer.add_leftovers(12345, 1, [0xC])  # no such pool: never freed blindly
+    assert fake_retirer.pending == 0  # nothing to close yet
+    assert fake_retirer.drain()
+    assert log == [("sync", 1), ("free", 0xA, 1), ("free", 0xB, 1), ("sync", 1)]
+    assert fake_retirer.held == 1  # the pool itself is not closed: it is still live
+    fake_retirer.add_leftovers(token, 1, [0xD])
+    fake_retirer.retire(token, 1)
+    log.clear()
+    assert fake_retirer.drain()  # one batch: its frees come first, the close last
+    assert log == [("sync", 1), ("free", 0xD, 1), ("sync", 1), ("close", "r")]
+    fake_retirer.add_leftovers(token, 1, [0xE])  # retired: nothing is freed any more
+    assert fake_retirer.drain() and log[-1] == ("close", "r")
+
+
+def test_leftovers_of_blocks_used_on_other_streams_sync_every_device(fake_retirer):
+    log = fake_retirer.log.events
+    fake_retirer.log.active = [0, 1, 2]
+    token = fake_retirer.adopt(Resource(log))
+    fake_retirer.add_leftovers(token, 1, [0xA], everywhere=True)  # record_stream'd
+    fake_retirer.drain()
+    assert log == [("sync", 0), ("sync", 1), ("sync", 2), ("free", 0xA, 1), ("sync", 1)]
+
+
+def test_a_resource_with_its_own_free_frees_its_leftovers(fake_retirer):
+    log = fake_retirer.log.events
+
+    class Backend(Resource):
+        def free_leftover(self, ptr):
+            self.log.append(("own_free", ptr))
+
+    fake_retirer.retire(fake_retirer.adopt(Backend(log, "b")), 0, [0xA])
+    fake_retirer.drain()
+    assert log == [("sync", 0), ("own_free", 0xA), ("sync", 0), ("close", "b")]
+
+
+def test_a_pool_waiting_for_a_capture_is_polled_until_done():
+    log: list = []
+    r = _retire.Retirer(
+        lambda dev: log.append(("sync", dev)), lambda: False, lambda: [0], delay=0.01
+    )
+    token = r.adopt(Resource(log))
+    polls = []
+    capture_over = threading.Event()
+
+    def poll():  # what a closed pool with frees held for a capture gives the retirer
+        polls.append(1)
+        if not capture_over.is_set():
+            return False
+        r.retire(token, 0)
+        return True
+
+    r.after_captures(poll)
+    deadline = time.monotonic() + 10
+    while len(polls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(polls) >= 3 and r.waiting == 1 and log == []  # the thread keeps polling
+    capture_over.set()
+    while (r._thread is not None or r.pending) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.waiting == 0 and log == [("sync", 0), ("close", "r")] and r._thread is None
+
+
+def test_drain_says_when_a_pool_still_waits_and_drops_a_poll_that_raises(fake_retirer):
+    answers = [False, True]
+    fake_retirer.after_captures(lambda: answers.pop(0))
+    assert not fake_retirer.drain() and fake_retirer.waiting == 1
+    assert fake_retirer.drain() and fake_retirer.waiting == 0
+
+    def broken():
+        raise RuntimeError("a CUDA error")
+
+    fake_retirer.after_captures(broken)
+    assert fake_retirer.drain() and fake_retirer.waiting == 0  # its frees leak, no more
+
+
+def test_a_fork_child_never_polls_the_parents_waiting_pools(fake_retirer):
+    polled = []
+    fake_retirer.after_captures(lambda: polled.append(1))
+    fake_retirer._after_fork_in_child()
+    fake_retirer.after_captures(lambda: polled.append(2))
+    assert fake_retirer.drain() and polled == [] and fake_retirer.waiting == 0
+    assert len(fake_retirer._kept) == 2  # kept: their pools' streams are never destroyed
+
+
 # ---------------------------------------------------------------- pools use it
 @pytest.fixture(scope="module")
 def tp():
