@@ -167,8 +167,6 @@ class Pool(_hp.PoolCore):
     _kind_name = "pool"
     _serial_counter = 0
     _held_for_sharing = 0  # bytes of freed blocks other processes still map (limbo)
-    _retire_token = 0  # the retirer's name for this pool's CUDA pool (0: none)
-    _leftovers: list[int] = []  # blocks the retirer frees after its sync (never mutated)
     _forked = False  # set in a child forked after CUDA started: the pool refuses to work
 
     def _setup(
@@ -183,6 +181,8 @@ class Pool(_hp.PoolCore):
         self._mr = mr
         # The retirer owns the CUDA pool from now on: it is destroyed only after its
         # frees are done and seen (see _retire.py), never by this object going away.
+        # The token is a C field of the hot path's PoolCore: it outlives a garbage
+        # collector's clearing of this __dict__.
         self._retire_token = _retire.retirer().adopt(mr) if mr is not None else 0
         self._max_size = max_size
         self._lock = threading.Lock()
@@ -572,21 +572,55 @@ class Pool(_hp.PoolCore):
 
         Blocks in sharing limbo count as live: the pool is released when the exporter
         frees the last of them (other processes still map them).
+
+        Also called for a finalized pool's last block, possibly after the garbage
+        collector emptied the ``__dict__``: then only C fields are read.
         """
         if self._held_for_sharing:
             return
-        dev = self.device_id if self.kind == _hp.KIND_DEVICE else _retire.ALL_DEVICES
-        _retire.retirer().retire(self._retire_token, dev, self._leftovers)
+        self._retire_now()
+
+    def _retire_now(self, leftovers: Any = ()) -> None:
+        """Hand the CUDA pool to the retirer (C fields only: see :meth:`_drained`)."""
+        _retire.retirer().retire(self._retire_token, self._retire_device(), leftovers)
+
+    def _retire_device(self) -> int:
+        """The device the retirer synchronises for this pool's frees."""
+        return self.device_id if self.kind == _hp.KIND_DEVICE else _retire.ALL_DEVICES
+
+    def _orphan(self, ptr: int, size: int, flags: int) -> bool:
+        """A block freed after this pool's finalizer ran (see ``Block.__dealloc__``).
+
+        Its stream may be destroyed and the ``__dict__`` empty: the retirer frees it
+        after a sync, before it destroys the pool.  Graph memory (allocated during a
+        capture) is its graph's, not the pool's: it is left alone.
+        """
+        if not flags & _hp.FLAG_CAPTURED:
+            _retire.retirer().add_leftovers(
+                self._retire_token,
+                self._retire_device(),
+                (ptr,),
+                everywhere=bool(flags & _hp.FLAG_RECORDED),  # its streams' devices too
+            )
+        return True
+
+    def _finalize_leftovers(self) -> list[int]:
+        """A finalized pool's blocks that no stream will free: its reuse cache."""
+        return self._take_cache()
 
     def __del__(self) -> None:
-        # A pool dropped without close(): retire its CUDA pool too (never a bare destroy
-        # with frees pending).  Its cached blocks go to the retirer unfreed: inside a
-        # garbage cycle their streams may be destroyed already (a cupy Stream's own
-        # finalizer), and a free on one crashed in the driver.
+        # The pool was dropped: without close(), or inside a garbage cycle, then with
+        # its live blocks (they hold it), whose streams a cupy Stream's own finalizer
+        # may destroy first; the collector then empties this __dict__ before the blocks
+        # are freed.  So from here on nothing of this pool touches a stream: its reuse
+        # cache and deferred frees go to the retirer, which frees them after a
+        # sync (a free on a destroyed stream crashed in the driver), and so do its live
+        # blocks when freed (``_orphan``).  The CUDA pool is retired after the last one.
         try:
-            if not self.closed:
-                self._leftovers = self._take_cache()
-                self.close()  # its cache flush now has nothing to free
+            self._mark_finalized()
+            left = self._finalize_leftovers()
+            _retire.retirer().add_leftovers(self._retire_token, self._retire_device(), left)
+            self.close()  # its cache flush now has nothing to free
         except Exception:
             pass
 
@@ -746,14 +780,14 @@ class DevicePool(Pool):
         granted = _set_peers(self._mr, self.device_id, peers)
         self._peers_set = granted or getattr(self, "_peers_set", False)
 
-    def _drained(self) -> None:
-        if getattr(self, "_peers_set", False):
+    def _retire_now(self, leftovers: Any = ()) -> None:
+        if getattr(self, "_peers_set", False):  # (False once a collector cleared __dict__)
             # Revoke before the pool is destroyed: the driver may hand its handle to the
             # next pool created with the grants still set (nvbug 5698116), which
-            # cuda.core 1.2 does not undo.
+            # cuda.core 1.2 does not undo (a new pool revokes stale grants too).
             with contextlib.suppress(Exception):
                 self._mr.peer_accessible_by = ()
-        super()._drained()
+        super()._retire_now(leftovers)
 
 
 def _granted_peers(mr: Any) -> tuple[int, ...]:
@@ -930,14 +964,22 @@ class PinnedPool(Pool):
         self._release_done(wait=True)
         super()._reclaim()
 
-    def _drained(self) -> None:
+    def _take_pending(self) -> list[int]:
         # Blocks still waiting for their streams go to the retirer, which frees them
         # after its sync (never lost, never freed before their streams' work).
-        with self._pending_lock:
+        lock = getattr(self, "_pending_lock", None)  # None: a collector cleared __dict__
+        if lock is None:
+            return []
+        with lock:
             left, self._pending = [ptr for _, ptr, _ in self._pending], deque()
-        if left:
-            self._leftovers = [*getattr(self, "_leftovers", ()), *left]
-        super()._drained()
+        return left
+
+    def _retire_now(self, leftovers: Any = ()) -> None:
+        super()._retire_now([*leftovers, *self._take_pending()])
+
+    def _finalize_leftovers(self) -> list[int]:
+        left = super()._finalize_leftovers()
+        return [*left, *self._take_pending()]
 
     def trim(self, keep: int | str = 0, *, sync: bool = True) -> int:
         self._release_done(wait=sync)

@@ -8,11 +8,15 @@ driver (``tests/_hotpath_fakes.World`` and the ``fake_retirer`` fixture).
 
 from __future__ import annotations
 
+import collections
 import gc
+import re
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
+import cupy
 import pytest
 from _hotpath_fakes import World, twin_pools
 
@@ -373,3 +377,120 @@ def test_a_closed_pinned_pool_whose_last_free_is_deferred_is_retired(world, tp, 
     assert world.retirer.pending == 1
     world.retirer.drain()
     assert world.log[n:] == [("sync", 0), ("legacy_free", ptr, 0), ("sync", 0), ("close_pool",)]
+
+
+# ---------------------------------------------------------------- pools in garbage cycles
+def _pyx_fields() -> tuple[list[str], list[str]]:
+    """PoolCore's fields in ``_hotpath.pyx``: (C-typed ones, object ones)."""
+    pyx = Path(twin.__file__).with_name("_hotpath.pyx").read_text()
+    body = pyx.split("cdef class PoolCore")[1].split("\ncdef class ")[0]
+    scalars, objects = [], []
+    fields = re.findall(r"^    cdef (?:readonly |public )?([\w ]+?) (\w+)\s*(?:#.*)?$", body, re.M)
+    for kind, name in fields:
+        (objects if kind in ("object", "dict", "list") else scalars).append(name)
+    return scalars, objects
+
+
+def _collector_clears(p) -> None:
+    """What the garbage collector's tp_clear does to a pool of the compiled hot path: the
+    Python subclass's ``__dict__`` is emptied and PoolCore's object fields set to None;
+    its C fields (counters, flags, the retire token) keep their values.  (The twin keeps
+    them all in ``__dict__``; the fields are read from the .pyx.)"""
+    scalars, objects = _pyx_fields()
+    assert {"closed", "n_frees"} <= set(scalars) and {"_backend", "_cache"} <= set(objects)
+    kept = {k: v for k, v in vars(p).items() if k in scalars}
+    vars(p).clear()
+    vars(p).update(kept)
+    for name in objects:
+        setattr(p, name, None)
+
+
+def test_a_live_block_of_a_pool_finalized_in_a_garbage_cycle_is_retired_safely(world, tp):
+    """A pool unreachable with its live blocks (they hold it): the collector runs the
+    finalizers (the pool's, and a cupy Stream's, which destroys the stream), then
+    tp_clear, then frees the blocks.  Such a block must not reach its stream, and the
+    pool must still be retired."""
+    p = world.pool()
+    _closing(world, p)
+    m, cached = p.malloc(KB), p.malloc(2 * KB)
+    ptr, cptr = m.ptr, cached.ptr
+    del cached  # into the reuse cache
+    token = p._retire_token
+    _pools.Pool.__del__(p)  # the finalizer (the twin module's is disabled)
+    world.log.append(("stream_destroyed",))
+    _collector_clears(p)
+    n_queried = len(world.queried)
+    del m
+    assert world.queried[n_queried:] == []  # no capture query on the dead stream
+    assert ("free", ptr, 0x5000) not in world.log and ("free", cptr, 0x5000) not in world.log
+    assert token not in world.retirer._held and world.retirer.pending == 1
+    assert p.n_free_errors == 0
+    world.retirer.drain()
+    tail = world.log[world.log.index(("stream_destroyed",)) + 1 :]
+    assert tail == [
+        ("sync", 0),
+        ("legacy_free", cptr, 0),
+        ("legacy_free", ptr, 0),
+        ("sync", 0),
+        ("close_pool",),
+    ]
+
+
+class _DyingStream(cupy.cuda.ExternalStream):
+    """A stream whose finalizer 'destroys' it, as cupy's Stream.__del__ does."""
+
+    def __del__(self):
+        _DyingStream.log.append(("stream_destroyed", self.ptr))
+
+
+def test_a_pool_collected_with_its_stream_and_a_live_array_never_frees_on_the_dead_stream(
+    world, tp, monkeypatch
+):
+    monkeypatch.setattr(tp.Pool, "__del__", _pools.Pool.__del__)  # the real finalizer
+    monkeypatch.setattr(_DyingStream, "log", world.log, raising=False)
+    p = world.pool()
+    _closing(world, p)
+    world.current = s = _DyingStream(0x6000, 0)
+    m = p.malloc(KB)
+    ptr = m.ptr
+    cycle = [p, s, m]
+    cycle.append(cycle)
+    del p, s, m, cycle
+    world.current = cupy.cuda.ExternalStream(0x5000, 0)
+    gc.collect()
+    dead = world.log.index(("stream_destroyed", 0x6000))
+    assert ("free", ptr, 0x6000) not in world.log[dead:]
+    assert world.retirer.pending == 1
+    world.retirer.drain()
+    assert world.log[-4:] == [("sync", 0), ("legacy_free", ptr, 0), ("sync", 0), ("close_pool",)]
+    assert world.retirer.held == 0
+
+
+def test_a_pinned_pool_finalized_with_deferred_and_live_blocks_is_retired(world, tp):
+    world.retirer.log.active = [0]
+    p = world.pool(cls=tp.PinnedPool, kind=twin.KIND_PINNED)
+    _closing(world, p)
+    p._pending = collections.deque()
+    p._pending_lock = threading.Lock()
+
+    def defer(ptr, size, stream):  # the pinned pool's hook: held until its stream is done
+        p._pending.append(([], ptr, stream))
+        return True
+
+    p.release_hook = defer
+    deferred, live = p.malloc(KB), p.malloc(KB)
+    dptr, lptr = deferred.ptr, live.ptr
+    del deferred
+    n = len(world.log)
+    _pools.Pool.__del__(p)
+    _collector_clears(p)
+    del live  # neither the hook nor the stream: the retirer
+    assert world.log[n:] == [] and world.retirer.pending == 1
+    world.retirer.drain()
+    assert world.log[n:] == [
+        ("sync", 0),
+        ("legacy_free", dptr, 0),
+        ("legacy_free", lptr, 0),
+        ("sync", 0),
+        ("close_pool",),
+    ]
