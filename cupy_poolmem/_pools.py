@@ -26,6 +26,7 @@ from ._device import (
     device_count,
     grant_access,
     nearest_numa_node,
+    on_device,
     require_gpu,
     resolve_peer_access,
 )
@@ -413,6 +414,10 @@ class Pool(_hp.PoolCore):
             if self._free_direct(ptr, stream_ptr):
                 self.n_free_errors += 1
             return
+        if not err and stream is not None:
+            # A capture the pools may not have seen (nothing allocated in it): the
+            # retirer must not synchronise while it runs.
+            _streams.note_capture(stream_ptr, stream)
         with self._lock:
             self._capture_held.append(("free", ptr, 0, stream_ptr, stream))
             self.n_capture_held = len(self._capture_held)
@@ -571,14 +576,33 @@ class Pool(_hp.PoolCore):
         """Closed and no live block left: release the CUDA pool.
 
         Blocks in sharing limbo count as live: the pool is released when the exporter
-        frees the last of them (other processes still map them).
+        frees the last of them (other processes still map them).  Frees held for a
+        stream capture are done first: the retirer polls the pool until the capture
+        has ended (a closed pool allocates no more, so nothing else would do them).
 
         Also called for a finalized pool's last block, possibly after the garbage
         collector emptied the ``__dict__``: then only C fields are read.
         """
         if self._held_for_sharing:
             return
+        if self.n_capture_held and not self.finalized:
+            self._drain_capture_held()
+            if self.n_capture_held:
+                _retire.retirer().after_captures(self._drained_after_capture)
+                return
         self._retire_now()
+
+    def _drained_after_capture(self) -> bool:
+        """The retirer's poll (its thread): True once the held frees are done and the
+        pool is retired."""
+        # A context bound to the retirer's thread, and a global-mode capture elsewhere
+        # must not forbid the capture queries (and pinned event queries) here.
+        with on_device(max(self.device_id, 0)), _streams.relaxed_capture_mode():
+            self._drain_capture_held()
+        if self.n_capture_held:
+            return False
+        self._drained()
+        return True
 
     def _retire_now(self, leftovers: Any = ()) -> None:
         """Hand the CUDA pool to the retirer (C fields only: see :meth:`_drained`)."""
@@ -605,15 +629,28 @@ class Pool(_hp.PoolCore):
         return True
 
     def _finalize_leftovers(self) -> list[int]:
-        """A finalized pool's blocks that no stream will free: its reuse cache."""
-        return self._take_cache()
+        """A finalized pool's blocks that no stream will free: its reuse cache and the
+        frees held for a capture ("graph" memory waits for its capture instead)."""
+        left = self._take_cache()
+        with self._lock:
+            held, self._capture_held = self._capture_held, []
+            self.n_capture_held = 0
+        graph = []
+        for entry in held:
+            if entry[0] == "graph":
+                graph.append(entry)
+            else:
+                left.append(entry[1])
+        if graph:
+            _retire.retirer().after_captures(_GraphFrees(graph, max(self.device_id, 0)))
+        return left
 
     def __del__(self) -> None:
         # The pool was dropped: without close(), or inside a garbage cycle, then with
         # its live blocks (they hold it), whose streams a cupy Stream's own finalizer
         # may destroy first; the collector then empties this __dict__ before the blocks
         # are freed.  So from here on nothing of this pool touches a stream: its reuse
-        # cache and deferred frees go to the retirer, which frees them after a
+        # cache, held and deferred frees go to the retirer, which frees them after a
         # sync (a free on a destroyed stream crashed in the driver), and so do its live
         # blocks when freed (``_orphan``).  The CUDA pool is retired after the last one.
         try:
@@ -978,7 +1015,7 @@ class PinnedPool(Pool):
         super()._retire_now([*leftovers, *self._take_pending()])
 
     def _finalize_leftovers(self) -> list[int]:
-        left = super()._finalize_leftovers()
+        left = super()._finalize_leftovers()  # "pinned" held frees: no deferral now
         return [*left, *self._take_pending()]
 
     def trim(self, keep: int | str = 0, *, sync: bool = True) -> int:
@@ -1170,6 +1207,30 @@ class ManagedPool(Pool):
 
     def _describe(self) -> str:
         return f"ManagedPool(device={self.device_id}, backend={self.backend!r})"
+
+
+class _GraphFrees:
+    """The retirer's poll for graph memory whose free waited for a capture to end, of a
+    pool finalized meanwhile: freed on its stream (as ``_drain_capture_held`` does)
+    once that stream's capture is over; dropped if the stream itself was finalized
+    (destroyed: the graph and its memory go with it or stay the graph's)."""
+
+    def __init__(self, entries: list, device: int) -> None:
+        self.entries, self.device = entries, device
+
+    def __call__(self) -> bool:
+        keep = []
+        with on_device(self.device), _streams.relaxed_capture_mode():
+            for entry in self.entries:
+                _what, ptr, _size, sptr, stream = entry
+                if stream is not None and gc.is_finalized(stream):
+                    continue
+                if _streams.capture_status(sptr) != _streams.CAPTURE_NONE:
+                    keep.append(entry)
+                    continue
+                _drv.cuMemFreeAsync(ptr, sptr)
+        self.entries = keep
+        return not keep
 
 
 def _cuda13_missing() -> str:

@@ -8,6 +8,7 @@ frees, and a log of every call in order.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -89,8 +90,10 @@ class World:
         # Streams noted as capturing here are pretend handles: they must not stay in the
         # module's registry, where a GPU test's real driver query of one crashed.
         mp.setattr(_streams, "_capturing", {})
+        mp.setattr(_streams, "relaxed_capture_mode", contextlib.nullcontext)
         mp.setattr(tp, "_drv", FakeDriver(self, tp._drv))
         mp.setattr(tp, "_set_attr", lambda *a: None)
+        mp.setattr(tp, "on_device", lambda dev: contextlib.nullcontext())
 
     def _is_capturing(self, sptr: int) -> tuple[int, int]:
         assert sptr > 1, "the legacy stream must never be queried"

@@ -494,3 +494,85 @@ def test_a_pinned_pool_finalized_with_deferred_and_live_blocks_is_retired(world,
         ("sync", 0),
         ("close_pool",),
     ]
+
+
+# ---------------------------------------------------------------- frees held for a capture
+def test_a_closed_pool_does_its_frees_held_for_a_capture_before_it_is_retired(world):
+    p = world.pool(reuse_cache=0)
+    _closing(world, p)
+    m = p.malloc(KB)
+    ptr = m.ptr
+    world.status[0x5000] = (1, 7)  # the block's stream begins a capture
+    p.close()
+    del m  # held: a free now would become a node of the graph
+    assert p.n_capture_held == 1 and world.retirer.pending == 0 and world.retirer.waiting == 1
+    assert world.retirer.held == 1 and ("close_pool",) not in world.log
+    assert _streams._capturing  # the retirer knows of the capture now
+    assert not world.retirer.drain()  # still capturing: still held, nothing synchronised
+    assert ("free", ptr, 0x5000) not in world.log and ("close_pool",) not in world.log
+    del world.status[0x5000]  # end_capture()
+    assert world.retirer.drain()
+    tail = [e for e in world.log if e[0] in ("free", "sync", "close_pool")]
+    assert tail[-3:] == [("free", ptr, 0x5000), ("sync", 0), ("close_pool",)]
+    assert world.retirer.waiting == 0 and world.retirer.held == 0
+
+
+def test_a_closed_pools_graph_memory_held_for_a_capture_is_freed_then_it_is_retired(world):
+    p = world.pool()
+    _closing(world, p)
+    world.status[0x5000] = (1, 7)
+    m = p.malloc(KB)  # graph memory of capture 7
+    g = m.ptr
+    world.status[0x5000] = (1, 8)  # another capture on that stream
+    p.close()
+    del m
+    assert p.n_capture_held == 1 and world.retirer.waiting == 1
+    del world.status[0x5000]
+    world.retirer.drain()
+    assert ("graph_free", g, 0x5000) in world.log  # on its stream, not a leftover
+    assert ("legacy_free", g, 0) not in world.log
+    assert world.log[-2:] == [("sync", 0), ("close_pool",)]
+
+
+def test_a_dropped_pool_hands_its_held_frees_to_the_retirer(world, tp):
+    p = world.pool(reuse_cache=0)
+    _closing(world, p)
+    old = p.malloc(KB)
+    ptr = old.ptr
+    world.status[0x5000] = (1, 7)
+    m = p.malloc(KB)  # graph memory
+    g = m.ptr
+    world.status[0x5000] = (1, 8)
+    del m, old  # both held until capture 8 ends
+    assert p.n_capture_held == 2
+    _pools.Pool.__del__(p)
+    assert p.n_capture_held == 0 and world.retirer.waiting == 1  # the graph memory
+    assert not world.retirer.drain()  # pool memory: after a sync; graph memory: waits
+    assert ("legacy_free", ptr, 0) in world.log and ("graph_free", g, 0x5000) not in world.log
+    assert world.log[-1] == ("close_pool",)
+    del world.status[0x5000]
+    assert world.retirer.drain() and ("graph_free", g, 0x5000) in world.log
+    assert ("legacy_free", g, 0) not in world.log
+
+
+def test_graph_memory_whose_stream_was_finalized_is_left_to_its_graph(world, tp, monkeypatch):
+    resurrected: list = []
+    asked: list = []
+    monkeypatch.setattr(_streams, "capture_status", lambda sptr: asked.append(sptr) or 0)
+
+    class Resurrecting(_DyingStream):
+        def __del__(self):  # a cupy Stream's finalizer destroys it; this one survives
+            resurrected.append(self)
+
+    s = Resurrecting(0x7000, 0)
+    cycle = [s]
+    cycle.append(cycle)
+    del s, cycle
+    gc.collect()
+    (s,) = resurrected
+    assert gc.is_finalized(s)
+    live = cupy.cuda.ExternalStream(0x8000, 0)
+    frees = tp._GraphFrees([("graph", 0xA, 64, 0x7000, s), ("graph", 0xB, 64, 0x8000, live)], 0)
+    assert frees()
+    assert asked == [0x8000]  # the destroyed stream is never asked about
+    assert ("graph_free", 0xA, 0x7000) not in world.log and ("graph_free", 0xB, 0x8000) in world.log
