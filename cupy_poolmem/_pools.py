@@ -180,11 +180,12 @@ class Pool(_hp.PoolCore):
         reuse_cache: int = 0,
     ) -> None:
         self._mr = mr
-        # The retirer owns the CUDA pool from now on: it is destroyed only after its
-        # frees are done and seen (see _retire.py), never by this object going away.
-        # The token is a C field of the hot path's PoolCore: it outlives a garbage
-        # collector's clearing of this __dict__.
-        self._retire_token = _retire.retirer().adopt(mr) if mr is not None else 0
+        # The retirer owns the CUDA pool (or ManagedPool's "managed" backend) from now
+        # on: it is destroyed only after its frees are done and seen (see _retire.py),
+        # never by this object going away.  The token is a C field of the hot path's
+        # PoolCore: it outlives a garbage collector's clearing of this __dict__.
+        owner = mr if mr is not None else self._backend
+        self._retire_token = _retire.retirer().adopt(owner) if owner is not None else 0
         self._max_size = max_size
         self._lock = threading.Lock()
         Pool._serial_counter += 1
@@ -1191,14 +1192,6 @@ class ManagedPool(Pool):
         if sync:
             self._synchronize()
         return self._backend.release(keep_b, wait=sync)
-
-    def _drained(self) -> None:
-        if self._mr is not None:
-            return super()._drained()
-        try:
-            self._backend.close()
-        except Exception:
-            pass
 
     def _safe_used(self) -> int:
         if self._mr is not None:

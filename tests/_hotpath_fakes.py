@@ -118,8 +118,16 @@ class World:
         self.log.append((how, p, size, sptr, pool))
         return 0, p
 
-    def pool(self, cls: Any = None, kind: int = 0, reuse_cache: int = 1 << 20, **attrs: Any):
-        """A pool of the twin module without a CUDA pool behind it."""
+    def pool(
+        self,
+        cls: Any = None,
+        kind: int = 0,
+        reuse_cache: int = 1 << 20,
+        cuda_pool: bool = True,
+        **attrs: Any,
+    ):
+        """A pool of the twin module without a CUDA pool behind it (``cuda_pool=False``:
+        none at all, as ManagedPool's "managed" backend, given as ``_backend=``)."""
         cls = cls or self.tp.DevicePool
         p = cls.__new__(cls)
         for k, v in attrs.items():
@@ -131,6 +139,8 @@ class World:
             ),
             close=lambda: None,
         )
+        if not cuda_pool:
+            mr = None
         p._setup(mr, 0 if kind != twin.KIND_PINNED else -1, kind, None, 0, reuse_cache)
         p._synchronize = lambda: self.log.append(("sync",))
         return p

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import itertools
 import re
 import threading
 import time
@@ -22,6 +23,7 @@ from _hotpath_fakes import World, twin_pools
 
 from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem import _pools, _retire, _streams
+from cupy_poolmem._managed_alloc import ManagedAllocator
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
@@ -576,3 +578,60 @@ def test_graph_memory_whose_stream_was_finalized_is_left_to_its_graph(world, tp,
     assert frees()
     assert asked == [0x8000]  # the destroyed stream is never asked about
     assert ("graph_free", 0xA, 0x7000) not in world.log and ("graph_free", 0xB, 0x8000) in world.log
+
+
+# ---------------------------------------------------------------- the "managed" backend
+class _FakeBackend(ManagedAllocator):
+    """ManagedPool's "managed" backend, logging instead of calling the driver."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__(0)
+        self.log, self.ptrs = log, itertools.count(0x900000, 0x10000)
+
+    def alloc(self, size, stream_ptr):
+        return 0, next(self.ptrs)
+
+    def free(self, ptr, stream_ptr):
+        self.log.append(("backend_free", ptr, stream_ptr))
+
+    def close(self):
+        self.log.append(("backend_close",))
+
+
+def _managed_backend_pool(world, tp):
+    backend = _FakeBackend(world.log)
+    p = world.pool(tp.ManagedPool, kind=twin.KIND_MANAGED, cuda_pool=False, _backend=backend)
+    p.backend = "managed"
+    world.retirer._sync = lambda dev: world.log.append(("sync", dev))
+    world.retirer._free = lambda ptr, dev: world.log.append(("legacy_free", ptr, dev))
+    return p, backend
+
+
+def test_a_dropped_managed_backend_pool_frees_its_cache_through_the_backend(world, tp):
+    p, backend = _managed_backend_pool(world, tp)
+    assert world.retirer._held[p._retire_token] is backend
+    m = p.malloc(KB)
+    ptr = m.ptr
+    del m
+    assert p.cached_bytes == KB
+    n = len(world.log)
+    _pools.Pool.__del__(p)
+    assert world.log[n:] == [] and world.retirer.pending == 1  # nothing on the stream
+    world.retirer.drain()
+    # On the legacy stream after a sync, through the backend, which then closes.
+    assert world.log[n:] == [("sync", 0), ("backend_free", ptr, 0), ("sync", 0), ("backend_close",)]
+
+
+def test_a_managed_backend_pool_in_a_garbage_cycle_frees_its_live_block_through_the_backend(
+    world, tp
+):
+    p, backend = _managed_backend_pool(world, tp)
+    m = p.malloc(KB)
+    ptr = m.ptr
+    _pools.Pool.__del__(p)
+    _collector_clears(p)  # _backend is None now
+    n = len(world.log)
+    del m
+    assert world.log[n:] == [] and world.retirer.pending == 1
+    world.retirer.drain()
+    assert world.log[n:] == [("sync", 0), ("backend_free", ptr, 0), ("sync", 0), ("backend_close",)]
