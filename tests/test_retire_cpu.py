@@ -11,7 +11,10 @@ from __future__ import annotations
 import collections
 import gc
 import itertools
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -168,21 +171,29 @@ def test_a_fork_child_never_closes_the_parents_pools(fake_retirer):
     assert due in fake_retirer._kept and len(fake_retirer._kept) == 3  # never released
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
 def test_the_fork_handler_is_registered():
-    import os
-    import subprocess
-    import sys
-
+    """A fresh interpreter (no CUDA: nothing allocated) forks; the child's retirer must
+    have been switched by ``os.register_at_fork`` (the handler itself is tested above),
+    and must keep a resource retired there instead of closing it."""
     code = (
-        "import os, sys; from cupy_poolmem import _retire as R\n"
+        "import os, sys\n"
+        "from cupy_poolmem import _retire as R\n"
+        "class Res:\n"
+        "    def close(self): os._exit(4)\n"
         "r = R.retirer()\n"
+        "t = r.adopt(Res())\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    os._exit(0 if r._forked and not r._background else 3)\n"
-        "_, st = os.waitpid(pid, 0); sys.exit(os.waitstatus_to_exitcode(st))\n"
+        "    ok = r._forked and not r._background\n"
+        "    r.retire(t, 0); r.drain()\n"
+        "    os._exit(0 if ok and r.pending == 0 and len(r._kept) == 1 else 3)\n"
+        "_, st = os.waitpid(pid, 0)\n"
+        "sys.exit(os.waitstatus_to_exitcode(st))\n"
     )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+    run = subprocess.run([sys.executable, "-c", code], env=env, timeout=120, capture_output=True)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
 
 
 def test_leftovers_of_a_held_pool_are_freed_after_a_sync_and_before_its_close(fake_retirer):
