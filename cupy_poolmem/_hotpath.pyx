@@ -92,7 +92,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 2
+VERSION = 3
 
 # Block.flags: why a block's free leaves the plain path (one test when none is set).
 FLAG_RECORDED = 1   # record_stream: the free waits for the recorded streams first
@@ -168,20 +168,29 @@ cdef class Block:
         core.n_frees += 1
         core.live_bytes -= self.size
         try:
-            if self.flags & _FLAG_RECORDED:
-                # First, so every later path (cache, sharing limbo, pinned deferral,
-                # the driver free) is ordered after the recorded streams' work.
-                core._wait_recorded(self.stream, self._recorded)
-            if core.observer is not None:
-                core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
-            if self.share is not None and _shared_release is not None:
-                if _shared_release(self.ptr, self.size, self.stream, self.share):
-                    return
-            kept = False  # a pool hook took the block (pinned deferral, graph memory)
-            if core.release_hook is not None:
-                kept = core.release_hook(self.ptr, self.size, self.stream)
-            if not kept and self.flags & _FLAG_SPECIAL:
-                kept = core._free_flagged(self.ptr, self.size, self.stream, self.flags)
+            if core.finalized:
+                # The pool's finalizer ran: it was dropped in a garbage cycle with this
+                # block, whose stream may be destroyed already (a cupy Stream's own
+                # finalizer), and tp_clear may have emptied the pool's __dict__.  Neither
+                # is touched: the retirer frees the block after a sync.
+                if core.observer is not None:
+                    core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
+                kept = core._orphan(self.ptr, self.size, self.flags)
+            else:
+                if self.flags & _FLAG_RECORDED:
+                    # First, so every later path (cache, sharing limbo, pinned deferral,
+                    # the driver free) is ordered after the recorded streams' work.
+                    core._wait_recorded(self.stream, self._recorded)
+                if core.observer is not None:
+                    core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
+                if self.share is not None and _shared_release is not None:
+                    if _shared_release(self.ptr, self.size, self.stream, self.share):
+                        return
+                kept = False  # a pool hook took the block (pinned deferral, graph memory)
+                if core.release_hook is not None:
+                    kept = core.release_hook(self.ptr, self.size, self.stream)
+                if not kept and self.flags & _FLAG_SPECIAL:
+                    kept = core._free_flagged(self.ptr, self.size, self.stream, self.flags)
         except BaseException:
             # Never free memory whose fate a hook could not decide: leaking is safe,
             # reuse while another process reads is not.
@@ -221,6 +230,10 @@ cdef class PoolCore:
     cdef public size_t soft_limit    # 0, or max live bytes (checked before the driver)
     cdef public size_t n_capture_held  # driver frees held until a capture ends
     cdef public object _backend      # allocator object when there is no CUDA pool
+    # Plain C fields, so they survive tp_clear of a pool in a garbage cycle (it empties
+    # the __dict__ and sets the object fields above to None) for its blocks freed after.
+    cdef public unsigned long long _retire_token  # the retirer's name for its pool (0: none)
+    cdef readonly bint finalized     # the pool's finalizer ran: blocks avoid their streams
 
     def _attach(self, uintptr_t pool_handle, int device_id, int kind):
         self._pool = <CUmemoryPool>pool_handle
@@ -235,6 +248,10 @@ cdef class PoolCore:
     def _poison(self):
         """Refuse allocations without touching CUDA (after a fork)."""
         self.closed = True
+
+    def _mark_finalized(self):
+        """From now on a freed block goes to :meth:`_orphan`, never to its stream."""
+        self.finalized = True
 
     def malloc(self, size):
         """Allocate ``size`` bytes on CuPy's current stream; see the pool's docstring."""
@@ -394,6 +411,10 @@ cdef class PoolCore:
 
     def _free_flagged(self, ptr, size, stream, flags):
         return False
+
+    def _orphan(self, ptr, size, flags):
+        self.n_free_errors += 1  # leaked: no retirer to free it safely
+        return True
 
     def _wait_recorded(self, stream, recorded):
         raise RuntimeError("record_stream needs a cupy_poolmem pool")

@@ -22,7 +22,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 2
+VERSION = 3
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
@@ -109,18 +109,23 @@ class Block:
         core.n_frees += 1
         core.live_bytes -= self.size
         try:
-            if self.flags & FLAG_RECORDED:
-                core._wait_recorded(self.stream, self._recorded)
-            if core.observer is not None:
-                core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
-            if self.share is not None and _shared_release is not None:
-                if _shared_release(self.ptr, self.size, self.stream, self.share):
-                    return
-            kept = False  # a pool hook took the block (pinned deferral, graph memory)
-            if core.release_hook is not None:
-                kept = core.release_hook(self.ptr, self.size, self.stream)
-            if not kept and self.flags & _FLAG_SPECIAL:
-                kept = core._free_flagged(self.ptr, self.size, self.stream, self.flags)
+            if core.finalized:  # see _hotpath.pyx: its stream may be destroyed already
+                if core.observer is not None:
+                    core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
+                kept = core._orphan(self.ptr, self.size, self.flags)
+            else:
+                if self.flags & FLAG_RECORDED:
+                    core._wait_recorded(self.stream, self._recorded)
+                if core.observer is not None:
+                    core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
+                if self.share is not None and _shared_release is not None:
+                    if _shared_release(self.ptr, self.size, self.stream, self.share):
+                        return
+                kept = False  # a pool hook took the block (pinned deferral, graph memory)
+                if core.release_hook is not None:
+                    kept = core.release_hook(self.ptr, self.size, self.stream)
+                if not kept and self.flags & _FLAG_SPECIAL:
+                    kept = core._free_flagged(self.ptr, self.size, self.stream, self.flags)
         except BaseException:
             core.n_free_errors += 1
             return
@@ -157,6 +162,8 @@ class PoolCore:
     soft_limit = 0
     n_capture_held = 0
     _backend: Any = None
+    _retire_token = 0
+    finalized = False
 
     def _attach(self, pool_handle: int, device_id: int, kind: int) -> None:
         self._pool = _drv.CUmemoryPool(pool_handle) if pool_handle else None
@@ -171,6 +178,10 @@ class PoolCore:
     def _poison(self) -> None:
         """Refuse allocations without touching CUDA (after a fork)."""
         self.closed = True
+
+    def _mark_finalized(self) -> None:
+        """From now on a freed block goes to :meth:`_orphan`, never to its stream."""
+        self.finalized = True
 
     def _release(self, ptr: int, size: int, stream_ptr: int, stream: Any) -> None:
         if (
@@ -295,6 +306,10 @@ class PoolCore:
 
     def _free_flagged(self, ptr: int, size: int, stream: Any, flags: int) -> bool:
         return False
+
+    def _orphan(self, ptr: int, size: int, flags: int) -> bool:
+        self.n_free_errors += 1  # leaked: no retirer to free it safely
+        return True
 
     def _wait_recorded(self, stream: Any, recorded: Any) -> None:
         raise RuntimeError("record_stream needs a cupy_poolmem pool")

@@ -202,6 +202,11 @@ class ManagedAllocator:
         if over:
             self.release(keep=self.release_threshold, wait=False)
 
+    def free_leftover(self, ptr: int) -> None:
+        """Free a block its pool's finalizer left to the retirer (its stream may be gone):
+        on the legacy stream, which the retirer's device sync has already drained."""
+        self.free(ptr, 0)
+
     def release(self, keep: int = 0, wait: bool = True) -> int:
         """``cuMemFree`` cached blocks until at most ``keep`` bytes stay cached.
 

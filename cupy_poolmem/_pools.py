@@ -26,6 +26,7 @@ from ._device import (
     device_count,
     grant_access,
     nearest_numa_node,
+    on_device,
     require_gpu,
     resolve_peer_access,
 )
@@ -167,8 +168,6 @@ class Pool(_hp.PoolCore):
     _kind_name = "pool"
     _serial_counter = 0
     _held_for_sharing = 0  # bytes of freed blocks other processes still map (limbo)
-    _retire_token = 0  # the retirer's name for this pool's CUDA pool (0: none)
-    _leftovers: list[int] = []  # blocks the retirer frees after its sync (never mutated)
     _forked = False  # set in a child forked after CUDA started: the pool refuses to work
     guard: Any = None  # a _guard.Guard when the pool was created with guard=... (device pools)
 
@@ -182,9 +181,12 @@ class Pool(_hp.PoolCore):
         reuse_cache: int = 0,
     ) -> None:
         self._mr = mr
-        # The retirer owns the CUDA pool from now on: it is destroyed only after its
-        # frees are done and seen (see _retire.py), never by this object going away.
-        self._retire_token = _retire.retirer().adopt(mr) if mr is not None else 0
+        # The retirer owns the CUDA pool (or ManagedPool's "managed" backend) from now
+        # on: it is destroyed only after its frees are done and seen (see _retire.py),
+        # never by this object going away.  The token is a C field of the hot path's
+        # PoolCore: it outlives a garbage collector's clearing of this __dict__.
+        owner = mr if mr is not None else self._backend
+        self._retire_token = _retire.retirer().adopt(owner) if owner is not None else 0
         self._max_size = max_size
         self._lock = threading.Lock()
         Pool._serial_counter += 1
@@ -416,6 +418,10 @@ class Pool(_hp.PoolCore):
             if self._free_direct(ptr, stream_ptr):
                 self.n_free_errors += 1
             return
+        if not err and stream is not None:
+            # A capture the pools may not have seen (nothing allocated in it): the
+            # retirer must not synchronise while it runs.
+            _streams.note_capture(stream_ptr, stream)
         with self._lock:
             self._capture_held.append(("free", ptr, 0, stream_ptr, stream))
             self.n_capture_held = len(self._capture_held)
@@ -571,7 +577,7 @@ class Pool(_hp.PoolCore):
             # pool goes; what cannot be now (a capture under way) goes to the retirer.
             left = self.guard.close()
             if left:
-                self._leftovers = [*self._leftovers, *left]
+                _retire.retirer().add_leftovers(self._retire_token, self._retire_device(), left)
         with _ALL_LOCK:
             _ALL_POOLS.discard(self)
         if self.n_allocs == self.n_frees and not self._held_for_sharing:
@@ -582,25 +588,90 @@ class Pool(_hp.PoolCore):
         """Closed and no live block left: release the CUDA pool.
 
         Blocks in sharing limbo count as live: the pool is released when the exporter
-        frees the last of them (other processes still map them).
+        frees the last of them (other processes still map them).  Frees held for a
+        stream capture are done first: the retirer polls the pool until the capture
+        has ended (a closed pool allocates no more, so nothing else would do them).
+
+        Also called for a finalized pool's last block, possibly after the garbage
+        collector emptied the ``__dict__``: then only C fields are read.
         """
         if self._held_for_sharing:
             return
-        dev = self.device_id if self.kind == _hp.KIND_DEVICE else _retire.ALL_DEVICES
-        _retire.retirer().retire(self._retire_token, dev, self._leftovers)
+        if self.n_capture_held and not self.finalized:
+            self._drain_capture_held()
+            if self.n_capture_held:
+                _retire.retirer().after_captures(self._drained_after_capture)
+                return
+        self._retire_now()
+
+    def _drained_after_capture(self) -> bool:
+        """The retirer's poll (its thread): True once the held frees are done and the
+        pool is retired."""
+        # A context bound to the retirer's thread, and a global-mode capture elsewhere
+        # must not forbid the capture queries (and pinned event queries) here.
+        with on_device(max(self.device_id, 0)), _streams.relaxed_capture_mode():
+            self._drain_capture_held()
+        if self.n_capture_held:
+            return False
+        self._drained()
+        return True
+
+    def _retire_now(self, leftovers: Any = ()) -> None:
+        """Hand the CUDA pool to the retirer (C fields only: see :meth:`_drained`)."""
+        _retire.retirer().retire(self._retire_token, self._retire_device(), leftovers)
+
+    def _retire_device(self) -> int:
+        """The device the retirer synchronises for this pool's frees."""
+        return self.device_id if self.kind == _hp.KIND_DEVICE else _retire.ALL_DEVICES
+
+    def _orphan(self, ptr: int, size: int, flags: int) -> bool:
+        """A block freed after this pool's finalizer ran (see ``Block.__dealloc__``).
+
+        Its stream may be destroyed and the ``__dict__`` empty: the retirer frees it
+        after a sync, before it destroys the pool.  Graph memory (allocated during a
+        capture) is its graph's, not the pool's: it is left alone.
+        """
+        if not flags & _hp.FLAG_CAPTURED:
+            _retire.retirer().add_leftovers(
+                self._retire_token,
+                self._retire_device(),
+                (ptr,),
+                everywhere=bool(flags & _hp.FLAG_RECORDED),  # its streams' devices too
+            )
+        return True
+
+    def _finalize_leftovers(self) -> list[int]:
+        """A finalized pool's blocks that no stream will free: its reuse cache and the
+        frees held for a capture ("graph" memory waits for its capture instead)."""
+        left = self._take_cache()
+        with self._lock:
+            held, self._capture_held = self._capture_held, []
+            self.n_capture_held = 0
+        graph = []
+        for entry in held:
+            if entry[0] == "graph":
+                graph.append(entry)
+            else:
+                left.append(entry[1])
+        if graph:
+            _retire.retirer().after_captures(_GraphFrees(graph, max(self.device_id, 0)))
+        return left
 
     def __del__(self) -> None:
-        # A pool dropped without close(): retire its CUDA pool too (never a bare destroy
-        # with frees pending).  Its cached blocks go to the retirer unfreed: inside a
-        # garbage cycle their streams may be destroyed already (a cupy Stream's own
-        # finalizer), and a free on one crashed in the driver.
+        # The pool was dropped: without close(), or inside a garbage cycle, then with
+        # its live blocks (they hold it), whose streams a cupy Stream's own finalizer
+        # may destroy first; the collector then empties this __dict__ before the blocks
+        # are freed.  So from here on nothing of this pool touches a stream: its reuse
+        # cache, held and deferred frees go to the retirer, which frees them after a
+        # sync (a free on a destroyed stream crashed in the driver), and so do its live
+        # blocks when freed (``_orphan``).  The CUDA pool is retired after the last one.
         try:
-            if not self.closed:
-                left = self._take_cache()
-                if self.guard is not None:  # the quarantine too, unchecked (same reason)
-                    left += self.guard.take_quarantine()
-                self._leftovers = left
-                self.close()  # its cache flush now has nothing to free
+            self._mark_finalized()
+            left = self._finalize_leftovers()
+            if self.guard is not None:  # the quarantine too, unchecked (same reason)
+                left += self.guard.take_quarantine()
+            _retire.retirer().add_leftovers(self._retire_token, self._retire_device(), left)
+            self.close()  # its cache flush now has nothing to free
         except Exception:
             pass
 
@@ -776,14 +847,14 @@ class DevicePool(Pool):
         granted = _set_peers(self._mr, self.device_id, peers)
         self._peers_set = granted or getattr(self, "_peers_set", False)
 
-    def _drained(self) -> None:
-        if getattr(self, "_peers_set", False):
+    def _retire_now(self, leftovers: Any = ()) -> None:
+        if getattr(self, "_peers_set", False):  # (False once a collector cleared __dict__)
             # Revoke before the pool is destroyed: the driver may hand its handle to the
             # next pool created with the grants still set (nvbug 5698116), which
-            # cuda.core 1.2 does not undo.
+            # cuda.core 1.2 does not undo (a new pool revokes stale grants too).
             with contextlib.suppress(Exception):
                 self._mr.peer_accessible_by = ()
-        super()._drained()
+        super()._retire_now(leftovers)
 
 
 def _granted_peers(mr: Any) -> tuple[int, ...]:
@@ -960,14 +1031,22 @@ class PinnedPool(Pool):
         self._release_done(wait=True)
         super()._reclaim()
 
-    def _drained(self) -> None:
+    def _take_pending(self) -> list[int]:
         # Blocks still waiting for their streams go to the retirer, which frees them
         # after its sync (never lost, never freed before their streams' work).
-        with self._pending_lock:
+        lock = getattr(self, "_pending_lock", None)  # None: a collector cleared __dict__
+        if lock is None:
+            return []
+        with lock:
             left, self._pending = [ptr for _, ptr, _ in self._pending], deque()
-        if left:
-            self._leftovers = [*getattr(self, "_leftovers", ()), *left]
-        super()._drained()
+        return left
+
+    def _retire_now(self, leftovers: Any = ()) -> None:
+        super()._retire_now([*leftovers, *self._take_pending()])
+
+    def _finalize_leftovers(self) -> list[int]:
+        left = super()._finalize_leftovers()  # "pinned" held frees: no deferral now
+        return [*left, *self._take_pending()]
 
     def trim(self, keep: int | str = 0, *, sync: bool = True) -> int:
         self._release_done(wait=sync)
@@ -1143,14 +1222,6 @@ class ManagedPool(Pool):
             self._synchronize()
         return self._backend.release(keep_b, wait=sync)
 
-    def _drained(self) -> None:
-        if self._mr is not None:
-            return super()._drained()
-        try:
-            self._backend.close()
-        except Exception:
-            pass
-
     def _safe_used(self) -> int:
         if self._mr is not None:
             return super()._safe_used()
@@ -1158,6 +1229,30 @@ class ManagedPool(Pool):
 
     def _describe(self) -> str:
         return f"ManagedPool(device={self.device_id}, backend={self.backend!r})"
+
+
+class _GraphFrees:
+    """The retirer's poll for graph memory whose free waited for a capture to end, of a
+    pool finalized meanwhile: freed on its stream (as ``_drain_capture_held`` does)
+    once that stream's capture is over; dropped if the stream itself was finalized
+    (destroyed: the graph and its memory go with it or stay the graph's)."""
+
+    def __init__(self, entries: list, device: int) -> None:
+        self.entries, self.device = entries, device
+
+    def __call__(self) -> bool:
+        keep = []
+        with on_device(self.device), _streams.relaxed_capture_mode():
+            for entry in self.entries:
+                _what, ptr, _size, sptr, stream = entry
+                if stream is not None and gc.is_finalized(stream):
+                    continue
+                if _streams.capture_status(sptr) != _streams.CAPTURE_NONE:
+                    keep.append(entry)
+                    continue
+                _drv.cuMemFreeAsync(ptr, sptr)
+        self.entries = keep
+        return not keep
 
 
 def _cuda13_missing() -> str:

@@ -15,6 +15,12 @@ resource of every pool from creation (a pool dropped inside a garbage cycle cann
 destroy it either), and when the pool is drained it synchronises the devices its frees
 ran on (``cuCtxSynchronize``, in a thread of its own, never while a capture the pools
 know of is under way) and only then closes the resource.
+
+Blocks that must not be freed on their own stream (a pool finalized inside a garbage
+cycle: a cupy ``Stream``'s finalizer may have destroyed the stream first) are
+*leftovers*: the retirer frees them after a sync, on the legacy stream, before it
+closes their pool.  A closed pool whose last frees wait for a stream capture to end
+is polled by the retirer (:meth:`Retirer.after_captures`) and retired once they are done.
 """
 
 from __future__ import annotations
@@ -23,9 +29,19 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 ALL_DEVICES = -1  # a host pool: its frees ran on streams of any device
+
+
+class _Due(NamedTuple):
+    """Work for the next drain: free ``leftovers`` after a sync, then maybe close."""
+
+    resource: Any
+    device: int  # the pool's device, or ALL_DEVICES (a host or managed pool)
+    leftovers: tuple[int, ...]
+    close: bool  # False: leftovers of a pool still held (closed by a later entry)
+    everywhere: bool = False  # sync every active device (blocks used on other GPUs)
 
 
 class Retirer:
@@ -33,7 +49,9 @@ class Retirer:
 
     ``sync(device)`` must return once every stream of ``device`` has finished what was
     queued on it; ``capture_underway()`` says whether synchronising now would break a
-    stream capture; ``active_devices()`` lists the devices with a live context.
+    stream capture; ``active_devices()`` lists the devices with a live context;
+    ``free(ptr, device)`` frees a leftover block on ``device``'s legacy stream (a
+    resource with a ``free_leftover(ptr)`` method frees its own instead).
     With ``background=False`` nothing happens until :meth:`drain` is called.
 
     Examples
@@ -72,8 +90,8 @@ class Retirer:
         self._lock = threading.RLock()
         self._held: dict[int, Any] = {}  # token -> resource of a live pool
         self._kept: list[Any] = []  # never closed: a fork child's, or ones no sync reached
-        # (resource, device or ALL_DEVICES, blocks still to free after the sync)
-        self._due: list[tuple[Any, int, tuple[int, ...]]] = []
+        self._due: list[_Due] = []
+        self._waiting: list[Callable[[], bool]] = []  # polled until True (after_captures)
         self._next = 1
         self._thread: threading.Thread | None = None
         self.n_retired = 0
@@ -102,7 +120,41 @@ class Retirer:
             if self._forked:  # the parent's or the child's: CUDA is unusable here
                 self._kept.append(resource)
                 return
-            self._due.append((resource, device, tuple(leftovers)))
+            self._due.append(_Due(resource, device, tuple(leftovers), True))
+        self._start()
+
+    def add_leftovers(
+        self, token: int, device: int, ptrs: Iterable[int], everywhere: bool = False
+    ) -> None:
+        """Blocks of the pool ``token`` (not retired yet) that must not be freed on their
+        own stream: a finalized pool's reuse cache, or blocks freed after their pool was
+        finalized inside a garbage cycle, whose streams may be destroyed already.
+
+        They are freed at the next drain, after a sync of ``device`` (of every active
+        device with ``everywhere``), on the legacy stream, and synchronised again;
+        always before the pool itself is closed.
+        """
+        ptrs = tuple(ptrs)
+        if not ptrs:
+            return
+        with self._lock:
+            resource = self._held.get(token)
+            if resource is None or self._forked:
+                return  # retired already (it had no block left), or CUDA is unusable
+            self._due.append(_Due(resource, device, ptrs, False, everywhere))
+        self._start()
+
+    def after_captures(self, poll: Callable[[], bool]) -> None:
+        """Call ``poll()`` at every drain until it returns True.
+
+        For a closed pool whose last frees wait for a stream capture to end: ``poll``
+        does them once it has, then retires the pool.  One that raises is dropped.
+        """
+        with self._lock:
+            if self._forked:
+                self._kept.append(poll)
+                return
+            self._waiting.append(poll)
         self._start()
 
     def retire_resource(self, resource: Any, device: int) -> None:
@@ -113,7 +165,13 @@ class Retirer:
     def pending(self) -> int:
         """Resources retired but not destroyed yet."""
         with self._lock:
-            return len(self._due)
+            return sum(1 for e in self._due if e.close)
+
+    @property
+    def waiting(self) -> int:
+        """Closed pools whose last frees wait for a stream capture to end."""
+        with self._lock:
+            return len(self._waiting)
 
     @property
     def held(self) -> int:
@@ -123,30 +181,55 @@ class Retirer:
 
     def drain(self) -> bool:
         """Synchronise and destroy what is due now; False when held back (a capture, a
-        failed sync)."""
+        failed sync, a pool waiting for a capture to end)."""
         if self._forked:  # CUDA is unusable in a fork child
             return True
+        self._poll_waiting()
         with self._lock:
             if not self._due:
-                return True
+                return not self._waiting
         if self._capture_underway():
             return False
         with self._lock:
             due, self._due = self._due, []
         try:
-            return self._retire_batch(due)
+            done = self._retire_batch(due)
         except BaseException:
             with self._lock:  # nothing is lost: the batch is tried again
                 self._due[:0] = due
             raise
+        with self._lock:
+            return done and not self._waiting
 
-    def _retire_batch(self, due: list[tuple[Any, int, tuple[int, ...]]]) -> bool:
+    def _poll_waiting(self) -> None:
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        keep: list[Callable[[], bool]] = []
+        try:
+            while waiting:
+                poll = waiting[0]
+                try:
+                    done = poll()
+                except Exception:
+                    done = True  # dropped: its frees leak, never a free in a bad state
+                waiting.pop(0)
+                if not done:
+                    keep.append(poll)
+        finally:
+            if keep or waiting:
+                with self._lock:
+                    self._waiting[:0] = keep + waiting
+
+    def _retire_batch(self, due: list[_Due]) -> bool:
         devices: set[int] = set()
-        for _, dev, _left in due:
-            if dev == ALL_DEVICES:
-                devices.update(self._active_devices())
-            else:
-                devices.add(dev)
+        active: list[int] | None = None
+        for e in due:
+            if e.device == ALL_DEVICES or e.everywhere:
+                if active is None:
+                    active = list(self._active_devices())
+                devices.update(active)
+            if e.device != ALL_DEVICES:
+                devices.add(e.device)
         if not self._sync_all(devices):
             # A sync refused (a capture the pools never saw, a broken context): try
             # again later; after many failures keep them (a leak, never an unsynced
@@ -154,30 +237,36 @@ class Retirer:
             self._failures += 1
             with self._lock:
                 if self._failures >= self.max_failures:
-                    self._kept.extend(r for r, _, _ in due)
+                    self._kept.extend(e.resource for e in due if e.close)
                     self._failures = 0
                 else:
                     self._due[:0] = due
             return False
         self._failures = 0
         freed: set[int] = set()
-        for _, dev, left in due:
-            if not left:
+        for e in due:
+            if not e.leftovers:
                 continue
-            on = dev if dev != ALL_DEVICES else min(devices, default=0)
-            for ptr in left:
+            on = e.device if e.device != ALL_DEVICES else min(devices, default=0)
+            own = getattr(e.resource, "free_leftover", None)  # a backend's own blocks
+            for ptr in e.leftovers:
                 try:
-                    self._free(ptr, on)
+                    if own is not None:
+                        own(ptr)
+                    else:
+                        self._free(ptr, on)
                 except Exception:
                     pass
             freed.add(on)
         if freed and not self._sync_all(freed):  # the leftovers' frees, seen done too
             with self._lock:
-                self._kept.extend(r for r, _, _ in due)
+                self._kept.extend(e.resource for e in due if e.close)
             return False
-        for resource, _, _left in due:
+        for e in due:
+            if not e.close:
+                continue
             try:
-                resource.close()
+                e.resource.close()
             except Exception:
                 pass
             self.n_retired += 1
@@ -213,7 +302,7 @@ class Retirer:
             time.sleep(self._delay)
             self.drain()
             with self._lock:
-                if not self._due:
+                if not self._due and not self._waiting:
                     self._thread = None
                     return
 
@@ -223,9 +312,15 @@ class Retirer:
         self._thread = None
         self._background = False  # no thread, no CUDA call here: nothing is ever closed
         self._forked = True
-        self._kept = [*self._kept, *self._held.values(), *(r for r, _, _ in self._due)]
+        self._kept = [
+            *self._kept,
+            *self._held.values(),
+            *(e.resource for e in self._due),
+            *self._waiting,  # their pools hold streams: dropping them would destroy those
+        ]
         self._held = {}
         self._due = []
+        self._waiting = []
 
 
 def _sync_device(dev: int) -> None:

@@ -8,6 +8,7 @@ frees, and a log of every call in order.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -89,8 +90,10 @@ class World:
         # Streams noted as capturing here are pretend handles: they must not stay in the
         # module's registry, where a GPU test's real driver query of one crashed.
         mp.setattr(_streams, "_capturing", {})
+        mp.setattr(_streams, "relaxed_capture_mode", contextlib.nullcontext)
         mp.setattr(tp, "_drv", FakeDriver(self, tp._drv))
         mp.setattr(tp, "_set_attr", lambda *a: None)
+        mp.setattr(tp, "on_device", lambda dev: contextlib.nullcontext())
 
     def _is_capturing(self, sptr: int) -> tuple[int, int]:
         assert sptr > 1, "the legacy stream must never be queried"
@@ -115,8 +118,16 @@ class World:
         self.log.append((how, p, size, sptr, pool))
         return 0, p
 
-    def pool(self, cls: Any = None, kind: int = 0, reuse_cache: int = 1 << 20, **attrs: Any):
-        """A pool of the twin module without a CUDA pool behind it."""
+    def pool(
+        self,
+        cls: Any = None,
+        kind: int = 0,
+        reuse_cache: int = 1 << 20,
+        cuda_pool: bool = True,
+        **attrs: Any,
+    ):
+        """A pool of the twin module without a CUDA pool behind it (``cuda_pool=False``:
+        none at all, as ManagedPool's "managed" backend, given as ``_backend=``)."""
         cls = cls or self.tp.DevicePool
         p = cls.__new__(cls)
         for k, v in attrs.items():
@@ -128,6 +139,8 @@ class World:
             ),
             close=lambda: None,
         )
+        if not cuda_pool:
+            mr = None
         p._setup(mr, 0 if kind != twin.KIND_PINNED else -1, kind, None, 0, reuse_cache)
         p._synchronize = lambda: self.log.append(("sync",))
         return p

@@ -580,3 +580,71 @@ def test_pools_collected_in_cycles_with_their_streams_are_retired_safely():
         want = _pattern(3 << 20, 7)
         assert (cupy.asarray(want).get() == want).all()
     q.close()
+
+
+def _wait_retired(r, deadline_s: float = 30.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while (r.pending or r.waiting) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert r.pending == 0 and r.waiting == 0
+
+
+def test_pools_collected_in_cycles_with_their_streams_and_live_arrays_are_retired_safely():
+    """A pool in a garbage cycle with its stream and a live array: the collector runs the
+    pool's and the stream's finalizers (cupy destroys the stream) before it frees the
+    array's block, after emptying the pool's ``__dict__``.  The block must not be freed
+    on the destroyed stream (a crash in the driver): the retirer frees it after a sync,
+    then destroys the pool, which must not stay held.  Pools created afterwards hold data."""
+    from cupy_poolmem import _retire
+
+    r = _retire.retirer()
+    gc.collect()
+    _wait_retired(r)
+    held, retired = r.held, r.n_retired
+    for i in range(16):
+        s = cupy.cuda.Stream(non_blocking=True)
+        p = cpm.DevicePool(ipc=bool(i % 2))
+        with s, cpm.using(p):
+            x = cupy.full(1 << 18, i, dtype=cupy.int32)
+            assert int(x.sum()) == i << 18  # (its scalar goes to the reuse cache)
+            x *= 3  # still queued on s when s is destroyed
+        assert p.n_allocs - p.n_frees >= 1 and p.cached_bytes > 0  # x is live
+        cycle = [p, s, x]
+        cycle.append(cycle)
+        del p, s, x, cycle
+        gc.collect()
+    _wait_retired(r)
+    assert r.n_retired - retired >= 16
+    assert r.held <= held  # every one of them retired: none kept with its memory
+    q = cpm.DevicePool()
+    with cpm.using(q):
+        want = _pattern(3 << 20, 11)
+        a = cupy.asarray(want)
+        b = cupy.full(1 << 20, 7, dtype=cupy.int32)
+        assert (a.get() == want).all() and int(b.sum()) == 7 << 20
+        del a, b
+    q.close()
+
+
+def test_a_dropped_managed_backend_pool_gives_its_reuse_cache_back():
+    """ManagedPool(backend="managed") dropped without close(): the blocks in its reuse
+    cache go to the backend (after a sync, on the legacy stream), which frees them."""
+    from cupy_poolmem import _retire
+
+    try:
+        p = cpm.ManagedPool(backend="managed")
+    except cpm.UnsupportedError as e:
+        pytest.skip(str(e))
+    backend = p._backend
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s, cpm.using(p):
+        x = cupy.arange(1 << 20, dtype=cupy.float32)
+        assert float(x[-1]) == (1 << 20) - 1
+        del x  # into the pool's reuse cache, keyed by s
+    assert p.cached_bytes >= 4 << 20 and backend.reserved >= 4 << 20
+    cycle = [p, s]
+    cycle.append(cycle)
+    del p, s, cycle
+    gc.collect()
+    _wait_retired(_retire.retirer())
+    assert backend.reserved == 0 and backend.cached == 0  # every block cuMemFree'd

@@ -8,16 +8,25 @@ driver (``tests/_hotpath_fakes.World`` and the ``fake_retirer`` fixture).
 
 from __future__ import annotations
 
+import collections
 import gc
+import itertools
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
+import cupy
 import pytest
 from _hotpath_fakes import World, twin_pools
 
 from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem import _pools, _retire, _streams
+from cupy_poolmem._managed_alloc import ManagedAllocator
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
@@ -162,21 +171,118 @@ def test_a_fork_child_never_closes_the_parents_pools(fake_retirer):
     assert due in fake_retirer._kept and len(fake_retirer._kept) == 3  # never released
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
 def test_the_fork_handler_is_registered():
-    import os
-    import subprocess
-    import sys
-
+    """A fresh interpreter (no CUDA: nothing allocated) forks; the child's retirer must
+    have been switched by ``os.register_at_fork`` (the handler itself is tested above),
+    and must keep a resource retired there instead of closing it."""
     code = (
-        "import os, sys; from cupy_poolmem import _retire as R\n"
+        "import os, sys\n"
+        "from cupy_poolmem import _retire as R\n"
+        "class Res:\n"
+        "    def close(self): os._exit(4)\n"
         "r = R.retirer()\n"
+        "t = r.adopt(Res())\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"
-        "    os._exit(0 if r._forked and not r._background else 3)\n"
-        "_, st = os.waitpid(pid, 0); sys.exit(os.waitstatus_to_exitcode(st))\n"
+        "    ok = r._forked and not r._background\n"
+        "    r.retire(t, 0); r.drain()\n"
+        "    os._exit(0 if ok and r.pending == 0 and len(r._kept) == 1 else 3)\n"
+        "_, st = os.waitpid(pid, 0)\n"
+        "sys.exit(os.waitstatus_to_exitcode(st))\n"
     )
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+    run = subprocess.run([sys.executable, "-c", code], env=env, timeout=120, capture_output=True)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+
+
+def test_leftovers_of_a_held_pool_are_freed_after_a_sync_and_before_its_close(fake_retirer):
+    log = fake_retirer.log.events
+    token = fake_retirer.adopt(Resource(log))
+    fake_retirer.add_leftovers(token, 1, [0xA, 0xB])
+    fake_retirer.add_leftovers(token, 1, [])  # nothing: no work
+    fake_retirer.add_leftovers(12345, 1, [0xC])  # no such pool: never freed blindly
+    assert fake_retirer.pending == 0  # nothing to close yet
+    assert fake_retirer.drain()
+    assert log == [("sync", 1), ("free", 0xA, 1), ("free", 0xB, 1), ("sync", 1)]
+    assert fake_retirer.held == 1  # the pool itself is not closed: it is still live
+    fake_retirer.add_leftovers(token, 1, [0xD])
+    fake_retirer.retire(token, 1)
+    log.clear()
+    assert fake_retirer.drain()  # one batch: its frees come first, the close last
+    assert log == [("sync", 1), ("free", 0xD, 1), ("sync", 1), ("close", "r")]
+    fake_retirer.add_leftovers(token, 1, [0xE])  # retired: nothing is freed any more
+    assert fake_retirer.drain() and log[-1] == ("close", "r")
+
+
+def test_leftovers_of_blocks_used_on_other_streams_sync_every_device(fake_retirer):
+    log = fake_retirer.log.events
+    fake_retirer.log.active = [0, 1, 2]
+    token = fake_retirer.adopt(Resource(log))
+    fake_retirer.add_leftovers(token, 1, [0xA], everywhere=True)  # record_stream'd
+    fake_retirer.drain()
+    assert log == [("sync", 0), ("sync", 1), ("sync", 2), ("free", 0xA, 1), ("sync", 1)]
+
+
+def test_a_resource_with_its_own_free_frees_its_leftovers(fake_retirer):
+    log = fake_retirer.log.events
+
+    class Backend(Resource):
+        def free_leftover(self, ptr):
+            self.log.append(("own_free", ptr))
+
+    fake_retirer.retire(fake_retirer.adopt(Backend(log, "b")), 0, [0xA])
+    fake_retirer.drain()
+    assert log == [("sync", 0), ("own_free", 0xA), ("sync", 0), ("close", "b")]
+
+
+def test_a_pool_waiting_for_a_capture_is_polled_until_done():
+    log: list = []
+    r = _retire.Retirer(
+        lambda dev: log.append(("sync", dev)), lambda: False, lambda: [0], delay=0.01
+    )
+    token = r.adopt(Resource(log))
+    polls = []
+    capture_over = threading.Event()
+
+    def poll():  # what a closed pool with frees held for a capture gives the retirer
+        polls.append(1)
+        if not capture_over.is_set():
+            return False
+        r.retire(token, 0)
+        return True
+
+    r.after_captures(poll)
+    deadline = time.monotonic() + 10
+    while len(polls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(polls) >= 3 and r.waiting == 1 and log == []  # the thread keeps polling
+    capture_over.set()
+    while (r._thread is not None or r.pending) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.waiting == 0 and log == [("sync", 0), ("close", "r")] and r._thread is None
+
+
+def test_drain_says_when_a_pool_still_waits_and_drops_a_poll_that_raises(fake_retirer):
+    answers = [False, True]
+    fake_retirer.after_captures(lambda: answers.pop(0))
+    assert not fake_retirer.drain() and fake_retirer.waiting == 1
+    assert fake_retirer.drain() and fake_retirer.waiting == 0
+
+    def broken():
+        raise RuntimeError("a CUDA error")
+
+    fake_retirer.after_captures(broken)
+    assert fake_retirer.drain() and fake_retirer.waiting == 0  # its frees leak, no more
+
+
+def test_a_fork_child_never_polls_the_parents_waiting_pools(fake_retirer):
+    polled = []
+    fake_retirer.after_captures(lambda: polled.append(1))
+    fake_retirer._after_fork_in_child()
+    fake_retirer.after_captures(lambda: polled.append(2))
+    assert fake_retirer.drain() and polled == [] and fake_retirer.waiting == 0
+    assert len(fake_retirer._kept) == 2  # kept: their pools' streams are never destroyed
 
 
 # ---------------------------------------------------------------- pools use it
@@ -284,3 +390,259 @@ def test_a_closed_pinned_pool_whose_last_free_is_deferred_is_retired(world, tp, 
     assert world.retirer.pending == 1
     world.retirer.drain()
     assert world.log[n:] == [("sync", 0), ("legacy_free", ptr, 0), ("sync", 0), ("close_pool",)]
+
+
+# ---------------------------------------------------------------- pools in garbage cycles
+def _pyx_fields() -> tuple[list[str], list[str]]:
+    """PoolCore's fields in ``_hotpath.pyx``: (C-typed ones, object ones)."""
+    pyx = Path(twin.__file__).with_name("_hotpath.pyx").read_text()
+    body = pyx.split("cdef class PoolCore")[1].split("\ncdef class ")[0]
+    scalars, objects = [], []
+    fields = re.findall(r"^    cdef (?:readonly |public )?([\w ]+?) (\w+)\s*(?:#.*)?$", body, re.M)
+    for kind, name in fields:
+        (objects if kind in ("object", "dict", "list") else scalars).append(name)
+    return scalars, objects
+
+
+def _collector_clears(p) -> None:
+    """What the garbage collector's tp_clear does to a pool of the compiled hot path: the
+    Python subclass's ``__dict__`` is emptied and PoolCore's object fields set to None;
+    its C fields (counters, flags, the retire token) keep their values.  (The twin keeps
+    them all in ``__dict__``; the fields are read from the .pyx.)"""
+    scalars, objects = _pyx_fields()
+    assert {"closed", "n_frees"} <= set(scalars) and {"_backend", "_cache"} <= set(objects)
+    kept = {k: v for k, v in vars(p).items() if k in scalars}
+    vars(p).clear()
+    vars(p).update(kept)
+    for name in objects:
+        setattr(p, name, None)
+
+
+def test_a_live_block_of_a_pool_finalized_in_a_garbage_cycle_is_retired_safely(world, tp):
+    """A pool unreachable with its live blocks (they hold it): the collector runs the
+    finalizers (the pool's, and a cupy Stream's, which destroys the stream), then
+    tp_clear, then frees the blocks.  Such a block must not reach its stream, and the
+    pool must still be retired."""
+    p = world.pool()
+    _closing(world, p)
+    m, cached = p.malloc(KB), p.malloc(2 * KB)
+    ptr, cptr = m.ptr, cached.ptr
+    del cached  # into the reuse cache
+    token = p._retire_token
+    _pools.Pool.__del__(p)  # the finalizer (the twin module's is disabled)
+    world.log.append(("stream_destroyed",))
+    _collector_clears(p)
+    n_queried = len(world.queried)
+    del m
+    assert world.queried[n_queried:] == []  # no capture query on the dead stream
+    assert ("free", ptr, 0x5000) not in world.log and ("free", cptr, 0x5000) not in world.log
+    assert token not in world.retirer._held and world.retirer.pending == 1
+    assert p.n_free_errors == 0
+    world.retirer.drain()
+    tail = world.log[world.log.index(("stream_destroyed",)) + 1 :]
+    assert tail == [
+        ("sync", 0),
+        ("legacy_free", cptr, 0),
+        ("legacy_free", ptr, 0),
+        ("sync", 0),
+        ("close_pool",),
+    ]
+
+
+class _DyingStream(cupy.cuda.ExternalStream):
+    """A stream whose finalizer 'destroys' it, as cupy's Stream.__del__ does."""
+
+    def __del__(self):
+        _DyingStream.log.append(("stream_destroyed", self.ptr))
+
+
+def test_a_pool_collected_with_its_stream_and_a_live_array_never_frees_on_the_dead_stream(
+    world, tp, monkeypatch
+):
+    monkeypatch.setattr(tp.Pool, "__del__", _pools.Pool.__del__)  # the real finalizer
+    monkeypatch.setattr(_DyingStream, "log", world.log, raising=False)
+    p = world.pool()
+    _closing(world, p)
+    world.current = s = _DyingStream(0x6000, 0)
+    m = p.malloc(KB)
+    ptr = m.ptr
+    cycle = [p, s, m]
+    cycle.append(cycle)
+    del p, s, m, cycle
+    world.current = cupy.cuda.ExternalStream(0x5000, 0)
+    gc.collect()
+    dead = world.log.index(("stream_destroyed", 0x6000))
+    assert ("free", ptr, 0x6000) not in world.log[dead:]
+    assert world.retirer.pending == 1
+    world.retirer.drain()
+    assert world.log[-4:] == [("sync", 0), ("legacy_free", ptr, 0), ("sync", 0), ("close_pool",)]
+    assert world.retirer.held == 0
+
+
+def test_a_pinned_pool_finalized_with_deferred_and_live_blocks_is_retired(world, tp):
+    world.retirer.log.active = [0]
+    p = world.pool(cls=tp.PinnedPool, kind=twin.KIND_PINNED)
+    _closing(world, p)
+    p._pending = collections.deque()
+    p._pending_lock = threading.Lock()
+
+    def defer(ptr, size, stream):  # the pinned pool's hook: held until its stream is done
+        p._pending.append(([], ptr, stream))
+        return True
+
+    p.release_hook = defer
+    deferred, live = p.malloc(KB), p.malloc(KB)
+    dptr, lptr = deferred.ptr, live.ptr
+    del deferred
+    n = len(world.log)
+    _pools.Pool.__del__(p)
+    _collector_clears(p)
+    del live  # neither the hook nor the stream: the retirer
+    assert world.log[n:] == [] and world.retirer.pending == 1
+    world.retirer.drain()
+    assert world.log[n:] == [
+        ("sync", 0),
+        ("legacy_free", dptr, 0),
+        ("legacy_free", lptr, 0),
+        ("sync", 0),
+        ("close_pool",),
+    ]
+
+
+# ---------------------------------------------------------------- frees held for a capture
+def test_a_closed_pool_does_its_frees_held_for_a_capture_before_it_is_retired(world):
+    p = world.pool(reuse_cache=0)
+    _closing(world, p)
+    m = p.malloc(KB)
+    ptr = m.ptr
+    world.status[0x5000] = (1, 7)  # the block's stream begins a capture
+    p.close()
+    del m  # held: a free now would become a node of the graph
+    assert p.n_capture_held == 1 and world.retirer.pending == 0 and world.retirer.waiting == 1
+    assert world.retirer.held == 1 and ("close_pool",) not in world.log
+    assert _streams._capturing  # the retirer knows of the capture now
+    assert not world.retirer.drain()  # still capturing: still held, nothing synchronised
+    assert ("free", ptr, 0x5000) not in world.log and ("close_pool",) not in world.log
+    del world.status[0x5000]  # end_capture()
+    assert world.retirer.drain()
+    tail = [e for e in world.log if e[0] in ("free", "sync", "close_pool")]
+    assert tail[-3:] == [("free", ptr, 0x5000), ("sync", 0), ("close_pool",)]
+    assert world.retirer.waiting == 0 and world.retirer.held == 0
+
+
+def test_a_closed_pools_graph_memory_held_for_a_capture_is_freed_then_it_is_retired(world):
+    p = world.pool()
+    _closing(world, p)
+    world.status[0x5000] = (1, 7)
+    m = p.malloc(KB)  # graph memory of capture 7
+    g = m.ptr
+    world.status[0x5000] = (1, 8)  # another capture on that stream
+    p.close()
+    del m
+    assert p.n_capture_held == 1 and world.retirer.waiting == 1
+    del world.status[0x5000]
+    world.retirer.drain()
+    assert ("graph_free", g, 0x5000) in world.log  # on its stream, not a leftover
+    assert ("legacy_free", g, 0) not in world.log
+    assert world.log[-2:] == [("sync", 0), ("close_pool",)]
+
+
+def test_a_dropped_pool_hands_its_held_frees_to_the_retirer(world, tp):
+    p = world.pool(reuse_cache=0)
+    _closing(world, p)
+    old = p.malloc(KB)
+    ptr = old.ptr
+    world.status[0x5000] = (1, 7)
+    m = p.malloc(KB)  # graph memory
+    g = m.ptr
+    world.status[0x5000] = (1, 8)
+    del m, old  # both held until capture 8 ends
+    assert p.n_capture_held == 2
+    _pools.Pool.__del__(p)
+    assert p.n_capture_held == 0 and world.retirer.waiting == 1  # the graph memory
+    assert not world.retirer.drain()  # pool memory: after a sync; graph memory: waits
+    assert ("legacy_free", ptr, 0) in world.log and ("graph_free", g, 0x5000) not in world.log
+    assert world.log[-1] == ("close_pool",)
+    del world.status[0x5000]
+    assert world.retirer.drain() and ("graph_free", g, 0x5000) in world.log
+    assert ("legacy_free", g, 0) not in world.log
+
+
+def test_graph_memory_whose_stream_was_finalized_is_left_to_its_graph(world, tp, monkeypatch):
+    resurrected: list = []
+    asked: list = []
+    monkeypatch.setattr(_streams, "capture_status", lambda sptr: asked.append(sptr) or 0)
+
+    class Resurrecting(_DyingStream):
+        def __del__(self):  # a cupy Stream's finalizer destroys it; this one survives
+            resurrected.append(self)
+
+    s = Resurrecting(0x7000, 0)
+    cycle = [s]
+    cycle.append(cycle)
+    del s, cycle
+    gc.collect()
+    (s,) = resurrected
+    assert gc.is_finalized(s)
+    live = cupy.cuda.ExternalStream(0x8000, 0)
+    frees = tp._GraphFrees([("graph", 0xA, 64, 0x7000, s), ("graph", 0xB, 64, 0x8000, live)], 0)
+    assert frees()
+    assert asked == [0x8000]  # the destroyed stream is never asked about
+    assert ("graph_free", 0xA, 0x7000) not in world.log and ("graph_free", 0xB, 0x8000) in world.log
+
+
+# ---------------------------------------------------------------- the "managed" backend
+class _FakeBackend(ManagedAllocator):
+    """ManagedPool's "managed" backend, logging instead of calling the driver."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__(0)
+        self.log, self.ptrs = log, itertools.count(0x900000, 0x10000)
+
+    def alloc(self, size, stream_ptr):
+        return 0, next(self.ptrs)
+
+    def free(self, ptr, stream_ptr):
+        self.log.append(("backend_free", ptr, stream_ptr))
+
+    def close(self):
+        self.log.append(("backend_close",))
+
+
+def _managed_backend_pool(world, tp):
+    backend = _FakeBackend(world.log)
+    p = world.pool(tp.ManagedPool, kind=twin.KIND_MANAGED, cuda_pool=False, _backend=backend)
+    p.backend = "managed"
+    world.retirer._sync = lambda dev: world.log.append(("sync", dev))
+    world.retirer._free = lambda ptr, dev: world.log.append(("legacy_free", ptr, dev))
+    return p, backend
+
+
+def test_a_dropped_managed_backend_pool_frees_its_cache_through_the_backend(world, tp):
+    p, backend = _managed_backend_pool(world, tp)
+    assert world.retirer._held[p._retire_token] is backend
+    m = p.malloc(KB)
+    ptr = m.ptr
+    del m
+    assert p.cached_bytes == KB
+    n = len(world.log)
+    _pools.Pool.__del__(p)
+    assert world.log[n:] == [] and world.retirer.pending == 1  # nothing on the stream
+    world.retirer.drain()
+    # On the legacy stream after a sync, through the backend, which then closes.
+    assert world.log[n:] == [("sync", 0), ("backend_free", ptr, 0), ("sync", 0), ("backend_close",)]
+
+
+def test_a_managed_backend_pool_in_a_garbage_cycle_frees_its_live_block_through_the_backend(
+    world, tp
+):
+    p, backend = _managed_backend_pool(world, tp)
+    m = p.malloc(KB)
+    ptr = m.ptr
+    _pools.Pool.__del__(p)
+    _collector_clears(p)  # _backend is None now
+    n = len(world.log)
+    del m
+    assert world.log[n:] == [] and world.retirer.pending == 1
+    world.retirer.drain()
+    assert world.log[n:] == [("sync", 0), ("backend_free", ptr, 0), ("sync", 0), ("backend_close",)]
