@@ -21,6 +21,9 @@ capturing is held by the pool until the capture ends.
 
 cimport cython
 from cpython.pycapsule cimport PyCapsule_GetName, PyCapsule_GetPointer
+
+cdef extern from "Python.h":
+    int PyObject_GC_IsFinalized(object)  # 0 for None and objects the GC does not track
 from libc.stdint cimport intptr_t, uintptr_t
 from libc.string cimport strcmp
 
@@ -168,11 +171,13 @@ cdef class Block:
         core.n_frees += 1
         core.live_bytes -= self.size
         try:
-            if core.finalized:
+            if core.finalized or PyObject_GC_IsFinalized(self.stream):
                 # The pool's finalizer ran: it was dropped in a garbage cycle with this
                 # block, whose stream may be destroyed already (a cupy Stream's own
-                # finalizer), and tp_clear may have emptied the pool's __dict__.  Neither
-                # is touched: the retirer frees the block after a sync.
+                # finalizer), and tp_clear may have emptied the pool's __dict__.  Or the
+                # block's own stream was finalized (a cycle of this array and its stream,
+                # the pool alive).  Neither is touched: the retirer frees the block after
+                # a sync.
                 if core.observer is not None:
                     core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
                 kept = core._orphan(self.ptr, self.size, self.flags)

@@ -9,6 +9,7 @@ the pools, sharing and Dask a second time with ``CUPY_POOLMEM_PURE_PYTHON=1``.
 from __future__ import annotations
 
 import operator
+from gc import is_finalized as _gc_is_finalized
 from typing import Any
 
 from cuda.bindings import driver as _drv
@@ -109,7 +110,7 @@ class Block:
         core.n_frees += 1
         core.live_bytes -= self.size
         try:
-            if core.finalized:  # see _hotpath.pyx: its stream may be destroyed already
+            if core.finalized or _gc_is_finalized(self.stream):  # see _hotpath.pyx
                 if core.observer is not None:
                     core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
                 kept = core._orphan(self.ptr, self.size, self.flags)

@@ -626,6 +626,40 @@ def test_pools_collected_in_cycles_with_their_streams_and_live_arrays_are_retire
     q.close()
 
 
+def test_arrays_collected_in_cycles_with_their_streams_while_the_pool_lives():
+    """A user object holding a stream and an array in a garbage cycle, the pool alive
+    (the usual case: set_allocator's pool): cupy's Stream finalizer destroys the stream
+    before the array's block is freed.  The block goes to the retirer (freed after a
+    sync, on the legacy stream), never to the destroyed stream; the pool allocates on
+    and its data stays right."""
+    from cupy_poolmem import _retire
+
+    r = _retire.retirer()
+    p = cpm.DevicePool()
+    before = p.n_frees
+    for i in range(16):
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s, cpm.using(p):
+            x = cupy.full(1 << 18, i, dtype=cupy.int32)
+            x *= 3  # still queued on s when s is destroyed
+        cycle = [s, x]
+        cycle.append(cycle)
+        del s, x, cycle
+        gc.collect()
+    assert p.n_frees - before >= 16 and p.n_allocs == p.n_frees
+    deadline = time.monotonic() + 30
+    while p._safe_used() != p.cached_bytes and time.monotonic() < deadline:
+        time.sleep(0.05)  # the retirer frees the 16 blocks after a sync
+    assert p._safe_used() == p.cached_bytes  # each freed once, nothing left in use
+    with cpm.using(p):
+        want = _pattern(3 << 20, 5)
+        a = cupy.asarray(want)
+        assert (a.get() == want).all()
+        del a
+    p.close()
+    _wait_retired(r)
+
+
 def test_a_dropped_managed_backend_pool_gives_its_reuse_cache_back():
     """ManagedPool(backend="managed") dropped without close(): the blocks in its reuse
     cache go to the backend (after a sync, on the legacy stream), which frees them."""

@@ -646,3 +646,34 @@ def test_a_managed_backend_pool_in_a_garbage_cycle_frees_its_live_block_through_
     assert world.log[n:] == [] and world.retirer.pending == 1
     world.retirer.drain()
     assert world.log[n:] == [("sync", 0), ("backend_free", ptr, 0), ("sync", 0), ("backend_close",)]
+
+
+def test_an_array_collected_with_its_stream_while_its_pool_lives_never_frees_there(
+    world, tp, monkeypatch
+):
+    """A garbage cycle of an array and its stream (a user object holding both), the
+    pool alive (the global allocator's): the stream's finalizer runs first and destroys
+    it, so the block goes to the retirer, freed after a sync on the legacy stream; the
+    pool stays open and allocates on."""
+    monkeypatch.setattr(_DyingStream, "log", world.log, raising=False)
+    p = world.pool()
+    _closing(world, p)
+    world.current = s = _DyingStream(0x6100, 0)
+    m = p.malloc(KB)
+    ptr = m.ptr
+    cycle = [s, m]
+    cycle.append(cycle)
+    del s, m, cycle
+    world.current = cupy.cuda.ExternalStream(0x5000, 0)
+    gc.collect()
+    dead = world.log.index(("stream_destroyed", 0x6100))
+    assert ("free", ptr, 0x6100) not in world.log[dead:]
+    assert ("cache", ptr) not in world.log and p.cached_bytes == 0  # not cached for reuse
+    assert p.n_frees == p.n_allocs and not p.closed
+    world.retirer.drain()
+    assert ("legacy_free", ptr, 0) in world.log
+    i = world.log.index(("legacy_free", ptr, 0))
+    assert world.log[i - 1] == ("sync", 0)  # after a sync
+    m2 = p.malloc(KB)  # the pool goes on
+    assert m2.ptr
+    del m2
