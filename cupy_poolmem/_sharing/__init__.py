@@ -82,7 +82,7 @@ from ._settings import SharingSettings
 __all__ = ["settings", "SharingSettings", "SharingContext", "context", "install"]
 
 
-def _release(ptr: int, size: int, stream: object, rec: object) -> bool:
+def _release(core: object, ptr: int, size: int, stream: object, rec: object) -> bool:
     return rec.exporter.release(ptr, size, stream, rec)  # type: ignore[attr-defined]
 
 
