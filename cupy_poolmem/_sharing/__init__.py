@@ -83,7 +83,11 @@ __all__ = ["settings", "SharingSettings", "SharingContext", "context", "install"
 
 
 def _release(core: object, ptr: int, size: int, stream: object, rec: object) -> bool:
-    return rec.exporter.release(ptr, size, stream, rec)  # type: ignore[attr-defined]
+    return rec.exporter.release(ptr, size, stream, rec, core)  # type: ignore[attr-defined]
+
+
+def _retire(core: object, ptr: int, size: int, stream: object, rec: object) -> bool:
+    return rec.exporter.retire(ptr, size, stream, rec, core)  # type: ignore[attr-defined]
 
 
 def _on_ipc_pool(pool: object) -> None:
@@ -100,7 +104,7 @@ def install() -> None:
     from .._pools import _IPC_POOL_CALLBACKS, _OOM_CALLBACKS, _hp, all_pools
     from ._reducers import register_cupy
 
-    _hp.set_shared_release(_release)
+    _hp.set_shared_release(_release, _retire)
     _OOM_CALLBACKS.append(lambda: context().collect())
     _IPC_POOL_CALLBACKS.append(_on_ipc_pool)
     for p in all_pools():
