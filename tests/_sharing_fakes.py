@@ -620,6 +620,8 @@ class FakeDriver:
     def wait_event(self, stream: int, ev: Any) -> None:
         self._hook("wait_event", stream, ev)
         g = self._gpu
+        if stream in self._capturing:
+            g.violate(f"{self._name}: a wait on stream {stream:#x} while it is captured")
         with g.lock:
             e = self._use(ev, "wait")
             if e is not None and self._p.alive:

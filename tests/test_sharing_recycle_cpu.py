@@ -520,3 +520,27 @@ def late(rng, old, recv):
         assert "stale" in str(exc)
     else:
         assert r.read(own, sptr)[1] == want
+
+
+def test_a_recycle_while_the_blocks_stream_is_captured_waits_on_the_host(world):
+    """The receiver's Idle may arrive while the producer captures a graph on the block's
+    stream: its event is waited for on the host (a stream wait would join the graph;
+    the fake flags one), and the next life's writes are still ordered after the read."""
+    e, r, core = _setup(world)
+    _life(e, r, core, payload=1)
+    assert wait_for(lambda: core.cached_blocks() == 1)
+    b = core.alloc(KB, payload=2)
+    msg = e.send(b)
+    del b  # limbo until the receiver says Idle
+    e.driver._capturing.add(0x51)  # the block's stream (FakeCore's default) captures
+    try:
+        own = r.recv(msg)
+        assert r.read(own, S0)[1] == 2
+        del own
+        assert wait_for(lambda: core.cached_blocks() == 1)
+    finally:
+        e.driver._capturing.discard(0x51)
+    syncs = [x for x in world.gpu.log if x[0] == "exporter" and x[1] == "sync_event"]
+    assert syncs  # the receiver's event, waited for on the host
+    b3 = core.alloc(KB, payload=3)  # the fake checks this write against the read
+    del b3

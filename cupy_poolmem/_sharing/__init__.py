@@ -91,8 +91,10 @@ Invariants (every change to this package must keep them):
     memory, a full cache) is invariant 1's: receivers evict, then the driver free.
     While in the cache the record holds no pool (the cache holds the record); a pool
     finalized with such blocks, or with a block made of one, touches no stream: the
-    exporter waits for the unmaps on the legacy stream and hands the block to the
-    pool's retirer (``_orphan``), which frees it after a device synchronise.
+    exporter waits for the unmaps on the host and hands the block to the pool's
+    retirer (``_orphan``), which frees it after a device synchronise.  A stream being
+    captured is never made to wait on a receiver's event (the wait would join the
+    graph): the exporter waits for those on the host instead.
     A Dask refetch reads a live block only in the life its descriptor names.
 """
 

@@ -48,8 +48,9 @@ class Record:
     ``core`` is None: the pool's cache holds the record, never the other way round, so
     a pool dropped without ``close()`` can still be collected (the hot path's hooks
     hand the pool back).  ``orphan``: its pool was finalized (a garbage cycle), so its
-    stream may be destroyed: the waits go on the legacy stream and the final free to
-    the pool's retirer (``_orphan``), which frees it after a device synchronise.
+    stream may be destroyed: the receivers' events are waited for on the host and the
+    final free goes to the pool's retirer (``_orphan``), which frees it after a device
+    synchronise.
     """
 
     __slots__ = (
@@ -323,8 +324,9 @@ class Exporter:
         caller's free on ``stream`` is ordered after their unmaps).
 
         ``stream`` None: the pool was finalized and its streams may be destroyed: the
-        waits go on the legacy stream, and the caller (or, later, the exporter) gives
-        the block to the pool's retirer, which frees it after a device synchronise.
+        receivers' events are waited for on the host, and the caller (or, later, the
+        exporter) gives the block to the pool's retirer, which frees it after a device
+        synchronise.
         """
         if self.abandoned:
             return True
@@ -337,7 +339,10 @@ class Exporter:
                 rec.stream, rec.stream_ptr = None, 0
             if not rec.leases and not rec.tickets and not rec.local:
                 self.records.pop(rec.export_id, None)
-                self._wait_unmaps(rec, rec.stream_ptr if stream is None else stream.ptr)
+                if stream is None:  # done on the host: the retirer frees it on any stream
+                    self._wait_unmaps(rec, 0, host=True)
+                else:
+                    self._wait_unmaps(rec, stream.ptr)
                 return False
             self._to_limbo(rec)
         self._settle(rec)
@@ -375,16 +380,29 @@ class Exporter:
         self.recycled += 1
         return True
 
-    def _wait_unmaps(self, rec: Record, stream_ptr: int) -> None:
-        """Order ``stream_ptr`` after every receiver's unmap of ``rec`` (lock held).
+    def _wait_unmaps(self, rec: Record, stream_ptr: int, host: bool = False) -> None:
+        """Order ``stream_ptr`` after every receiver's unmap (and last use) of ``rec``
+        (lock held).
 
-        Under the lock: ``_reap`` closes a dead receiver's events under it too, so an
-        event is never closed while a free is about to wait on it.
+        On the host instead (``host``, or when ``stream_ptr`` is being captured, which a
+        recycle may meet at any time: the wait would become part of the graph): done
+        then, whatever uses the block next.  Under the lock: ``_reap`` closes a dead
+        receiver's events under it too, so an event is never closed while a free is
+        about to wait on it.
         """
         events = list(rec.events.values())
         rec.events.clear()
-        if events:
-            with self.driver.on_device(self._dev(rec)):
+        if not events:
+            return
+        with self.driver.on_device(self._dev(rec)):
+            if host or self.driver.is_capturing(stream_ptr):
+                with self.driver.relaxed():  # a global-mode capture elsewhere allows it
+                    for ev in events:
+                        try:
+                            self.driver.sync_event(ev)
+                        except Exception:  # the unmapping process died: its work too
+                            pass
+            else:
                 for ev in events:
                     self._wait(stream_ptr, ev)
 
@@ -423,7 +441,7 @@ class Exporter:
                 rec.asked.update(keep)
             else:
                 self.records.pop(rec.export_id, None)
-                self._wait_unmaps(rec, rec.stream_ptr)
+                self._wait_unmaps(rec, rec.stream_ptr, host=rec.orphan)
                 if rec.orphan:  # to the retirer while still counted: the pool waits for it
                     rec.core._orphan(rec.ptr, rec.size, 0)
                 self._out_of_limbo(rec)
