@@ -446,8 +446,8 @@ def test_resent_block_stays_mapped_then_exporter_takes_it_back(recycle):
         del x
         assert _wait_for(lambda: pool.stats().held_for_sharing_bytes == base_held, 10.0)
         if recycle:
-            assert cpm.sharing.stats()["recycled_blocks"] > recycled
-            assert cpm.sharing.stats()["leases"] == 1  # still mapped, idle
+            assert _wait_for(lambda: cpm.sharing.stats()["recycled_blocks"] > recycled)
+            assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 1)  # mapped, idle
             pool.trim()  # its final free: asked back first
             assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 0, 10.0)
         assert cpm.sharing.stats()["leases"] == 0
@@ -480,7 +480,7 @@ def test_eviction_waits_for_arrays_in_use_under_pressure(recycle):
         _reply(q_out)
         assert _wait_for(lambda: pool.stats().held_for_sharing_bytes == base_held, 10.0)
         if recycle:  # back in the reuse cache, still mapped (idle) until a trim
-            assert cpm.sharing.stats()["leases"] == 3
+            assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 3)
             pool.trim()
             assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 0, 10.0)
         assert cpm.sharing.stats()["leases"] == 0
