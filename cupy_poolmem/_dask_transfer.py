@@ -93,7 +93,6 @@ CONFIG_KEY = "distributed.comm.cupy-poolmem"
 CONFIG_DEFAULTS: dict[str, Any] = {"ipc": True, "min-bytes": "1MiB", "refetch-timeout": "120s"}
 
 _FAMILY_SALT = b"cupy_poolmem.dask identity 1"
-_DESCRIPTOR_FIELDS = 15
 
 
 # -- configuration -------------------------------------------------------------------------
@@ -409,7 +408,7 @@ def make_header(desc: tuple, sender: str) -> dict[str, Any]:
 
     Examples
     --------
-    >>> h = make_header(tuple(range(15)), "tcp://10.0.0.1:4000")
+    >>> h = make_header(tuple(range(16)), "tcp://10.0.0.1:4000")
     >>> sorted(h)
     ['cupy-poolmem-ipc', 'desc', 'sender']
     """
@@ -442,7 +441,9 @@ def parse_header(sub: Any) -> tuple[Any, str]:
     if not isinstance(sender, str) or "://" not in sender:
         raise _bad(f"sender={sender!r:.80}")
     raw = sub.get("desc")
-    if not isinstance(raw, (list, tuple)) or len(raw) != _DESCRIPTOR_FIELDS:
+    # The field count of this version's wire format (a peer of another version sends
+    # another count, or fails check_descriptor's version test).
+    if not isinstance(raw, (list, tuple)) or len(raw) != len(_wire.Descriptor._fields):
         n = len(raw) if isinstance(raw, (list, tuple, str, bytes)) else "?"
         raise _bad(f"desc of {type(raw).__name__} with {n} fields")
     fields = list(raw)
@@ -653,7 +654,7 @@ def _local_array(d: Any) -> Any:
     ctx = context()
     if ctx.exporter_address() != d.address:
         return None
-    hold = ctx.exporter.hold_live(d.export_id, d.export_data)
+    hold = ctx.exporter.hold_live(d.export_id, d.export_data, d.life)
     if hold is None:
         return None
     return array_on(hold, d, hold.rec.dev)

@@ -95,7 +95,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 3
+VERSION = 4
 
 # Block.flags: why a block's free leaves the plain path (one test when none is set).
 FLAG_RECORDED = 1   # record_stream: the free waits for the recorded streams first
@@ -105,14 +105,21 @@ cdef unsigned int _FLAG_RECORDED = 1
 cdef unsigned int _FLAG_ADVISED = 4
 cdef unsigned int _FLAG_SPECIAL = 2 | 4
 
-# Set by cupy_poolmem._sharing: called as fn(ptr, size, stream, share) for a block
-# that was exported to other processes; returns True when it kept the block (limbo).
+# Set by cupy_poolmem._sharing: called as fn(core, ptr, size, stream, share) for a
+# block that was exported to other processes; returns True when it kept the block
+# (limbo, or back in the reuse cache with its record: see _cache_shared).
 _shared_release = None
+# And fn(core, ptr, size, stream, share) when the reuse cache lets such a block go
+# (trim, close, out of memory) or its pool was finalized (stream None: not to be
+# touched): True when the exporter keeps it until its receivers have unmapped it;
+# False: free it now (ordered after their unmaps).
+_shared_retire = None
 
 
-def set_shared_release(fn):
-    global _shared_release
+def set_shared_release(fn, retire=None):
+    global _shared_release, _shared_retire
     _shared_release = fn
+    _shared_retire = retire
 
 
 cdef object _index(object owner, object size):
@@ -180,7 +187,13 @@ cdef class Block:
                 # a sync.
                 if core.observer is not None:
                     core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
-                kept = core._orphan(self.ptr, self.size, self.flags)
+                # An exported block (reused from the cache) goes to its exporter first:
+                # receivers may map it still (then it frees the block after them).
+                if self.share is not None and core._retire_shared(
+                        self.ptr, self.size, None, self.share):
+                    kept = True
+                else:
+                    kept = core._orphan(self.ptr, self.size, self.flags)
             else:
                 if self.flags & _FLAG_RECORDED:
                     # First, so every later path (cache, sharing limbo, pinned deferral,
@@ -189,7 +202,7 @@ cdef class Block:
                 if core.observer is not None:
                     core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
                 if self.share is not None and _shared_release is not None:
-                    if _shared_release(self.ptr, self.size, self.stream, self.share):
+                    if _shared_release(core, self.ptr, self.size, self.stream, self.share):
                         return
                 kept = False  # a pool hook took the block (pinned deferral, graph memory)
                 if core.release_hook is not None:
@@ -215,6 +228,8 @@ cdef class PoolCore:
     the next allocation of that size on that stream without a driver call.  Reuse on
     the same stream is exactly the guarantee stream-ordered allocation gives, so the
     cache changes speed, not semantics.  Out-of-memory, ``trim`` and ``close`` flush it.
+    An exported block comes back with its sharing record (``share``, see
+    ``_cache_shared``); the next block made of it carries that record.
     """
     cdef CUmemoryPool _pool
     cdef readonly int device_id
@@ -228,7 +243,7 @@ cdef class PoolCore:
     cdef public unsigned long long n_oom
     cdef public long long live_bytes
     cdef public long long peak_live_bytes
-    cdef dict _cache                 # (stream_ptr, size) -> [(ptr, stream), ...]
+    cdef dict _cache                 # (stream_ptr, size) -> [(ptr, stream, share), ...]
     cdef public size_t cache_limit
     cdef public size_t cache_max_block
     cdef readonly size_t cached_bytes
@@ -277,6 +292,7 @@ cdef class PoolCore:
         cdef CUstreamCaptureStatus cap = 0
         cdef uintptr_t sptr
         cdef list hit
+        cdef object share = None
         if self.closed:
             self._raise_closed()
         if self.kind != KIND_PINNED and not device_checked:
@@ -296,7 +312,7 @@ cdef class PoolCore:
             elif self.cached_bytes:
                 hit = self._cache.get((sptr, size))
                 if hit:
-                    dptr, stream = hit.pop()
+                    dptr, stream, share = hit.pop()
                     self.cached_bytes -= size
             if dptr == 0:
                 stream = _get_current_stream()
@@ -311,14 +327,14 @@ cdef class PoolCore:
                     dptr = self._backend_alloc(size, stream)
         else:
             stream = _get_current_stream()
-        return self._wrap(dptr, size, sptr, stream, 0)
+        return self._wrap(dptr, size, sptr, stream, 0, share)
 
     def _make_block(self, uintptr_t ptr, size_t size, stream, unsigned int flags):
         """A live block for memory a slow path allocated (graph capture)."""
-        return self._wrap(ptr, size, stream.ptr, stream, flags)
+        return self._wrap(ptr, size, stream.ptr, stream, flags, None)
 
     cdef object _wrap(self, CUdeviceptr dptr, size_t size, uintptr_t sptr, object stream,
-                      unsigned int flags):
+                      unsigned int flags, object share):
         cdef Block b = Block.__new__(Block)
         b.ptr = dptr
         b.size = size
@@ -326,6 +342,7 @@ cdef class PoolCore:
         b.stream = stream
         b.core = self
         b.flags = flags
+        b.share = share  # None, or the record of an exported block back from the cache
         self.n_allocs += 1
         self.live_bytes += size
         if self.live_bytes > self.peak_live_bytes:
@@ -344,18 +361,51 @@ cdef class PoolCore:
             lst = self._cache.get(key)
             if lst is None:
                 lst = self._cache[key] = []
-            lst.append((ptr, stream))
+            lst.append((ptr, stream, None))
             self.cached_bytes += size
             return
         self._free(ptr, stream_ptr, stream)
 
+    def _cache_shared(self, uintptr_t ptr, size_t size, uintptr_t stream_ptr, stream, share):
+        """Keep an exported block with its sharing record ``share`` (any size within
+        ``cache_limit``: ``cache_max_block`` is for blocks never exported); False when
+        the cache cannot take it (full, off, or the pool is closed or finalized)."""
+        cdef list lst
+        if self.closed or self.finalized or self.cached_bytes + size > self.cache_limit:
+            return False
+        key = (stream_ptr, size)
+        lst = self._cache.get(key)
+        if lst is None:
+            lst = self._cache[key] = []
+        lst.append((ptr, stream, share))
+        self.cached_bytes += size
+        return True
+
+    cdef bint _retire_shared(self, ptr, size, stream, share):
+        """Whether the exporter keeps an exported block for its final free (True), or it
+        may be freed now (False: ordered after its receivers' unmaps, on ``stream``; on
+        the legacy stream when ``stream`` is None).  A failing hook keeps it: leaking is
+        safe, freeing while another process maps it is not."""
+        if _shared_retire is None:
+            return False
+        try:
+            return bool(_shared_retire(self, ptr, size, stream, share))
+        except BaseException:
+            self.n_free_errors += 1
+            return True
+
     def flush_cache(self):
-        """Free every block held in the reuse cache (stream-ordered); returns bytes freed."""
+        """Free every block held in the reuse cache (stream-ordered); returns bytes freed.
+
+        An exported block's final free is its exporter's, after its receivers unmap it.
+        """
         cdef size_t freed = self.cached_bytes
         cache, self._cache = self._cache, {}
         self.cached_bytes = 0
         for (sptr, size), entries in cache.items():
-            for ptr, stream in entries:
+            for ptr, stream, share in entries:
+                if share is not None and self._retire_shared(ptr, size, stream, share):
+                    continue
                 self._free(ptr, sptr, stream)
         return freed
 
@@ -363,11 +413,20 @@ cdef class PoolCore:
         """Empty the reuse cache without freeing: ``[ptr, ...]`` for the caller to free.
 
         For a pool finalized inside a garbage cycle, whose cached blocks' streams may
-        be destroyed already: the retirer frees them after a device synchronise.
+        be destroyed already: the retirer frees them after a device synchronise.  An
+        exported block goes to its exporter first (without its stream): it is in the
+        list only when no receiver maps it any more, else the exporter hands it to the
+        retirer once they have unmapped it.
         """
         cache, self._cache = self._cache, {}
         self.cached_bytes = 0
-        return [ptr for entries in cache.values() for ptr, stream in entries]
+        out = []
+        for (sptr, size), entries in cache.items():
+            for ptr, stream, share in entries:
+                if share is not None and self._retire_shared(ptr, size, None, share):
+                    continue
+                out.append(ptr)
+        return out
 
     def _try_alloc(self, size_t size, uintptr_t stream_ptr):
         """One raw attempt: returns ``(CUresult, ptr)``; used by the slow paths."""

@@ -23,7 +23,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 3
+VERSION = 4
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
@@ -32,15 +32,17 @@ _FLAG_SPECIAL = FLAG_CAPTURED | FLAG_ADVISED
 _SIZE_MAX = 2**64 - 1
 
 _shared_release = None
+_shared_retire = None
 _alloc = _drv.cuMemAllocFromPoolAsync
 _free = _drv.cuMemFreeAsync
 _ctx_device = _drv.cuCtxGetDevice
 _is_capturing = _drv.cuStreamIsCapturing
 
 
-def set_shared_release(fn: Any) -> None:
-    global _shared_release
+def set_shared_release(fn: Any, retire: Any = None) -> None:
+    global _shared_release, _shared_retire
     _shared_release = fn
+    _shared_retire = retire
 
 
 def _as_size(size: Any) -> int:
@@ -113,14 +115,20 @@ class Block:
             if core.finalized or _gc_is_finalized(self.stream):  # see _hotpath.pyx
                 if core.observer is not None:
                     core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
-                kept = core._orphan(self.ptr, self.size, self.flags)
+                # An exported block goes to its exporter first (see _hotpath.pyx).
+                if self.share is not None and core._retire_shared(
+                    self.ptr, self.size, None, self.share
+                ):
+                    kept = True
+                else:
+                    kept = core._orphan(self.ptr, self.size, self.flags)
             else:
                 if self.flags & FLAG_RECORDED:
                     core._wait_recorded(self.stream, self._recorded)
                 if core.observer is not None:
                     core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
                 if self.share is not None and _shared_release is not None:
-                    if _shared_release(self.ptr, self.size, self.stream, self.share):
+                    if _shared_release(core, self.ptr, self.size, self.stream, self.share):
                         return
                 kept = False  # a pool hook took the block (pinned deferral, graph memory)
                 if core.release_hook is not None:
@@ -139,7 +147,8 @@ class Block:
 class PoolCore:
     """The per-pool state the hot path needs; Python pool classes subclass it.
 
-    See ``_hotpath.pyx`` for the reuse cache and the capture check.
+    See ``_hotpath.pyx`` for the reuse cache (entries ``(ptr, stream, share)``) and
+    the capture check.
     """
 
     def __init__(self) -> None:  # pragma: no cover - subclasses call _attach
@@ -190,25 +199,57 @@ class PoolCore:
             and self.cached_bytes + size <= self.cache_limit
             and not self.closed
         ):
-            self._cache.setdefault((stream_ptr, size), []).append((ptr, stream))
+            self._cache.setdefault((stream_ptr, size), []).append((ptr, stream, None))
             self.cached_bytes += size
             return
         self._free_now(ptr, stream_ptr, stream)
 
+    def _cache_shared(self, ptr: int, size: int, stream_ptr: int, stream: Any, share: Any) -> bool:
+        """Keep an exported block with its sharing record ``share`` (any size within
+        ``cache_limit``); False when the cache cannot take it."""
+        if self.closed or self.finalized or self.cached_bytes + size > self.cache_limit:
+            return False
+        self._cache.setdefault((stream_ptr, size), []).append((ptr, stream, share))
+        self.cached_bytes += size
+        return True
+
+    def _retire_shared(self, ptr: int, size: int, stream: Any, share: Any) -> bool:
+        """Whether the exporter keeps an exported block for its final free (see
+        ``_hotpath.pyx``)."""
+        if _shared_retire is None:
+            return False
+        try:
+            return bool(_shared_retire(self, ptr, size, stream, share))
+        except BaseException:
+            self.n_free_errors += 1  # leaking is safe, freeing while mapped elsewhere is not
+            return True
+
     def flush_cache(self) -> int:
-        """Free every block held in the reuse cache (stream-ordered); returns bytes freed."""
+        """Free every block held in the reuse cache (stream-ordered); returns bytes freed.
+
+        An exported block's final free is its exporter's, after its receivers unmap it.
+        """
         freed, cache = self.cached_bytes, self._cache
         self._cache, self.cached_bytes = {}, 0
-        for (sptr, _size), entries in cache.items():
-            for ptr, stream in entries:
+        for (sptr, size), entries in cache.items():
+            for ptr, stream, share in entries:
+                if share is not None and self._retire_shared(ptr, size, stream, share):
+                    continue
                 self._free_now(ptr, sptr, stream)
         return freed
 
     def _take_cache(self) -> list[int]:
-        """Empty the reuse cache without freeing: ``[ptr, ...]`` for the caller to free."""
+        """Empty the reuse cache without freeing: ``[ptr, ...]`` for the caller to free
+        (an exported block only once no receiver maps it: see ``_hotpath.pyx``)."""
         cache, self._cache = self._cache, {}
         self.cached_bytes = 0
-        return [ptr for entries in cache.values() for ptr, _stream in entries]
+        out = []
+        for (_sptr, size), entries in cache.items():
+            for ptr, _stream, share in entries:
+                if share is not None and self._retire_shared(ptr, size, None, share):
+                    continue
+                out.append(ptr)
+        return out
 
     def malloc(self, size: Any) -> Any:
         """Allocate ``size`` bytes on CuPy's current stream; see the pool's docstring."""
@@ -231,13 +272,14 @@ class PoolCore:
             if err or cap:
                 return self._capture_malloc(size, int(err), int(cap))
         dptr = 0
+        share = None
         if size:
             if self.soft_limit and self.live_bytes + size > self.soft_limit:
                 dptr = self._alloc_failed(2, size, stream)
             elif self.cached_bytes:
                 hit = self._cache.get((sptr, size))
                 if hit:
-                    dptr, _ = hit.pop()
+                    dptr, _, share = hit.pop()
                     self.cached_bytes -= size
             if not dptr:
                 if self.n_capture_held:
@@ -247,16 +289,17 @@ class PoolCore:
                     dptr = int(p) if not err else self._alloc_failed(int(err), size, stream)
                 else:
                     dptr = self._backend_alloc(size, stream)
-        return self._wrap(dptr, size, sptr, stream, 0)
+        return self._wrap(dptr, size, sptr, stream, 0, share)
 
     def _make_block(self, ptr: int, size: int, stream: Any, flags: int) -> Any:
         """A live block for memory a slow path allocated (graph capture)."""
-        return self._wrap(ptr, size, stream.ptr, stream, flags)
+        return self._wrap(ptr, size, stream.ptr, stream, flags, None)
 
-    def _wrap(self, dptr: int, size: int, sptr: int, stream: Any, flags: int) -> Any:
+    def _wrap(self, dptr: int, size: int, sptr: int, stream: Any, flags: int, share: Any) -> Any:
         b = Block()
         b.ptr, b.size, b.stream_ptr, b.stream, b.core = dptr, size, sptr, stream, self
-        b.share = b.info = b._recorded = None
+        b.share = share  # None, or the record of an exported block back from the cache
+        b.info = b._recorded = None
         b.flags = flags
         self.n_allocs += 1
         self.live_bytes += size

@@ -226,9 +226,15 @@ def exiting_producer_twice(q_out, done):
     done.wait(60)
 
 
-def slow_reader(q_in, q_out):
-    """Read an array behind a long kernel, drop it at once, report the sum afterwards."""
+def slow_reader(q_in, q_out, keep=None):
+    """Read an array behind a long kernel, drop it at once, report the sum afterwards.
+
+    ``keep=0``: no idle mappings kept (the drop unmaps); else the default (a block its
+    exporter recycles stays mapped, idle).
+    """
     cupy, cpm = _setup()
+    if keep is not None:
+        cpm.sharing.keep_mappings = keep
     from test_pools_gpu import spin
 
     spin(1)  # compile the kernel first
@@ -237,6 +243,6 @@ def slow_reader(q_in, q_out):
     x = q_in.get(timeout=120)
     spin(500)  # the stream stays busy for half a second
     s = x.sum()  # reads x after that
-    del x  # received once: unmapped now, in order after the sum
+    del x  # let go now (unmapped, or kept idle), in order after the sum
     q_out.put("dropped")
     q_out.put(float(s))

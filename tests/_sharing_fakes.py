@@ -98,12 +98,13 @@ class _Alloc:
 
 
 class _Import:
-    __slots__ = ("proc", "alloc", "gen", "local", "freed", "dead")
+    __slots__ = ("proc", "alloc", "gen", "local", "freed", "dead", "uses")
 
     def __init__(self, proc: _Proc, alloc: _Alloc, local: int) -> None:
         self.proc, self.alloc, self.gen, self.local = proc, alloc, alloc.gen, local
         self.freed: tuple[Any, int] | None = None  # stamp of the importer's free
         self.dead = False  # the importing process's context is gone
+        self.uses: dict[int, tuple[Any, int]] = {}  # stream -> stamp of its last read
 
     def live_for(self, clock: Clock) -> bool:
         """Still mapped, as seen by a stream or host that knows ``clock``."""
@@ -259,11 +260,24 @@ class FakeGPU:
             return a
 
     def write(self, pool: _Pool, ptr: int, stream: int, payload: Any) -> None:
+        """The exporter writes ``payload``; every importer's reads on its streams must be
+        ordered before (a recycled block rewritten while a receiver reads it is a
+        violation)."""
         with self.lock:
             a = pool.allocs.get(ptr)
             if a is None or not a.live:
                 self.violate(f"{pool.owner.name} wrote {ptr:#x}, which is not allocated")
                 return
+            knows = self.knows(pool.owner, stream)
+            for imp in a.imports:
+                if imp.dead:
+                    continue
+                for stamp in imp.uses.values():
+                    if not _covered(stamp, knows):
+                        self.violate(
+                            f"{pool.owner.name} rewrote {ptr:#x} before {imp.proc.name}'s "
+                            "read of it was ordered before (reuse while another reads)"
+                        )
             a.payload = payload
             a.write = self.op(pool.owner, stream)
 
@@ -358,6 +372,8 @@ class FakeGPU:
                 self.violate(f"{p.name} read {local:#x} after its exporter freed it")
             elif not _covered(a.write, self.knows(p, stream)):
                 self.violate(f"{p.name} read {local:#x} before the sender's writes were ordered")
+            if stream is not None:  # a kernel: it runs later, ordered on its stream
+                imp.uses[stream] = self.op(p, stream)
             return imp.gen, a.payload
 
     def read_own(self, pool: _Pool, ptr: int, stream: int | None = None) -> tuple[int, Any]:
@@ -604,6 +620,8 @@ class FakeDriver:
     def wait_event(self, stream: int, ev: Any) -> None:
         self._hook("wait_event", stream, ev)
         g = self._gpu
+        if stream in self._capturing:
+            g.violate(f"{self._name}: a wait on stream {stream:#x} while it is captured")
         with g.lock:
             e = self._use(ev, "wait")
             if e is not None and self._p.alive:
@@ -667,7 +685,13 @@ class FakeDriver:
 class FakeCore:
     """A pool as the exporter sees it (``block.core``); its allocation handle is a pipe."""
 
-    def __init__(self, proc: SimProc, device_id: int = 0, kind: int = _wire.POOL_DEVICE) -> None:
+    def __init__(
+        self,
+        proc: SimProc,
+        device_id: int = 0,
+        kind: int = _wire.POOL_DEVICE,
+        recycle: bool = False,
+    ) -> None:
         self.proc = proc
         self.device_id = device_id if kind != _wire.POOL_PINNED else -1
         self.kind = kind
@@ -682,6 +706,16 @@ class FakeCore:
         self.n_frees = 0
         self.released = 0  # times the CUDA pool was really released (_drained, nothing held)
         self.drain_calls = 0
+        # The hot path's reuse cache, as far as sharing uses it: exported blocks kept
+        # with their records ((stream, size) -> [(ptr, stream, record)]).
+        self.cache_limit = 1 << 30
+        self.cached_bytes = 0
+        self._cache: dict[tuple[int, int], list[tuple[int, Any, Any]]] = {}
+        self.n_free_errors = 0
+        self.finalized = False  # Pool.__del__ ran: nothing of this pool touches a stream
+        self.leftovers: list[int] = []  # blocks the retirer frees after a sync
+        if not recycle:  # a pool without a reuse cache for exported blocks (as pinned ones)
+            self._cache_shared = None  # type: ignore[assignment]
         gpu_dev = proc.driver._visible[max(device_id, 0)]  # the physical device
         self._pool = proc.gpu.new_pool(proc.gpu.proc(proc.name), gpu_dev, kind, self._rfd)
 
@@ -690,6 +724,16 @@ class FakeCore:
         if self.closed:
             raise RuntimeError("pool is closed")
         stream = stream or FakeStream(0x51, max(self.device_id, 0))
+        hit = self._cache.get((stream.ptr, size))
+        if hit:  # a recycled block: same address, same generation, its record kept
+            ptr, _, share = hit.pop()
+            self.cached_bytes -= size
+            self.n_allocs += 1
+            b = FakeBlock(self, ptr, size, stream)
+            b.share = share
+            if payload is not None:
+                self.proc.gpu.write(self._pool, ptr, stream.ptr, payload)
+            return b
         a = self.proc.gpu.alloc(self._pool, size, stream.ptr)
         self.n_allocs += 1
         b = FakeBlock(self, a.ptr, size, stream)
@@ -699,6 +743,60 @@ class FakeCore:
 
     def _free_now(self, ptr: int, stream_ptr: int, stream: Any = None) -> None:
         self.proc.gpu.free(self._pool, ptr, stream_ptr)
+
+    def _cache_shared(self, ptr: int, size: int, stream_ptr: int, stream: Any, share: Any) -> bool:
+        if self.closed or self.cached_bytes + size > self.cache_limit:
+            return False
+        self._cache.setdefault((stream_ptr, size), []).append((ptr, stream, share))
+        self.cached_bytes += size
+        return True
+
+    def flush_cache(self) -> int:
+        """What the hot path's flush does: a recycled block's final free is its
+        exporter's."""
+        freed, cache = self.cached_bytes, self._cache
+        self._cache, self.cached_bytes = {}, 0
+        for (sptr, size), entries in cache.items():
+            for ptr, stream, share in entries:
+                if share.exporter.retire(ptr, size, stream, share, self):
+                    continue
+                self._free_now(ptr, sptr, stream)
+        return freed
+
+    def finalize(self) -> None:
+        """What ``Pool.__del__`` does (a pool dropped without close(), maybe in a garbage
+        cycle with its streams): from now on nothing of it touches a stream.  The hot
+        path's ``_take_cache`` gives each exported block to its exporter without its
+        stream, and the rest to the retirer (:meth:`retirer_frees`); then close()."""
+        self.finalized = True
+        cache, self._cache = self._cache, {}
+        self.cached_bytes = 0
+        for (_sptr, size), entries in cache.items():
+            for ptr, _stream, share in entries:
+                if not share.exporter.retire(ptr, size, None, share, self):
+                    self.leftovers.append(ptr)
+        self.close()
+
+    def _orphan(self, ptr: int, size: int, flags: int) -> bool:
+        """``Pool._orphan``: a finalized pool's block goes to the retirer."""
+        self.leftovers.append(ptr)
+        return True
+
+    def retirer_frees(self) -> None:
+        """The retirer's sync of the device, then its frees of the leftovers on the
+        legacy stream (what :meth:`finalize` and :meth:`_orphan` gave it)."""
+        gpu, p = self.proc.gpu, self._pool.owner
+        with gpu.lock:
+            everything: Clock = {}
+            for lane in list(p.lanes):
+                _merge(everything, gpu.knows(p, lane))
+            gpu.host_synced(p, everything)
+        for ptr in self.leftovers:
+            self._free_now(ptr, 0)
+        self.leftovers = []
+
+    def cached_blocks(self) -> int:
+        return sum(len(v) for v in self._cache.values())
 
     def _drained(self) -> None:
         self.drain_calls += 1
@@ -711,6 +809,7 @@ class FakeCore:
         if self.closed:
             return
         self.closed = True
+        self.flush_cache()
         if self.n_allocs == self.n_frees and not self._held_for_sharing:
             self._drained()
 
@@ -768,11 +867,17 @@ def hot_path_free(block: FakeBlock) -> None:
     if block.ptr == 0:
         return
     core.n_frees += 1
+    rec = block.share
+    if core.finalized:  # its stream may be gone: the exporter first, else the retirer
+        if rec is None or not rec.exporter.retire(block.ptr, block.size, None, rec, core):
+            core._orphan(block.ptr, block.size, 0)
+        if core.closed and core.n_frees == core.n_allocs:
+            core._drained()
+        return
     if block._recorded:
         block.wait_recorded(block.stream)
-    rec = block.share
-    if rec is not None and rec.exporter.release(block.ptr, block.size, block.stream, rec):
-        return  # in limbo: the exporter frees it later
+    if rec is not None and rec.exporter.release(block.ptr, block.size, block.stream, rec, core):
+        return  # in limbo (or recycled): the exporter frees it later
     if core.release_hook is not None and core.release_hook(block.ptr, block.size, block.stream):
         return
     core._free_now(block.ptr, block.stream_ptr)
@@ -813,8 +918,12 @@ class SimProc:
     def stats(self) -> dict[str, int]:
         return self.ctx.stats()
 
-    def pool(self, device: int = 0, kind: int = _wire.POOL_DEVICE) -> FakeCore:
-        core = FakeCore(self, device, kind)
+    def pool(
+        self, device: int = 0, kind: int = _wire.POOL_DEVICE, recycle: bool = False
+    ) -> FakeCore:
+        """A pool; ``recycle=True``: exported blocks go back to its reuse cache with
+        their records (as a DevicePool's with its default reuse cache)."""
+        core = FakeCore(self, device, kind, recycle)
         self.cores.append(core)
         return core
 

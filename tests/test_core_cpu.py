@@ -278,6 +278,7 @@ def test_sharing_settings_and_stats_without_a_gpu():
         "tickets_out",
         "leases",
         "peers",
+        "recycled_blocks",
         "imported_blocks",
         "idle_mappings",
         "imported_pools",

@@ -70,6 +70,7 @@ def _descriptor(size: int = 4096, **kw) -> _wire.Descriptor:
         shape=(size // 4,),
         strides=(4,),
         dtype="<f4",
+        life=1,
     )
     fields.update(kw)
     return _wire.Descriptor(**fields)
@@ -266,11 +267,12 @@ def test_header_round_trips_through_msgpack_and_is_checked():
         (lambda h: h.update({T.HEADER_KEY: True}), "protocol True"),
         (lambda h: h.pop("sender"), "sender=None"),
         (lambda h: h.update(sender="10.0.0.1:80"), "sender="),
-        (lambda h: h.update(desc=h["desc"][:-1]), "14 fields"),
+        (lambda h: h.update(desc=h["desc"][:-1]), "15 fields"),
         (lambda h: h.update(desc="abc"), "desc of str"),
         (lambda h: h["desc"].__setitem__(9, b"short"), "ticket="),
         (lambda h: h["desc"].__setitem__(12, (10**9,)), "does not fit"),
         (lambda h: h["desc"].__setitem__(14, "|O"), "dtype="),
+        (lambda h: h["desc"].__setitem__(15, -1), "life="),
         (lambda h: h["desc"].__setitem__(0, 1), "different cupy_poolmem version"),
         (lambda h: h["desc"].__setitem__(1, "numpy"), "not device memory"),
         (lambda h: h["desc"].__setitem__(4, ""), "not device memory"),
@@ -537,10 +539,11 @@ def test_hold_live_reads_a_live_block_after_a_drop(world):
     assert _wait(lambda: a.stats()["tickets_out"] == 0)
     with pytest.raises(cpm.SharingError):
         a.exporter.take_local(d.export_id, d.ticket)
-    hold = a.exporter.hold_live(d.export_id, d.export_data)
+    hold = a.exporter.hold_live(d.export_id, d.export_data, d.life)
     assert hold is not None and a.read(hold)[1] == "chunk"
-    assert a.exporter.hold_live(d.export_id, b"\x09" * 64) is None  # another record
-    assert a.exporter.hold_live(d.export_id + 1, d.export_data) is None
+    assert a.exporter.hold_live(d.export_id, b"\x09" * 64, d.life) is None  # another record
+    assert a.exporter.hold_live(d.export_id + 1, d.export_data, d.life) is None
+    assert a.exporter.hold_live(d.export_id, d.export_data, d.life + 1) is None  # other life
     del hold
 
 

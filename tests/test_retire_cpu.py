@@ -677,3 +677,130 @@ def test_an_array_collected_with_its_stream_while_its_pool_lives_never_frees_the
     m2 = p.malloc(KB)  # the pool goes on
     assert m2.ptr
     del m2
+
+
+# ---------------------------------------------------------------- exported blocks in the cache
+class _Exporter:
+    """The sharing hooks (``set_shared_release``), recording each call; ``keep`` says
+    which records the exporter keeps (receivers map them still), ``raises`` which fail."""
+
+    def __init__(self, monkeypatch, keep=(), raises=()) -> None:
+        self.calls: list[tuple] = []
+        self.keep, self.raises = set(keep), set(raises)
+        monkeypatch.setattr(twin, "_shared_release", self.release)
+        monkeypatch.setattr(twin, "_shared_retire", self.retire)
+
+    def release(self, core, ptr, size, stream, share):
+        self.calls.append(("release", core, ptr, size, stream, share))
+        return False
+
+    def retire(self, core, ptr, size, stream, share):
+        self.calls.append(("retire", core, ptr, size, stream, share))
+        if share in self.raises:
+            raise RuntimeError("the exporter failed")
+        return share in self.keep
+
+
+def test_an_exported_block_returns_to_the_cache_with_its_record(world, monkeypatch):
+    """_cache_shared keeps an exported block whatever cache_max_block says (within
+    cache_limit); the next allocation of that size on that stream is a block that
+    carries the record, with no driver call; other blocks carry none."""
+    hooks = _Exporter(monkeypatch)
+    p = world.pool(reuse_cache=64 * KB)
+    p.cache_max_block = KB  # for blocks never exported
+    rec, s = object(), world.current
+    assert p._cache_shared(0x9000, 8 * KB, s.ptr, s, rec)
+    assert p.cached_bytes == 8 * KB
+    assert not p._cache_shared(0xA000, 64 * KB, s.ptr, s, object())  # over cache_limit
+    n = len(world.log)
+    m = p.malloc(8 * KB)
+    blk = m.mem._owner
+    assert (m.ptr, blk.share) == (0x9000, rec) and world.log[n:] == []
+    other = p.malloc(KB)
+    assert other.mem._owner.share is None
+    del m, blk
+    assert hooks.calls == [("release", p, 0x9000, 8 * KB, s, rec)]  # the pool handed over
+    p.close()
+    assert not p._cache_shared(0x9000, 8 * KB, s.ptr, s, rec)  # a closed pool refuses
+    del other
+
+
+def test_a_finalized_pool_refuses_exported_blocks(world):
+    p = world.pool()
+    p._mark_finalized()
+    assert not p._cache_shared(0x9000, KB, 0x5000, world.current, object())
+
+
+def test_flush_gives_exported_blocks_to_their_exporter(world, monkeypatch):
+    """trim/close/OOM: an exported cached block's final free is its exporter's (kept
+    while receivers map it); one it lets go is freed on its stream; a failing hook
+    keeps the block (leaked, never freed while another process may map it)."""
+    kept, freed, broken = object(), object(), object()
+    hooks = _Exporter(monkeypatch, keep=[kept], raises=[broken])
+    p = world.pool()
+    s = world.current
+    plain = p.malloc(KB)
+    pptr = plain.ptr
+    del plain
+    for ptr, share in ((0x9000, kept), (0xA000, freed), (0xB000, broken)):
+        assert p._cache_shared(ptr, 2 * KB, s.ptr, s, share)
+    n = len(world.log)
+    assert p.flush_cache() == 7 * KB and p.cached_bytes == 0
+    frees = sorted(e[1] for e in world.log[n:] if e[0] == "free")
+    assert frees == sorted([pptr, 0xA000])
+    assert sorted(c[2] for c in hooks.calls) == [0x9000, 0xA000, 0xB000]
+    assert all(c[0] == "retire" and c[1] is p and c[4] is s for c in hooks.calls)
+    assert p.n_free_errors == 1
+
+
+def test_a_dropped_pool_gives_its_exported_cached_blocks_to_the_exporter_streamless(
+    world, tp, monkeypatch
+):
+    """Pool.__del__: the exporter gets each exported cached block without its stream
+    (None: nothing of a finalized pool touches a stream); what it lets go goes to the
+    retirer with the rest of the cache; what it keeps (receivers map it) does not."""
+    kept, freed = object(), object()
+    hooks = _Exporter(monkeypatch, keep=[kept])
+    p = world.pool()
+    _closing(world, p)
+    s = world.current
+    plain = p.malloc(KB)
+    pptr = plain.ptr
+    del plain
+    assert p._cache_shared(0x9000, 2 * KB, s.ptr, s, kept)
+    assert p._cache_shared(0xA000, 2 * KB, s.ptr, s, freed)
+    n = len(world.log)
+    _pools.Pool.__del__(p)
+    assert world.log[n:] == []  # nothing on any stream
+    assert sorted((c[0], c[2], c[4]) for c in hooks.calls) == [
+        ("retire", 0x9000, None),
+        ("retire", 0xA000, None),
+    ]
+    world.retirer.drain()
+    legacy = sorted(e[1] for e in world.log[n:] if e[0] == "legacy_free")
+    assert legacy == sorted([pptr, 0xA000])  # never the block receivers still map
+
+
+@pytest.mark.parametrize("exporter_keeps", [True, False])
+def test_a_reused_exported_block_freed_after_its_pool_was_finalized(
+    world, tp, monkeypatch, exporter_keeps
+):
+    """A block made of an exported cached one, freed after its pool's finalizer ran (a
+    garbage cycle): its exporter gets it first, without its stream; only a block the
+    exporter lets go is an orphan for the retirer."""
+    rec = object()
+    hooks = _Exporter(monkeypatch, keep=[rec] if exporter_keeps else [])
+    p = world.pool()
+    _closing(world, p)
+    s = world.current
+    assert p._cache_shared(0x9000, 2 * KB, s.ptr, s, rec)
+    m = p.malloc(2 * KB)
+    _pools.Pool.__del__(p)
+    _collector_clears(p)
+    n = len(world.log)
+    del m
+    assert hooks.calls == [("retire", p, 0x9000, 2 * KB, None, rec)]
+    assert world.log[n:] == [] and p.n_free_errors == 0
+    world.retirer.drain()
+    legacy = [e[1] for e in world.log[n:] if e[0] == "legacy_free"]
+    assert legacy == ([] if exporter_keeps else [0x9000])

@@ -1138,14 +1138,19 @@ def test_a_claim_with_an_unknown_or_stale_ticket_is_refused_and_gets_no_fd(world
         (d.export_id + 7, d.ticket),  # another block
         (0, b"\0" * 16),
     ]:
-        claim = lambda seq, eid=eid, ticket=ticket: _wire.Claim(seq, eid, ticket, True, False)  # noqa: E731
+
+        def claim(seq, eid=eid, ticket=ticket):
+            return _wire.Claim(seq, eid, ticket, True, False, False)
+
         reply, fd = c.request(claim, 5.0)
         assert (reply.status, reply.has_fd, fd) == (_wire.REFUSED, False, None)
     assert open_fds() == fds
     st = e.stats()
     assert (st["leases"], st["tickets_out"]) == (0, 1)
     # the real ticket is granted, with the pool's descriptor
-    reply, fd = c.request(lambda seq: _wire.Claim(seq, d.export_id, d.ticket, True, False), 5.0)
+    reply, fd = c.request(
+        lambda seq: _wire.Claim(seq, d.export_id, d.ticket, True, False, False), 5.0
+    )
     assert reply.status == _wire.OK and fd is not None
     os.close(fd)
     c.send_now(_wire.Unmap(d.export_id, None))
@@ -1248,6 +1253,7 @@ def _descriptor(**change):
         (256,),
         (4,),
         "<f4",
+        1,
     )
     return d._replace(**change)
 
@@ -1274,6 +1280,9 @@ def test_an_old_format_message_raises_a_clear_protocol_error():
         {"event": b"\0" * 8},
         {"offset": 2048},
         {"offset": -1},
+        {"life": -1},
+        {"life": True},
+        {"life": 2**64},
     ],
 )
 def test_a_descriptor_with_bad_fields_raises_a_protocol_error(change):
@@ -1338,6 +1347,7 @@ def test_the_fast_descriptor_check_and_the_field_by_field_list_agree():
         "shape": [(256,), (0,), (1,), (-1,), [256], (16, 16), (2, True), (300,)],
         "strides": [(4,), (-4,), (0,), (64, 4), (4, 4), [4], (4.0,)],
         "dtype": ["<f4", "<f8", "|u1", "O", "nope", 5, "<c16"],
+        "life": [1, 0, 2**64 - 1, -1, 2**64, True, 1.0],
     }
     verdicts = set()
     for _ in range(4000):

@@ -404,11 +404,29 @@ def _resend_reader(keep=None):
         _join(p)
 
 
-def test_resent_block_stays_mapped_then_exporter_takes_it_back():
-    """A block received twice stays mapped after its arrays go; freeing it evicts it."""
-    pool = cpm.get_pool()
-    base_held = pool.stats().held_for_sharing_bytes
-    with _resend_reader() as (p, q_in, q_out):
+@contextlib.contextmanager
+def _producer_pool(recycle):
+    """The pool this test's arrays come from: the allocator's (``recycle``: its reuse
+    cache takes exported blocks back with their records) or one without a reuse cache
+    (an exported block is freed when every holder let go, as before recycling)."""
+    if recycle:
+        yield cpm.get_pool()
+        return
+    pool = cpm.DevicePool(ipc=True, reuse_cache=0)
+    try:
+        with cpm.using(pool):
+            yield pool
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("recycle", [False, True])
+def test_resent_block_stays_mapped_then_exporter_takes_it_back(recycle):
+    """A block received twice stays mapped after its arrays go (a recycled one from the
+    first message on); freeing it evicts it, recycling keeps it mapped until a trim."""
+    with _producer_pool(recycle) as pool, _resend_reader() as (p, q_in, q_out):
+        base_held = pool.stats().held_for_sharing_bytes
+        recycled = cpm.sharing.stats()["recycled_blocks"]
         x = cupy.empty(1 << 20, dtype=cupy.int32)
         ptrs = []
         for i in range(1, 6):
@@ -418,23 +436,32 @@ def test_resent_block_stays_mapped_then_exporter_takes_it_back():
             assert (j, ok) == (i, True)
             assert int(x[0]) == -i  # the receiver's write, through its mapping
             ptrs.append(ptr)
-            # first receipt: unmapped when dropped; from the second on: kept idle
-            assert stats["idle_mappings"] == (0 if i == 1 else 1), (i, stats)
+            # first receipt: unmapped when dropped (kept if the block recycles); from
+            # the second on: kept idle
+            assert stats["idle_mappings"] == (0 if i == 1 and not recycle else 1), (i, stats)
         assert len(set(ptrs[1:])) == 1  # one mapping reused for every re-send
         assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 1)
-        del x  # the exporter frees: the idle mapping is asked back, then the block freed
+        # The exporter lets go: the idle mapping is asked back and the block freed, or
+        # (recycle) the receiver says Idle and the block goes back to the reuse cache.
+        del x
         assert _wait_for(lambda: pool.stats().held_for_sharing_bytes == base_held, 10.0)
+        if recycle:
+            assert _wait_for(lambda: cpm.sharing.stats()["recycled_blocks"] > recycled)
+            assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 1)  # mapped, idle
+            pool.trim()  # its final free: asked back first
+            assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 0, 10.0)
         assert cpm.sharing.stats()["leases"] == 0
         q_in.put(("check", 0, None))
         _, bad, stats = _reply(q_out)
         assert stats["idle_mappings"] == 0 and stats["imported_blocks"] == 0
 
 
-def test_eviction_waits_for_arrays_in_use_under_pressure():
-    """Asked back while the receiver still uses it, a block stays intact until let go."""
-    pool = cpm.get_pool()
-    base_held = pool.stats().held_for_sharing_bytes
-    with _resend_reader() as (p, q_in, q_out):
+@pytest.mark.parametrize("recycle", [False, True])
+def test_eviction_waits_for_arrays_in_use_under_pressure(recycle):
+    """Asked back (or to say Idle) while the receiver still uses it, a block stays intact
+    until let go: never reused, never freed."""
+    with _producer_pool(recycle) as pool, _resend_reader() as (p, q_in, q_out):
+        base_held = pool.stats().held_for_sharing_bytes
         xs = [cupy.full(1 << 18, i, dtype=cupy.int32) for i in range(1, 4)]
         for i, x in enumerate(xs, 1):  # each sent twice: kept mapped, then held
             q_in.put(("drop", i, x))
@@ -452,6 +479,10 @@ def test_eviction_waits_for_arrays_in_use_under_pressure():
         q_in.put(("release", 0, None))
         _reply(q_out)
         assert _wait_for(lambda: pool.stats().held_for_sharing_bytes == base_held, 10.0)
+        if recycle:  # back in the reuse cache, still mapped (idle) until a trim
+            assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 3)
+            pool.trim()
+            assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 0, 10.0)
         assert cpm.sharing.stats()["leases"] == 0
         q_in.put(("check", 0, None))
         _, _, stats = _reply(q_out)
@@ -513,11 +544,14 @@ def test_message_after_exporter_exit_raises_sharing_error():
     assert _wait_for(lambda: client.address not in context().importer.clients)
 
 
-def test_block_reused_after_unmap_waits_for_the_receivers_last_work():
-    """A receiver unmaps while its kernel still reads; the exporter's reuse must wait."""
+@pytest.mark.parametrize("keep", [0, None])
+def test_block_reused_after_unmap_waits_for_the_receivers_last_work(keep):
+    """A receiver lets go while its kernel still reads: it unmaps (``keep=0``), or keeps
+    the mapping and says Idle when the exporter asks (a recycled block); either way the
+    exporter's reuse of the block must wait for that kernel."""
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=W.slow_reader, args=(q_in, q_out))
+    p = ctx.Process(target=W.slow_reader, args=(q_in, q_out, keep))
     p.start()
     try:
         assert q_out.get(timeout=TIMEOUT) == "ready"
@@ -526,9 +560,14 @@ def test_block_reused_after_unmap_waits_for_the_receivers_last_work():
         q_in.put(x)
         assert q_out.get(timeout=TIMEOUT) == "dropped"  # its sum is still queued
         rec = x.data.mem._owner.share
-        assert _wait_for(lambda: not rec.tickets and not rec.leases and rec.events)
+        if keep == 0:
+            assert _wait_for(lambda: not rec.tickets and not rec.leases and rec.events)
+        else:
+            assert _wait_for(lambda: not rec.tickets and rec.leases)  # mapped, idle
+        recycled = cpm.sharing.stats()["recycled_blocks"]
         ptr = x.data.ptr
-        del x  # nobody holds it: straight back to this pool's reuse cache
+        del x  # back to this pool's reuse cache (at once, or once the receiver said Idle)
+        assert _wait_for(lambda: cpm.sharing.stats()["recycled_blocks"] > recycled)
         z = cupy.empty(n, dtype=cupy.float32)
         assert z.data.ptr == ptr  # the same block, same stream
         z.fill(7)  # must run after the receiver's sum
@@ -536,3 +575,130 @@ def test_block_reused_after_unmap_waits_for_the_receivers_last_work():
         del z
     finally:
         _join(p)
+
+
+# -- recycled blocks (invariant 12): fresh arrays through the reuse cache ------------------------
+@pytest.mark.parametrize("nbytes,n", [(1 << 20, 40), (256 << 20, 12)])
+def test_fresh_arrays_recycle_through_the_cache_with_their_data_checked(nbytes, n):
+    """A fresh array per message, a different pattern each: the receiver checks every
+    value and writes -i at [0]; after the first lives the blocks come back from the
+    reuse cache as hits on mappings the receiver keeps (a few blocks, a few mappings)."""
+    before = cpm.sharing.stats()["recycled_blocks"]
+    ptrs = []
+    with _resend_reader() as (p, q_in, q_out):
+        for i in range(1, n + 1):
+            x = cupy.full(nbytes // 4, i, dtype=cupy.float32)
+            q_in.put(("drop", i, x))
+            _, (j, ok, ptr), stats = _reply(q_out)
+            assert (j, ok) == (i, True), f"message {i}: the receiver saw other data"
+            assert float(x[0]) == -i  # the receiver's write, in the same memory
+            ptrs.append(ptr)
+            del x  # the producer lets go: recycled once the receiver said Idle
+        assert stats["imported_pools"] == 1
+        assert stats["idle_mappings"] <= 4, stats
+    assert cpm.sharing.stats()["recycled_blocks"] - before >= n // 2
+    assert len(set(ptrs[n // 2 :])) <= 4, ptrs  # the receiver's mappings, reused
+
+
+def test_a_held_array_never_shows_a_later_lifes_data():
+    """The receiver holds the first fresh array while later fresh arrays of the same size
+    are sent and recycled: its block is never handed out meanwhile (the held array keeps
+    its own values); once let go, the block serves later messages with their data."""
+    nbytes = 1 << 20
+    with _resend_reader() as (p, q_in, q_out):
+        x = cupy.full(nbytes // 4, 1, dtype=cupy.float32)
+        q_in.put(("hold", 1, x))
+        _, (_, ok, held_ptr), _ = _reply(q_out)
+        assert ok
+        del x
+        seen = []
+        for i in range(2, 30):
+            y = cupy.full(nbytes // 4, i, dtype=cupy.float32)
+            q_in.put(("drop", i, y))
+            _, (j, ok, ptr), _ = _reply(q_out)
+            assert (j, ok) == (i, True)
+            seen.append(ptr)
+            del y
+        assert held_ptr not in seen  # never handed out while the receiver holds it
+        q_in.put(("check", 0, None))
+        tag, bad, _ = _reply(q_out)
+        assert tag == "checked" and bad == []  # the held array still reads its own data
+        recycled = cpm.sharing.stats()["recycled_blocks"]
+        q_in.put(("release", 0, None))
+        assert _reply(q_out)[0] == "released"
+        assert _wait_for(lambda: cpm.sharing.stats()["recycled_blocks"] > recycled)
+        for i in range(30, 60):
+            y = cupy.full(nbytes // 4, i, dtype=cupy.float32)
+            q_in.put(("drop", i, y))
+            _, (j, ok, _), _ = _reply(q_out)
+            assert (j, ok) == (i, True), i
+            del y
+
+
+def test_trim_unmaps_receivers_of_recycled_blocks_before_freeing_them():
+    """trim() gives recycled blocks their final free: receivers are asked to unmap their
+    idle mappings first; later fresh arrays are claimed and mapped anew, data checked."""
+    pool = cpm.get_pool()
+    with _resend_reader() as (p, q_in, q_out):
+        for i in range(1, 7):
+            x = cupy.full(1 << 18, i, dtype=cupy.int32)
+            q_in.put(("drop", i, x))
+            _, (_, ok, _), _ = _reply(q_out)
+            assert ok
+            del x
+        assert _wait_for(lambda: cpm.sharing.stats()["limbo_bytes"] == 0)
+        assert cpm.sharing.stats()["leases"] >= 1  # idle mappings of recycled blocks
+        pool.trim()
+        assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 0, 10.0)
+        q_in.put(("check", 0, None))
+        _, _, stats = _reply(q_out)
+        assert stats["idle_mappings"] == 0 and stats["imported_blocks"] == 0
+        for i in range(7, 10):
+            x = cupy.full(1 << 18, i, dtype=cupy.int32)
+            q_in.put(("drop", i, x))
+            _, (j, ok, _), _ = _reply(q_out)
+            assert (j, ok) == (i, True)
+            del x
+
+
+def test_a_pool_dropped_with_recycled_blocks_is_retired_after_its_receivers_unmap():
+    """A DevicePool dropped without close() while its reuse cache holds exported blocks a
+    receiver maps (idle): the pool is still collected (a cached block does not keep it),
+    the receiver is asked to unmap, and the retirer frees the blocks and destroys the
+    CUDA pool after that; the receiver's later messages (another pool) are fine."""
+    import gc
+
+    from cupy_poolmem import _retire
+
+    r = _retire.retirer()
+    with _resend_reader() as (p, q_in, q_out):
+        pool = cpm.DevicePool(ipc=True)
+        token, mr = pool._retire_token, pool._mr
+        with cpm.using(pool):
+            for i in range(1, 6):
+                x = cupy.full(1 << 18, i, dtype=cupy.int32)
+                q_in.put(("drop", i, x))
+                _, (_, ok, _), _ = _reply(q_out)
+                assert ok
+                del x
+        assert _wait_for(lambda pool=pool: pool.stats().held_for_sharing_bytes == 0)
+        assert pool.stats().cached_bytes >= 1 << 20  # recycled, the receiver maps them
+        q_in.put(("check", 0, None))
+        assert _reply(q_out)[2]["idle_mappings"] >= 1
+        assert token in r._held
+        del pool
+        gc.collect()
+
+        def retired():
+            with r._lock:
+                return token not in r._held and all(e.resource is not mr for e in r._due)
+
+        assert _wait_for(retired, 10.0)
+        q_in.put(("check", 0, None))
+        _, _, stats = _reply(q_out)
+        assert stats["idle_mappings"] == 0 and stats["imported_blocks"] == 0
+        x = cupy.full(1 << 18, 42, dtype=cupy.int32)  # the allocator's pool
+        q_in.put(("drop", 42, x))
+        _, (j, ok, _), _ = _reply(q_out)
+        assert (j, ok) == (42, True)
+        del x

@@ -14,7 +14,8 @@ Invariants (every change to this package must keep them):
    reference is gone, (b) it holds no unclaimed *ticket*, (c) no *lease* and (d) no
    round-tripped array of its own.  Until then it sits in *limbo*
    (``held_for_sharing_bytes``), never in the reuse cache, and its pool is not
-   released by ``close()``.
+   released by ``close()``.  (A recycled block's leases of idle mappings hold back
+   only its final free: invariant 12.)
 2. Tickets cover messages.  Every pickled reference carries a fresh ticket of 16
    random bytes, registered with the exporter before the message can reach anyone:
    at reduce time in the exporter, or, for a forwarded array, by a ``Register`` the
@@ -72,6 +73,29 @@ Invariants (every change to this package must keep them):
     Receivers' mappings stay valid after it is gone.  A ``fork`` child gets a fresh, empty
     sharing state and refuses to share when CUDA was in use in its parent; arrays it
     inherited go without touching the parent's sharing state (its locks, the driver).
+12. Recycling.  A device pool's exported block that fits its reuse cache (``life`` >
+    0; others are never recycled) goes back to the cache with its record when it has
+    no ticket, no round trip, and every lease is an idle mapping whose receiver said
+    ``Idle`` at the block's current *life*; first the block's stream waits for the
+    receivers' Idle and Unmap events, and the claimed tickets of that life are
+    forgotten: every message of an earlier life is refused from then on.  The next
+    message of a reused block starts a new life.  A receiver uses its mapping for a
+    message without a claim only when the message's life is newer than the last life
+    it said ``Idle`` for; otherwise it claims (``held``: no new lease), and a granted
+    claim makes the exporter count it busy again.  Before recycling, the exporter asks
+    (``Release``) every receiver it does not count idle at the current life, and asks
+    again after a claim's ``Mapped`` (a Release that reached the receiver before it
+    knew the mapping was ignored).  Frames from one receiver reach its exporter in
+    the order they were made: a request is sent directly only when nothing is queued,
+    so a claim never overtakes an ``Idle``.  The final free (trim, close, out of
+    memory, a full cache) is invariant 1's: receivers evict, then the driver free.
+    While in the cache the record holds no pool (the cache holds the record); a pool
+    finalized with such blocks, or with a block made of one, touches no stream: the
+    exporter waits for the unmaps on the host and hands the block to the pool's
+    retirer (``_orphan``), which frees it after a device synchronise.  A stream being
+    captured is never made to wait on a receiver's event (the wait would join the
+    graph): the exporter waits for those on the host instead.
+    A Dask refetch reads a live block only in the life its descriptor names.
 """
 
 from __future__ import annotations
@@ -82,8 +106,12 @@ from ._settings import SharingSettings
 __all__ = ["settings", "SharingSettings", "SharingContext", "context", "install"]
 
 
-def _release(ptr: int, size: int, stream: object, rec: object) -> bool:
-    return rec.exporter.release(ptr, size, stream, rec)  # type: ignore[attr-defined]
+def _release(core: object, ptr: int, size: int, stream: object, rec: object) -> bool:
+    return rec.exporter.release(ptr, size, stream, rec, core)  # type: ignore[attr-defined]
+
+
+def _retire(core: object, ptr: int, size: int, stream: object, rec: object) -> bool:
+    return rec.exporter.retire(ptr, size, stream, rec, core)  # type: ignore[attr-defined]
 
 
 def _on_ipc_pool(pool: object) -> None:
@@ -100,7 +128,7 @@ def install() -> None:
     from .._pools import _IPC_POOL_CALLBACKS, _OOM_CALLBACKS, _hp, all_pools
     from ._reducers import register_cupy
 
-    _hp.set_shared_release(_release)
+    _hp.set_shared_release(_release, _retire)
     _OOM_CALLBACKS.append(lambda: context().collect())
     _IPC_POOL_CALLBACKS.append(_on_ipc_pool)
     for p in all_pools():

@@ -100,6 +100,7 @@ class SharingContext:
             "tickets_out": 0,
             "leases": 0,
             "peers": 0,
+            "recycled_blocks": 0,
             "imported_blocks": 0,
             "idle_mappings": 0,
             "imported_pools": 0,

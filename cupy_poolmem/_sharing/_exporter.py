@@ -37,7 +37,20 @@ class Record:
     the last ``_CLAIMED_MAX`` tickets received (another copy of one of those messages
     may still claim while the block lives; a copy of an older one is refused); ``leases``: mappings per receiver connection;
     ``keepers``: receivers that may keep an idle mapping (asked to evict);
-    ``events``: receivers' unmap events the final free waits on.
+    ``events``: receivers' unmap and idle events the final free (and a reuse) waits on.
+
+    Recycling (invariant 12): ``life`` numbers the block's lives in its pool's reuse
+    cache (0: a block that is never recycled); ``idle``: per receiver connection, the
+    life its last ``Idle`` said (its mapping unused, messages of that life or earlier
+    claimed); ``released``: the life each receiver was asked to say ``Idle`` for;
+    ``retiring``: the cache let the block go, it waits for its final free.  While the
+    block is *dormant* (in the reuse cache, or reused by a new block not exported yet)
+    ``core`` is None: the pool's cache holds the record, never the other way round, so
+    a pool dropped without ``close()`` can still be collected (the hot path's hooks
+    hand the pool back).  ``orphan``: its pool was finalized (a garbage cycle), so its
+    stream may be destroyed: the receivers' events are waited for on the host and the
+    final free goes to the pool's retirer (``_orphan``), which frees it after a device
+    synchronise.
     """
 
     __slots__ = (
@@ -60,6 +73,11 @@ class Record:
         "local",
         "in_limbo",
         "block_ref",
+        "life",
+        "idle",
+        "released",
+        "retiring",
+        "orphan",
     )
 
     def __init__(
@@ -80,10 +98,35 @@ class Record:
         self.local = 0  # round-tripped arrays alive in this process
         self.in_limbo = False
         self.block_ref: Any = weakref.ref(block)
+        # Only a plain device pool's block that fits its reuse cache recycles (a pinned
+        # pool defers its frees, a managed block may carry hints): see docs/sharing.rst,
+        # "Recycled blocks", for the rule.
+        core = self.core
+        recycle = (
+            core.kind == _wire.POOL_DEVICE
+            and core.release_hook is None
+            and getattr(core, "_cache_shared", None) is not None
+            and 0 < self.size <= getattr(core, "cache_limit", 0)
+        )
+        self.life = 1 if recycle else 0
+        self.idle: dict[int, int] = {}
+        self.released: dict[int, int] = {}
+        self.retiring = False
+        self.orphan = False
+
+    def busy(self, cid: int) -> bool:
+        """Whether receiver ``cid``'s mapping may be in use in the block's current life
+        (a block that is never recycled: whether it maps the block at all)."""
+        return not self.life or self.idle.get(cid, 0) < self.life
 
     def held(self) -> bool:
-        """Whether anything but the exporter's own arrays holds the block."""
-        return bool(self.tickets or self.leases or self.local)
+        """Whether anything but the exporter's own arrays holds the block (a recycled
+        block: anything but mappings whose receivers said they are idle)."""
+        if self.tickets or self.local:
+            return True
+        if self.life and not self.retiring:
+            return any(self.busy(c) for c in self.leases)
+        return bool(self.leases)
 
 
 class LocalHold:
@@ -149,6 +192,7 @@ class Exporter:
         self._listener: Listener | None = None
         self._tickets = ticket_source
         self._warned = False
+        self.recycled = 0  # blocks put back into a reuse cache with their records
         self._janitor: threading.Thread | None = None
         self._wake = threading.Event()
         self.closed = False
@@ -195,6 +239,13 @@ class Exporter:
                 )
                 self.records[rec.export_id] = rec
                 block.share = rec
+            elif rec.core is None:
+                # A block recycled through the reuse cache, sent in a new life: receivers
+                # that map it idle take its messages as hits (invariant 12).
+                rec.life += 1
+                rec.core, rec.stream = block.core, block.stream
+                rec.stream_ptr = int(block.stream_ptr)
+                rec.block_ref = weakref.ref(block)
             ticket = self._new_ticket(rec)
         try:
             if getattr(block, "recorded_streams", ()):  # record_stream()ed streams write too
@@ -239,38 +290,119 @@ class Exporter:
             rec.tickets.pop(ticket, None)
         self._settle(rec)
 
-    # -- the hot path's hook -------------------------------------------------------------
-    def release(self, ptr: int, size: int, stream: Any, rec: Record) -> bool:
+    # -- the hot path's hooks ------------------------------------------------------------
+    def release(self, ptr: int, size: int, stream: Any, rec: Record, core: Any = None) -> bool:
         """The exporter's last local reference to a shared block is gone.
 
-        Returns True when the block is kept (limbo) for other processes; False lets
-        the hot path free or cache it, ordered after every receiver's unmap.
+        Returns True when the block is kept (limbo, or back in its pool's reuse cache
+        with its record); False lets the hot path free or cache it, ordered after every
+        receiver's unmap.  ``core``: the block's pool (a dormant record has none).
         """
         if self.abandoned:
             return True
         with self.lock:
+            if rec.core is None:  # reused from the cache, and let go before any send
+                rec.core = core
             if not rec.held():
-                self.records.pop(rec.export_id, None)
-                # receivers unmapped it earlier: the next user waits for their work
-                self._wait_unmaps(rec, stream.ptr)
-                return False
-            rec.in_limbo = True
-            rec.core._held_for_sharing += size
-            self.limbo_bytes += size
+                if rec.life and self._recycle(rec, stream, False):
+                    return True
+                if not rec.leases:
+                    self.records.pop(rec.export_id, None)
+                    # receivers unmapped it earlier: the next user waits for their work
+                    self._wait_unmaps(rec, stream.ptr)
+                    return False
+                rec.retiring = True  # the cache refused it: receivers unmap, then free
+            self._to_limbo(rec)
             self._warn_limbo()
         self._settle(rec)
         return True
 
-    def _wait_unmaps(self, rec: Record, stream_ptr: int) -> None:
-        """Order ``stream_ptr`` after every receiver's unmap of ``rec`` (lock held).
+    def retire(self, ptr: int, size: int, stream: Any, rec: Record, core: Any = None) -> bool:
+        """The reuse cache lets a recycled block go (trim, close, out of memory), or its
+        pool was finalized: its final free.  True when receivers still map it (they are
+        asked to unmap; the exporter frees it after them); False: free it now (the
+        caller's free on ``stream`` is ordered after their unmaps).
 
-        Under the lock: ``_reap`` closes a dead receiver's events under it too, so an
-        event is never closed while a free is about to wait on it.
+        ``stream`` None: the pool was finalized and its streams may be destroyed: the
+        receivers' events are waited for on the host, and the caller (or, later, the
+        exporter) gives the block to the pool's retirer, which frees it after a device
+        synchronise.
+        """
+        if self.abandoned:
+            return True
+        with self.lock:
+            if rec.core is None:
+                rec.core = core
+            rec.retiring = True
+            if stream is None:
+                rec.orphan = True
+                rec.stream, rec.stream_ptr = None, 0
+            if not rec.leases and not rec.tickets and not rec.local:
+                self.records.pop(rec.export_id, None)
+                if stream is None:  # done on the host: the retirer frees it on any stream
+                    self._wait_unmaps(rec, 0, host=True)
+                else:
+                    self._wait_unmaps(rec, stream.ptr)
+                return False
+            self._to_limbo(rec)
+        self._settle(rec)
+        return True
+
+    def _to_limbo(self, rec: Record) -> None:
+        rec.in_limbo = True
+        rec.core._held_for_sharing += rec.size
+        self.limbo_bytes += rec.size
+
+    def _out_of_limbo(self, rec: Record) -> None:
+        rec.in_limbo = False
+        rec.core._held_for_sharing -= rec.size
+        self.limbo_bytes -= rec.size
+
+    def _recycle(self, rec: Record, stream: Any, in_limbo: bool) -> bool:
+        """Put a block no receiver uses into its pool's reuse cache with its record
+        (lock held); False when the cache does not take it (full, off, pool closed).
+
+        Its next user on that stream is ordered after every receiver's last use, and
+        the messages of this life are refused from now on (stale copies included).
+        """
+        core = rec.core
+        if core.closed or rec.size > core.cache_limit:
+            return False
+        self._wait_unmaps(rec, rec.stream_ptr)  # enqueued before anyone can reuse it
+        rec.claimed.clear()
+        rec.released.clear()
+        rec.asked.clear()
+        if not core._cache_shared(rec.ptr, rec.size, rec.stream_ptr, stream, rec):
+            return False
+        if in_limbo:
+            self._out_of_limbo(rec)
+        rec.core, rec.stream = None, stream  # dormant (see Record)
+        self.recycled += 1
+        return True
+
+    def _wait_unmaps(self, rec: Record, stream_ptr: int, host: bool = False) -> None:
+        """Order ``stream_ptr`` after every receiver's unmap (and last use) of ``rec``
+        (lock held).
+
+        On the host instead (``host``, or when ``stream_ptr`` is being captured, which a
+        recycle may meet at any time: the wait would become part of the graph): done
+        then, whatever uses the block next.  Under the lock: ``_reap`` closes a dead
+        receiver's events under it too, so an event is never closed while a free is
+        about to wait on it.
         """
         events = list(rec.events.values())
         rec.events.clear()
-        if events:
-            with self.driver.on_device(self._dev(rec)):
+        if not events:
+            return
+        with self.driver.on_device(self._dev(rec)):
+            if host or self.driver.is_capturing(stream_ptr):
+                with self.driver.relaxed():  # a global-mode capture elsewhere allows it
+                    for ev in events:
+                        try:
+                            self.driver.sync_event(ev)
+                        except Exception:  # the unmapping process died: its work too
+                            pass
+            else:
                 for ev in events:
                     self._wait(stream_ptr, ev)
 
@@ -285,20 +417,39 @@ class Exporter:
             )
 
     def _settle(self, rec: Record) -> None:
-        """Free a limbo block nothing holds, or ask the receivers keeping it to evict."""
+        """Free a limbo block nothing holds, recycle one whose receivers are all idle,
+        or ask the receivers keeping it to say ``Idle`` (recycling) or to evict."""
+        release = ask = None
         with self.lock:
             if not rec.in_limbo or rec.tickets or rec.local:
                 return
-            if rec.leases:
-                ask = [self.peers.get(c) for c in rec.keepers if c not in rec.asked]
-                rec.asked.update(rec.keepers)
+            if rec.life and not rec.retiring:
+                busy = [c for c in rec.leases if rec.busy(c)]
+                if busy:  # ask them to say Idle (they keep their mappings)
+                    release = [self.peers.get(c) for c in busy if rec.released.get(c, 0) < rec.life]
+                    for c in busy:
+                        rec.released[c] = rec.life
+                elif self._recycle(rec, rec.stream, True):
+                    return
+                else:
+                    rec.retiring = True  # the cache refused it: to its final free
+            if release is not None:
+                pass
+            elif rec.leases:
+                keep = rec.leases.keys() if rec.life else rec.keepers
+                ask = [self.peers.get(c) for c in keep if c not in rec.asked]
+                rec.asked.update(keep)
             else:
-                ask = None
                 self.records.pop(rec.export_id, None)
-                rec.in_limbo = False
-                rec.core._held_for_sharing -= rec.size
-                self.limbo_bytes -= rec.size
-                self._wait_unmaps(rec, rec.stream_ptr)
+                self._wait_unmaps(rec, rec.stream_ptr, host=rec.orphan)
+                if rec.orphan:  # to the retirer while still counted: the pool waits for it
+                    rec.core._orphan(rec.ptr, rec.size, 0)
+                self._out_of_limbo(rec)
+        if release is not None:
+            for peer in release:
+                if peer is not None:
+                    peer.sender.post(_wire.Release(rec.export_id, rec.life))
+            return
         if ask is None:
             self._free(rec)
             return
@@ -308,10 +459,11 @@ class Exporter:
 
     def _free(self, rec: Record) -> None:
         core = rec.core
-        with self.driver.on_device(self._dev(rec)):
-            hook = core.release_hook  # pinned pools hold blocks until their stream is done
-            if hook is None or not hook(rec.ptr, rec.size, rec.stream):
-                core._free_now(rec.ptr, rec.stream_ptr, rec.stream)
+        if not rec.orphan:  # (an orphan went to the pool's retirer in _settle)
+            with self.driver.on_device(self._dev(rec)):
+                hook = core.release_hook  # pinned pools hold blocks until their stream is done
+                if hook is None or not hook(rec.ptr, rec.size, rec.stream):
+                    core._free_now(rec.ptr, rec.stream_ptr, rec.stream)
         if core.closed and core.n_allocs == core.n_frees and not core._held_for_sharing:
             core._drained()
 
@@ -342,10 +494,11 @@ class Exporter:
             rec.local += 1
         return LocalHold(self, rec)
 
-    def hold_live(self, export_id: int, export_data: bytes) -> LocalHold | None:
+    def hold_live(self, export_id: int, export_data: bytes, life: int) -> LocalHold | None:
         """Hold block ``export_id`` for a new local array while this process still
-        uses it (its block object is alive), whatever became of the message tickets;
-        None when the block is gone or is in limbo.
+        uses it (its block object is alive) in life ``life``, whatever became of the
+        message tickets; None when the block is gone, in limbo, or recycled since (its
+        memory holds another array's data now).
 
         For a receiver that gave its message back (``Drop``) and asks the sender for
         the data by another route: the sender's own arrays keep the block, so no
@@ -354,6 +507,8 @@ class Exporter:
         with self.lock:
             rec = self.records.get(export_id)
             if rec is None or rec.data != export_data or rec.in_limbo:
+                return None
+            if rec.core is None or rec.life != life:  # dormant, or another life's block
                 return None
             if rec.block_ref() is None:
                 return None
@@ -425,6 +580,8 @@ class Exporter:
                     held.append(rec)
                 rec.asked.discard(peer.cid)
                 rec.keepers.discard(peer.cid)
+                rec.idle.pop(peer.cid, None)
+                rec.released.pop(peer.cid, None)
                 for key in [k for k in rec.events if k[0] == peer.cid]:
                     del rec.events[key]  # its work is gone with its context
             events, peer.events = list(peer.events.values()), {}
@@ -446,6 +603,10 @@ class Exporter:
             with self.lock:
                 peer.mapping = max(peer.mapping - 1, 0)
                 rec = self.records.get(f.export_id)
+                if rec is not None:
+                    # A Release sent between the grant and now reached a receiver that
+                    # did not know the mapping yet (ignored): it is asked again.
+                    rec.released.pop(cid, None)
             # A claim may have taken a limbo block's last ticket: ask its keepers now
             # that the receiver knows the mapping (an Evict before it would be lost).
             if rec is not None:
@@ -454,7 +615,8 @@ class Exporter:
         if isinstance(f, _wire.Register):
             with self.lock:
                 rec = self.records.get(f.export_id)
-                ok = rec is not None and rec.leases.get(cid, 0) > 0
+                # Only a receiver whose arrays may use the block (in this life) forwards it.
+                ok = rec is not None and rec.leases.get(cid, 0) > 0 and rec.busy(cid)
                 if ok:
                     assert rec is not None
                     if f.ticket in rec.tickets or f.ticket in rec.claimed:
@@ -492,7 +654,21 @@ class Exporter:
                 else:
                     rec.leases.pop(cid, None)
                     rec.keepers.discard(cid)
+                    rec.idle.pop(cid, None)
+                    rec.released.pop(cid, None)
                 rec.asked.discard(cid)
+            elif isinstance(f, _wire.Idle):
+                if rec.leases.get(cid, 0) <= 0:
+                    return  # not a lease of this peer: ignored
+                ev = peer.events.get(f.event)  # opened first: if that fails it stays busy
+                if ev is None:
+                    with self.driver.on_device(self._dev(rec)):
+                        ev = peer.events[f.event] = self.driver.open_event(f.event)
+                rec.events[(cid, f.event)] = ev
+                # Never beyond the block's current life: a later life starts busy.
+                life = min(f.life, rec.life)
+                if life > rec.idle.get(cid, 0):
+                    rec.idle[cid] = life
         self._settle(rec)
 
     def _on_claim(self, peer: Peer, f: _wire.Claim) -> None:
@@ -503,7 +679,11 @@ class Exporter:
             ok = rec is not None and self._claim_ticket(rec, f.ticket)
             if ok:
                 assert rec is not None
-                rec.leases[peer.cid] = rec.leases.get(peer.cid, 0) + 1
+                if not f.held or rec.leases.get(peer.cid, 0) <= 0:
+                    rec.leases[peer.cid] = rec.leases.get(peer.cid, 0) + 1
+                # The receiver will use the block: busy until its next Idle.
+                rec.idle.pop(peer.cid, None)
+                rec.released.pop(peer.cid, None)
                 peer.mapping += 1  # the exit waits until the receiver has mapped it
                 if f.keep:
                     rec.keepers.add(peer.cid)
@@ -581,6 +761,7 @@ class Exporter:
                 "tickets_out": sum(len(r.tickets) for r in recs),
                 "leases": sum(sum(r.leases.values()) for r in recs),
                 "peers": len(self.peers),
+                "recycled_blocks": self.recycled,
                 "dropped_frames_out": sum(p.sender.dropped for p in self.peers.values()),
             }
 
@@ -614,7 +795,15 @@ class Exporter:
             self._listener.close()
 
 
-_FROM_RECEIVERS = (_wire.Claim, _wire.Hit, _wire.Drop, _wire.Unmap, _wire.Register, _wire.Mapped)
+_FROM_RECEIVERS = (
+    _wire.Claim,
+    _wire.Hit,
+    _wire.Drop,
+    _wire.Unmap,
+    _wire.Register,
+    _wire.Mapped,
+    _wire.Idle,
+)
 
 
 def _warn_kept(what: str, exc: BaseException) -> None:

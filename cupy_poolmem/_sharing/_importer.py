@@ -79,7 +79,13 @@ class Mapping:
         "keep",
         "evict",
         "last_use",
+        "last_stream",
         "waits",
+        "life",
+        "fence",
+        "told",
+        "ask",
+        "eager",
     )
 
     def __init__(self, key: tuple[str, bytes], ptr: int, size: int, pool: ImportedPool) -> None:
@@ -91,7 +97,19 @@ class Mapping:
         self.keep = False  # received before: likely to come again (invariant 4)
         self.evict = False  # the exporter asked for it back
         self.last_use: Any = None  # event recorded when the last user went (idle)
+        self.last_stream = 0  # the stream ``last_use`` was recorded on
         self.waits: dict[int, Any] = {}  # stream -> event of earlier users' last use
+        # Recycled blocks (invariant 12): ``life``: the life of the messages its arrays
+        # came from; ``fence``: messages of this life or earlier are claimed, never hit
+        # (promised to the exporter by an Idle); ``told``: the life of the last Idle the
+        # exporter still counts (a granted claim makes it count us busy again);
+        # ``ask``: the life a Release asked for; ``eager``: say Idle when the last array
+        # goes, unasked (the exporter recycles this block between messages).
+        self.life = 0
+        self.fence = 0
+        self.told = 0
+        self.ask = 0
+        self.eager = False
 
 
 class Imported:
@@ -152,7 +170,9 @@ class Client:
             slot: list[Any] = [done, None, None]
             self._waiters[seq] = slot
         try:
-            self.conn.send(_wire.encode(make(seq)))
+            # In order after the frames posted before it: a claim must not overtake an
+            # Idle that said the mapping is unused (invariant 12).
+            self._send_in_order(make(seq))
         except OSError as exc:
             with self._lock:
                 self._waiters.pop(seq, None)
@@ -176,6 +196,15 @@ class Client:
         if not (self.sender.idle() and self.conn.try_send(_wire.encode(frame))):
             self.sender.post(frame)
 
+    def _send_in_order(self, frame: Any) -> None:
+        """:meth:`send_now` for a frame whose reply is awaited: :class:`OSError` when
+        the connection is gone (a queued frame's loss shows as the connection closing)."""
+        if self.sender.idle() and self.conn.try_send(_wire.encode(frame)):
+            return
+        if self.sender.dead or self.conn.closed:
+            raise OSError("sharing connection closed")
+        self.sender.post(frame)
+
     def _read(self) -> None:
         try:
             while True:
@@ -194,6 +223,13 @@ class Client:
                             continue
                         slot[1], slot[2] = f, fd
                         slot[0].set()
+                    elif isinstance(f, _wire.Release):
+                        try:
+                            self.importer.release(self, f.export_id, f.life)
+                        except Exception as exc:  # keep reading: the block stays held
+                            from ._exporter import _warn_kept
+
+                            _warn_kept("telling the exporter a mapping is idle", exc)
                     elif isinstance(f, _wire.Evict):
                         try:
                             self.importer.evict(self, f.export_id)
@@ -337,7 +373,7 @@ class Importer:
                 else:
                     self.driver.wait_event(stream.ptr, ev)
             key = (d.pool_uuid, d.export_data)
-            hit = None
+            hit = held = None
             while True:
                 with self.lock:
                     m = self.maps.get(key)
@@ -347,10 +383,20 @@ class Importer:
                                 "a message names memory this process maps for another export"
                             )
                         # Count the user before anything allocates: a garbage collection
-                        # here may run dropped(), which must not unmap this mapping.
+                        # here may run dropped(), which must not unmap (or say Idle for)
+                        # this mapping.
                         m.users += 1
-                        self.idle.pop(key, None)
+                        self._wake(m)
                         m.keep = True
+                        if d.life and d.life <= m.fence:
+                            # We told the exporter we are idle at this life: it may have
+                            # recycled the block since.  Ask (no new lease, no import).
+                            if m.eager and d.life == m.life:
+                                m.eager = False  # a block re-sent within one life
+                            held = m
+                            break
+                        if d.life > m.life:
+                            m.life = d.life
                         told = True
                         hit = Imported(self, m, stream)
                         break
@@ -365,6 +411,9 @@ class Importer:
                 # the others posted meanwhile (the ticket pins the block until then).
                 c.sender.post(_wire.Hit(d.export_id, d.ticket), lazy=True)
                 return hit
+            if held is not None:
+                told = True
+                return self._claim_held(c, d, held, stream)
             try:
                 told = True
                 m = self._claim_and_map(c, d, dev, key, m, closing)
@@ -398,14 +447,18 @@ class Importer:
             c = m.client
             if c is None or c.closed or c.address != d.address or m.export_id != d.export_id:
                 return None  # the full path tells these apart (gone, or a protocol error)
+            if d.life and d.life <= m.fence:
+                return None  # claimed on the full path (we said Idle at this life)
             ev = None
             if d.event is not None:
                 ev = c.events.get(d.event)
                 if ev is None:
                     return None  # opened on the full path
             m.users += 1  # before anything allocates (see receive)
-            self.idle.pop(key, None)
+            self._wake(m)
             m.keep = True
+            if d.life > m.life:
+                m.life = d.life
             hit = Imported(self, m, stream)
         try:
             if ev is not None:
@@ -434,9 +487,10 @@ class Importer:
         if closing is not None:  # the previous mapping's free must run before a re-import
             self.driver.sync_event(closing)
         want_fd = raw is None and d.pool_uuid not in self.pools
-        keep = (d.address, d.export_id) in self.seen
+        # A block its exporter recycles (life > 0) is kept: it comes back to be sent again.
+        keep = d.life > 0 or (d.address, d.export_id) in self.seen
         reply, fd = c.request(
-            lambda seq: _wire.Claim(seq, d.export_id, d.ticket, want_fd, keep),
+            lambda seq: _wire.Claim(seq, d.export_id, d.ticket, want_fd, keep, False),
             self.settings.claim_timeout,
             give_back=(_wire.Mapped(d.export_id), _wire.Unmap(d.export_id, None)),
         )
@@ -448,6 +502,36 @@ class Importer:
             return self._map_granted(c, d, dev, key, raw, fd, keep)
         finally:  # mapped, or the lease given back: the exporter may exit now
             c.send_now(_wire.Mapped(d.export_id))
+
+    def _claim_held(self, c: Client, d: _wire.Descriptor, m: Mapping, stream: Any) -> Imported:
+        """Claim a message for a mapping we hold (its user counted already): the exporter
+        grants it only while the message's life is the block's (else: stale, and the
+        block may hold a later life's data)."""
+        ok = False
+        try:
+            reply, _ = c.request(
+                lambda seq: _wire.Claim(seq, d.export_id, d.ticket, False, True, True),
+                self.settings.claim_timeout,
+                give_back=(_wire.Mapped(d.export_id),),
+            )
+            if reply.status == _wire.OK:
+                try:
+                    with self.lock:
+                        # The exporter counts us busy again (our Idle is void): its
+                        # messages of this life are hits again, earlier ones claimed.
+                        m.told = m.ask = 0
+                        m.fence = d.life - 1
+                        if d.life > m.life:
+                            m.life = d.life
+                    ok = True
+                finally:
+                    c.send_now(_wire.Mapped(d.export_id))
+        finally:
+            if not ok:
+                self.dropped(m, stream)  # the user counted for this message
+        if not ok:
+            raise SharingError(_STALE)
+        return Imported(self, m, stream)
 
     def _map_granted(
         self,
@@ -480,8 +564,10 @@ class Importer:
                 pool.users += 1
             else:  # mapped already through the Numba plugin: the lease now covers it too
                 m.users += 1
-                self.idle.pop(key, None)
+                self._wake(m)
             m.client, m.export_id, m.leased, m.keep = c, d.export_id, True, keep
+            m.life = d.life
+            m.fence = m.told = m.ask = 0
             c.keys.add(key)
             c.by_export[d.export_id] = key
         return m
@@ -535,9 +621,9 @@ class Importer:
             if m.users:  # other users remain: the final free waits for this stream too
                 m.waits[sptr] = self.driver.plain_event(sptr, m.waits.get(sptr))
                 return
-            for s, ev in m.waits.items():
-                if s != sptr:
-                    self.driver.wait_event(sptr, ev)
+            reuse = m.waits.pop(sptr, None)  # this stream's: ordered already
+            for ev in m.waits.values():
+                self.driver.wait_event(sptr, ev)
                 self.driver.close_event(ev)
             m.waits.clear()
             keep = (
@@ -549,13 +635,28 @@ class Importer:
                 and self.settings.keep_mappings > 0
             )
             if keep:
-                m.last_use = self.driver.plain_event(sptr, m.last_use)
+                m.last_use = self.driver.plain_event(sptr, reuse)
+                m.last_stream = sptr
                 self.idle[m.key] = m
+                self._say_idle(m, sptr)
                 out = self._over_cap()
             else:
+                if reuse is not None:
+                    self.driver.close_event(reuse)
                 self._forget(m)
                 out = [(m, self._unmap(m, sptr))]
         self._tell(out)
+
+    def _wake(self, m: Mapping) -> None:
+        """``m`` gets a user (lock held): if it was idle, its last use becomes a wait of
+        the next final drop (work of another stream before it stays ordered)."""
+        self.idle.pop(m.key, None)
+        if m.last_use is not None:
+            old = m.waits.pop(m.last_stream, None)
+            if old is not None:
+                self.driver.close_event(old)
+            m.waits[m.last_stream] = m.last_use
+            m.last_use = None
 
     def _unmap(self, m: Mapping, sptr: int) -> Any:
         """Free ``m`` in order on ``sptr`` (lock held, device current): the event handle
@@ -651,6 +752,41 @@ class Importer:
                 out = self._take_idle(list(self.idle.values())[: max(len(self.idle) - limit, 0)])
         self._tell(out)
         return len(out)
+
+    def _say_idle(self, m: Mapping, sptr: int) -> None:
+        """Tell the exporter that no array uses idle mapping ``m`` (lock held, device
+        current), when it asked or recycles the block between messages."""
+        life = m.ask
+        if m.eager and m.life > life:
+            life = m.life
+        if life <= m.told or m.client is None or m.client.closed:
+            return
+        if life > m.fence:
+            m.fence = life  # from now on, messages of this life or earlier are claimed
+        m.told = m.fence
+        _, handle = self.driver.record_ipc_event(m.dev, sptr)
+        # Posted under the lock: in order with any claim of this mapping made after it;
+        # urgent (the exporter reuses the block once every receiver has said it).
+        m.client.sender.post(_wire.Idle(m.export_id, m.fence, handle))
+
+    def release(self, c: Client, export_id: int, life: int) -> None:
+        """The exporter wants to recycle block ``export_id`` after ``life``: say Idle
+        once no array uses our mapping (now, if it is idle); keep the mapping."""
+        with self.lock:
+            key = c.by_export.get(export_id)
+            m = self.maps.get(key) if key is not None else None
+            if m is None or not m.leased or m.client is not c:
+                return  # unmapped already: the exporter gets that unmap
+            m.keep = m.eager = True
+            if life > m.ask:
+                m.ask = life
+            m.told = 0  # it asks only while it counts us busy: always answer
+            if m.users:
+                return  # the last array's drop says it
+            with self.driver.on_device(m.dev):
+                if m.last_use is not None:
+                    self.driver.wait_event(0, m.last_use)
+                self._say_idle(m, 0)
 
     def evict(self, c: Client, export_id: int) -> None:
         """The exporter freed block ``export_id``: unmap it once no array uses it."""
@@ -832,7 +968,7 @@ class Importer:
                 m = self.maps.get(key)
                 if m is not None:
                     m.users += 1
-                    self.idle.pop(key, None)
+                    self._wake(m)
                     return m
                 wait = self._pending.get(key)
                 if wait is None:

@@ -85,6 +85,7 @@ def describe(
             shape,
             strides,
             dtype,
+            m.life,  # the life of the arrays it holds (it cannot say Idle while they live)
         )
     exp = ctx.exporter
     if isinstance(owner, LocalHold) and owner.block is None:
@@ -110,6 +111,7 @@ def describe(
         shape,
         strides,
         dtype,
+        rec.life,
     )
 
 

@@ -158,11 +158,13 @@ class SharingSettings:
             ``exported_blocks``, ``limbo_blocks`` and ``limbo_bytes`` (blocks freed
             here but held for other processes), ``tickets_out`` (messages not yet
             received), ``leases`` (mappings other processes hold of this process's
-            blocks), ``peers`` (receivers connected), ``imported_blocks`` (blocks of
-            other processes mapped here and in use), ``idle_mappings`` (mapped,
-            unused, kept for a re-send), ``imported_pools``, ``clients`` (exporters
-            this process is connected to), ``opened_events`` (their IPC events open
-            here) and ``dropped_frames`` (protocol messages a stalled peer never took).
+            blocks), ``peers`` (receivers connected), ``recycled_blocks`` (exported
+            blocks put back into a reuse cache with their records, so far),
+            ``imported_blocks`` (blocks of other processes mapped here and in use),
+            ``idle_mappings`` (mapped, unused, kept for a re-send),
+            ``imported_pools``, ``clients`` (exporters this process is connected
+            to), ``opened_events`` (their IPC events open here) and
+            ``dropped_frames`` (protocol messages a stalled peer never took).
 
         Examples
         --------

@@ -26,6 +26,8 @@ __all__ = [
     "Register",
     "Reply",
     "Evict",
+    "Release",
+    "Idle",
     "encode",
     "encode_batch",
     "decode",
@@ -38,7 +40,7 @@ __all__ = [
     "NOT_HELD",
 ]
 
-VERSION = 3  # descriptor and frame format; a mismatch is a clear SharingError
+VERSION = 4  # descriptor and frame format; a mismatch is a clear SharingError
 POOL_DEVICE, POOL_PINNED, POOL_MANAGED = 0, 1, 2  # the hot path's KIND_* values
 TICKET_BYTES = 16
 HANDLE_BYTES = 64  # export records and IPC event handles
@@ -54,6 +56,9 @@ class Descriptor(NamedTuple):
     ``ticket`` is 16 random bytes the exporter registered for this message; ``event``
     is the sender's IPC event handle covering the writes enqueued before the send
     (``None`` when the sender already waited for them, as a forwarder does).
+    ``life`` numbers the block's lives in its pool's reuse cache (0: a block that is
+    never recycled); a receiver that told the exporter its mapping is idle at a life
+    claims any message of that life or an earlier one (invariant 12).
     """
 
     version: int
@@ -71,6 +76,7 @@ class Descriptor(NamedTuple):
     shape: tuple
     strides: tuple
     dtype: str
+    life: int
 
 
 _KINDS = ("cupy", "numpy")
@@ -111,6 +117,8 @@ def check_descriptor(d: object) -> Descriptor:
         and all(type(n) is int and n >= 0 for n in shape)
         and all(type(st) is int for st in strides)
         and item > 0
+        and type(d.life) is int
+        and 0 <= d.life < 2**64
         and _fits(d, item)
     ):
         return d
@@ -151,6 +159,7 @@ def _problem(d: object) -> str | None:
             ),
         ),
         ("dtype", lambda: _itemsize(d.dtype) > 0),
+        ("life", lambda: _int(d.life) and 0 <= d.life < 2**64),
     )
     for name, ok in checks:
         if not ok():
@@ -217,8 +226,10 @@ class Claim(NamedTuple):
     """Receiver -> exporter: map this block for my ticket (reply awaited before mapping).
 
     ``want_fd``: send the pool's file descriptor with the reply (first block of a pool
-    in this process); ``keep``: the receiver mapped this block before and may keep the
-    new mapping idle after use (the exporter then asks for it back when it frees it).
+    in this process); ``keep``: the receiver may keep the new mapping idle after use
+    (the exporter then asks for it back when it frees it); ``held``: the receiver maps
+    the block already (idle, at a life it told the exporter it is done with): no new
+    lease, and the exporter counts it busy again once granted (invariant 12).
     """
 
     seq: int
@@ -226,6 +237,7 @@ class Claim(NamedTuple):
     ticket: bytes
     want_fd: bool
     keep: bool
+    held: bool
 
 
 class Hit(NamedTuple):
@@ -281,19 +293,39 @@ class Evict(NamedTuple):
     export_id: int
 
 
+class Release(NamedTuple):
+    """Exporter -> receiver: I want to put this block back into its pool's reuse cache
+    after life ``life``; say :class:`Idle` once no array of yours uses it (keep the
+    mapping)."""
+
+    export_id: int
+    life: int
+
+
+class Idle(NamedTuple):
+    """Receiver -> exporter: no array of mine uses this block; my last use precedes
+    ``event``.  From now on I claim (never hit) any message of life ``life`` or earlier."""
+
+    export_id: int
+    life: int
+    event: bytes
+
+
 OK, REFUSED, NOT_HELD = 0, 1, 2  # Reply.status
 
-_CLAIM, _HIT, _DROP, _UNMAP, _REGISTER, _MAPPED = 1, 2, 3, 4, 5, 6
-_REPLY, _EVICT, _BATCH = 16, 17, 32
+_CLAIM, _HIT, _DROP, _UNMAP, _REGISTER, _MAPPED, _IDLE = 1, 2, 3, 4, 5, 6, 7
+_REPLY, _EVICT, _RELEASE, _BATCH = 16, 17, 18, 32
 _LAYOUT: dict[int, tuple[struct.Struct, type]] = {
-    _CLAIM: (struct.Struct("<BIQ16sBB"), Claim),
+    _CLAIM: (struct.Struct("<BIQ16sBBB"), Claim),
     _HIT: (struct.Struct("<BQ16s"), Hit),
     _DROP: (struct.Struct("<BQ16s"), Drop),
     _UNMAP: (struct.Struct("<BQ64sB"), Unmap),
     _REGISTER: (struct.Struct("<BIQ16s"), Register),
     _MAPPED: (struct.Struct("<BQ"), Mapped),
+    _IDLE: (struct.Struct("<BQQ64s"), Idle),
     _REPLY: (struct.Struct("<BIBB"), Reply),
     _EVICT: (struct.Struct("<BQ"), Evict),
+    _RELEASE: (struct.Struct("<BQQ"), Release),
 }
 _OP = {cls: op for op, (_, cls) in _LAYOUT.items()}
 _LEN = struct.Struct("<H")
@@ -331,7 +363,7 @@ def _decode_one(buf: bytes) -> NamedTuple:
     if cls is Unmap:
         return Unmap(fields[0], fields[1] if fields[2] else None)
     if cls is Claim:
-        fields[-2:] = [bool(fields[-2]), bool(fields[-1])]
+        fields[-3:] = [bool(fields[-3]), bool(fields[-2]), bool(fields[-1])]
     elif cls is Reply:
         fields[-1] = bool(fields[-1])
     return cls(*fields)
