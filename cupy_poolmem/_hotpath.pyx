@@ -173,18 +173,24 @@ cdef class Block:
 
     def __dealloc__(self):
         cdef PoolCore core = self.core
-        if core is None or self.ptr == 0:
+        cdef bint kept = False
+        if core is None:
             return
-        core.n_frees += 1
+        if self.ptr == 0:  # a size-0 allocation: counted, nothing to free
+            core.n_frees += 1
+            if core.closed and core.n_frees == core.n_allocs:
+                core._drained()
+            return
         core.live_bytes -= self.size
         try:
-            if core.finalized or PyObject_GC_IsFinalized(self.stream):
+            if (core.finalized or PyObject_GC_IsFinalized(self.stream)
+                    or (self.flags & _FLAG_RECORDED and _any_finalized(self._recorded))):
                 # The pool's finalizer ran: it was dropped in a garbage cycle with this
                 # block, whose stream may be destroyed already (a cupy Stream's own
                 # finalizer), and tp_clear may have emptied the pool's __dict__.  Or the
-                # block's own stream was finalized (a cycle of this array and its stream,
-                # the pool alive).  Neither is touched: the retirer frees the block after
-                # a sync.
+                # block's own stream, or one given to record_stream for it, was finalized
+                # (a cycle of this array and its streams, the pool alive).  No stream is
+                # touched: the retirer frees the block after a sync.
                 if core.observer is not None:
                     core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
                 # An exported block (reused from the cache) goes to its exporter first:
@@ -203,21 +209,35 @@ cdef class Block:
                     core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
                 if self.share is not None and _shared_release is not None:
                     if _shared_release(core, self.ptr, self.size, self.stream, self.share):
+                        core.n_frees += 1  # in limbo: the exporter frees it, then drains
                         return
-                kept = False  # a pool hook took the block (pinned deferral, graph memory)
-                if core.release_hook is not None:
+                if core.release_hook is not None:  # pinned deferral, graph memory
                     kept = core.release_hook(self.ptr, self.size, self.stream)
                 if not kept and self.flags & _FLAG_SPECIAL:
                     kept = core._free_flagged(self.ptr, self.size, self.stream, self.flags)
         except BaseException:
             # Never free memory whose fate a hook could not decide: leaking is safe,
-            # reuse while another process reads is not.
+            # reuse while another process reads is not (nor is its pool destroyed).
             core.n_free_errors += 1
+            core.n_frees += 1
             return
         if not kept:
             core._release(self.ptr, self.size, self.stream_ptr, self.stream)
+        # Counted once the free (or its hand-off) is queued: a close() in another thread
+        # that sees every block freed may retire the pool at once.
+        core.n_frees += 1
         if core.closed and core.n_frees == core.n_allocs:
             core._drained()  # a closed pool's last block, however it went
+
+
+cdef bint _any_finalized(list recorded):
+    """Whether a stream given to record_stream was finalized (destroyed by cupy)."""
+    if recorded is None:
+        return False
+    for entry in recorded:
+        if PyObject_GC_IsFinalized(entry[2]):
+            return True
+    return False
 
 
 cdef class PoolCore:
@@ -254,6 +274,7 @@ cdef class PoolCore:
     # the __dict__ and sets the object fields above to None) for its blocks freed after.
     cdef public unsigned long long _retire_token  # the retirer's name for its pool (0: none)
     cdef readonly bint finalized     # the pool's finalizer ran: blocks avoid their streams
+    cdef public bint _close_done     # close() has handed everything over: may be retired
 
     def _attach(self, uintptr_t pool_handle, int device_id, int kind):
         self._pool = <CUmemoryPool>pool_handle

@@ -107,12 +107,21 @@ class Block:
 
     def __del__(self) -> None:
         core = self.core
-        if core is None or self.ptr == 0:
+        if core is None:
             return
-        core.n_frees += 1
+        if self.ptr == 0:  # a size-0 allocation: counted, nothing to free
+            core.n_frees += 1
+            if core.closed and core.n_frees == core.n_allocs:
+                core._drained()
+            return
         core.live_bytes -= self.size
+        kept = False
         try:
-            if core.finalized or _gc_is_finalized(self.stream):  # see _hotpath.pyx
+            if (
+                core.finalized
+                or _gc_is_finalized(self.stream)
+                or (self.flags & FLAG_RECORDED and _any_finalized(self._recorded))
+            ):  # see _hotpath.pyx
                 if core.observer is not None:
                     core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
                 # An exported block goes to its exporter first (see _hotpath.pyx).
@@ -129,19 +138,27 @@ class Block:
                     core.observer.on_free(core, self.ptr, self.size, self.stream_ptr, self.info)
                 if self.share is not None and _shared_release is not None:
                     if _shared_release(core, self.ptr, self.size, self.stream, self.share):
+                        core.n_frees += 1  # in limbo: the exporter frees it, then drains
                         return
-                kept = False  # a pool hook took the block (pinned deferral, graph memory)
-                if core.release_hook is not None:
+                if core.release_hook is not None:  # pinned deferral, graph memory
                     kept = core.release_hook(self.ptr, self.size, self.stream)
                 if not kept and self.flags & _FLAG_SPECIAL:
                     kept = core._free_flagged(self.ptr, self.size, self.stream, self.flags)
         except BaseException:
             core.n_free_errors += 1
+            core.n_frees += 1
             return
         if not kept:
             core._release(self.ptr, self.size, self.stream_ptr, self.stream)
+        # Counted once the free (or its hand-off) is queued (see _hotpath.pyx).
+        core.n_frees += 1
         if core.closed and core.n_frees == core.n_allocs:
             core._drained()  # a closed pool's last block, however it went
+
+
+def _any_finalized(recorded: Any) -> bool:
+    """Whether a stream given to record_stream was finalized (destroyed by cupy)."""
+    return bool(recorded) and any(_gc_is_finalized(e[2]) for e in recorded)
 
 
 class PoolCore:
@@ -158,6 +175,7 @@ class PoolCore:
     device_id = -1
     kind = KIND_DEVICE
     closed = False
+    _close_done = False  # close() has handed everything over: may be retired
     observer: Any = None
     release_hook: Any = None
     n_allocs = 0

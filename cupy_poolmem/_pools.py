@@ -580,6 +580,10 @@ class Pool(_hp.PoolCore):
                 _retire.retirer().add_leftovers(self._retire_token, self._retire_device(), left)
         with _ALL_LOCK:
             _ALL_POOLS.discard(self)
+        # Only now may the pool be retired: a last free in another thread while the
+        # quarantine was handed over above must not retire it first (its retirer entry
+        # would be gone, and the quarantine's blocks with it).
+        self._close_done = True
         if self.n_allocs == self.n_frees and not self._held_for_sharing:
             self._drained()
         # else: the hot path calls _drained() when the last live block is freed.
@@ -595,8 +599,8 @@ class Pool(_hp.PoolCore):
         Also called for a finalized pool's last block, possibly after the garbage
         collector emptied the ``__dict__``: then only C fields are read.
         """
-        if self._held_for_sharing:
-            return
+        if self._held_for_sharing or not self._close_done:
+            return  # close() is still handing over (it drains at its end)
         if self.n_capture_held and not self.finalized:
             self._drain_capture_held()
             if self.n_capture_held:

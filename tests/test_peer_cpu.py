@@ -198,9 +198,11 @@ def test_closed_and_drained_pool_refuses_new_grants(four_gpus):
 def test_drained_pool_revokes_its_grants_before_closing(four_gpus, fake_retirer):
     pool = _fake_pool(0)
     pool.peer_access = [1]
+    pool._close_done = True  # as close() leaves it
     pool._drained()
     assert pool._mr.events == [("set", (1,)), ("set", ())]  # closed by the retirer
     other = _fake_pool(0)  # never granted anything: no driver call before close
+    other._close_done = True
     other._drained()
     assert fake_retirer.drain()
     assert pool._mr.events == [("set", (1,)), ("set", ()), ("close",)]
