@@ -95,7 +95,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 4
+VERSION = 5
 
 # Block.flags: why a block's free leaves the plain path (one test when none is set).
 FLAG_RECORDED = 1   # record_stream: the free waits for the recorded streams first
