@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from threading import get_ident
 from typing import Any
 
 from ._errors import UnsupportedError, check_driver
@@ -125,11 +126,19 @@ class ManagedAllocator:
     ``alloc`` and ``free`` run only when the pool's reuse cache misses or overflows.
     ``release`` (trim, close, out-of-memory) gives cached blocks back with
     ``cuMemFree`` once their events have completed (all of them with ``wait``).
+
+    A garbage collection can start while a thread holds the lock (any allocation under
+    it), and a block freed there comes back to :meth:`free` in the same thread, while
+    the outer call may be iterating the cache.  Such a nested free does not take the
+    lock: it queues its entry, and the lock's holder adds it before releasing (as
+    ``stats._Observer._run`` does).  No reentrant critical section, no deadlock.
     """
 
     def __init__(self, device: int) -> None:
         self.device = device
         self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread holding _lock
+        self._queued: deque = deque()  # (rounded size, ptr, stream, event) of nested frees
         self._free: dict[int, deque] = {}  # rounded size -> deque of (ptr, stream, event)
         self._sizes: dict[int, int] = {}  # ptr -> rounded size, live or cached
         self._idle_events: list[Any] = []
@@ -143,11 +152,43 @@ class ManagedAllocator:
     def _round(size: int) -> int:
         return (size + _GRANULE - 1) // _GRANULE * _GRANULE
 
+    # -- the lock ----------------------------------------------------------------------
+    def _acquire(self) -> bool:
+        """Take the lock; False, without taking it, when this thread holds it already
+        (a call from a garbage collection that started under it)."""
+        ident = get_ident()
+        if self._owner == ident:
+            return False
+        self._lock.acquire()
+        self._owner = ident
+        return True
+
+    def _unlock(self) -> None:
+        """Cache what nested frees queued, then release the lock."""
+        try:
+            q = self._queued
+            while q:  # a collection in here queues more: taken in this loop too
+                self._cache_entry(*q.popleft())
+        finally:
+            self._owner = None
+            self._lock.release()
+
+    def _cache_entry(self, r: int, ptr: int, stream_ptr: int, ev: Any) -> None:
+        """Under the lock: a freed block waits for reuse behind ``ev``."""
+        entries = self._free.get(r)
+        if entries is None:
+            entries = self._free[r] = deque()
+        entries.append((ptr, stream_ptr, ev))
+        self.cached += r
+
     # -- events ----------------------------------------------------------------------
     def _event(self) -> Any:
-        with self._lock:
-            if self._idle_events:
-                return self._idle_events.pop()
+        if self._acquire():  # (nested: a new event, the idle list may be in use)
+            try:
+                if self._idle_events:
+                    return self._idle_events.pop()
+            finally:
+                self._unlock()
         drv = _drv()
         return check_driver(
             drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"
@@ -162,15 +203,18 @@ class ManagedAllocator:
     def alloc(self, size: int, stream_ptr: int) -> tuple[int, int]:
         """``(CUresult, ptr)``: a cached block when one is safe to reuse, else a new one."""
         r = self._round(size)
-        with self._lock:
-            entries = self._free.get(r)
-            if entries:
-                for i, (ptr, sptr, ev) in enumerate(entries):
-                    if sptr == stream_ptr or self._done(ev):
-                        del entries[i]
-                        self.cached -= r
-                        self._idle_events.append(ev)
-                        return 0, ptr
+        if self._acquire():  # (nested: a new block, the cache may be being iterated)
+            try:
+                entries = self._free.get(r)
+                if entries:
+                    for i, (ptr, sptr, ev) in enumerate(entries):
+                        if sptr == stream_ptr or self._done(ev):
+                            del entries[i]
+                            self.cached -= r
+                            self._idle_events.append(ev)
+                            return 0, ptr
+            finally:
+                self._unlock()
         drv = _drv()
         err, p = drv.cuMemAllocManaged(r, drv.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL.value)
         if int(err):
@@ -178,11 +222,15 @@ class ManagedAllocator:
         ptr = int(p)
         # The pool prefers its GPU, as a managed pool created for it does.
         mem_advise(ptr, r, drv.CUmem_advise.CU_MEM_ADVISE_SET_PREFERRED_LOCATION, self.device)
-        with self._lock:
+        locked = self._acquire()  # (nested: this thread holds it, nothing iterates these)
+        try:
             self._sizes[ptr] = r
             self.reserved += r
             self.peak_reserved = max(self.peak_reserved, self.reserved)
             self.n_driver_allocs += 1
+        finally:
+            if locked:
+                self._unlock()
         return 0, ptr
 
     def free(self, ptr: int, stream_ptr: int) -> None:
@@ -195,11 +243,14 @@ class ManagedAllocator:
         with on_device(self.device):
             ev = self._event()
             check_driver(_drv().cuEventRecord(ev, stream_ptr), "cuEventRecord")
-        with self._lock:
-            self._free.setdefault(r, deque()).append((ptr, stream_ptr, ev))
-            self.cached += r
-            over = self.cached > self.release_threshold
-        if over:
+        if not self._acquire():  # from a collection under the lock: its holder adds it
+            self._queued.append((r, ptr, stream_ptr, ev))
+            return
+        try:
+            self._cache_entry(r, ptr, stream_ptr, ev)
+        finally:
+            self._unlock()
+        if self.cached > self.release_threshold:
             self.release(keep=self.release_threshold, wait=False)
 
     def free_leftover(self, ptr: int) -> None:
@@ -217,8 +268,10 @@ class ManagedAllocator:
 
         drv = _drv()
         freed = 0
-        with self._lock:
-            victims = []
+        victims: list = []
+        if not self._acquire():  # from a collection under the lock: the cache is in use
+            return 0
+        try:
             for r, entries in self._free.items():
                 for entry in list(entries):
                     if self.cached - freed <= keep:
@@ -228,6 +281,8 @@ class ManagedAllocator:
                         victims.append((r, entry))
                         freed += r
             self.cached -= freed
+        finally:
+            self._unlock()
         if not victims:
             return 0
         with on_device(self.device):
@@ -236,9 +291,13 @@ class ManagedAllocator:
                     drv.cuEventSynchronize(ev)
                 drv.cuMemFree(ptr)
                 drv.cuEventDestroy(ev)
-                with self._lock:
+                locked = self._acquire()
+                try:
                     self._sizes.pop(ptr, None)
                     self.reserved -= r
+                finally:
+                    if locked:
+                        self._unlock()
         return freed
 
     def close(self) -> None:
@@ -246,8 +305,12 @@ class ManagedAllocator:
         from ._device import on_device
 
         self.release(0, wait=True)
-        with self._lock:
+        locked = self._acquire()
+        try:
             events, self._idle_events = self._idle_events, []
+        finally:
+            if locked:
+                self._unlock()
         if events:
             with on_device(self.device):
                 for ev in events:

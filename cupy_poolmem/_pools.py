@@ -188,7 +188,11 @@ class Pool(_hp.PoolCore):
         owner = mr if mr is not None else self._backend
         self._retire_token = _retire.retirer().adopt(owner) if owner is not None else 0
         self._max_size = max_size
-        self._lock = threading.Lock()
+        # Reentrant: a garbage collection can start under it (a tuple, a list), and a
+        # block of this pool freed there can come back (a free held for a capture).
+        # Lists are swapped out under it and worked on outside, so a nested call never
+        # changes one being iterated.
+        self._lock = threading.RLock()
         Pool._serial_counter += 1
         self._serial = Pool._serial_counter
         self._held_for_sharing = 0
@@ -670,12 +674,18 @@ class Pool(_hp.PoolCore):
         # sync (a free on a destroyed stream crashed in the driver), and so do its live
         # blocks when freed (``_orphan``).  The CUDA pool is retired after the last one.
         try:
+            was_closed = self.closed
             self._mark_finalized()
             left = self._finalize_leftovers()
             if self.guard is not None:  # the quarantine too, unchecked (same reason)
                 left += self.guard.take_quarantine()
-            _retire.retirer().add_leftovers(self._retire_token, self._retire_device(), left)
+            r = _retire.retirer()
+            r.add_leftovers(self._retire_token, self._retire_device(), left)
             self.close()  # its cache flush now has nothing to free
+            if was_closed and self.n_allocs == self.n_frees and r.is_held(self._retire_token):
+                # Closed and drained, yet not retired: the retirer gave up polling it
+                # (its frees held for a capture went to the retirer above).
+                self._drained()
         except Exception:
             pass
 
@@ -971,11 +981,17 @@ class PinnedPool(Pool):
         self.ipc = ipc
         self.numa_node = node
         self.devices = devs
-        self._pending: deque = deque()
-        self._pending_lock = threading.Lock()
         self._setup(mr, -1, _hp.KIND_PINNED, release_threshold, max_b)
         self._capacity = _host_memory_bytes()
         self.release_hook = self._defer_free
+
+    def _setup(self, *args: Any, **kwargs: Any) -> None:
+        # Frees deferred until their streams' work is done (see _defer_free).  The lock
+        # is reentrant: a garbage collection can start under it, and a pinned block
+        # freed there defers its free under it again (same thread).
+        self._pending: deque = deque()
+        self._pending_lock = threading.RLock()
+        super()._setup(*args, **kwargs)
 
     def _describe(self) -> str:
         return f"PinnedPool(numa_node={self.numa_node})"
@@ -1019,12 +1035,20 @@ class PinnedPool(Pool):
         """Return finished deferred blocks to the pool; with ``wait``, all of them."""
         done = 0
         while True:
+            # Nothing is allocated under the lock, and the first entry is taken only if
+            # it is still first: a collection while its events are asked (a nested
+            # deferral may release it first) or another thread cannot make this free
+            # an entry twice, or one whose events are not done.
             with self._pending_lock:
                 if not self._pending:
                     return done
-                events, ptr, stream = self._pending[0]
-                if not wait and not all(e.done for e in events):
-                    return done
+                entry = self._pending[0]
+            events, ptr, stream = entry
+            if not wait and not all(e.done for e in events):
+                return done
+            with self._pending_lock:
+                if not self._pending or self._pending[0] is not entry:
+                    continue  # released meanwhile
                 self._pending.popleft()
             for e in events:
                 e.synchronize()
@@ -1041,9 +1065,9 @@ class PinnedPool(Pool):
         lock = getattr(self, "_pending_lock", None)  # None: a collector cleared __dict__
         if lock is None:
             return []
-        with lock:
-            left, self._pending = [ptr for _, ptr, _ in self._pending], deque()
-        return left
+        with lock:  # swapped, then read outside: a collection here cannot change it
+            pending, self._pending = self._pending, deque()
+        return [ptr for _, ptr, _ in pending]
 
     def _retire_now(self, leftovers: Any = ()) -> None:
         super()._retire_now([*leftovers, *self._take_pending()])

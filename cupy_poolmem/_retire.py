@@ -28,10 +28,24 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from ._streams import CAPTURE_ERRORS
+
 ALL_DEVICES = -1  # a host pool: its frees ran on streams of any device
+_OK, _CAPTURE, _ERROR = 0, 1, 2  # what a sync of the devices gave
+
+
+def _is_capture_error(exc: BaseException) -> bool:
+    """A sync refused because of a stream capture (``CUDA_ERROR_STREAM_CAPTURE_*``,
+    ``CUDA_ERROR_CAPTURED_EVENT``): it works once the capture has ended."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, int):
+        return code in CAPTURE_ERRORS
+    text = f"{getattr(exc, 'name', '')} {exc}"
+    return "CUDA_ERROR_STREAM_CAPTURE" in text or "CUDA_ERROR_CAPTURED_EVENT" in text
 
 
 class _Due(NamedTuple):
@@ -42,6 +56,16 @@ class _Due(NamedTuple):
     leftovers: tuple[int, ...]
     close: bool  # False: leftovers of a pool still held (closed by a later entry)
     everywhere: bool = False  # sync every active device (blocks used on other GPUs)
+    token: int = 0  # the pool's (adopt)
+
+
+class _Poll:
+    """A poll given to :meth:`Retirer.after_captures`, with its errors in a row."""
+
+    __slots__ = ("fn", "errors")
+
+    def __init__(self, fn: Callable[[], bool]) -> None:
+        self.fn, self.errors = fn, 0
 
 
 class Retirer:
@@ -53,6 +77,12 @@ class Retirer:
     ``free(ptr, device)`` frees a leftover block on ``device``'s legacy stream (a
     resource with a ``free_leftover(ptr)`` method frees its own instead).
     With ``background=False`` nothing happens until :meth:`drain` is called.
+
+    A sync the driver refuses because of a capture the pools never saw waits for its
+    end, however long it lasts.  Other sync errors count: after ``max_failures`` in a
+    row, the resources due are kept for good (a leak, never an unsynchronised
+    destroy); leftovers of pools still held stay due.  The thread backs off (up to
+    ``max_delay`` seconds between drains) while drains fail.
 
     Examples
     --------
@@ -91,14 +121,25 @@ class Retirer:
         self._held: dict[int, Any] = {}  # token -> resource of a live pool
         self._kept: list[Any] = []  # never closed: a fork child's, or ones no sync reached
         self._due: list[_Due] = []
-        self._waiting: list[Callable[[], bool]] = []  # polled until True (after_captures)
+        # Pools a drain is retiring now (token -> resource), and leftovers of theirs
+        # that came meanwhile: freed before the close if it has not happened yet.
+        self._inflight: dict[int, Any] = {}
+        self._late: dict[int, list[_Due]] = {}
+        self.n_leftovers_lost = 0  # leftovers never freed: their pool was destroyed or kept
+        self._waiting: list[_Poll] = []  # polled until True (after_captures)
         self._next = 1
         self._thread: threading.Thread | None = None
         self.n_retired = 0
         self.n_sync_errors = 0
         self._forked = False
-        self._failures = 0  # drains in a row whose sync failed
+        self._failures = 0  # drains in a row whose sync failed (not for a capture)
         self.max_failures = 100  # then the resources are kept, never destroyed unsynced
+        self._trouble = False  # the last drain failed somewhere: the thread backs off
+        self._backoff = 0  # drains in a row that failed
+        self.max_delay = 2.0  # seconds: the longest wait between drains
+        self.n_errors = 0  # exceptions out of drain() in the thread
+        self.n_poll_errors = 0  # exceptions out of polls (after_captures)
+        self._warned: set[str] = set()
 
     def adopt(self, resource: Any) -> int:
         """Hold ``resource`` for a new pool; the token names it in :meth:`retire`."""
@@ -112,15 +153,20 @@ class Retirer:
 
         ``leftovers``: blocks of it nobody freed (a finalized pool's reuse cache); they
         are freed after the sync, on the legacy stream, and synchronised again.
+        Retiring a pool twice retires it once (the leftovers of the second call are
+        handled as :meth:`add_leftovers` does).
         """
+        leftovers = tuple(leftovers)
         with self._lock:
             resource = self._held.pop(token, None)
-            if resource is None:
-                return  # retired already
+            if resource is None:  # retired already
+                if leftovers and not self._forked:
+                    self._add_late(token, device, leftovers, False)
+                return
             if self._forked:  # the parent's or the child's: CUDA is unusable here
                 self._kept.append(resource)
                 return
-            self._due.append(_Due(resource, device, tuple(leftovers), True))
+            self._due.append(_Due(resource, device, leftovers, True, token=token))
         self._start()
 
     def add_leftovers(
@@ -132,29 +178,65 @@ class Retirer:
 
         They are freed at the next drain, after a sync of ``device`` (of every active
         device with ``everywhere``), on the legacy stream, and synchronised again;
-        always before the pool itself is closed.
+        always before the pool itself is closed.  A pool retired already but not
+        closed yet gets them before its close; one whose resource is closed (its
+        memory went with it) or kept for good does not: they are counted in
+        ``n_leftovers_lost``, never freed.
         """
         ptrs = tuple(ptrs)
         if not ptrs:
             return
         with self._lock:
+            if self._forked:
+                return  # CUDA is unusable here
             resource = self._held.get(token)
-            if resource is None or self._forked:
-                return  # retired already (it had no block left), or CUDA is unusable
-            self._due.append(_Due(resource, device, ptrs, False, everywhere))
+            if resource is None:
+                self._add_late(token, device, ptrs, everywhere)
+            else:
+                self._due.append(_Due(resource, device, ptrs, False, everywhere, token))
         self._start()
+
+    def _add_late(self, token: int, device: int, ptrs: tuple[int, ...], everywhere: bool) -> None:
+        """Under the lock: leftovers of a pool retired already."""
+        for i, e in enumerate(self._due):
+            if e.close and e.token == token:  # not closed yet: freed before it
+                self._due.insert(i, _Due(e.resource, device, ptrs, False, everywhere, token))
+                return
+        resource = self._inflight.get(token)
+        if resource is not None:  # a drain retires it now: see _settle
+            late = _Due(resource, device, ptrs, False, everywhere, token)
+            self._late.setdefault(token, []).append(late)
+            return
+        self.n_leftovers_lost += len(ptrs)  # closed (or kept): freeing now would be wrong
+
+    def _settle(self, tokens: list[int]) -> None:
+        """Under the lock, after a drain's batch: leftovers that came for its pools
+        while it ran go before their close if it was put back, else are lost."""
+        for token in tokens:
+            self._inflight.pop(token, None)
+            late = self._late.pop(token, None)
+            if not late:
+                continue
+            for i, e in enumerate(self._due):
+                if e.close and e.token == token:
+                    self._due[i:i] = late
+                    break
+            else:
+                self.n_leftovers_lost += sum(len(e.leftovers) for e in late)
 
     def after_captures(self, poll: Callable[[], bool]) -> None:
         """Call ``poll()`` at every drain until it returns True.
 
         For a closed pool whose last frees wait for a stream capture to end: ``poll``
-        does them once it has, then retires the pool.  One that raises is dropped.
+        does them once it has, then retires the pool.  One that raises is called again
+        at the next drains (the first error is warned about), and dropped after
+        ``max_failures`` errors in a row (its pool's finalizer then retires the pool).
         """
         with self._lock:
             if self._forked:
                 self._kept.append(poll)
                 return
-            self._waiting.append(poll)
+            self._waiting.append(_Poll(poll))
         self._start()
 
     def retire_resource(self, resource: Any, device: int) -> None:
@@ -179,11 +261,17 @@ class Retirer:
         with self._lock:
             return len(self._held)
 
+    def is_held(self, token: int) -> bool:
+        """Whether the pool ``token`` is not retired yet."""
+        with self._lock:
+            return token in self._held
+
     def drain(self) -> bool:
         """Synchronise and destroy what is due now; False when held back (a capture, a
         failed sync, a pool waiting for a capture to end)."""
         if self._forked:  # CUDA is unusable in a fork child
             return True
+        self._trouble = False
         self._poll_waiting()
         with self._lock:
             if not self._due:
@@ -192,26 +280,37 @@ class Retirer:
             return False
         with self._lock:
             due, self._due = self._due, []
+            tokens = [e.token for e in due if e.close]
+            for e in due:
+                if e.close:
+                    self._inflight[e.token] = e.resource
         try:
             done = self._retire_batch(due)
         except BaseException:
-            with self._lock:  # nothing is lost: the batch is tried again
-                self._due[:0] = due
+            # Nothing is lost and nothing is done twice: what is left of the batch
+            # (_retire_batch strips the leftovers it freed and the resources it
+            # closed) is tried again.
+            with self._lock:
+                self._due[:0] = [e for e in due if e.close or e.leftovers]
             raise
+        finally:
+            with self._lock:
+                self._settle(tokens)
         with self._lock:
             return done and not self._waiting
 
     def _poll_waiting(self) -> None:
         with self._lock:
             waiting, self._waiting = self._waiting, []
-        keep: list[Callable[[], bool]] = []
+        keep: list[_Poll] = []
         try:
             while waiting:
                 poll = waiting[0]
                 try:
-                    done = poll()
-                except Exception:
-                    done = True  # dropped: its frees leak, never a free in a bad state
+                    done = poll.fn()
+                    poll.errors = 0
+                except Exception as exc:
+                    done = self._poll_failed(poll, exc)
                 waiting.pop(0)
                 if not done:
                     keep.append(poll)
@@ -220,7 +319,24 @@ class Retirer:
                 with self._lock:
                     self._waiting[:0] = keep + waiting
 
+    def _poll_failed(self, poll: _Poll, exc: Exception) -> bool:
+        """A poll raised: True to drop it (``max_failures`` in a row), else retry."""
+        self._trouble = True
+        self.n_poll_errors += 1
+        poll.errors += 1
+        if poll.errors < self.max_failures:
+            self._warn_once(
+                "poll", f"a closed pool's frees held for a capture failed ({exc!r}); retrying"
+            )
+            return False
+        # Given up: its frees leak (never one done in a bad state); the pool's
+        # finalizer retires the pool itself.
+        self._warn_once("poll-dropped", f"gave up on a closed pool's held frees ({exc!r})")
+        return True
+
     def _retire_batch(self, due: list[_Due]) -> bool:
+        """Sync, free the leftovers, sync, close.  ``due`` is updated as it goes (freed
+        leftovers and closed resources taken out) for a caller that puts it back."""
         devices: set[int] = set()
         active: list[int] | None = None
         for e in due:
@@ -230,57 +346,89 @@ class Retirer:
                 devices.update(active)
             if e.device != ALL_DEVICES:
                 devices.add(e.device)
-        if not self._sync_all(devices):
-            # A sync refused (a capture the pools never saw, a broken context): try
-            # again later; after many failures keep them (a leak, never an unsynced
-            # destroy).
-            self._failures += 1
-            with self._lock:
-                if self._failures >= self.max_failures:
-                    self._kept.extend(e.resource for e in due if e.close)
-                    self._failures = 0
-                else:
-                    self._due[:0] = due
+        status = self._sync_all(devices)
+        if status != _OK:
+            self._held_back(status, due)
             return False
-        self._failures = 0
         freed: set[int] = set()
-        for e in due:
+        for i, e in enumerate(due):
             if not e.leftovers:
                 continue
             on = e.device if e.device != ALL_DEVICES else min(devices, default=0)
             own = getattr(e.resource, "free_leftover", None)  # a backend's own blocks
-            for ptr in e.leftovers:
-                try:
-                    if own is not None:
-                        own(ptr)
-                    else:
-                        self._free(ptr, on)
-                except Exception:
-                    pass
             freed.add(on)
-        if freed and not self._sync_all(freed):  # the leftovers' frees, seen done too
-            with self._lock:
-                self._kept.extend(e.resource for e in due if e.close)
-            return False
-        for e in due:
+            n = 0
+            try:
+                for ptr in e.leftovers:
+                    n += 1  # (one that raised counts as freed: a leak, never freed twice)
+                    try:
+                        if own is not None:
+                            own(ptr)
+                        else:
+                            self._free(ptr, on)
+                    except Exception:
+                        pass
+            finally:
+                due[i] = e._replace(leftovers=e.leftovers[n:])
+        if freed:  # the leftovers' frees, seen done too
+            status = self._sync_all(freed)
+            if status != _OK:  # (what is left of the batch: the resources to close)
+                self._held_back(status, due)
+                return False
+        self._failures = 0
+        for i, e in enumerate(due):
             if not e.close:
                 continue
+            with self._lock:
+                if e.token in self._late:
+                    # Leftovers came after the sync: they are freed (after another
+                    # sync) at the next drain, then the pool is closed.
+                    self._due.append(e)
+                    due[i] = e._replace(close=False)
+                    continue
             try:
                 e.resource.close()
             except Exception:
                 pass
+            # Closed: never again if a later close() raises out of here (one that
+            # raised a BaseException itself stays, to be tried again).
+            due[i] = e._replace(close=False)
             self.n_retired += 1
         return True
 
-    def _sync_all(self, devices: Iterable[int]) -> bool:
-        ok = True
+    def _held_back(self, status: int, due: list[_Due]) -> None:
+        """A sync of ``due``'s devices failed: put it back, or keep its resources."""
+        self._trouble = True
+        due = [e for e in due if e.close or e.leftovers]
+        with self._lock:
+            if status == _CAPTURE:
+                # A capture the pools never saw: nothing is wrong with the context, the
+                # batch waits for the capture's end (never counted as a failure).
+                self._due[:0] = due
+                return
+            self._failures += 1
+            if self._failures < self.max_failures:
+                self._due[:0] = due
+                return
+            # The context looks broken: the resources due are kept (never destroyed
+            # unsynchronised), with their leftovers (their memory stays with them).
+            # Leftovers of pools still held stay due: freed once a sync works.
+            self._failures = 0
+            kept = [e for e in due if e.close]
+            self._kept.extend(e.resource for e in kept)
+            gone = {id(e.resource) for e in kept}
+            self.n_leftovers_lost += sum(len(e.leftovers) for e in due if id(e.resource) in gone)
+            self._due[:0] = [e for e in due if id(e.resource) not in gone]
+
+    def _sync_all(self, devices: Iterable[int]) -> int:
+        status = _OK
         for dev in sorted(devices):
             try:
                 self._sync(dev)
-            except Exception:
+            except Exception as exc:
                 self.n_sync_errors += 1
-                ok = False
-        return ok
+                status = max(status, _CAPTURE if _is_capture_error(exc) else _ERROR)
+        return status
 
     def _start(self) -> None:
         if not self._background:  # the owner calls drain()
@@ -298,13 +446,37 @@ class Retirer:
                 self._thread = None
 
     def _run(self) -> None:
-        while True:
-            time.sleep(self._delay)
-            self.drain()
+        me = threading.current_thread()
+        try:
+            while True:
+                time.sleep(min(self._delay * 2**self._backoff, max(self._delay, self.max_delay)))
+                try:
+                    self.drain()
+                    failed = self._trouble
+                except Exception as exc:  # (the batch was put back: tried again)
+                    self.n_errors += 1
+                    self._warn_once("drain", f"retiring pools failed ({exc!r}); retrying")
+                    failed = True
+                self._backoff = min(self._backoff + 1, 16) if failed else 0
+                with self._lock:
+                    if not self._due and not self._waiting:
+                        self._thread = None
+                        return
+        finally:
+            # Out on an error that is not an Exception: another thread takes over if
+            # work remains (with _thread left set, none would ever start again).
             with self._lock:
-                if not self._due and not self._waiting:
+                died = self._thread is me
+                if died:
                     self._thread = None
-                    return
+                again = died and bool(self._due or self._waiting)
+            if again:
+                self._start()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"cupy_poolmem: {message}", RuntimeWarning, stacklevel=2)
 
     def _after_fork_in_child(self) -> None:
         """CUDA is unusable in a fork child: keep the parent's resources, never close them."""
@@ -316,11 +488,13 @@ class Retirer:
             *self._kept,
             *self._held.values(),
             *(e.resource for e in self._due),
-            *self._waiting,  # their pools hold streams: dropping them would destroy those
+            *(w.fn for w in self._waiting),  # their pools hold streams: kept alive
         ]
         self._held = {}
         self._due = []
         self._waiting = []
+        self._inflight = {}
+        self._late = {}
 
 
 def _sync_device(dev: int) -> None:

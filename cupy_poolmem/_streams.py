@@ -32,7 +32,10 @@ CAPTURE_INVALIDATED = 2
 # a call that failed with one of them must be retried once no capture is under way.
 CAPTURE_ERRORS = frozenset(range(900, 909))
 
-_lock = threading.Lock()
+# Reentrant: a garbage collection can start inside it (any allocation under it, such
+# as the copy in any_capture_underway), and a block freed there on a capturing stream
+# comes back through note_capture() in the same thread.
+_lock = threading.RLock()
 # Streams seen capturing by the pools, with their stream objects: a handle is only
 # queried while its object (hence the stream) is alive.  Pruned once not capturing.
 _capturing: dict[int, Any] = {}
@@ -120,6 +123,9 @@ def note_capture(stream_ptr: int, stream: Any) -> None:
 def any_capture_underway() -> bool:
     """Whether a stream the pools saw capturing still is (synchronising would break it)."""
     with _lock:
+        # A collection started here runs before the copy iterates (at the allocation
+        # of the list or of the dict's iterator): a nested note_capture() cannot
+        # change the dict under the iteration.
         streams = list(_capturing)
     live = [s for s in streams if capture_status(s) != CAPTURE_NONE]
     if len(live) != len(streams):

@@ -4,11 +4,13 @@ prefetch/advise over collections, against a fake driver."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 
 import cupy
 import numpy as np
 import pytest
+from _gc_locks import GcUnderLock
 from _hotpath_fakes import World, twin_pools
 from cuda.bindings import driver as real
 from cupy.cuda.memory import MemoryPointer, UnownedMemory
@@ -18,6 +20,8 @@ from cupy_poolmem import _device, _managed_alloc, _pools, managed
 from cupy_poolmem import _hotpath_py as twin
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
+
+KB = 4096
 
 
 class ManagedDriver:
@@ -245,3 +249,60 @@ def test_advise_marks_pool_blocks_whose_free_resets_the_hints(fake_managed, monk
     assert resets == [ptr] and p.cached_bytes == 4096  # reset, then the reuse cache
     m2 = p.malloc(4096)
     assert m2.ptr == ptr and not m2.mem._owner.flags  # a fresh block: no hints, no flag
+
+
+# ---------------------------------------------------------------- garbage collections under the lock
+class _FreedInGc:
+    """Cyclic garbage that frees a block of ``a`` when collected, as a garbage pool
+    block of a "managed"-backend pool does (blocks over 64 MiB, or a full cache)."""
+
+    def __init__(self, a, ptr: int, stream_ptr: int) -> None:
+        self.a, self.ptr, self.stream_ptr = a, ptr, stream_ptr
+        self.cycle = self
+
+    def __del__(self) -> None:
+        self.a.free(self.ptr, self.stream_ptr)
+
+
+def _collect_once():
+    """A callable that runs one garbage collection, the first time only."""
+    todo = [gc.collect]
+    return lambda: todo and todo.pop()()
+
+
+def test_a_block_freed_by_a_gc_under_the_allocators_lock_is_cached(drv, monkeypatch):
+    """free() allocates under the lock (the deque of a new size class): a collection
+    started there frees another block, which must not take the lock again."""
+    a = _managed_alloc.ManagedAllocator(0)
+    p1, p2 = a.alloc(KB, 0x5000)[1], a.alloc(KB, 0x5000)[1]
+    gc.collect()
+    _FreedInGc(a, p1, 0x5000)
+    a._lock = lock = GcUnderLock(a._lock, collect=False)
+    collect = _collect_once()
+    real_deque = _managed_alloc.deque
+    monkeypatch.setattr(_managed_alloc, "deque", lambda *x: (collect(), real_deque(*x))[1])
+    a.free(p2, 0x5000)
+    assert not lock.deadlocked
+    assert a.cached == 2 * KB and {e[0] for e in a._free[KB]} == {p1, p2}
+    assert {a.alloc(KB, 0x5000)[1], a.alloc(KB, 0x5000)[1]} == {p1, p2}  # both reusable
+    assert a.n_driver_allocs == 2
+
+
+def test_a_block_freed_by_a_gc_while_alloc_searches_the_cache_is_cached(drv, monkeypatch):
+    """alloc() walks a size class under the lock and asks each entry's event: a
+    collection there frees a block of that class, which must not be appended to the
+    deque being walked (nor take the lock again); it is cached once alloc is done."""
+    a = _managed_alloc.ManagedAllocator(0)
+    p1, p2 = a.alloc(KB, 0x5000)[1], a.alloc(KB, 0x6000)[1]
+    a.free(p1, 0x5000)  # its event never completes here
+    gc.collect()
+    _FreedInGc(a, p2, 0x6000)
+    a._lock = lock = GcUnderLock(a._lock, collect=False)
+    collect = _collect_once()
+    query = drv.cuEventQuery
+    monkeypatch.setattr(drv, "cuEventQuery", lambda ev: (collect(), query(ev))[1], raising=False)
+    err, p3 = a.alloc(KB, 0x7000)  # nothing reusable on this stream: a new block
+    assert err == 0 and p3 not in (p1, p2)
+    assert not lock.deadlocked
+    assert a.cached == 2 * KB and [e[0] for e in a._free[KB]] == [p1, p2]
+    assert a.alloc(KB, 0x6000) == (0, p2)  # its own stream: reused

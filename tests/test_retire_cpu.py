@@ -9,6 +9,7 @@ driver (``tests/_hotpath_fakes.World`` and the ``fake_retirer`` fixture).
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import itertools
 import os
@@ -24,8 +25,8 @@ import cupy
 import pytest
 from _hotpath_fakes import World, twin_pools
 
+from cupy_poolmem import _errors, _pools, _retire, _streams
 from cupy_poolmem import _hotpath_py as twin
-from cupy_poolmem import _pools, _retire, _streams
 from cupy_poolmem._managed_alloc import ManagedAllocator
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
@@ -106,6 +107,87 @@ def test_a_sync_that_keeps_failing_keeps_the_pool_for_good():
     assert r.pending == 0 and len(r._kept) == 1 and log == []  # leaked, never destroyed
 
 
+def test_a_capture_the_pools_never_saw_holds_retirement_back_however_long_it_lasts():
+    """cuCtxSynchronize refused for a capture (CUDA_ERROR_STREAM_CAPTURE_*) is not a
+    broken context: never counted toward max_failures, the batch waits for the end of
+    the capture, and a live pool's leftovers are freed before it is destroyed."""
+    log: list = []
+    capturing = [True]
+
+    def sync(dev):
+        if capturing[0]:
+            raise RuntimeError("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
+        log.append(("sync", dev))
+
+    r = _retire.Retirer(
+        sync,
+        lambda: False,
+        lambda: [0],
+        free=lambda p, d: log.append(("free", p)),
+        background=False,
+    )
+    r.max_failures = 3
+    live = r.adopt(Resource(log, "live"))
+    r.add_leftovers(live, 0, [0xA])  # an orphaned block of a live pool
+    r.retire(r.adopt(Resource(log, "gone")), 0)
+    for _ in range(10):  # the capture goes on (a 5 s capture: 100 drains)
+        assert not r.drain()
+    assert r.n_sync_errors == 10 and r._kept == [] and r.pending == 1 and log == []
+    capturing[0] = False  # the capture ends
+    r.retire(live, 0)  # the live pool is closed later
+    assert r.drain()
+    assert log == [("sync", 0), ("free", 0xA), ("sync", 0), ("close", "gone"), ("close", "live")]
+    assert r._kept == [] and r.n_retired == 2
+
+
+def test_a_sync_error_keeps_the_pools_due_but_never_drops_a_live_pools_leftovers():
+    """max_failures sync errors that are not a capture's: the resources retired are
+    kept for good; leftovers of a pool still held stay due and are freed once a sync
+    works again, before that pool's own close."""
+    log: list = []
+    broken = [True]
+
+    def sync(dev):
+        if broken[0]:
+            raise _errors.CUDADriverError("cuCtxSynchronize", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+        log.append(("sync", dev))
+
+    r = _retire.Retirer(
+        sync,
+        lambda: False,
+        lambda: [0],
+        free=lambda p, d: log.append(("free", p)),
+        background=False,
+    )
+    r.max_failures = 3
+    live = r.adopt(Resource(log, "live"))
+    r.add_leftovers(live, 0, [0xA])
+    gone = Resource(log, "gone")
+    r.retire(r.adopt(gone), 0, [0xB])  # its leftover stays in it: kept with it
+    for _ in range(3):
+        assert not r.drain()
+    assert r._kept == [gone] and r.pending == 0 and log == []
+    broken[0] = False
+    r.retire(live, 0)
+    assert r.drain()
+    assert log == [("sync", 0), ("free", 0xA), ("sync", 0), ("close", "live")]
+
+
+def test_a_capture_error_is_told_from_other_sync_errors():
+    capture = [
+        _errors.CUDADriverError("cuCtxSynchronize", 900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"),
+        _errors.CUDADriverError("cuCtxSynchronize", 907, "CUDA_ERROR_CAPTURED_EVENT"),
+        RuntimeError("cuCtxSynchronize failed: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"),
+    ]
+    other = [
+        _errors.CUDADriverError("cuCtxSynchronize", 700, "CUDA_ERROR_ILLEGAL_ADDRESS"),
+        RuntimeError("CUDA_ERROR_INVALID_CONTEXT"),
+        ValueError("no device"),
+    ]
+    assert all(_retire._is_capture_error(e) for e in capture)
+    assert not any(_retire._is_capture_error(e) for e in other)
+
+
 def test_a_drain_that_raises_loses_nothing():
     log: list = []
     r = _retire.Retirer(lambda dev: None, lambda: False, lambda: [0], background=False)
@@ -118,6 +200,58 @@ def test_a_drain_that_raises_loses_nothing():
     with pytest.raises(KeyboardInterrupt):
         r.drain()
     assert r.pending == 1  # tried again next time
+
+
+def test_a_drain_that_raises_after_freeing_leftovers_never_frees_them_again():
+    """A BaseException out of a resource's close() puts the batch back: the leftovers
+    freed before it, and the resources closed before it, are not in it any more."""
+    log: list = []
+    r = _retire.Retirer(
+        lambda dev: log.append(("sync", dev)),
+        lambda: False,
+        lambda: [0],
+        free=lambda p, d: log.append(("free", p)),
+        background=False,
+    )
+    interrupt = [True]
+
+    class Bad(Resource):
+        def close(self):
+            if interrupt:
+                interrupt.pop()
+                raise KeyboardInterrupt
+            super().close()
+
+    live = r.adopt(Resource(log, "live"))
+    r.add_leftovers(live, 0, [0xB])  # a live pool's orphans
+    r.retire(r.adopt(Resource(log, "good")), 0, [0xC])
+    r.retire(r.adopt(Bad(log, "bad")), 0, [0xA])
+    with pytest.raises(KeyboardInterrupt):
+        r.drain()
+    assert r.pending == 1  # the one whose close() was interrupted
+    assert r.drain()
+    frees = [e for e in log if e[0] == "free"]
+    assert sorted(frees) == [("free", 0xA), ("free", 0xB), ("free", 0xC)]  # each once
+    assert [e for e in log if e[0] == "close"] == [("close", "good"), ("close", "bad")]
+    assert log[-2:] == [("sync", 0), ("close", "bad")]  # synchronised again first
+
+
+def test_a_free_interrupted_among_leftovers_is_never_done_twice():
+    """A BaseException out of a leftover's free: that one and those before it are not
+    freed again (a leak at worst, never a double free); the rest are, before the close."""
+    log: list = []
+
+    def free(p, d):
+        log.append(("free", p))
+        if p == 0xB and len(log) < 4:
+            raise KeyboardInterrupt
+
+    r = _retire.Retirer(lambda dev: None, lambda: False, lambda: [0], free=free, background=False)
+    r.retire(r.adopt(Resource(log)), 0, [0xA, 0xB, 0xC])
+    with pytest.raises(KeyboardInterrupt):
+        r.drain()
+    assert r.drain()
+    assert log == [("free", 0xA), ("free", 0xB), ("free", 0xC), ("close", "r")]
 
 
 def test_retire_from_a_finalizer_while_the_lock_is_held_does_not_deadlock(fake_retirer):
@@ -156,6 +290,86 @@ def test_the_background_thread_retires_and_then_stops():
         ("close", "1"),
         ("close", "2"),
     ]
+
+
+def _wait_for(cond, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_the_background_thread_survives_an_error_and_retires_everything(recwarn):
+    """An exception out of drain() (active_devices() here; a MemoryError anywhere) is
+    warned about once and retried: the thread goes on, the batch is retired later."""
+    log: list = []
+    calls: list = []
+
+    def active():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device_count failed once")
+        return [0]
+
+    r = _retire.Retirer(lambda dev: log.append(("sync", dev)), lambda: False, active, delay=0.01)
+    r.retire(r.adopt(Resource(log, "host")), _retire.ALL_DEVICES)
+    assert _wait_for(lambda: len(calls) >= 1)
+    r.retire(r.adopt(Resource(log, "later")), 0)  # a later pool
+    assert _wait_for(lambda: r.pending == 0 and r._thread is None)
+    assert sorted(e for e in log if e[0] == "close") == [("close", "host"), ("close", "later")]
+    assert r.n_errors == 1
+    assert [str(w.message) for w in recwarn.list if "retiring pools" in str(w.message)] == [
+        "cupy_poolmem: retiring pools failed (RuntimeError('device_count failed once')); retrying"
+    ]
+
+
+def test_the_background_thread_backs_off_while_syncs_fail():
+    """A long capture the pools never saw: the thread retries less and less often (up
+    to max_delay between drains) instead of every 10 ms, then retires at its end."""
+    log: list = []
+    capturing = threading.Event()
+    capturing.set()
+
+    def sync(dev):
+        log.append(("sync", dev))
+        if capturing.is_set():
+            raise RuntimeError("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
+
+    r = _retire.Retirer(sync, lambda: False, lambda: [0], delay=0.01)
+    r.max_delay = 0.08
+    r.retire(r.adopt(Resource(log)), 0)
+    time.sleep(0.6)  # 60 drains without a back-off; about 10 with it
+    n = len(log)
+    assert 3 <= n < 20, n
+    capturing.clear()
+    assert _wait_for(lambda: r.pending == 0 and r._thread is None)
+    assert log[-2:] == [("sync", 0), ("close", "r")] and r._backoff == 0
+
+
+class _Fatal(BaseException):
+    pass
+
+
+def test_a_background_thread_that_dies_is_replaced_while_work_remains(monkeypatch):
+    """An error that is not an Exception ends the thread: its slot is freed, and a new
+    thread takes the work over (one left in _thread would block every later start)."""
+    log: list = []
+    r = _retire.Retirer(
+        lambda dev: log.append(("sync", dev)), lambda: False, lambda: [0], delay=0.01
+    )
+    drain, fail = r.drain, [True]
+
+    def drain_once_fatal():
+        if fail:
+            fail.pop()
+            raise _Fatal
+        return drain()
+
+    monkeypatch.setattr(r, "drain", drain_once_fatal)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # expected traceback
+    r.retire(r.adopt(Resource(log, "a")), 0)
+    assert _wait_for(lambda: r.pending == 0 and r._thread is None)
+    assert log == [("sync", 0), ("close", "a")]
 
 
 def test_a_fork_child_never_closes_the_parents_pools(fake_retirer):
@@ -202,6 +416,7 @@ def test_leftovers_of_a_held_pool_are_freed_after_a_sync_and_before_its_close(fa
     fake_retirer.add_leftovers(token, 1, [0xA, 0xB])
     fake_retirer.add_leftovers(token, 1, [])  # nothing: no work
     fake_retirer.add_leftovers(12345, 1, [0xC])  # no such pool: never freed blindly
+    assert fake_retirer.n_leftovers_lost == 1
     assert fake_retirer.pending == 0  # nothing to close yet
     assert fake_retirer.drain()
     assert log == [("sync", 1), ("free", 0xA, 1), ("free", 0xB, 1), ("sync", 1)]
@@ -211,8 +426,82 @@ def test_leftovers_of_a_held_pool_are_freed_after_a_sync_and_before_its_close(fa
     log.clear()
     assert fake_retirer.drain()  # one batch: its frees come first, the close last
     assert log == [("sync", 1), ("free", 0xD, 1), ("sync", 1), ("close", "r")]
-    fake_retirer.add_leftovers(token, 1, [0xE])  # retired: nothing is freed any more
+    fake_retirer.add_leftovers(token, 1, [0xE])  # closed: its memory went with it
     assert fake_retirer.drain() and log[-1] == ("close", "r")
+    assert fake_retirer.n_leftovers_lost == 2
+
+
+def test_leftovers_of_a_pool_retired_but_not_closed_yet_are_freed_before_its_close(
+    fake_retirer,
+):
+    """add_leftovers after the pool was retired (a close() that hands its guard's
+    quarantine over while another thread's last free retired the pool): the pool is
+    still due, so the blocks are freed before its close, not dropped."""
+    log = fake_retirer.log.events
+    token = fake_retirer.adopt(Resource(log))
+    other = fake_retirer.adopt(Resource(log, "other"))
+    fake_retirer.retire(token, 0)
+    fake_retirer.retire(other, 0)
+    fake_retirer.add_leftovers(token, 0, [0xA])
+    fake_retirer.retire(token, 0, [0xB])  # retired twice: its leftovers all the same
+    assert fake_retirer.pending == 2 and fake_retirer.n_leftovers_lost == 0
+    assert fake_retirer.drain()
+    assert log == [
+        ("sync", 0),
+        ("free", 0xA, 0),
+        ("free", 0xB, 0),
+        ("sync", 0),
+        ("close", "r"),
+        ("close", "other"),
+    ]
+
+
+def test_leftovers_that_come_while_a_drain_retires_their_pool_are_freed_before_its_close(
+    fake_retirer,
+):
+    """Leftovers for a pool whose batch a drain (the retirer's thread) is working on,
+    after its sync: the close waits for the next drain, which frees them first."""
+    log = fake_retirer.log.events
+    token = fake_retirer.adopt(Resource(log))
+    sync = fake_retirer._sync
+
+    def sync_then_late_leftovers(dev):
+        sync(dev)
+        if log.count(("sync", 0)) == 1:  # another thread, meanwhile
+            fake_retirer.add_leftovers(token, 0, [0xA])
+
+    fake_retirer._sync = sync_then_late_leftovers
+    fake_retirer.retire(token, 0)
+    fake_retirer.drain()
+    assert ("close", "r") not in log and fake_retirer.pending == 1
+    assert fake_retirer.drain()
+    assert log == [("sync", 0), ("sync", 0), ("free", 0xA, 0), ("sync", 0), ("close", "r")]
+    assert fake_retirer.n_leftovers_lost == 0 and fake_retirer._inflight == {}
+
+
+def test_leftovers_that_come_during_a_failed_drain_go_back_before_their_close():
+    log: list = []
+    fail = [True]
+    r = _retire.Retirer(
+        lambda dev: None,
+        lambda: False,
+        lambda: [0],
+        free=lambda p, d: log.append(p),
+        background=False,
+    )
+    token = r.adopt(Resource(log))
+
+    def sync(dev):
+        if fail:
+            fail.pop()
+            r.add_leftovers(token, 0, [0xA])  # arrives while the batch is out
+            raise RuntimeError("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
+
+    r._sync = sync
+    r.retire(token, 0)
+    assert not r.drain()
+    assert [(e.leftovers, e.close) for e in r._due] == [((0xA,), False), ((), True)]
+    assert r.drain() and log == [0xA, ("close", "r")] and r.n_leftovers_lost == 0
 
 
 def test_leftovers_of_blocks_used_on_other_streams_sync_every_device(fake_retirer):
@@ -263,17 +552,26 @@ def test_a_pool_waiting_for_a_capture_is_polled_until_done():
     assert r.waiting == 0 and log == [("sync", 0), ("close", "r")] and r._thread is None
 
 
-def test_drain_says_when_a_pool_still_waits_and_drops_a_poll_that_raises(fake_retirer):
+def test_drain_says_when_a_pool_still_waits_and_retries_a_poll_that_raises(fake_retirer):
     answers = [False, True]
     fake_retirer.after_captures(lambda: answers.pop(0))
     assert not fake_retirer.drain() and fake_retirer.waiting == 1
     assert fake_retirer.drain() and fake_retirer.waiting == 0
 
+    calls = []
+
     def broken():
+        calls.append(1)
         raise RuntimeError("a CUDA error")
 
+    fake_retirer.max_failures = 3
     fake_retirer.after_captures(broken)
-    assert fake_retirer.drain() and fake_retirer.waiting == 0  # its frees leak, no more
+    with pytest.warns(RuntimeWarning, match=r"held for a capture failed .*a CUDA error.*retrying"):
+        assert not fake_retirer.drain() and fake_retirer.waiting == 1  # tried again
+    assert not fake_retirer.drain() and fake_retirer.waiting == 1
+    with pytest.warns(RuntimeWarning, match="gave up"):
+        assert fake_retirer.drain() and fake_retirer.waiting == 0  # its frees leak, no more
+    assert len(calls) == 3 and fake_retirer.n_poll_errors == 3
 
 
 def test_a_fork_child_never_polls_the_parents_waiting_pools(fake_retirer):
@@ -528,6 +826,120 @@ def test_a_closed_pool_does_its_frees_held_for_a_capture_before_it_is_retired(wo
     tail = [e for e in world.log if e[0] in ("free", "sync", "close_pool")]
     assert tail[-3:] == [("free", ptr, 0x5000), ("sync", 0), ("close_pool",)]
     assert world.retirer.waiting == 0 and world.retirer.held == 0
+
+
+def _closed_pool_waiting_for_a_capture(world):
+    """A closed pool whose last free is held for a capture: the retirer polls it."""
+    p = world.pool(reuse_cache=0)
+    _closing(world, p)
+    m = p.malloc(KB)
+    ptr = m.ptr
+    world.status[0x5000] = (1, 7)
+    p.close()
+    del m  # held for the capture; the retirer polls the pool
+    assert world.retirer.waiting == 1 and world.retirer.held == 1
+    return p, ptr
+
+
+def _breaking_polls(tp, monkeypatch):
+    def broken(dev):
+        raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT")
+
+    monkeypatch.setattr(tp, "on_device", broken)
+    return lambda: monkeypatch.setattr(tp, "on_device", lambda dev: contextlib.nullcontext())
+
+
+def test_a_closed_pool_whose_poll_raised_once_is_polled_again_and_retired(world, tp, monkeypatch):
+    """A poll that raises (here on_device: a context not bound yet) is not dropped:
+    the retirer keeps the pool and polls it again, and retires it after the capture."""
+    monkeypatch.setattr(tp.Pool, "__del__", _pools.Pool.__del__)  # the real finalizer
+    p, ptr = _closed_pool_waiting_for_a_capture(world)
+    repair = _breaking_polls(tp, monkeypatch)
+    del p  # the retirer's poll keeps it
+    with pytest.warns(RuntimeWarning, match="retrying"):
+        assert not world.retirer.drain()
+    assert world.retirer.waiting == 1 and world.retirer.held == 1
+    repair()
+    del world.status[0x5000]  # the capture ends
+    assert world.retirer.drain()
+    frees = [e for e in world.log if e[0] in ("free", "legacy_free") and e[1] == ptr]
+    assert frees == [("free", ptr, 0x5000)]  # once, on its stream
+    assert world.log[-2:] == [("sync", 0), ("close_pool",)]
+    assert world.retirer.held == 0 and world.retirer.waiting == 0
+
+
+def test_a_closed_pool_dropped_by_the_retirer_after_failed_polls_is_retired_by_its_finalizer(
+    world, tp, monkeypatch
+):
+    """After max_failures polls that raised, the retirer gives the pool up; its
+    finalizer then hands the held free over as a leftover and retires the pool (close()
+    returns at once for a closed pool: before, nothing ever retired it)."""
+    monkeypatch.setattr(tp.Pool, "__del__", _pools.Pool.__del__)
+    world.retirer.max_failures = 2
+    p, ptr = _closed_pool_waiting_for_a_capture(world)
+    token = p._retire_token
+    repair = _breaking_polls(tp, monkeypatch)
+    del p
+    with pytest.warns(RuntimeWarning):
+        world.retirer.drain()
+        world.retirer.drain()  # dropped: the pool is finalized
+    assert world.retirer.waiting == 0 and not world.retirer.is_held(token)
+    repair()
+    del world.status[0x5000]  # the capture ends
+    world.retirer.drain()
+    assert world.log[-4:] == [("sync", 0), ("legacy_free", ptr, 0), ("sync", 0), ("close_pool",)]
+    assert ("free", ptr, 0x5000) not in world.log
+    assert world.retirer.held == 0 and world.retirer.pending == 0
+
+
+def test_a_retired_pools_finalizer_does_not_retire_it_again(world, tp, monkeypatch):
+    monkeypatch.setattr(tp.Pool, "__del__", _pools.Pool.__del__)
+    p = world.pool()
+    _closing(world, p)
+    p.close()
+    world.retirer.drain()
+    assert world.log.count(("close_pool",)) == 1
+    retired = []
+    monkeypatch.setattr(tp.DevicePool, "_retire_now", lambda self, left=(): retired.append(1))
+    del p
+    gc.collect()
+    world.retirer.drain()
+    assert retired == [] and world.log.count(("close_pool",)) == 1
+
+
+def test_a_guard_quarantine_handed_over_after_the_pool_was_retired_is_freed_first(world):
+    """close() marks the pool closed, then hands the guard's quarantine to the retirer
+    (a capture is under way: it cannot be checked now).  Another thread's last free in
+    between retires the pool: the quarantined block must still be freed before the CUDA
+    pool is destroyed, not dropped with the retired token."""
+    from _guard_fakes import FakeOps
+
+    from cupy_poolmem import _guard
+    from cupy_poolmem._guard import GuardOptions
+
+    p = world.pool(reuse_cache=0)
+    _closing(world, p)
+    ops = FakeOps(world)
+    g = _guard.attach(p, GuardOptions(red_zone=16, quarantine_blocks=8), ops=ops)
+    q = p.malloc(64)
+    qptr = q.ptr
+    del q  # quarantined
+    assert g.stats()["quarantined_blocks"] == 1
+    last = [p.malloc(64)]  # held by a worker thread
+    mark_closed = p._mark_closed
+
+    def mark_closed_then_switch():
+        mark_closed()
+        last.clear()  # the worker's last free runs here
+
+    p._mark_closed = mark_closed_then_switch
+    ops.underway = True  # a capture elsewhere: the quarantine cannot be checked now
+    p.close()
+    ops.underway = False
+    world.retirer.drain()
+    assert world.log[-1] == ("close_pool",)
+    freed = [e for e in world.log if e[0] in ("free", "legacy_free") and e[1] == qptr]
+    assert freed == [("legacy_free", qptr, 0)] and world.retirer.n_leftovers_lost == 0
 
 
 def test_a_closed_pools_graph_memory_held_for_a_capture_is_freed_then_it_is_retired(world):

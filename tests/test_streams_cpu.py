@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from types import SimpleNamespace
 
 import cupy
 import numpy as np
 import pytest
+from _gc_locks import GcUnderLock
 from _hotpath_fakes import World, twin_pools
 from cupy.cuda.memory import MemoryPointer, UnownedMemory
 
@@ -362,3 +364,152 @@ def test_oom_beyond_the_device_says_so_without_reclaiming(world, monkeypatch):
         p.malloc(1 << 50)
     assert collected == [] and ("trim", 0) not in world.log
     assert isinstance(ei.value, cupy.cuda.memory.OutOfMemoryError)
+
+
+# ---------------------------------------------------------------- garbage collections under locks
+def _garbage_block(p) -> int:
+    """A block of ``p`` that only cyclic garbage references (freed at the next gc)."""
+    gc.collect()
+    m = p.malloc(KB)
+    cycle = [m]
+    cycle.append(cycle)
+    return m.ptr
+
+
+def test_a_gc_under_the_capture_registry_lock_may_free_a_block_on_a_capturing_stream(
+    world, monkeypatch
+):
+    """any_capture_underway() copies the registry under _streams._lock (the retirer asks
+    at every drain); a collection started there frees a block on a capturing stream,
+    whose held free notes the capture: the same lock, the same thread."""
+    p = world.pool(reuse_cache=0)
+    ptr = _garbage_block(p)
+    world.status[S] = (1, 7)
+    _streams._capturing[S] = world.current
+    lock = GcUnderLock(_streams._lock)
+    monkeypatch.setattr(_streams, "_lock", lock)
+    assert _streams.any_capture_underway()
+    assert not lock.deadlocked and lock.nested == 1
+    assert p.n_capture_held == 1 and ptr not in _frees(world)  # held for the capture
+    del world.status[S]
+    p._drain_capture_held()
+    assert _frees(world).count(ptr) == 1
+
+
+def test_a_gc_under_the_pool_lock_may_free_a_block_on_a_capturing_stream(world):
+    """_hold_free appends under Pool._lock (a tuple: a collection may start there); a
+    garbage block of the same pool freed in it on the capturing stream holds its free
+    too, under the same lock: both frees are held, each done once after the capture."""
+    p = world.pool(reuse_cache=0)
+    g = _garbage_block(p)
+    trigger = [p.malloc(KB)]
+    t = trigger[0].ptr
+    world.status[S] = (1, 7)  # the blocks' stream begins a capture
+    p._lock = lock = GcUnderLock(p._lock)
+    trigger.clear()  # its free is held: the collection starts under the lock
+    assert not lock.deadlocked and lock.nested >= 1
+    assert p.n_capture_held == 2 and {e[1] for e in p._capture_held} == {g, t}
+    del world.status[S]
+    p._drain_capture_held()
+    assert p.n_capture_held == 0
+    assert sorted(_frees(world)) == sorted([g, t])
+
+
+def test_a_gc_while_held_frees_are_drained_holds_the_new_ones_without_losing_any(world):
+    """_drain_capture_held swaps the list under Pool._lock and works on its copy: a
+    collection there whose garbage block is freed on a stream still capturing adds to
+    the new list, never to the one being drained."""
+    p = world.pool(reuse_cache=0)
+    old = p.malloc(KB)
+    optr = old.ptr
+    world.status[S] = (1, 7)
+    del old  # held
+    world.status.pop(S)
+    world.current = cupy.cuda.ExternalStream(0x6000, 0)
+    g = _garbage_block(p)
+    world.status[0x6000] = (1, 9)  # its stream begins a capture
+    p._lock = lock = GcUnderLock(p._lock)
+    p._drain_capture_held()  # the collection runs as it takes the lock
+    assert not lock.deadlocked
+    assert _frees(world) == [optr]  # S is done capturing
+    assert [e[1] for e in p._capture_held] == [g] and p.n_capture_held == 1
+    del world.status[0x6000]
+    p._drain_capture_held()
+    assert _frees(world) == [optr, g]
+
+
+class _Ev:
+    """A pinned deferral's event; ``on_query`` runs when ``done`` is asked."""
+
+    def __init__(self, done: bool = False, on_query=None) -> None:
+        self._done, self.on_query = done, on_query
+
+    @property
+    def done(self) -> bool:
+        if self.on_query is not None:
+            f, self.on_query = self.on_query, None
+            f()
+        return self._done
+
+    def record(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _deferring_pinned_pool(world, tp, monkeypatch, done: bool):
+    """A PinnedPool whose frees are deferred behind fake events (done or not)."""
+    fake_cupy = SimpleNamespace(
+        cuda=SimpleNamespace(
+            Device=lambda d: contextlib.nullcontext(),
+            Event=lambda **k: _Ev(done),
+            get_current_stream=lambda: world.current,
+            runtime=SimpleNamespace(getDevice=lambda: 0),
+        )
+    )
+    monkeypatch.setattr(tp, "cupy", fake_cupy)
+    p = world.pool(cls=tp.PinnedPool, kind=twin.KIND_PINNED)
+    p.release_hook = p._defer_free
+    p.cache_limit = p.cache_max_block = 0
+    return p
+
+
+def test_a_gc_under_the_pinned_deferral_lock_may_defer_a_pinned_free(world, tp, monkeypatch):
+    """_release_done asks the first deferred entry under _pending_lock; a collection
+    started under it frees a garbage pinned block, which defers its free under the same
+    lock (same thread)."""
+    p = _deferring_pinned_pool(world, tp, monkeypatch, done=False)
+    p._pending.append(([_Ev()], 0x1234, world.current))  # not done yet
+    g = _garbage_block(p)
+    p._pending_lock = lock = GcUnderLock(p._pending_lock)
+    assert p._release_done() == 0
+    assert not lock.deadlocked and lock.nested >= 1
+    assert [e[1] for e in p._pending] == [0x1234, g]  # deferred, nothing freed
+    assert _frees(world) == []
+
+
+def test_a_deferred_pinned_free_released_during_its_own_event_query_is_done_once(
+    world, tp, monkeypatch
+):
+    """A collection while _release_done asks whether the first entry's events are done
+    (its generator is an allocation) frees a pinned block, whose deferral releases
+    every finished entry, the first one too.  The outer call must then neither free
+    that entry again nor take another one in its place."""
+    p = _deferring_pinned_pool(world, tp, monkeypatch, done=True)
+    g = _garbage_block(p)
+    p._pending.append(([_Ev(True, on_query=gc.collect)], 0x1234, world.current))
+    assert p._release_done() == 0  # the nested call did the work
+    assert not p._pending
+    assert sorted(_frees(world)) == sorted([0x1234, g])  # each once
+
+
+def test_taking_a_pinned_pools_deferred_frees_survives_a_gc_under_the_lock(world, tp, monkeypatch):
+    """_take_pending (retire, finalize) swaps the queue under the lock: a collection
+    there that defers another free never changes the queue being read."""
+    p = _deferring_pinned_pool(world, tp, monkeypatch, done=False)
+    p._pending.append(([_Ev()], 0x1234, world.current))
+    g = _garbage_block(p)
+    p._pending_lock = GcUnderLock(p._pending_lock)
+    left = p._take_pending()
+    assert sorted(left + [e[1] for e in p._pending]) == sorted([0x1234, g])
