@@ -127,6 +127,7 @@ class Retirer:
         self._late: dict[int, list[_Due]] = {}
         self.n_leftovers_lost = 0  # leftovers never freed: their pool was destroyed or kept
         self._waiting: list[_Poll] = []  # polled until True (after_captures)
+        self._polling = 0  # polls taken out of _waiting by a drain under way
         self._next = 1
         self._thread: threading.Thread | None = None
         self.n_retired = 0
@@ -245,15 +246,16 @@ class Retirer:
 
     @property
     def pending(self) -> int:
-        """Resources retired but not destroyed yet."""
+        """Resources retired but not destroyed yet (due, or in a drain under way)."""
         with self._lock:
-            return sum(1 for e in self._due if e.close)
+            return sum(1 for e in self._due if e.close) + len(self._inflight)
 
     @property
     def waiting(self) -> int:
-        """Closed pools whose last frees wait for a stream capture to end."""
+        """Closed pools whose last frees wait for a stream capture to end (polls being
+        called now included)."""
         with self._lock:
-            return len(self._waiting)
+            return len(self._waiting) + self._polling
 
     @property
     def held(self) -> int:
@@ -302,6 +304,8 @@ class Retirer:
     def _poll_waiting(self) -> None:
         with self._lock:
             waiting, self._waiting = self._waiting, []
+            self._polling += len(waiting)
+        n = len(waiting)
         keep: list[_Poll] = []
         try:
             while waiting:
@@ -315,8 +319,9 @@ class Retirer:
                 if not done:
                     keep.append(poll)
         finally:
-            if keep or waiting:
-                with self._lock:
+            with self._lock:
+                self._polling -= n
+                if keep or waiting:
                     self._waiting[:0] = keep + waiting
 
     def _poll_failed(self, poll: _Poll, exc: Exception) -> bool:
@@ -489,12 +494,14 @@ class Retirer:
             *self._held.values(),
             *(e.resource for e in self._due),
             *(w.fn for w in self._waiting),  # their pools hold streams: kept alive
+            *self._inflight.values(),  # the parent's drain was retiring them
         ]
         self._held = {}
         self._due = []
         self._waiting = []
         self._inflight = {}
         self._late = {}
+        self._polling = 0
 
 
 def _sync_device(dev: int) -> None:

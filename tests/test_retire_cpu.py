@@ -1216,3 +1216,35 @@ def test_a_reused_exported_block_freed_after_its_pool_was_finalized(
     world.retirer.drain()
     legacy = [e[1] for e in world.log[n:] if e[0] == "legacy_free"]
     assert legacy == ([] if exporter_keeps else [0x9000])
+
+
+def test_pending_and_waiting_count_what_a_drain_is_working_on(fake_retirer):
+    """A caller waiting until ``pending`` and ``waiting`` are 0 (a test, a shutdown) must
+    not see 0 while a drain is still freeing a pool's leftovers and closing it, or
+    calling a pool's poll: the batch and the polls are counted until they are done."""
+    seen = {}
+
+    class Slow:
+        def __init__(self) -> None:
+            self.closed = False
+
+        def free_leftover(self, ptr: int) -> None:
+            seen["leftover"] = (fake_retirer.pending, fake_retirer.waiting)
+
+        def close(self) -> None:
+            seen["close"] = (fake_retirer.pending, fake_retirer.waiting)
+            self.closed = True
+
+    def poll() -> bool:
+        seen["poll"] = fake_retirer.waiting
+        return True
+
+    res = Slow()
+    token = fake_retirer.adopt(res)
+    fake_retirer.add_leftovers(token, 0, (0x100,))
+    fake_retirer.retire(token, 0)
+    fake_retirer.after_captures(poll)
+    assert (fake_retirer.pending, fake_retirer.waiting) == (1, 1)
+    assert fake_retirer.drain()
+    assert seen == {"poll": 1, "leftover": (1, 0), "close": (1, 0)}
+    assert res.closed and (fake_retirer.pending, fake_retirer.waiting) == (0, 0)

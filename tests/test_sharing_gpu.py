@@ -515,6 +515,10 @@ def test_sigkill_gives_back_idle_mappings():
             q_in.put(("drop", 3, x))
             _reply(q_out)
         assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 1)
+        # The second message is a hit the receiver acknowledges a few ms later (no
+        # lease changes): killed before that, its ticket would pin the block until
+        # inflight_timeout (test_message_never_read_lets_go_after_inflight_timeout).
+        assert _wait_for(lambda: cpm.sharing.stats()["tickets_out"] == 0)
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
         assert _wait_for(lambda: cpm.sharing.stats()["leases"] == 0, 10.0)
