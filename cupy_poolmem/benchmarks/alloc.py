@@ -119,7 +119,7 @@ def _pure_python_row(n: int) -> list[float] | None:
 
     env = child_env(CUPY_POOLMEM_PURE_PYTHON="1")
     r = subprocess.run(
-        [sys.executable, "-m", __name__, "--child", str(n)],
+        [sys.executable, "-m", "cupy_poolmem.benchmarks.alloc", "--child", str(n)],
         env=env,
         capture_output=True,
         text=True,

@@ -7,7 +7,7 @@ round trip for a tiny numpy array, sent on the same queues just before each meas
 message; "over floor" (the median of the per-pair differences) is what sharing adds to
 the queue's own cost.
 "same array" re-sends one array (the receiver keeps its mapping); "fresh arrays" sends
-a newly allocated array each time (made before the clock starts), the usual producer
+a newly allocated array each time (made and filled before the clock starts), the usual producer
 pattern, where the sender exports and the receiver maps new memory for every message
 (the driver's cost for both grows with the size), except that a DevicePool recycles an
 exported block through its reuse cache with its export record (docs/sharing.rst,
@@ -86,8 +86,14 @@ def run_method(
             with cupy.cuda.using_allocator(cupy.get_default_memory_pool().malloc):
                 return cupy.ones(size // 4, dtype=cupy.float32)
 
+        def sync() -> None:
+            if kind == "torch":
+                torch.cuda.synchronize()
+            else:
+                cupy.cuda.runtime.deviceSynchronize()
+
         obj = make()
-        cupy.cuda.runtime.deviceSynchronize()
+        sync()
         t0 = time.perf_counter()
         q_in.put(obj)
         q_out.get(timeout=300)
@@ -113,6 +119,9 @@ def run_method(
         for _ in range(n_steady[size]):
             if fresh:
                 obj = make()
+                # The fill kernel is done before the clock starts: the receiver's wait
+                # for it would time the fill (0.1 ms at 256 MiB), not the sharing.
+                sync()
             f = floor_block(n=1)[0]
             t0 = time.perf_counter()
             q_in.put(obj)
