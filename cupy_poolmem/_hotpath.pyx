@@ -95,7 +95,11 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 5
+VERSION = 6
+
+# Allocations in a row that a non-empty reuse cache cannot serve before it is flushed.
+FLUSH_AFTER_MISSES = 16
+cdef unsigned int _FLUSH_AFTER_MISSES = 16
 
 # Block.flags: why a block's free leaves the plain path (one test when none is set).
 FLAG_RECORDED = 1   # record_stream: the free waits for the recorded streams first
@@ -275,6 +279,7 @@ cdef class PoolCore:
     cdef public unsigned long long _retire_token  # the retirer's name for its pool (0: none)
     cdef readonly bint finalized     # the pool's finalizer ran: blocks avoid their streams
     cdef public bint _close_done     # close() has handed everything over: may be retired
+    cdef readonly unsigned int cache_misses  # allocations in a row the cache could not serve
 
     def _attach(self, uintptr_t pool_handle, int device_id, int kind):
         self._pool = <CUmemoryPool>pool_handle
@@ -335,6 +340,9 @@ cdef class PoolCore:
                 if hit:
                     dptr, stream, share = hit.pop()
                     self.cached_bytes -= size
+                    self.cache_misses = 0
+                else:
+                    self._cache_missed()
             if dptr == 0:
                 stream = _get_current_stream()
                 sptr = stream.ptr
@@ -373,6 +381,15 @@ cdef class PoolCore:
         if self.kind == KIND_PINNED:
             return _PinnedMemoryPointer(b, 0)
         return _MemoryPointer(_UnownedMemory(dptr, size, b, self.device_id), 0)
+
+    cdef _cache_missed(self):
+        """A miss while the cache holds blocks: after FLUSH_AFTER_MISSES in a row, the
+        blocks it holds (sizes or streams this program stopped asking for) go back to
+        the CUDA pool, where an allocation of any size can reuse their memory."""
+        self.cache_misses += 1
+        if self.cache_misses >= _FLUSH_AFTER_MISSES:
+            self.cache_misses = 0
+            self.flush_cache()
 
     cdef _release(self, uintptr_t ptr, size_t size, uintptr_t stream_ptr, object stream):
         cdef list lst

@@ -23,13 +23,15 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 5
+VERSION = 6
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
 FLAG_ADVISED = 4
 _FLAG_SPECIAL = FLAG_CAPTURED | FLAG_ADVISED
 _SIZE_MAX = 2**64 - 1
+# Allocations in a row that a non-empty reuse cache cannot serve before it is flushed.
+FLUSH_AFTER_MISSES = 16
 
 _shared_release = None
 _shared_retire = None
@@ -192,6 +194,7 @@ class PoolCore:
     _backend: Any = None
     _retire_token = 0
     finalized = False
+    cache_misses = 0  # allocations in a row the cache could not serve
 
     def _attach(self, pool_handle: int, device_id: int, kind: int) -> None:
         self._pool = _drv.CUmemoryPool(pool_handle) if pool_handle else None
@@ -210,6 +213,14 @@ class PoolCore:
     def _mark_finalized(self) -> None:
         """From now on a freed block goes to :meth:`_orphan`, never to its stream."""
         self.finalized = True
+
+    def _cache_missed(self) -> None:
+        """A miss while the cache holds blocks: after FLUSH_AFTER_MISSES in a row, the
+        blocks it holds go back to the CUDA pool (see ``_hotpath.pyx``)."""
+        self.cache_misses += 1
+        if self.cache_misses >= FLUSH_AFTER_MISSES:
+            self.cache_misses = 0
+            self.flush_cache()
 
     def _release(self, ptr: int, size: int, stream_ptr: int, stream: Any) -> None:
         if (
@@ -299,6 +310,9 @@ class PoolCore:
                 if hit:
                     dptr, _, share = hit.pop()
                     self.cached_bytes -= size
+                    self.cache_misses = 0
+                else:
+                    self._cache_missed()
             if not dptr:
                 if self.n_capture_held:
                     self._drain_capture_held()

@@ -730,7 +730,9 @@ class DevicePool(Pool):
         Bytes of freed blocks (each up to 64 MiB) kept for reuse by the next
         allocation of the same size on the same stream, skipping the driver call.
         Same-stream reuse is what stream ordering already allows, so this changes
-        speed only.  Flushed on out-of-memory, :meth:`~Pool.trim` and :meth:`~Pool.close`.
+        speed only.  Flushed on out-of-memory, :meth:`~Pool.trim` and :meth:`~Pool.close`,
+        and after 16 allocations in a row it could not serve (sizes or streams no
+        longer asked for go back to the CUDA pool, where any size reuses the memory).
         Default ``"1GiB"``; ``0`` disables it.
     peer_access : "all", None or list of int
         Other GPUs that may read and write this pool's memory (kernels and copies

@@ -19,6 +19,7 @@ MODULES = {
     "cupy_poolmem._poolstats": 2,
     "cupy_poolmem.dask": 3,
     "cupy_poolmem._dask_transfer": 6,
+    "cupy_poolmem.benchmarks.churn": 4,
 }
 
 

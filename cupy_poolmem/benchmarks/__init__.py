@@ -4,7 +4,7 @@ Each module prints one table: peers measured in the same process and run, ratios
 named baseline, the device name, and the versions of CuPy, cuda.core and the peers.
 They need a GPU; ``bench`` runs each in its own process (they spawn workers)::
 
-    python -m cupy_poolmem bench                 # alloc, pinned, ipc
+    python -m cupy_poolmem bench                 # alloc, pinned, churn, ipc
     python -m cupy_poolmem bench alloc --quick   # one of them, shorter
     python -m cupy_poolmem bench dask            # needs dask, distributed, dask-cuda
     python -m cupy_poolmem bench transfer        # the same, and two GPUs
@@ -19,10 +19,11 @@ from __future__ import annotations
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "alloc": ("alloc", "cupy.empty + free and a temporaries chain vs CuPy, RMM pools"),
     "pinned": ("pinned_bandwidth", "pinned host copies vs cudaHostAlloc, cuda.core"),
+    "churn": ("churn", "a many-sizes trace: reserved peak vs CuPy, RMM, torch"),
     "ipc": ("ipc", "sharing through multiprocessing vs torch and CuPy pickling"),
     "dask": ("dask_workload", "Dask graphs: the plugin vs dask-cuda's allocators"),
     "transfer": ("dask_transfer", "a CuPy chunk between two GPU workers: TCP vs pool IPC"),
 }
 
 #: What ``python -m cupy_poolmem bench`` runs when given no name.
-DEFAULT = ("alloc", "pinned", "ipc")
+DEFAULT = ("alloc", "pinned", "churn", "ipc")

@@ -1,0 +1,236 @@
+"""A churn trace: many sizes, frees out of order; the memory each allocator reserves.
+
+One seeded trace is replayed on every allocator in this process and run: each step
+allocates a ``cupy.empty`` of a size drawn log-uniformly between 1 KiB and 64 MiB (a
+tenth of them repeat one of a few common sizes, as a model's activations do), and
+frees random live arrays, out of order, whenever more than ``live`` bytes are live.
+The table gives microseconds per step and the peak memory each allocator reserved from
+the device while replaying it (its high-water mark: what other processes and libraries
+could not use), each with its ratio to CuPy's ``MemoryPool``.
+
+The peak comes from the allocator's own high-water mark where it keeps one (CUDA
+pools: ``reserved_mem_high``; torch: ``max_memory_reserved``); CuPy's ``MemoryPool``
+and RMM's pool keep none, so for them a second replay, untimed, samples what they hold
+after every step.
+
+Goal (cupy_poolmem's default DevicePool): a reserved peak at most 0.8x MemoryPool's,
+at equal speed (at most 1.05x its time per step).
+
+``python -m cupy_poolmem bench churn [--quick]``
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cupy
+
+import cupy_poolmem
+
+from ._common import header, require_gpu, table
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+GOAL_RESERVED, GOAL_SPEED = 0.8, 1.05
+
+
+def trace(steps: int, live: int, seed: int = 7) -> list[tuple[int, list[int]]]:
+    """``[(size, [slots to free before it]), ...]``: the same trace for every allocator.
+
+    Slots index the list of live arrays at that moment (a free swaps the last array
+    into the freed slot), so replaying the trace frees the same arrays everywhere.
+
+    Examples
+    --------
+    >>> t = trace(200, live=64 << 20)
+    >>> len(t), all(1 << 10 <= size <= 64 << 20 for size, _ in t)
+    (200, True)
+    >>> t == trace(200, live=64 << 20)  # seeded: every allocator replays the same
+    True
+    """
+    rng = random.Random(seed)
+    common = [4 * KiB, 256 * KiB, 4 * MiB, 32 * MiB]
+    sizes: list[int] = []
+    out: list[tuple[int, list[int]]] = []
+    held = 0
+    for _ in range(steps):
+        if rng.random() < 0.1:
+            size = rng.choice(common)
+        else:
+            size = int(2 ** rng.uniform(10, 26))
+        frees = []
+        while sizes and held + size > live:
+            i = rng.randrange(len(sizes))
+            frees.append(i)
+            held -= sizes[i]
+            sizes[i] = sizes[-1]
+            sizes.pop()
+        sizes.append(size)
+        held += size
+        out.append((size, frees))
+    return out
+
+
+def replay(steps: list[tuple[int, list[int]]], make: Callable[[int], Any], sample=None) -> float:
+    """Run the trace with ``make(size)``; seconds per step.  ``sample()`` after each step."""
+    arrays: list[Any] = []
+    t0 = time.perf_counter()
+    for size, frees in steps:
+        for i in frees:
+            arrays[i] = arrays[-1]
+            arrays.pop()
+        arrays.append(make(size))
+        if sample is not None:
+            sample()
+    dt = (time.perf_counter() - t0) / len(steps)
+    arrays.clear()
+    return dt
+
+
+def _cupy_make(size: int) -> Any:
+    return cupy.empty(size, dtype=cupy.uint8)
+
+
+def _default_mempool_high(reset: bool = False) -> int:
+    """The device's default CUDA pool (CuPy's MemoryAsyncPool): its reserved high-water."""
+    from cuda.bindings import driver as drv
+
+    err, dev = drv.cuCtxGetDevice()
+    err, pool = drv.cuDeviceGetDefaultMemPool(dev)
+    attr = drv.CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH
+    if reset:
+        drv.cuMemPoolSetAttribute(pool, attr, drv.cuuint64_t(0))
+        return 0
+    err, value = drv.cuMemPoolGetAttribute(pool, attr)
+    return int(value)
+
+
+def measure(steps: list[tuple[int, list[int]]]) -> list[tuple[str, float, int]]:
+    """(allocator, seconds per step, peak reserved bytes) for each allocator."""
+    sync = cupy.cuda.runtime.deviceSynchronize
+    rows: list[tuple[str, float, int]] = []
+
+    def sampled(make_pool: Callable[[], Any], held: Callable[[Any], int]) -> tuple[float, int]:
+        pool = make_pool()
+        with cupy.cuda.using_allocator(pool.malloc):
+            dt = replay(steps, _cupy_make)
+        sync()
+        getattr(pool, "free_all_blocks", lambda: None)()
+        pool = make_pool()
+        peak = [0]
+
+        def sample() -> None:
+            peak[0] = max(peak[0], held(pool))
+
+        with cupy.cuda.using_allocator(pool.malloc):
+            replay(steps, _cupy_make, sample)
+        sync()
+        getattr(pool, "free_all_blocks", lambda: None)()
+        return dt, peak[0]
+
+    def mempool() -> Any:
+        return cupy.cuda.MemoryPool()
+
+    dt, peak = sampled(mempool, lambda p: p.total_bytes())
+    rows.append(("cupy MemoryPool (baseline)", dt, peak))
+
+    ap = cupy.cuda.MemoryAsyncPool()
+    sync()
+    _default_mempool_high(reset=True)
+    with cupy.cuda.using_allocator(ap.malloc):
+        dt = replay(steps, _cupy_make)
+    sync()
+    rows.append(("cupy MemoryAsyncPool", dt, _default_mempool_high()))
+
+    try:
+        import rmm
+        import rmm.mr
+
+        class _Rmm:
+            def __init__(self) -> None:
+                self.mr = rmm.mr.PoolMemoryResource(rmm.mr.CudaMemoryResource(), 256 * MiB)
+
+            def malloc(self, size: int) -> Any:
+                buf = rmm.DeviceBuffer(size=size, mr=self.mr)
+                mem = cupy.cuda.UnownedMemory(buf.ptr, size, buf)
+                return cupy.cuda.MemoryPointer(mem, 0)
+
+        dt, peak = sampled(_Rmm, lambda p: p.mr.pool_size())
+        rows.append(("rmm PoolMemoryResource", dt, peak))
+    except Exception as exc:
+        print(f"(rmm not measured: {type(exc).__name__}: {exc})")
+
+    for label, opts in (
+        ("cupy_poolmem DevicePool (default)", {}),
+        ("cupy_poolmem DevicePool reuse_cache=0", {"reuse_cache": 0}),
+    ):
+        pool = cupy_poolmem.DevicePool(**opts)
+        pool.reset_peak()
+        with cupy.cuda.using_allocator(pool.malloc):
+            dt = replay(steps, _cupy_make)
+        sync()
+        rows.append((label, dt, pool.stats().peak_reserved_bytes))
+        pool.close()
+
+    try:
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        dt = replay(steps, lambda n: torch.empty(n, dtype=torch.uint8, device="cuda"))
+        torch.cuda.synchronize()
+        rows.append(("torch caching allocator", dt, int(torch.cuda.max_memory_reserved())))
+        torch.cuda.empty_cache()
+    except Exception as exc:
+        print(f"(torch not measured: {type(exc).__name__}: {exc})")
+    return rows
+
+
+def goal_line(rows: list[tuple[str, float, int]]) -> str:
+    """Whether the default DevicePool met the goal against MemoryPool in ``rows``.
+
+    Examples
+    --------
+    >>> rows = [("cupy MemoryPool (baseline)", 2e-6, 1000),
+    ...         ("cupy_poolmem DevicePool (default)", 2e-6, 700)]
+    >>> goal_line(rows)
+    'goal (reserved <= 0.8x MemoryPool, time <= 1.05x): met (0.70x, 1.00x)'
+    """
+    base = next(r for r in rows if r[0].startswith("cupy MemoryPool"))
+    ours = next(r for r in rows if r[0] == "cupy_poolmem DevicePool (default)")
+    res, speed = ours[2] / base[2], ours[1] / base[1]
+    met = res <= GOAL_RESERVED and speed <= GOAL_SPEED
+    return (
+        f"goal (reserved <= {GOAL_RESERVED}x MemoryPool, time <= {GOAL_SPEED}x): "
+        f"{'met' if met else 'missed'} ({res:.2f}x, {speed:.2f}x)"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    require_gpu("churn")
+    quick = "--quick" in argv
+    n_steps, live = (5_000, 1 * GiB) if quick else (40_000, 2 * GiB)
+    print(header("churn trace: microseconds per step and reserved peak (ratio to MemoryPool)"))
+    steps = trace(n_steps, live)
+    print(f"trace: {n_steps} steps, sizes 1 KiB-64 MiB, at most {live >> 20} MiB live")
+    rows = measure(steps)
+    base = rows[0]
+    out = [
+        [
+            name,
+            f"{dt * 1e6:8.2f} us ({dt / base[1]:.2f}x)",
+            f"{peak / MiB:9.1f} MiB ({peak / base[2]:.2f}x)",
+        ]
+        for name, dt, peak in rows
+    ]
+    print(table(["allocator", "time per step", "reserved peak"], out))
+    print(goal_line(rows))
+
+
+if __name__ == "__main__":
+    main()
