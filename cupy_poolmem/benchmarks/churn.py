@@ -163,11 +163,11 @@ def measure(steps: list[tuple[int, list[int]]]) -> list[tuple[str, float, int]]:
     except Exception as exc:
         print(f"(rmm not measured: {type(exc).__name__}: {exc})")
 
-    for label, opts in (
-        ("cupy_poolmem DevicePool (default)", {}),
-        ("cupy_poolmem DevicePool reuse_cache=0", {"reuse_cache": 0}),
+    for label, cache in (
+        ("cupy_poolmem DevicePool (default)", "1GiB"),
+        ("cupy_poolmem DevicePool reuse_cache=0", 0),
     ):
-        pool = cupy_poolmem.DevicePool(**opts)
+        pool = cupy_poolmem.DevicePool(reuse_cache=cache)
         pool.reset_peak()
         with cupy.cuda.using_allocator(pool.malloc):
             dt = replay(steps, _cupy_make)
