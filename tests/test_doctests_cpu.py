@@ -20,6 +20,7 @@ MODULES = {
     "cupy_poolmem.dask": 3,
     "cupy_poolmem._dask_transfer": 6,
     "cupy_poolmem.benchmarks.churn": 4,
+    "cupy_poolmem.benchmarks.pinned_bandwidth": 1,
 }
 
 

@@ -1,6 +1,8 @@
 """Pinned host <-> device bandwidth: PinnedPool vs cudaHostAlloc (CuPy) vs a default cuda.core pool.
 
-``python benchmarks/pinned_bandwidth.py``: one table, GB/s and ratio to cudaHostAlloc.
+``python benchmarks/pinned_bandwidth.py``: one table, GB/s and ratio to cudaHostAlloc
+(each peer's best of three rounds, round-robin), and the goal line: PinnedPool at
+least 0.95x cudaHostAlloc both ways at 16 MiB and 256 MiB.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ import cupy
 import cupy_poolmem
 
 from ._common import header, require_gpu, table
+
+OURS = "cupy_poolmem PinnedPool"
+GOAL = 0.95  # PinnedPool's copies against cudaHostAlloc's, both ways
+ROUNDS = 3
 
 
 def bandwidth(host_ptr: int, dev_ptr: int, n: int, kind: int, reps: int = 10) -> float:
@@ -38,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     print(header("pinned bandwidth: GB/s (ratio to cudaHostAlloc)"))
     rows = []
+    ratios: dict[int, tuple[float, float]] = {}
     for n in (16 << 20, 256 << 20):
         d = cupy.empty(n, dtype=cupy.uint8)
         ref_mem = cupy.cuda.alloc_pinned_memory(n)  # CuPy's PinnedMemoryPool: cudaHostAlloc
@@ -48,27 +55,49 @@ def main(argv: Sequence[str] | None = None) -> None:
         cupy.cuda.runtime.deviceSynchronize()
         peers = [
             ("cudaHostAlloc (cupy PinnedMemoryPool)", ref_mem.ptr),
-            ("cupy_poolmem PinnedPool", ours.ptr),
+            (OURS, ours.ptr),
             ("cuda.core PinnedMemoryResource default", int(buf.handle)),
         ]
-        ref: dict[str, float] = {}
-        for name, ptr in peers:
-            h2d = bandwidth(ptr, d.data.ptr, n, 1)
-            d2h = bandwidth(ptr, d.data.ptr, n, 2)
-            if not ref:
-                ref = {"h2d": h2d, "d2h": d2h}
+        # Round-robin, each peer's best of ROUNDS: drift (clocks, other load) hits
+        # every peer alike.
+        best: dict[str, list[float]] = {name: [0.0, 0.0] for name, _ in peers}
+        for _ in range(ROUNDS):
+            for name, ptr in peers:
+                got = (bandwidth(ptr, d.data.ptr, n, 1), bandwidth(ptr, d.data.ptr, n, 2))
+                best[name] = [max(a, b) for a, b in zip(best[name], got)]
+        ref = best[peers[0][0]]
+        for name, _ in peers:
+            h2d, d2h = best[name]
             rows.append(
                 [
                     f"{n >> 20} MiB",
                     name,
-                    f"{h2d:6.1f} ({h2d / ref['h2d']:.2f}x)",
-                    f"{d2h:6.1f} ({d2h / ref['d2h']:.2f}x)",
+                    f"{h2d:6.1f} ({h2d / ref[0]:.2f}x)",
+                    f"{d2h:6.1f} ({d2h / ref[1]:.2f}x)",
                 ]
             )
+        ratios[n] = (best[OURS][0] / ref[0], best[OURS][1] / ref[1])
         buf.close()
         del ours
         pool.close()
     print(table(["size", "host memory", "H2D GB/s", "D2H GB/s"], rows))
+    print(goal_line(ratios))
+
+
+def goal_line(ratios: dict[int, tuple[float, float]]) -> str:
+    """Whether PinnedPool copied at least GOAL x cudaHostAlloc's speed both ways.
+
+    Examples
+    --------
+    >>> goal_line({16 << 20: (0.99, 1.0), 256 << 20: (0.96, 0.94)})
+    'goal (PinnedPool >= 0.95x cudaHostAlloc both ways): missed (16 MiB 0.99x/1.00x, 256 MiB 0.96x/0.94x)'
+    """
+    met = all(min(r) >= GOAL for r in ratios.values())
+    parts = ", ".join(f"{n >> 20} MiB {h:.2f}x/{d:.2f}x" for n, (h, d) in ratios.items())
+    return (
+        f"goal (PinnedPool >= {GOAL}x cudaHostAlloc both ways): "
+        f"{'met' if met else 'missed'} ({parts})"
+    )
 
 
 if __name__ == "__main__":
