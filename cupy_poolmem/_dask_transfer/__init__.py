@@ -56,8 +56,8 @@ from collections.abc import Callable
 from multiprocessing import current_process
 from typing import Any
 
-from ._errors import InvalidOptionError, OptionTypeError, SharingError, TransferError
-from ._sizes import parse_bytes
+from .._errors import InvalidOptionError, OptionTypeError, SharingError, TransferError
+from .._sizes import parse_bytes
 
 __all__ = [
     "CONFIG_KEY",
@@ -223,7 +223,7 @@ def local_identity(devices: list[str] | tuple[str, ...]) -> dict[str, Any]:
     >>> sorted(ident)
     ['boot', 'devices', 'family', 'pid', 'proto', 'uid', 'version']
     """
-    from . import __version__
+    from .. import __version__
 
     return {
         "proto": PROTOCOL,
@@ -416,7 +416,7 @@ def make_header(desc: tuple, sender: str) -> dict[str, Any]:
 
 
 def _bad(what: str) -> SharingError:
-    from ._sharing._wire import ProtocolError
+    from .._sharing._wire import ProtocolError
 
     return ProtocolError(
         f"a Dask chunk's cupy_poolmem header is malformed ({what}); it was not mapped. "
@@ -430,7 +430,7 @@ def parse_header(sub: Any) -> tuple[Any, str]:
     The descriptor is checked field by field (``_wire.check_descriptor``) before
     anything is mapped; lists that msgpack made of tuples are turned back.
     """
-    from ._sharing import _wire
+    from .._sharing import _wire
 
     if not isinstance(sub, dict):
         raise _bad(f"a {type(sub).__name__}, not a mapping")
@@ -459,8 +459,8 @@ def parse_header(sub: Any) -> tuple[Any, str]:
 # -- sending ---------------------------------------------------------------------------------
 def _facts(x: Any) -> tuple[bool, str]:
     """``(shareable, device_uuid)`` of a CuPy array's memory."""
-    from ._device import device_uuid
-    from ._sharing._reducers import _owner, _shareable
+    from .._device import device_uuid
+    from .._sharing._reducers import _owner, _shareable
 
     owner = _owner(x.data.mem)
     return owner is not None and _shareable(owner), device_uuid(x.device.id)
@@ -468,8 +468,8 @@ def _facts(x: Any) -> tuple[bool, str]:
 
 def _export(x: Any) -> tuple:
     """The sharing descriptor of a new message for ``x`` (contiguous), ticket registered."""
-    from ._sharing import context
-    from ._sharing._reducers import _owner, describe
+    from .._sharing import context
+    from .._sharing._reducers import _owner, describe
 
     owner = _owner(x.data.mem)
     offset = x.data.ptr - owner.ptr
@@ -522,8 +522,8 @@ def _receive(d: Any) -> tuple[Any, str]:
     """Map the block of ``d``: ``(array, "view" | "copy")`` on this worker's GPU."""
     import cupy
 
-    from ._sharing import context
-    from ._sharing._reducers import array_on, receive
+    from .._sharing import context
+    from .._sharing._reducers import array_on, receive
 
     owner, dev = receive(context(), d)
     view = array_on(owner, d, dev)
@@ -644,8 +644,8 @@ def _refetch_reply(header: Any) -> dict[str, Any]:
 
 def _local_array(d: Any) -> Any:
     """The array ``d`` describes, read in the process that sent it (None if gone)."""
-    from ._sharing import context
-    from ._sharing._reducers import array_on, rebuild
+    from .._sharing import context
+    from .._sharing._reducers import array_on, rebuild
 
     try:
         return rebuild(d)  # the ticket is live (or was claimed): the sharing round trip
@@ -718,7 +718,7 @@ def install(
         logger.info("cupy_poolmem: same-host IPC transfers off (%s.ipc is false)", CONFIG_KEY)
         return False
     if devices is None:
-        from ._device import device_count, device_uuid
+        from .._device import device_count, device_uuid
 
         devices = [device_uuid(i) for i in range(device_count())]
     ident = local_identity(devices)
