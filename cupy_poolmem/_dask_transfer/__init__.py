@@ -47,23 +47,25 @@ This module is an integration leaf: the core never imports it.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
-import os
 import threading
 from collections.abc import Callable
-from multiprocessing import current_process
 from typing import Any
 
-from .._errors import InvalidOptionError, OptionTypeError, SharingError, TransferError
-from .._sizes import parse_bytes
+from .._errors import SharingError, TransferError
+from ._config import CONFIG_DEFAULTS, CONFIG_KEY, TransferConfig
+from ._decide import REASONS, decide
+from ._header import make_header, parse_header
+from ._identity import boot_id, check_identity, local_identity
+from ._protocol import HANDSHAKE_KEY, HEADER_KEY, PROTOCOL, REFETCH_CONTEXT, REFETCH_OP
 
 __all__ = [
+    "CONFIG_DEFAULTS",
     "CONFIG_KEY",
     "HANDSHAKE_KEY",
     "HEADER_KEY",
     "PROTOCOL",
+    "REASONS",
     "REFETCH_OP",
     "TransferConfig",
     "boot_id",
@@ -78,264 +80,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("cupy_poolmem.dask")
-
-#: Version of the handshake entry and of the header; peers of another version fall back.
-PROTOCOL = 1
-#: The key of this path's entry in a comm handshake.
-HANDSHAKE_KEY = "cupy-poolmem"
-#: The key that marks a sub-header as an IPC descriptor (absent: Dask's own format).
-HEADER_KEY = "cupy-poolmem-ipc"
-#: The handler a sending worker serves for receivers that could not map a block.
-REFETCH_OP = "cupy_poolmem_refetch"
-#: The Dask config section of this path.
-CONFIG_KEY = "distributed.comm.cupy-poolmem"
-#: Its defaults (merged into Dask's config by :mod:`cupy_poolmem.dask`).
-CONFIG_DEFAULTS: dict[str, Any] = {"ipc": True, "min-bytes": "1MiB", "refetch-timeout": "120s"}
-
-_FAMILY_SALT = b"cupy_poolmem.dask identity 1"
-
-
-# -- configuration -------------------------------------------------------------------------
-class TransferConfig:
-    """The settings of the IPC path, read from Dask's ``distributed.comm.cupy-poolmem``.
-
-    Parameters
-    ----------
-    ipc : bool
-        Move same-host chunks through pool IPC (default ``True``).
-    min_bytes : int or str
-        Smaller chunks take Dask's own path (default ``"1MiB"``).
-    refetch_timeout : float or str
-        Seconds a receiver waits for a chunk it could not map to come again by
-        Dask's own serialization (default ``"120s"``).
-
-    Examples
-    --------
-    >>> TransferConfig(ipc=True, min_bytes="4MiB").min_bytes
-    4194304
-    """
-
-    def __init__(
-        self, ipc: bool = True, min_bytes: int | str = "1MiB", refetch_timeout: Any = 120.0
-    ) -> None:
-        self.ipc = _as_bool(ipc, f"{CONFIG_KEY}.ipc")
-        self.min_bytes = parse_bytes(min_bytes, name=f"{CONFIG_KEY}.min-bytes")
-        self.refetch_timeout = _as_seconds(refetch_timeout, f"{CONFIG_KEY}.refetch-timeout")
-
-    @classmethod
-    def from_dask_config(cls) -> TransferConfig:
-        """The settings in Dask's config (``DASK_DISTRIBUTED__COMM__CUPY_POOLMEM__IPC=0``...).
-
-        Examples
-        --------
-        >>> import dask
-        >>> with dask.config.set({"distributed.comm.cupy-poolmem.ipc": False}):
-        ...     TransferConfig.from_dask_config().ipc
-        False
-        """
-        import dask.config
-
-        cfg = dask.config.get(CONFIG_KEY, default={}) or {}
-        if not isinstance(cfg, dict):
-            raise OptionTypeError(f"dask config {CONFIG_KEY}={cfg!r} must be a mapping")
-        unknown = set(cfg) - set(CONFIG_DEFAULTS)
-        if unknown:
-            raise InvalidOptionError(
-                f"unknown dask config key(s) {sorted(unknown)} under {CONFIG_KEY}; "
-                f"known: {sorted(CONFIG_DEFAULTS)}"
-            )
-        merged = {**CONFIG_DEFAULTS, **cfg}
-        return cls(
-            ipc=merged["ipc"],
-            min_bytes=merged["min-bytes"],
-            refetch_timeout=merged["refetch-timeout"],
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"TransferConfig(ipc={self.ipc!r}, min_bytes={self.min_bytes!r}, "
-            f"refetch_timeout={self.refetch_timeout!r})"
-        )
-
-
-def _as_bool(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in ("true", "1", "yes", "on"):
-            return True
-        if v in ("false", "0", "no", "off"):
-            return False
-    raise OptionTypeError(f"{key}={value!r} must be true or false")
-
-
-def _as_seconds(value: Any, key: str) -> float:
-    if isinstance(value, bool):
-        raise OptionTypeError(f"{key}={value!r}; give seconds (30, '2 minutes')")
-    if isinstance(value, (int, float)):
-        seconds = float(value)
-    elif isinstance(value, str):
-        from dask.utils import parse_timedelta
-
-        try:
-            seconds = float(parse_timedelta(value, default="seconds"))
-        except Exception:
-            raise InvalidOptionError(f"{key}={value!r}; give seconds (30, '2 minutes')") from None
-    else:
-        raise OptionTypeError(f"{key}={value!r}; give seconds (30, '2 minutes')")
-    if not seconds > 0:
-        raise InvalidOptionError(f"{key}={value!r}; give a number of seconds > 0")
-    return seconds
-
-
-# -- identity (what a worker says about itself in its handshake) ------------------------------
-def boot_id() -> str:
-    """This host's boot id (``/proc/sys/kernel/random/boot_id``); ``""`` if unknown.
-
-    Two processes share GPU memory only on the same running kernel: the same boot
-    id.  Containers on one host share it too.
-    """
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _family() -> str:
-    """A fingerprint of the multiprocessing authkey (the key itself never travels)."""
-    key = bytes(current_process().authkey)
-    return hmac.new(key, _FAMILY_SALT, hashlib.sha256).hexdigest()[:32]
-
-
-def local_identity(devices: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """The handshake entry of this process: protocol, host, user, family, GPUs.
-
-    ``devices``: the UUIDs of the GPUs this process can see (a sender only uses the
-    IPC path for a chunk whose GPU the receiver can see).
-
-    Examples
-    --------
-    >>> ident = local_identity(["GPU-0"])
-    >>> sorted(ident)
-    ['boot', 'devices', 'family', 'pid', 'proto', 'uid', 'version']
-    """
-    from .. import __version__
-
-    return {
-        "proto": PROTOCOL,
-        "version": __version__,
-        "boot": boot_id(),
-        "uid": os.getuid(),
-        "family": _family(),
-        "devices": list(devices),
-        "pid": os.getpid(),
-    }
-
-
-_IDENTITY_TYPES: dict[str, Any] = {
-    "proto": int,
-    "version": str,
-    "boot": str,
-    "uid": int,
-    "family": str,
-    "devices": (list, tuple),
-    "pid": int,
-}
-
-
-def check_identity(entry: Any) -> dict[str, Any] | None:
-    """A peer's handshake entry if it is well formed, else None (the peer falls back).
-
-    Examples
-    --------
-    >>> check_identity({"proto": 1}) is None
-    True
-    """
-    if not isinstance(entry, dict):
-        return None
-    for name, typ in _IDENTITY_TYPES.items():
-        v = entry.get(name)
-        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-            return None
-    if not all(isinstance(u, str) for u in entry["devices"]):
-        return None
-    return entry
-
-
-# -- the decision --------------------------------------------------------------------------
-#: Why a chunk took Dask's own path (the counters' ``fallback`` keys).
-REASONS = (
-    "disabled",  # this worker's config says ipc: false (or the path is not installed)
-    "no-recipient",  # no comm context: spilling, a local serialize() call
-    "peer-without-plugin",  # the recipient's handshake has no entry: client, scheduler...
-    "bad-peer-identity",  # an entry that does not follow the schema
-    "protocol-mismatch",  # another cupy_poolmem protocol version
-    "other-host",  # another boot id
-    "other-user",  # another uid
-    "other-family",  # another multiprocessing authkey: its sharing socket would refuse us
-    "small",  # below min-bytes
-    "not-ipc-memory",  # not on an IPC-enabled cupy_poolmem pool (or captured, closed...)
-    "device-not-visible",  # the recipient cannot see the chunk's GPU
-    "refetch",  # the sender's answer to a receiver that could not map a block
-    "export-failed",  # the sharing exporter raised: Dask's path instead
-)
-
-
-def decide(
-    me: dict[str, Any] | None,
-    config: TransferConfig | None,
-    context: Any,
-    nbytes: int,
-    facts: Callable[[], tuple[bool, str]],
-) -> str:
-    """``"ipc"``, or the reason (one of :data:`REASONS`) a chunk takes Dask's own path.
-
-    ``facts()`` -> ``(shareable, device_uuid)`` of the chunk; called last, only when
-    everything else allows the IPC path.
-
-    Examples
-    --------
-    >>> me = local_identity(["GPU-0"])
-    >>> decide(me, TransferConfig(), {"recipient": {"cupy-poolmem": me}}, 2**20,
-    ...        lambda: (True, "GPU-0"))
-    'ipc'
-    >>> decide(me, TransferConfig(), {"recipient": {}}, 2**20, lambda: (True, "GPU-0"))
-    'peer-without-plugin'
-    """
-    if me is None or config is None or not config.ipc:
-        return "disabled"
-    if context is None or not isinstance(context, dict):
-        return "no-recipient"
-    if context.get(HANDSHAKE_KEY + "-refetch"):
-        return "refetch"
-    recipient = context.get("recipient")
-    if not isinstance(recipient, dict):
-        return "no-recipient"
-    if HANDSHAKE_KEY not in recipient:
-        return "peer-without-plugin"
-    peer = check_identity(recipient[HANDSHAKE_KEY])
-    if peer is None:
-        return "bad-peer-identity"
-    if peer["proto"] != me["proto"]:
-        return "protocol-mismatch"
-    if not me["boot"] or peer["boot"] != me["boot"]:
-        return "other-host"
-    if peer["uid"] != me["uid"]:
-        return "other-user"
-    if peer["family"] != me["family"]:
-        return "other-family"
-    if nbytes < max(config.min_bytes, 1):
-        return "small"
-    shareable, dev_uuid = facts()
-    if not shareable:
-        return "not-ipc-memory"
-    if dev_uuid not in peer["devices"]:
-        return "device-not-visible"
-    return "ipc"
 
 
 # -- counters --------------------------------------------------------------------------------
@@ -400,60 +144,6 @@ def counters() -> dict[str, Any]:
     out["installed"] = _state.identity is not None
     out["ipc"] = bool(_state.config is not None and _state.config.ipc)
     return out
-
-
-# -- the header -------------------------------------------------------------------------------
-def make_header(desc: tuple, sender: str) -> dict[str, Any]:
-    """The sub-header of a chunk sent through IPC: the descriptor and the sender's address.
-
-    Examples
-    --------
-    >>> h = make_header(tuple(range(16)), "tcp://10.0.0.1:4000")
-    >>> sorted(h)
-    ['cupy-poolmem-ipc', 'desc', 'sender']
-    """
-    return {HEADER_KEY: PROTOCOL, "desc": list(desc), "sender": sender}
-
-
-def _bad(what: str) -> SharingError:
-    from .._sharing._wire import ProtocolError
-
-    return ProtocolError(
-        f"a Dask chunk's cupy_poolmem header is malformed ({what}); it was not mapped. "
-        "Install one cupy_poolmem version on every worker"
-    )
-
-
-def parse_header(sub: Any) -> tuple[Any, str]:
-    """``(Descriptor, sender address)`` from a sub-header; raises ``ProtocolError``.
-
-    The descriptor is checked field by field (``_wire.check_descriptor``) before
-    anything is mapped; lists that msgpack made of tuples are turned back.
-    """
-    from .._sharing import _wire
-
-    if not isinstance(sub, dict):
-        raise _bad(f"a {type(sub).__name__}, not a mapping")
-    proto = sub.get(HEADER_KEY)
-    if type(proto) is not int or proto != PROTOCOL:
-        raise _bad(f"protocol {proto!r}, this worker reads {PROTOCOL}")
-    sender = sub.get("sender")
-    if not isinstance(sender, str) or "://" not in sender:
-        raise _bad(f"sender={sender!r:.80}")
-    raw = sub.get("desc")
-    # The field count of this version's wire format (a peer of another version sends
-    # another count, or fails check_descriptor's version test).
-    if not isinstance(raw, (list, tuple)) or len(raw) != len(_wire.Descriptor._fields):
-        n = len(raw) if isinstance(raw, (list, tuple, str, bytes)) else "?"
-        raise _bad(f"desc of {type(raw).__name__} with {n} fields")
-    fields = list(raw)
-    for i in (12, 13):  # shape, strides
-        if isinstance(fields[i], list):
-            fields[i] = tuple(fields[i])
-    d = _wire.check_descriptor(_wire.Descriptor(*fields))
-    if d.kind != "cupy" or d.pool_kind != _wire.POOL_DEVICE or not d.device_uuid:
-        raise _bad(f"kind={d.kind!r}, pool_kind={d.pool_kind!r}: not device memory")
-    return d, sender
 
 
 # -- sending ---------------------------------------------------------------------------------
@@ -636,7 +326,7 @@ def _refetch_reply(header: Any) -> dict[str, Any]:
     if arr is None:
         return {"status": "gone", "message": "the block is no longer held by this worker"}
     head, frames = dserialize(
-        arr, serializers=("dask",), on_error="raise", context={HANDSHAKE_KEY + "-refetch": True}
+        arr, serializers=("dask",), on_error="raise", context={REFETCH_CONTEXT: True}
     )
     _state.counters.add("refetch_served")
     return {"status": "OK", "data": Serialized(head, frames)}
