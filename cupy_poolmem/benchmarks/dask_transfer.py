@@ -50,9 +50,9 @@ def _consume(x) -> float:
 
 
 def _set_ipc(flag: bool) -> bool:
-    from cupy_poolmem import _dask_transfer
+    from cupy_poolmem._dask_transfer import _process
 
-    cfg = _dask_transfer._state.config
+    cfg = _process._state.config
     if cfg is None:
         return False
     cfg.ipc = flag

@@ -1,0 +1,80 @@
+"""This process's transfer state and its counters: their one owner.
+
+One worker per process (as dask-cuda runs them), so the state is the process's: the
+installed config and identity, the worker, the serializers that were wrapped, and
+the :class:`Counters`.  The other parts read it as ``_process._state`` at call time
+(never a name bound at import), so a test that replaces ``_process._state`` replaces
+it for all of them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ._config import TransferConfig
+
+__all__ = ["Counters", "counters"]
+
+
+class Counters:
+    """How this worker's CuPy chunks went: IPC or Dask's own path (thread-safe)."""
+
+    _NAMES = (
+        "sent_ipc",
+        "sent_ipc_bytes",
+        "received_view",
+        "received_copy",
+        "received_bytes",
+        "refetched",
+        "refetch_served",
+    )
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._n = dict.fromkeys(self._NAMES, 0)
+            self._fallback: dict[str, int] = {}
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._n[name] += n
+
+    def fell_back(self, reason: str) -> None:
+        with self._lock:
+            self._fallback[reason] = self._fallback.get(reason, 0) + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._n)
+            out["fallback"] = dict(self._fallback)
+        return out
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.config: TransferConfig | None = None
+        self.identity: dict[str, Any] | None = None
+        self.address: str | None = None  # this worker's address (the refetch handler's)
+        self.device = 0  # the worker's GPU (CuPy's current device at install)
+        self.connection_args: dict[str, Any] = {}
+        self.worker: Any = None
+        self.orig_serialize: Callable | None = None
+        self.orig_deserialize: Callable | None = None
+        self.counters = Counters()
+
+
+_state = _State()
+
+
+def counters() -> dict[str, Any]:
+    """This process's transfer counters (see :func:`cupy_poolmem.dask.transfer_stats`)."""
+    out = _state.counters.to_dict()
+    out["installed"] = _state.identity is not None
+    out["ipc"] = bool(_state.config is not None and _state.config.ipc)
+    return out

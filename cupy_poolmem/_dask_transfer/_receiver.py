@@ -1,0 +1,134 @@
+"""The receiving side: ``dask_deserialize`` of ``cupy.ndarray``, and the refetch it asks.
+
+:func:`deserialize` maps the block of an IPC header on this worker's GPU (a view on
+the same GPU, one device-to-device copy on another) and hands everything else to the
+original deserializer.  A block it cannot map is asked again from the sender
+(:func:`_refetch`) through Dask's own serialization.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+from .._errors import TransferError
+from . import _process
+from ._header import parse_header
+from ._protocol import HEADER_KEY, REFETCH_OP
+
+__all__ = ["deserialize"]
+
+logger = logging.getLogger("cupy_poolmem.dask")
+
+
+def _worker_device() -> Any:
+    """A context manager making the worker's GPU current (CuPy's ``Device``)."""
+    import cupy
+
+    return cupy.cuda.Device(_process._state.device)
+
+
+def _receive(d: Any) -> tuple[Any, str]:
+    """Map the block of ``d``: ``(array, "view" | "copy")`` on this worker's GPU."""
+    import cupy
+
+    from .._sharing import context
+    from .._sharing._reducers import array_on, receive
+
+    owner, dev = receive(context(), d)
+    view = array_on(owner, d, dev)
+    mine = _process._state.device
+    if dev == mine:
+        return view, "view"
+    try:
+        with _worker_device():
+            order = "F" if view.flags.f_contiguous and not view.flags.c_contiguous else "C"
+            out = cupy.empty(view.shape, view.dtype, order=order)
+            stream = cupy.cuda.get_current_stream()
+            # One device-to-device copy; CuPy enables peer access between the two GPUs
+            # where they allow it, and the imported pool was granted to this GPU.
+            out.data.copy_from_device_async(view.data, view.nbytes, stream)
+            stream.synchronize()  # done before the mapping goes, ready on every stream
+    finally:
+        del view, owner  # the mapping is let go now (unmapped, lease returned)
+    return out, "copy"
+
+
+def deserialize(header: Any, frames: list) -> Any:
+    """``dask_deserialize`` of ``cupy.ndarray``: the IPC header, else the original."""
+    st = _process._state
+    if not (isinstance(header, dict) and HEADER_KEY in header):
+        if st.orig_deserialize is None:
+            from distributed.protocol.cupy import dask_deserialize_cupy_ndarray
+
+            return dask_deserialize_cupy_ndarray(header, frames)
+        return st.orig_deserialize(header, frames)
+    d, sender = parse_header(header)
+    try:
+        arr, how = _receive(d)
+    except Exception as exc:
+        logger.warning(
+            "cupy_poolmem: could not map a chunk from %s (%s: %s); fetching it again "
+            "through Dask's serialization",
+            sender,
+            type(exc).__name__,
+            exc,
+        )
+        arr = _refetch(sender, header, exc)
+        st.counters.add("refetched")
+        return arr
+    st.counters.add("received_" + how)
+    st.counters.add("received_bytes", int(arr.nbytes))
+    return arr
+
+
+def _refetch(sender: str, header: dict, cause: BaseException) -> Any:
+    """Ask ``sender`` for the chunk of ``header`` through Dask's own serialization.
+
+    Runs in a thread with its own event loop: this one may be the worker's, blocked
+    in the deserialization that called us.
+    """
+    from distributed.comm import connect
+    from distributed.protocol.serialize import Serialized, merge_and_deserialize
+
+    st = _process._state
+    timeout = st.config.refetch_timeout if st.config is not None else 120.0
+    args = dict(st.connection_args)
+    box: dict[str, Any] = {}
+
+    async def go() -> Any:
+        comm = await connect(sender, timeout=timeout, deserialize=False, **args)
+        try:
+            await comm.write({"op": REFETCH_OP, "header": header, "reply": True})
+            return await comm.read()
+        finally:
+            await comm.close()
+
+    def run() -> None:
+        try:
+            box["reply"] = asyncio.run(asyncio.wait_for(go(), timeout))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name="cupy_poolmem-refetch", daemon=True)
+    t.start()
+    t.join(timeout + 5.0)
+    reply = box.get("reply")
+    if not isinstance(reply, dict) or reply.get("status") != "OK":
+        why = box.get("error") or (reply.get("message") if isinstance(reply, dict) else reply)
+        raise TransferError(
+            f"a chunk from {sender} could not be mapped ({type(cause).__name__}: {cause}) "
+            f"nor fetched again through Dask's serialization ({why!r:.200})"
+        ) from cause
+    data = reply.get("data")
+    if not isinstance(data, Serialized):
+        raise TransferError(f"{sender} answered a refetch with {type(data).__name__}")
+    from distributed.protocol.compression import decompress
+
+    frames = data.frames
+    if "compression" in data.header:
+        frames = decompress(data.header, frames)
+    with _worker_device():
+        return merge_and_deserialize(data.header, frames)

@@ -1,0 +1,115 @@
+"""The sending side: ``dask_serialize`` of ``cupy.ndarray``, and the refetch it serves.
+
+:func:`serialize` sends a descriptor where :func:`~._decide.decide` allows it and
+hands everything else to the original serializer.  A receiver that could not map a
+block asks again (``REFETCH_OP``): :func:`_serve_refetch` answers with the same
+chunk through Dask's own serialization.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from .._errors import SharingError
+from . import _process
+from ._decide import decide
+from ._header import make_header, parse_header
+from ._protocol import REFETCH_CONTEXT
+
+__all__ = ["serialize"]
+
+logger = logging.getLogger("cupy_poolmem.dask")
+
+
+def _facts(x: Any) -> tuple[bool, str]:
+    """``(shareable, device_uuid)`` of a CuPy array's memory."""
+    from .._device import device_uuid
+    from .._sharing._reducers import _owner, _shareable
+
+    owner = _owner(x.data.mem)
+    return owner is not None and _shareable(owner), device_uuid(x.device.id)
+
+
+def _export(x: Any) -> tuple:
+    """The sharing descriptor of a new message for ``x`` (contiguous), ticket registered."""
+    from .._sharing import context
+    from .._sharing._reducers import _owner, describe
+
+    owner = _owner(x.data.mem)
+    offset = x.data.ptr - owner.ptr
+    return describe(context(), owner, "cupy", offset, x.shape, x.strides, x.dtype.str)
+
+
+def _contiguous(x: Any) -> Any:
+    """``x``, or a C-contiguous copy on its GPU (from the worker's pool)."""
+    if x.flags.c_contiguous or x.flags.f_contiguous:
+        return x
+    import cupy
+
+    with cupy.cuda.Device(x.device.id):
+        return cupy.ascontiguousarray(x)
+
+
+def serialize(x: Any, context: Any = None) -> tuple[dict, list]:
+    """``dask_serialize`` of ``cupy.ndarray`` while the path is installed."""
+    st = _process._state
+    orig = st.orig_serialize
+    assert orig is not None, "cupy_poolmem's dask serializer ran without being installed"
+    reason = decide(st.identity, st.config, context, int(x.nbytes), lambda: _facts(x))
+    if reason == "ipc":
+        try:
+            y = _contiguous(x)
+            if y is not x and not _facts(y)[0]:
+                reason = "not-ipc-memory"
+            else:
+                d = _export(y)
+        except Exception as exc:  # the sender's own failure: Dask's path instead
+            logger.warning("cupy_poolmem: pool IPC export failed (%s: %s)", type(exc).__name__, exc)
+            reason = "export-failed"
+    if reason != "ipc":
+        st.counters.fell_back(reason)
+        return orig(x)
+    st.counters.add("sent_ipc")
+    st.counters.add("sent_ipc_bytes", int(x.nbytes))
+    return make_header(tuple(d), st.address or ""), []
+
+
+async def _serve_refetch(header: Any = None) -> dict[str, Any]:
+    """The sender's handler: the chunk of ``header`` through Dask's own serialization."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, _refetch_reply, header)
+
+
+def _refetch_reply(header: Any) -> dict[str, Any]:
+    from distributed.protocol.serialize import Serialized
+    from distributed.protocol.serialize import serialize as dserialize
+
+    d, _ = parse_header(header)
+    arr = _local_array(d)
+    if arr is None:
+        return {"status": "gone", "message": "the block is no longer held by this worker"}
+    head, frames = dserialize(
+        arr, serializers=("dask",), on_error="raise", context={REFETCH_CONTEXT: True}
+    )
+    _process._state.counters.add("refetch_served")
+    return {"status": "OK", "data": Serialized(head, frames)}
+
+
+def _local_array(d: Any) -> Any:
+    """The array ``d`` describes, read in the process that sent it (None if gone)."""
+    from .._sharing import context
+    from .._sharing._reducers import array_on, rebuild
+
+    try:
+        return rebuild(d)  # the ticket is live (or was claimed): the sharing round trip
+    except SharingError:
+        pass
+    ctx = context()
+    if ctx.exporter_address() != d.address:
+        return None
+    hold = ctx.exporter.hold_live(d.export_id, d.export_data, d.life)
+    if hold is None:
+        return None
+    return array_on(hold, d, hold.rec.dev)
