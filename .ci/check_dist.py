@@ -58,6 +58,8 @@ def check_wheel(path: str) -> None:
     need = [
         "cupy_poolmem/py.typed",
         "cupy_poolmem/benchmarks/__init__.py",
+        "cupy_poolmem/_sharing/__init__.py",
+        "cupy_poolmem/_dask_transfer/__init__.py",
         "cupy_poolmem/report.py",
     ]
     missing = [n for n in need if n not in names]
