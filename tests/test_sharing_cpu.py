@@ -1922,6 +1922,82 @@ def test_a_numba_handle_opened_while_an_unmap_is_queued_waits_for_it(world):
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
 
 
+def _open_raw(r, core, d):
+    fd = os.dup(core._rfd)  # what the Numba IPC handle carries
+    try:
+        return r.importer.open_raw(d.pool_uuid, 0, d.export_data, d.size, fd)
+    finally:
+        os.close(fd)
+
+
+def _slow_first_pool_import(r):
+    """Hold the first pool import (outside the importer's lock) until the gate opens."""
+    calls, gate = [], threading.Event()
+
+    def slow_import(fd, kind, dev):
+        calls.append(fd)
+        if len(calls) == 1:
+            gate.wait(5.0)
+
+    r.driver._hooks["import_pool"] = slow_import
+    return calls, gate
+
+
+def test_a_numba_handle_opened_while_a_message_of_it_maps_waits_and_shares_it(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=8)
+    msg = e.send(b)
+    d = pickle.loads(msg)
+    calls, gate = _slow_first_pool_import(r)
+    got, raws = [], []
+    t = threading.Thread(target=lambda: got.append(r.recv(msg)))
+    t.start()
+    assert wait_for(lambda: calls)  # the message's mapping is under way
+    u = threading.Thread(target=lambda: raws.append(_open_raw(r, core, d)))
+    u.start()
+    u.join(0.1)
+    assert u.is_alive() and not raws  # waits for the mapping under way
+    gate.set()
+    t.join(5.0)
+    u.join(5.0)
+    ((imp,), (raw,)) = got, raws
+    assert raw is imp.m and len(_imports(world.gpu, "receiver")) == 1
+    assert r.read(imp) == (1, 8) and len(calls) == 1
+    r.importer.close_raw(raw)
+    del imp, got[:]
+    assert wait_for(lambda: e.stats()["leases"] == 0)
+    del b
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_a_message_received_while_a_numba_handle_of_it_maps_waits_and_shares_it(world):
+    e, r, core = _exporter_receiver(world)
+    b = core.alloc(KB, payload=9)
+    msg = e.send(b)
+    d = pickle.loads(msg)
+    calls, gate = _slow_first_pool_import(r)
+    got, raws = [], []
+    u = threading.Thread(target=lambda: raws.append(_open_raw(r, core, d)))
+    u.start()
+    assert wait_for(lambda: calls)  # the handle's mapping is under way
+    t = threading.Thread(target=lambda: got.append(r.recv(msg)))
+    t.start()
+    t.join(0.1)
+    assert t.is_alive() and not got  # waits for the mapping under way
+    gate.set()
+    u.join(5.0)
+    t.join(5.0)
+    ((imp,), (raw,)) = got, raws
+    assert imp.m is raw and raw.leased and len(_imports(world.gpu, "receiver")) == 1
+    assert r.read(imp) == (1, 9) and len(calls) == 1 and e.stats()["leases"] == 1
+    r.importer.close_raw(raw)
+    assert r.read(imp) == (1, 9)  # still mapped for the CuPy array
+    del imp, got[:]
+    assert wait_for(lambda: e.stats()["leases"] == 0)
+    del b
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
 def test_a_hit_whose_wait_fails_gives_its_ticket_back_and_keeps_the_mapping(world):
     """The re-send fast path: the sender's event fails to be waited on (a driver
     error) -> the receive raises with the CUDA error name, the ticket goes back to the
