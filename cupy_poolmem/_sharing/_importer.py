@@ -15,7 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from .._errors import SharingError
 from . import _wire
@@ -23,6 +23,8 @@ from ._settings import SharingSettings
 from ._transport import Conn, Sender, connect
 
 __all__ = ["Importer", "Mapping", "Imported", "Client"]
+
+_T = TypeVar("_T")
 
 _SEEN_MAX = 4096
 _CLOSING_MAX = 1024
@@ -336,6 +338,39 @@ class Importer:
                 table[key] = entry
             self._changed.notify_all()
 
+    def _mapping_or_turn(
+        self, key: tuple[str, bytes], take: Callable[[Mapping | None], _T | None]
+    ) -> tuple[_T | None, Mapping | None, Any]:
+        """What ``take`` makes of the mapping of ``key``, or this thread's turn to map it.
+
+        ``take(self.maps.get(key))`` runs with the lock held.  While it gives None and
+        another thread maps ``key`` (a claim or a Numba handle under way), wait for that
+        thread (up to ``claim_timeout`` between looks), then look again.  Returns
+        ``(taken, m, None)``, or ``(None, m, closing)`` once it is this thread's turn:
+        ``m`` the mapping ``take`` turned down (or None), ``closing`` the free of an
+        earlier mapping of ``key``, to synchronise before mapping it anew (one import at
+        a time).  The turn ends with :meth:`_mapping_turn_done`.
+
+        Not :meth:`_entry_or_turn`: a mapping's turn is an event of its own key, and
+        carries the previous mapping's free.
+        """
+        while True:
+            with self.lock:
+                m = self.maps.get(key)
+                taken = take(m)
+                if taken is not None:
+                    return taken, m, None
+                wait = self._pending.get(key)
+                if wait is None:
+                    self._pending[key] = threading.Event()
+                    return None, m, self.closing.pop(key, None)
+            wait.wait(self.settings.claim_timeout)
+
+    def _mapping_turn_done(self, key: tuple[str, bytes]) -> None:
+        """End this thread's turn at ``key`` (mapped or not) and wake its waiters."""
+        with self.lock:
+            self._pending.pop(key).set()
+
     # -- receiving -----------------------------------------------------------------------------
     def give_back(self, d: _wire.Descriptor) -> None:
         """This process cannot take message ``d`` (no GPU, ...): return its ticket now."""
@@ -373,53 +408,47 @@ class Importer:
                 else:
                     self.driver.wait_event(stream.ptr, ev)
             key = (d.pool_uuid, d.export_data)
-            hit = held = None
-            while True:
-                with self.lock:
-                    m = self.maps.get(key)
-                    if m is not None and m.leased:
-                        if m.client is not c or m.export_id != d.export_id:
-                            raise _wire.ProtocolError(
-                                "a message names memory this process maps for another export"
-                            )
-                        # Count the user before anything allocates: a garbage collection
-                        # here may run dropped(), which must not unmap (or say Idle for)
-                        # this mapping.
-                        m.users += 1
-                        self._wake(m)
-                        m.keep = True
-                        if d.life and d.life <= m.fence:
-                            # We told the exporter we are idle at this life: it may have
-                            # recycled the block since.  Ask (no new lease, no import).
-                            if m.eager and d.life == m.life:
-                                m.eager = False  # a block re-sent within one life
-                            held = m
-                            break
-                        if d.life > m.life:
-                            m.life = d.life
-                        told = True
-                        hit = Imported(self, m, stream)
-                        break
-                    wait = self._pending.get(key)
-                    if wait is None:
-                        self._pending[key] = threading.Event()
-                        closing = self.closing.pop(key, None)
-                        break
-                wait.wait(self.settings.claim_timeout)
-            if hit is not None:
+
+            def leased(m: Mapping | None) -> Imported | Mapping | None:
+                """(lock held) For a block mapped under a lease: the hit, or the mapping
+                to claim again; None when it is not."""
+                nonlocal told
+                if m is None or not m.leased:
+                    return None
+                if m.client is not c or m.export_id != d.export_id:
+                    raise _wire.ProtocolError(
+                        "a message names memory this process maps for another export"
+                    )
+                # Count the user before anything allocates: a garbage collection here
+                # may run dropped(), which must not unmap (or say Idle for) this mapping.
+                m.users += 1
+                self._wake(m)
+                m.keep = True
+                if d.life and d.life <= m.fence:
+                    # We told the exporter we are idle at this life: it may have
+                    # recycled the block since.  Ask (no new lease, no import).
+                    if m.eager and d.life == m.life:
+                        m.eager = False  # a block re-sent within one life
+                    return m
+                if d.life > m.life:
+                    m.life = d.life
+                told = True
+                return Imported(self, m, stream)
+
+            taken, m, closing = self._mapping_or_turn(key, leased)
+            if isinstance(taken, Imported):
                 # Nobody waits for it: the sender thread takes it within a few ms, with
                 # the others posted meanwhile (the ticket pins the block until then).
                 c.sender.post(_wire.Hit(d.export_id, d.ticket), lazy=True)
-                return hit
-            if held is not None:
+                return taken
+            if isinstance(taken, Mapping):
                 told = True
-                return self._claim_held(c, d, held, stream)
+                return self._claim_held(c, d, taken, stream)
             try:
                 told = True
                 m = self._claim_and_map(c, d, dev, key, m, closing)
             finally:
-                with self.lock:
-                    self._pending.pop(key).set()
+                self._mapping_turn_done(key)
             return Imported(self, m, stream)
         except BaseException:
             if not told and not c.closed:
@@ -963,19 +992,17 @@ class Importer:
         and for the free of an earlier mapping of it (one import at a time).
         """
         key = (pool_uuid, data)
-        while True:
-            with self.lock:
-                m = self.maps.get(key)
-                if m is not None:
-                    m.users += 1
-                    self._wake(m)
-                    return m
-                wait = self._pending.get(key)
-                if wait is None:
-                    self._pending[key] = threading.Event()
-                    closing = self.closing.pop(key, None)
-                    break
-            wait.wait(self.settings.claim_timeout)
+
+        def mapped(m: Mapping | None) -> Mapping | None:
+            """(lock held) A mapping of the allocation, whoever made it: one more user."""
+            if m is not None:
+                m.users += 1
+                self._wake(m)
+            return m
+
+        taken, _, closing = self._mapping_or_turn(key, mapped)
+        if taken is not None:
+            return taken
         try:
             if closing is not None:  # the previous mapping's free runs before a re-import
                 self.driver.sync_event(closing)
@@ -987,8 +1014,7 @@ class Importer:
                 pool.users += 1
                 return m
         finally:
-            with self.lock:
-                self._pending.pop(key).set()
+            self._mapping_turn_done(key)
 
     def close_raw(self, m: Mapping) -> None:
         """A Numba handle let go; when nothing else uses the mapping it is freed, and
