@@ -54,6 +54,7 @@ from ._poolstats import PoolStats
 from ._sizes import format_bytes, parse_bytes
 from .stats import (
     current_tag,
+    flush_log,
     get_statistics,
     is_tracking,
     outstanding,
@@ -172,6 +173,7 @@ __all__ = [
     "device_count",
     "format_bytes",
     "get_pinned_pool",
+    "flush_log",
     "get_pool",
     "get_statistics",
     "hotpath_implementation",

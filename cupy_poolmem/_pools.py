@@ -81,8 +81,10 @@ _ALL_LOCK = threading.RLock()  # reentrant: a pool's __del__ may run inside a GC
 _OOM_CALLBACKS: list[Any] = []
 # Callables run with each IPC-enabled pool when it is created (sharing registers here).
 _IPC_POOL_CALLBACKS: list[Any] = []
-# Observer (stats/log/tracking) installed on every pool, present and future.
+# Observer (stats/log/tracking) installed on every pool, present and future: None, or
+# the process's one recorder (the hot path's Recorder, which stats.py configures).
 _GLOBAL_OBSERVER: list[Any] = [None]
+_RECORDER = _hp.Recorder()
 
 
 def hotpath_implementation() -> str:

@@ -1,41 +1,49 @@
 """Observability: scoped statistics, tags, an allocation log and call-site tracking.
 
-Everything here works through one *observer* object that the hot path calls after each
-allocation (``on_alloc``) and when each block is freed (``on_free``).  The observer is
-installed on the pools only while something needs it: an active :func:`~cupy_poolmem.statistics`
-scope, an open log (:func:`~cupy_poolmem.start_log`), or tracking (:func:`~cupy_poolmem.track`).  When all of those
-are off, ``pool.observer`` is ``None`` and the hot path pays nothing.  :func:`~cupy_poolmem.tag` never
-installs anything: it is a thread-local push/pop (about a microsecond per ``with``).
+Everything here is fed by one *recorder* (``_hotpath.Recorder``, compiled with the hot
+path; ``_hotpath_py.Recorder`` is its twin) that the pools call after each allocation
+and when each block is freed.  It is installed on the pools (``pool.observer``) only
+while something needs it: an active :func:`~cupy_poolmem.statistics` scope, an open log
+(:func:`~cupy_poolmem.start_log`), or tracking (:func:`~cupy_poolmem.track`).  When all
+of those are off, ``pool.observer`` is ``None`` and the hot path pays nothing.
+:func:`~cupy_poolmem.tag` never installs anything: it is a thread-local push/pop.
+
+Cost design
+-----------
+Per allocation the recorder bumps C counters (each open scope's totals and its
+per-tag counts), keeps the allocation's :class:`Info` for :func:`outstanding`, and,
+while a log is open, appends a fixed-size record (time, pointer, size, stream,
+device, used/reserved, and references to the op, thread name, tag and call-site
+strings) to a batch.  A call site is looked up by code object and line in a cache,
+so a repeated site costs two dictionary look-ups.  The log writer, a thread of this
+module, takes full batches (and every ``LOG_INTERVAL_S`` the partly filled one) and
+formats their CSV lines in C without the GIL: the allocating thread never formats or
+writes a line.
 
 Concurrency design
 ------------------
-Counters, live-allocation tables and log lines change under one lock, so the order of
-log lines is the order in which the counters changed.  ``on_free`` runs inside
-``Block.__dealloc__``, which the garbage collector may trigger at almost any point,
-including while the same thread holds that lock inside ``on_alloc``.  A hook that finds
-its own thread already holding the lock therefore only queues its event; the outer call
-applies the queue before releasing the lock.  No re-entrant critical section, no
-deadlock, and no hook ever raises (errors are counted in ``_OBSERVER.n_errors``, the
-first one warned about).
+The recorder does what may run Python code first (the time, the tag, the call site,
+a new record object), then changes the counters and appends the log record in one
+step with no Python code inside: the GIL makes that step atomic between threads (the
+twin takes a lock), so the order of log lines is the order in which the counters
+changed.  A free that the garbage collector triggers in the middle of an allocation
+(``Block.__dealloc__`` may run at almost any point) lands before or after that step,
+never inside it.  No hook ever raises: errors are counted in ``_OBSERVER.n_errors``,
+the first one warned about.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import csv
-import functools
 import importlib.util
-import itertools
 import os
-import sys
 import threading
 import time
 import warnings
-import weakref
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ._errors import InvalidOptionError, OptionTypeError
@@ -48,6 +56,7 @@ __all__ = [
     "Statistics",
     "TagStatistics",
     "current_tag",
+    "flush_log",
     "get_statistics",
     "is_tracking",
     "log_path",
@@ -75,31 +84,36 @@ LOG_COLUMNS: tuple[str, ...] = (
     "reserved",
 )
 
+#: Seconds between two writes of the log's records by its writer thread (a full batch
+#: of ``LOG_BATCH`` records is written at once).
+LOG_INTERVAL_S = 0.1
 _KIND_NAMES = {0: "device", 1: "pinned", 2: "managed"}
-_RESERVED_REFRESH_S = 1.0  # re-read a pool's reserved bytes at most this often when logging
-_CALLSITE_CACHE_MAX = 8192
+_KINDS = {v: k for k, v in _KIND_NAMES.items()}
+_MAX_PENDING_BATCHES = 64  # beyond this the allocating thread writes (bounded memory)
 _ENV_LOG = "CUPY_POOLMEM_LOG"
 _ENV_TRACK = "CUPY_POOLMEM_TRACK"
 
 _time = time.time
-_get_ident = threading.get_ident
 _current_thread = threading.current_thread
-# One serial number per observed allocation, never reset: a scope counts a free only
-# when the block's serial is newer than the scope.
-_serials = itertools.count(1)
 
 
 # ----------------------------------------------------------------------------------------
 # Tags
 # ----------------------------------------------------------------------------------------
 class _TagState(threading.local):
+    """Per thread: the tag path, the stack of outer ones, and the thread (for the log)."""
+
     tag = ""
 
     def __init__(self) -> None:
         self.stack: list[str] = []
+        self.thread = _current_thread()
 
 
 _tls = _TagState()
+# tag() scopes open in all threads: while none is, the recorder does not read _tls.
+_tag_scopes = array("q", [0])
+_tag_lock = threading.Lock()
 
 
 class _TagScope(contextlib.ContextDecorator):
@@ -112,6 +126,8 @@ class _TagScope(contextlib.ContextDecorator):
         return _TagScope(self.name)
 
     def __enter__(self) -> str:
+        with _tag_lock:  # counted before the tag is set: the recorder then reads it
+            _tag_scopes[0] += 1
         tls = _tls
         prev = tls.tag
         tls.stack.append(prev)
@@ -120,7 +136,23 @@ class _TagScope(contextlib.ContextDecorator):
 
     def __exit__(self, *exc: Any) -> None:
         tls = _tls
-        tls.tag = tls.stack.pop() if tls.stack else ""
+        if not tls.stack:
+            tls.tag = ""
+            return
+        tls.tag = tls.stack.pop()
+        with _tag_lock:
+            _tag_scopes[0] -= 1
+
+
+def _tags_after_fork() -> None:
+    """In a forked child only this thread is left: its own open tag scopes count."""
+    global _tag_lock
+    _tag_lock = threading.Lock()
+    _tag_scopes[0] = len(_tls.stack)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_tags_after_fork)
 
 
 def tag(name: str) -> _TagScope:
@@ -176,9 +208,39 @@ def current_tag() -> str | None:
 # ----------------------------------------------------------------------------------------
 # Statistics
 # ----------------------------------------------------------------------------------------
-@dataclass
+class _PlainCounts:
+    """Counters without a recorder behind them (the recorder's ``Counts``' fields)."""
+
+    def __init__(self) -> None:
+        self.n_allocs = self.n_frees = self.total_bytes = 0
+        self.current_bytes = self.peak_bytes = 0
+
+
+class _PlainScope:
+    """A scope's counters without a recorder behind them (the recorder's ``Scope``)."""
+
+    def __init__(self) -> None:
+        self.n_allocs = self.n_frees = self.total_bytes = 0
+        self.current_bytes = self.peak_used_bytes = 0
+        self.per_tag: dict[str, Any] = {}
+
+
+def _field(name: str, doc: str) -> Any:
+    """A property reading and writing ``self._c.<name>`` (the live counters)."""
+
+    def get(self: Any) -> int:
+        return int(getattr(self._c, name))
+
+    def set_(self: Any, value: int) -> None:
+        setattr(self._c, name, value)
+
+    return property(get, set_, doc=doc)
+
+
 class TagStatistics:
     """Counts for one tag inside a :func:`~cupy_poolmem.statistics` scope.
+
+    Read live from the recorder's counters while the scope is open.
 
     Attributes
     ----------
@@ -188,22 +250,63 @@ class TagStatistics:
         Bytes allocated with this tag in the scope.
     current_bytes, peak_bytes : int
         Bytes of this tag still live, now and at their high-water mark.
+
+    Examples
+    --------
+    >>> t = cupy_poolmem.stats.TagStatistics(n_allocs=2, total_bytes=64)
+    >>> t.n_allocs, t.peak_bytes
+    (2, 0)
     """
 
-    n_allocs: int = 0
-    n_frees: int = 0
-    total_bytes: int = 0
-    current_bytes: int = 0
-    peak_bytes: int = 0
+    _FIELDS = ("n_allocs", "n_frees", "total_bytes", "current_bytes", "peak_bytes")
+    __slots__ = ("_c",)
+
+    n_allocs = _field("n_allocs", "Allocations with this tag.")
+    n_frees = _field("n_frees", "Frees of those allocations.")
+    total_bytes = _field("total_bytes", "Bytes allocated with this tag.")
+    current_bytes = _field("current_bytes", "Bytes of this tag still live.")
+    peak_bytes = _field("peak_bytes", "High-water mark of current_bytes.")
+
+    def __init__(
+        self,
+        n_allocs: int = 0,
+        n_frees: int = 0,
+        total_bytes: int = 0,
+        current_bytes: int = 0,
+        peak_bytes: int = 0,
+    ) -> None:
+        c = _PlainCounts()
+        c.n_allocs, c.n_frees, c.total_bytes = n_allocs, n_frees, total_bytes
+        c.current_bytes, c.peak_bytes = current_bytes, peak_bytes
+        self._c: Any = c
+
+    @classmethod
+    def _of(cls, counts: Any) -> TagStatistics:
+        t = cls.__new__(cls)
+        t._c = counts
+        return t
+
+    def _values(self) -> dict[str, int]:
+        return {k: int(getattr(self._c, k)) for k in self._FIELDS}
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TagStatistics):
+            return NotImplemented
+        return self._values() == other._values()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return "TagStatistics(" + ", ".join(f"{k}={v}" for k, v in self._values().items()) + ")"
 
 
-@dataclass
 class Statistics:
     """Counts and peaks of the allocations made inside one :func:`~cupy_poolmem.statistics` scope.
 
-    The fields are updated live while the scope is active and frozen when it ends.
-    Allocations from every thread and every pool of the process are counted (filtered
-    by ``device`` / ``kind`` when the scope was opened with them).
+    The fields are updated live while the scope is active (they read the recorder's
+    counters) and frozen when it ends.  Allocations from every thread and every pool of
+    the process are counted (filtered by ``device`` / ``kind`` when the scope was
+    opened with them).
 
     Attributes
     ----------
@@ -224,20 +327,49 @@ class Statistics:
         The filter the scope was opened with.
     start_time, end_time : float or None
         ``time.time()`` when the scope began and ended (``None`` while active).
+
+    Examples
+    --------
+    >>> with cupy_poolmem.statistics() as st:
+    ...     st.active, st.n_allocs
+    (True, 0)
+    >>> st.active
+    False
     """
 
-    n_allocs: int = 0
-    n_frees: int = 0
-    current_bytes: int = 0
-    peak_used_bytes: int = 0
-    total_bytes: int = 0
-    per_tag: dict[str, TagStatistics] = field(default_factory=dict)
-    device: int | None = None
-    kind: str | None = None
-    start_time: float = 0.0
-    end_time: float | None = None
-    _start_serial: int = field(default=0, init=False, repr=False, compare=False)
-    _all: bool = field(default=True, init=False, repr=False, compare=False)
+    n_allocs = _field("n_allocs", "Allocations made inside the scope.")
+    n_frees = _field("n_frees", "Frees of allocations made inside the scope.")
+    current_bytes = _field("current_bytes", "Bytes allocated inside the scope, still live.")
+    peak_used_bytes = _field("peak_used_bytes", "High-water mark of current_bytes.")
+    total_bytes = _field("total_bytes", "Sum of the sizes allocated inside the scope.")
+
+    def __init__(
+        self,
+        n_allocs: int = 0,
+        n_frees: int = 0,
+        current_bytes: int = 0,
+        peak_used_bytes: int = 0,
+        total_bytes: int = 0,
+        per_tag: dict[str, TagStatistics] | None = None,
+        device: int | None = None,
+        kind: str | None = None,
+        start_time: float = 0.0,
+        end_time: float | None = None,
+    ) -> None:
+        c = _PlainScope()
+        c.n_allocs, c.n_frees, c.current_bytes = n_allocs, n_frees, current_bytes
+        c.peak_used_bytes, c.total_bytes = peak_used_bytes, total_bytes
+        c.per_tag = {k: v._c for k, v in (per_tag or {}).items()}
+        self._c: Any = c  # the recorder's Scope while the scope is (or was) open
+        self.device = device
+        self.kind = kind
+        self.start_time = start_time
+        self.end_time = end_time
+
+    @property
+    def per_tag(self) -> dict[str, TagStatistics]:
+        """The same numbers per tag path (``""`` for untagged allocations), live."""
+        return {k: TagStatistics._of(c) for k, c in dict(self._c.per_tag).items()}
 
     @property
     def active(self) -> bool:
@@ -260,8 +392,38 @@ class Statistics:
             "device": self.device,
             "kind": self.kind,
             "elapsed": self.elapsed,
-            "per_tag": {k: vars(v).copy() for k, v in dict(self.per_tag).items()},
+            "per_tag": {k: v._values() for k, v in self.per_tag.items()},
         }
+
+    def _values(self) -> tuple:
+        return (
+            self.n_allocs,
+            self.n_frees,
+            self.current_bytes,
+            self.peak_used_bytes,
+            self.total_bytes,
+            self.per_tag,
+            self.device,
+            self.kind,
+            self.start_time,
+            self.end_time,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Statistics):
+            return NotImplemented
+        return self._values() == other._values()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (
+            f"Statistics(n_allocs={self.n_allocs}, n_frees={self.n_frees}, "
+            f"current_bytes={self.current_bytes}, peak_used_bytes={self.peak_used_bytes}, "
+            f"total_bytes={self.total_bytes}, per_tag={self.per_tag!r}, "
+            f"device={self.device!r}, kind={self.kind!r}, start_time={self.start_time!r}, "
+            f"end_time={self.end_time!r})"
+        )
 
     def __str__(self) -> str:
         lines = [
@@ -270,41 +432,12 @@ class Statistics:
             f"current {format_bytes(self.current_bytes)}, "
             f"total {format_bytes(self.total_bytes)} in {self.elapsed:.3f} s"
         ]
-        for name, t in sorted(dict(self.per_tag).items(), key=lambda kv: -kv[1].peak_bytes):
+        for name, t in sorted(self.per_tag.items(), key=lambda kv: -kv[1].peak_bytes):
             lines.append(
                 f"  {name or '(untagged)'}: {t.n_allocs} allocs, peak "
                 f"{format_bytes(t.peak_bytes)}, total {format_bytes(t.total_bytes)}"
             )
         return "\n".join(lines)
-
-    # Called by the observer with its lock held.
-    def _matches(self, device: int, kind: int) -> bool:
-        return (self.device is None or self.device == device) and (
-            self.kind is None or self.kind == _KIND_NAMES.get(kind)
-        )
-
-    def _alloc(self, size: int, tag_: str) -> None:
-        self.n_allocs += 1
-        self.total_bytes += size
-        cur = self.current_bytes = self.current_bytes + size
-        if cur > self.peak_used_bytes:
-            self.peak_used_bytes = cur
-        t = self.per_tag.get(tag_)
-        if t is None:
-            t = self.per_tag[tag_] = TagStatistics()
-        t.n_allocs += 1
-        t.total_bytes += size
-        t.current_bytes += size
-        if t.current_bytes > t.peak_bytes:
-            t.peak_bytes = t.current_bytes
-
-    def _free(self, size: int, tag_: str) -> None:
-        self.n_frees += 1
-        self.current_bytes -= size
-        t = self.per_tag.get(tag_)
-        if t is not None:
-            t.n_frees += 1
-            t.current_bytes -= size
 
 
 @contextlib.contextmanager
@@ -318,9 +451,10 @@ def statistics(*, device: int | None = None, kind: str | None = None) -> Iterato
     counted by a scope only for an allocation made inside that scope, so memory that
     was live before the scope began never makes ``current_bytes`` negative.
 
-    While at least one scope is open the pools carry an observer (a microsecond or two
-    per allocation and per free); once the last one closes, the hot path is back to
-    zero cost.
+    While at least one scope is open the pools carry an observer, which counts in the
+    hot path's own compiled code (a few hundred nanoseconds per allocation and free,
+    see :doc:`observability`); once the last one closes, the hot path is back to zero
+    cost.
 
     Parameters
     ----------
@@ -348,8 +482,6 @@ def statistics(*, device: int | None = None, kind: str | None = None) -> Iterato
     if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
         raise OptionTypeError(f"device must be an int ordinal or None; got {device!r}")
     st = Statistics(device=device, kind=kind, start_time=_time())
-    st._all = device is None and kind is None
-    st._start_serial = next(_serials)
     _OBSERVER._add_scope(st)
     try:
         yield st
@@ -487,20 +619,19 @@ def outstanding(pool: Any = None, limit: int | None = 20) -> Outstanding:
         warnings.warn(_NOT_OBSERVED, UserWarning, stacklevel=2)
         return out
     now = _time()
-    for device, live in _OBSERVER._live_snapshot(pool):
-        for ptr, (size, sptr, info) in live:
-            _serial, tag_, callsite, t = info
-            out.append(
-                Allocation(
-                    ptr=ptr,
-                    size=size,
-                    tag=tag_ or None,
-                    callsite=callsite,
-                    age=max(0.0, now - t),
-                    device=device,
-                    stream=sptr,
-                )
+    rec = _OBSERVER._rec
+    for info in rec.live(pool) if rec is not None else ():
+        out.append(
+            Allocation(
+                ptr=info.ptr,
+                size=info.size,
+                tag=info.tag or None,
+                callsite=info.callsite,
+                age=max(0.0, now - info.time),
+                device=info.device,
+                stream=info.stream,
             )
+        )
     out.sort(key=lambda a: (-a.size, a.ptr))
     if limit is not None:
         del out[limit:]
@@ -511,12 +642,26 @@ def outstanding(pool: Any = None, limit: int | None = 20) -> Outstanding:
 # Log writer
 # ----------------------------------------------------------------------------------------
 class _LogWriter:
-    """CSV writer: one line per event, written and flushed under the observer lock."""
+    """The log file and its writer thread, which writes the recorder's batches.
+
+    Lines are formatted from the recorder's records in batches (``Batch.format``, in C
+    without the GIL in the compiled hot path) and each batch goes to the file in one
+    ``write``: whole lines, so processes appending to one file never cut each other's.
+    """
 
     def __init__(self, template: str, append: bool) -> None:
         self.template = template
         self.append = append
+        self.n_lines = 0
+        self._pending = 0  # batches filled since the last write
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._locks()
         self._open(os.getpid())
+
+    def _locks(self) -> None:
+        self._lock = threading.Lock()  # one write at a time, in order
+        self._wake = threading.Event()
 
     def _open(self, pid: int) -> None:
         path = os.path.abspath(os.path.expanduser(self.template.replace("{pid}", str(pid))))
@@ -524,67 +669,85 @@ class _LogWriter:
         if d:
             os.makedirs(d, exist_ok=True)
         self.path = path
-        self.file = open(path, "a" if self.append else "w", newline="", encoding="utf-8")
-        self.csv = csv.writer(self.file, lineterminator="\n")
+        self.pid = pid
+        self.file = open(path, "ab" if self.append else "wb", buffering=0)  # noqa: SIM115
         if os.fstat(self.file.fileno()).st_size == 0:
-            self.csv.writerow(LOG_COLUMNS)
-            self.file.flush()
+            self._write((",".join(LOG_COLUMNS) + "\n").encode())
 
-    def row(self, fields: list[Any]) -> None:
-        self.csv.writerow(fields)
-        self.file.flush()
+    def start(self) -> None:
+        """Start the writer thread."""
+        self._closing = False
+        t = threading.Thread(target=self._run, name="cupy_poolmem-log-writer", daemon=True)
+        self._thread = t
+        t.start()
+
+    def _run(self) -> None:
+        while not self._closing:
+            self._wake.wait(LOG_INTERVAL_S)
+            self._wake.clear()
+            self.flush()
+
+    def batch_full(self) -> None:
+        """A batch is full (called by the recorder in the allocating thread)."""
+        self._pending += 1
+        if self._pending > _MAX_PENDING_BATCHES:
+            self.flush()  # the writer falls behind: memory stays bounded
+        else:
+            self._wake.set()
+
+    def flush(self) -> None:
+        """Write every record taken so far.  Never raises (errors are counted)."""
+        rec = _OBSERVER._rec
+        if rec is None:
+            return
+        try:
+            with self._lock:
+                self._pending = 0
+                for batch in rec.take_batches():
+                    self._write(batch.format(self.pid))
+                    self.n_lines += len(batch)
+        except Exception as exc:
+            _OBSERVER._error(exc)
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = self.file.write(view)
+            if not n:
+                raise OSError(f"cannot write the allocation log {self.path}")
+            view = view[n:]
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self.file.flush()
+        """Stop the thread, write what is left and close the file."""
+        self._closing = True
+        self._wake.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=10)
+        self._thread = None
+        self.flush()
         with contextlib.suppress(Exception):
             self.file.close()
 
     def after_fork(self, pid: int) -> None:
-        """In a forked child: a ``{pid}`` template gets a file of its own."""
+        """In a forked child: new locks and a new thread; a ``{pid}`` template gets a
+        file of its own (the parent's records were dropped: they are the parent's)."""
+        self._locks()
+        self._pending = 0
+        self.n_lines = 0
         if "{pid}" in self.template:
             with contextlib.suppress(Exception):
-                self.file.close()  # the parent flushed every line: nothing is buffered
+                self.file.close()
             self.append = True
             self._open(pid)
+        else:
+            self.pid = pid
+        self.start()
 
 
 # ----------------------------------------------------------------------------------------
 # The observer
 # ----------------------------------------------------------------------------------------
-class _PoolState:
-    __slots__ = (
-        "ref",
-        "device",
-        "kind",
-        "used",
-        "reserved",
-        "reserved_t",
-        "live",
-        "core",
-        "__weakref__",
-    )
-
-    def __init__(self, core: Any) -> None:
-        self.device = int(core.device_id)
-        self.kind = int(core.kind)
-        self.used = 0
-        self.reserved: int | None = None
-        self.reserved_t = 0.0
-        self.live: dict[int, tuple[int, int, tuple]] = {}
-        self.core = None
-        self.ref: Callable[[], Any]
-        try:
-            self.ref = weakref.ref(core)
-        except TypeError:  # an object without weak references: hold it
-            self.core = core
-            self.ref = functools.partial(_identity, core)
-
-
-def _identity(obj: Any) -> Any:
-    return obj
-
-
 def _live_bytes(core: Any) -> int | None:
     """Bytes live in ``core`` now: the pool's own counter (no driver call)."""
     try:
@@ -603,6 +766,11 @@ def _query(core: Any, attr: str, stats_field: str) -> int | None:
         return int(getattr(core.stats(), stats_field))
     except Exception:
         return None
+
+
+def _reserved(core: Any) -> int | None:
+    """What the recorder calls to re-read a pool's reserved bytes."""
+    return _query(core, "reserved_mem_current", "reserved_bytes")
 
 
 def _package_dir(name: str) -> str | None:
@@ -640,91 +808,56 @@ _DEFAULT_SKIP = ("cupy_poolmem", "cupy", "cupyx", "cupy_backends", "numba", "num
 
 
 class _Observer:
-    """The object installed as ``pool.observer``; see the module docstring."""
+    """Configuration of the recorder, and the log writer; see the module docstring."""
 
     def __init__(self) -> None:
         self.active = False
         self.tracking = False
         self.depth = 32
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-        self._q: deque[tuple[Any, tuple]] = deque()
+        self._rec: Any = None  # the hot path's Recorder, configured on first need
         self._scopes: tuple[Statistics, ...] = ()
         self._writer: _LogWriter | None = None
         self._pid = os.getpid()
-        self._states: dict[int, _PoolState] = {}
-        self._dev_used: dict[int, int] = {}
-        self._dev_reserved: dict[int, int] = {}
         self._skip: tuple[str, ...] | None = None  # computed on first use
         self._skip_extra: tuple[str, ...] = ()
-        self._skip_cache: dict[Any, bool] = {}
-        self._site_cache: dict[tuple[Any, int], str] = {}
-        self.n_errors = 0
+        self._errors = 0
         self._warned = False
-        self.set_skip(())
 
-    # -- hooks called by the hot path --------------------------------------------------
-    def on_alloc(self, block: Any) -> None:
-        try:
-            if not self.active:
-                return
-            t = _time()
-            info = (next(_serials), _tls.tag, self._callsite() if self.tracking else None, t)
-            block.info = info
-            thread = _current_thread().name if self._writer is not None else None
-            self._run(
-                self._apply_alloc,
-                (block.core, block.ptr, block.size, block.stream_ptr, info, t, thread),
-            )
-        except Exception as exc:
-            self._error(exc)
+    @property
+    def recorder(self) -> Any:
+        """The process's Recorder (``None`` on a base install without CUDA packages)."""
+        if self._rec is None:
+            pools = _pools_module()
+            if pools is None:
+                return None
+            rec = pools._RECORDER
+            rec.configure(_tls, _tag_scopes, self._batch_full, self._warn, _reserved)
+            rec.set_sites(self._skip_prefixes(), self.depth)
+            self._rec = rec
+        return self._rec
 
-    def on_free(self, core: Any, ptr: int, size: int, stream_ptr: int, info: Any) -> None:
-        # Called from Block.__dealloc__: must never raise.
-        try:
-            if not self.active:
-                return
-            thread = _current_thread().name if self._writer is not None else None
-            self._run(self._apply_free, (core, ptr, size, stream_ptr, info, _time(), thread))
-        except BaseException as exc:
-            with contextlib.suppress(BaseException):
-                self._error(exc)
+    @property
+    def n_errors(self) -> int:
+        """Errors in the hooks and the writer (counted, never raised)."""
+        return self._errors + (int(self._rec.n_errors) if self._rec is not None else 0)
 
-    # -- serialisation -----------------------------------------------------------------
-    def _run(self, fn: Any, args: tuple) -> None:
-        """Apply ``fn(*args)`` under the lock; queue it if this thread is already applying.
+    @n_errors.setter
+    def n_errors(self, value: int) -> None:
+        self._errors = value
+        if self._rec is not None:
+            self._rec.n_errors = 0
 
-        A hook re-entered from the garbage collector while this thread holds the lock
-        leaves its event in the queue; the outer call applies it before releasing.
-        """
-        ident = _get_ident()
-        if self._owner == ident:
-            self._q.append((fn, args))
-            return
-        with self._lock:
-            self._owner = ident
-            try:
-                try:
-                    fn(*args)
-                except Exception as exc:
-                    self._error(exc)
-                q = self._q
-                while q:
-                    f, a = q.popleft()
-                    try:
-                        f(*a)
-                    except Exception as exc:
-                        self._error(exc)
-            finally:
-                self._owner = None
-
-    def _locked(self, fn: Any) -> None:
-        """Run ``fn()`` with the lock held, in order with the events."""
-        self._run(fn, ())
+    def _batch_full(self) -> None:
+        w = self._writer
+        if w is not None:
+            w.batch_full()
 
     def _error(self, exc: BaseException) -> None:
-        """Count an error in a hook; warn about the first one.  Never raises."""
-        self.n_errors += 1
+        """Count an error (the writer's); warn about the first.  Never raises."""
+        self._errors += 1
+        self._warn(exc)
+
+    def _warn(self, exc: BaseException) -> None:
         if not self._warned:
             self._warned = True
             with contextlib.suppress(BaseException):
@@ -735,195 +868,55 @@ class _Observer:
                     stacklevel=3,
                 )
 
-    # -- state (lock held) -------------------------------------------------------------
-    def _state(self, core: Any) -> _PoolState:
-        st = self._states.get(id(core))
-        if st is None or st.ref() is not core:
-            st = self._states[id(core)] = _PoolState(core)
-        return st
-
-    def _apply_alloc(
-        self, core: Any, ptr: int, size: int, sptr: int, info: tuple, t: float, thread: str | None
-    ) -> None:
-        st = self._state(core)
-        st.used += size
-        dev = st.device
-        du = self._dev_used[dev] = self._dev_used.get(dev, 0) + size
-        if ptr:
-            st.live[ptr] = (size, sptr, info)
-        tag_ = info[1]
-        for s in self._scopes:
-            if info[0] > s._start_serial and (s._all or s._matches(dev, st.kind)):
-                s._alloc(size, tag_)
-        w = self._writer
-        if w is not None:
-            if (
-                st.reserved is None
-                or st.used > st.reserved
-                or t - st.reserved_t > _RESERVED_REFRESH_S
-            ):
-                self._refresh_reserved(st, core, t)
-            w.row(
-                [
-                    f"{t:.6f}",
-                    self._pid,
-                    thread,
-                    dev,
-                    sptr,
-                    "alloc",
-                    f"0x{ptr:x}",
-                    size,
-                    tag_,
-                    info[2] or "",
-                    du,
-                    self._dev_reserved.get(dev, ""),
-                ]
-            )
-
-    def _apply_free(
-        self,
-        core: Any,
-        ptr: int,
-        size: int,
-        sptr: int,
-        info: tuple | None,
-        t: float,
-        thread: str | None,
-    ) -> None:
-        st = self._state(core)
-        st.used = max(0, st.used - size)
-        dev = st.device
-        du = self._dev_used[dev] = max(0, self._dev_used.get(dev, 0) - size)
-        st.live.pop(ptr, None)
-        tag_ = callsite = ""
-        if info is not None:
-            serial, tag_, callsite = info[0], info[1], info[2] or ""
-            for s in self._scopes:
-                if serial > s._start_serial and (s._all or s._matches(dev, st.kind)):
-                    s._free(size, tag_)
-        w = self._writer
-        if w is not None:
-            w.row(
-                [
-                    f"{t:.6f}",
-                    self._pid,
-                    thread,
-                    dev,
-                    sptr,
-                    "free",
-                    f"0x{ptr:x}",
-                    size,
-                    tag_,
-                    callsite,
-                    du,
-                    self._dev_reserved.get(dev, ""),
-                ]
-            )
-
-    def _refresh_reserved(self, st: _PoolState, core: Any, t: float) -> None:
-        st.reserved_t = t
-        r = _query(core, "reserved_mem_current", "reserved_bytes")
-        if r is None:
-            return
-        old = st.reserved or 0
-        st.reserved = r
-        self._dev_reserved[st.device] = self._dev_reserved.get(st.device, 0) + r - old
-
-    def _baseline(self, core: Any, used: int | None, reserved: int | None) -> None:
-        st = self._state(core)
-        if used:
-            st.used += used
-            self._dev_used[st.device] = self._dev_used.get(st.device, 0) + used
-        if reserved is not None:
-            st.reserved = reserved
-            st.reserved_t = _time()
-            self._dev_reserved[st.device] = self._dev_reserved.get(st.device, 0) + reserved
-
-    def _live_snapshot(self, pool: Any) -> list[tuple[int, list]]:
-        result: list[tuple[int, list]] = []
-
-        def snap() -> None:
-            for st in self._states.values():
-                if pool is None or st.ref() is pool:
-                    result.append((st.device, list(st.live.items())))
-
-        self._locked(snap)
-        return result
-
     # -- configuration (called under _CTL) ---------------------------------------------
     def _activate(self) -> None:
-        pools = _pools_module()
-
-        def reset() -> None:
-            self._states = {}
-            self._dev_used = {}
-            self._dev_reserved = {}
-
-        self._locked(reset)
         self.active = True
-        if pools is None:  # no CUDA packages: no pool can exist to observe
+        rec = self.recorder
+        if rec is None:  # no CUDA packages: no pool can exist to observe
             return
-        pools._set_global_observer(self)
+        rec.tracking = self.tracking
+        rec.start()
+        pools = _pools_module()
+        pools._set_global_observer(rec)
         for p in pools.all_pools():
-            used = _live_bytes(p)
-            reserved = _query(p, "reserved_mem_current", "reserved_bytes")
-            self._locked(lambda p=p, u=used, r=reserved: self._baseline(p, u, r))
+            rec.baseline(p, _live_bytes(p), _reserved(p))
 
     def _deactivate(self) -> None:
-        pools = _pools_module()
-        if pools is not None:
-            pools._set_global_observer(None)
+        rec = self._rec
+        if rec is not None:
+            _pools_module()._set_global_observer(None)
+            rec.stop()
         self.active = False
-
-        def clear() -> None:
-            self._states = {}
-            self._dev_used = {}
-            self._dev_reserved = {}
-
-        self._locked(clear)
 
     def _add_scope(self, st: Statistics) -> None:
         with _CTL:
-
-            def add() -> None:
-                self._scopes = (*self._scopes, st)
-
-            self._locked(add)
+            rec = self.recorder
+            if rec is not None:
+                st._c = rec.add_scope(st.device, _KINDS.get(st.kind) if st.kind else None)
+            self._scopes = (*self._scopes, st)
             _update()
 
     def _remove_scope(self, st: Statistics) -> None:
         with _CTL:
-
-            def remove() -> None:
-                self._scopes = tuple(s for s in self._scopes if s is not st)
-                st.end_time = _time()
-
-            self._locked(remove)
+            if self._rec is not None:
+                self._rec.remove_scope(st._c)
+            st.end_time = _time()
+            self._scopes = tuple(s for s in self._scopes if s is not st)
             _update()
-
-    def _set_writer(self, w: _LogWriter | None) -> _LogWriter | None:
-        old: list[_LogWriter | None] = [None]
-
-        def swap() -> None:
-            old[0], self._writer = self._writer, w
-            if w is not None:  # give the first lines a known reserved size
-                now = _time()
-                for st in list(self._states.values()):
-                    core = st.ref()
-                    if core is not None:
-                        self._refresh_reserved(st, core, now)
-
-        self._locked(swap)
-        return old[0]
 
     def set_skip(self, extra: tuple[str, ...]) -> None:
         self._skip_extra = tuple(extra)
         self._skip = None
-        self._skip_cache = {}
-        self._site_cache = {}
+        self._sites()
+
+    def _sites(self) -> None:
+        if self._rec is not None:
+            self._rec.set_sites(self._skip_prefixes(), self.depth)
 
     def _skip_prefixes(self) -> tuple[str, ...]:
         """Path prefixes of the packages whose frames are not call sites (cached)."""
+        if self._skip is not None:
+            return self._skip
         prefixes = []
         for name in (*_DEFAULT_SKIP, *self._skip_extra):
             if os.sep in name or name.endswith(".py"):
@@ -935,46 +928,28 @@ class _Observer:
         self._skip = tuple(prefixes)
         return self._skip
 
-    # -- call sites --------------------------------------------------------------------
-    def _callsite(self) -> str | None:
-        f: Any = sys._getframe(1)
-        skip_cache = self._skip_cache
-        skip = self._skip if self._skip is not None else self._skip_prefixes()
-        for _ in range(self.depth):
-            if f is None:
-                return None
-            code = f.f_code
-            skipped = skip_cache.get(code)
-            if skipped is None:
-                if len(skip_cache) > _CALLSITE_CACHE_MAX:
-                    skip_cache.clear()
-                skipped = skip_cache[code] = code.co_filename.startswith(skip)
-            if not skipped:
-                key = (code, f.f_lineno)
-                site = self._site_cache.get(key)
-                if site is None:
-                    if len(self._site_cache) > _CALLSITE_CACHE_MAX:
-                        self._site_cache.clear()
-                    site = self._site_cache[key] = (
-                        f"{code.co_filename}:{f.f_lineno} in {code.co_name}"
-                    )
-                return site
-            f = f.f_back
-        return None
-
     # -- fork --------------------------------------------------------------------------
     def _after_fork_child(self) -> None:
-        self._lock = threading.Lock()
-        self._owner = None
-        self._q.clear()
         self._pid = os.getpid()
+        rec = self._rec
+        if rec is not None:
+            rec.after_fork()
         w = self._writer
         if w is not None:
             try:
                 w.after_fork(self._pid)
             except Exception as exc:
                 self._writer = None
+                if rec is not None:
+                    rec.set_logging(False)
                 self._error(exc)
+
+
+def _flush_at_mp_exit(obs: _Observer) -> None:
+    """In a multiprocessing child: write the log's last records before it ``os._exit``s."""
+    import multiprocessing.util as mpu
+
+    mpu.Finalize(None, flush_log, exitpriority=0)
 
 
 _OBSERVER = _Observer()
@@ -988,6 +963,8 @@ def _update() -> None:
     """Install the observer when something needs it, remove it when nothing does (_CTL held)."""
     obs = _OBSERVER
     obs.tracking = _track_user or _track_log
+    if obs._rec is not None:
+        obs._rec.tracking = obs.tracking
     need = bool(obs._scopes) or obs._writer is not None or obs.tracking
     if need and not obs.active:
         obs._activate()
@@ -1009,10 +986,11 @@ def track(
 
     The call site is the first Python frame outside cupy_poolmem, CuPy (``cupy``,
     ``cupyx``, ``cupy_backends``) and Numba, found by walking at most ``depth`` frames
-    with ``sys._getframe`` (no ``traceback``/``inspect``; formatted strings are cached
-    per code line), so the cost per allocation is bounded: well under a microsecond
-    more than observing without tracking.  Tracking keeps the observer installed while
-    it is on.
+    of the interpreter's stack from C (no ``traceback``/``inspect``).  Whether a frame's
+    code is skipped is cached per code object, and each formatted ``file:line in
+    function`` string per code object and line, so a call site seen before costs a
+    dictionary look-up per frame walked: a few hundred nanoseconds more than observing
+    without tracking.  Tracking keeps the observer installed while it is on.
 
     Parameters
     ----------
@@ -1053,6 +1031,7 @@ def track(
         before = _track_user
         if depth is not None:
             _OBSERVER.depth = depth
+            _OBSERVER._sites()
         if skip is not None:
             _OBSERVER.set_skip(tuple(skip))
         _track_user = enabled
@@ -1100,13 +1079,19 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
         Last known bytes the pools of that device hold from the system (re-read when
         a pool grows and at most once a second on allocation); blank if unknown.
 
-    Each line is written under a lock and flushed at once, so no line is lost when the
-    process crashes or calls ``os._exit``; an ``atexit`` handler closes the file.  Lines
-    from several threads and devices go to the same file.  With ``{pid}`` in ``path``
-    each process (forked children included) writes its own file; without it several
-    processes may append to one file (``append=True``), one whole line at a time.  The
-    environment variable ``CUPY_POOLMEM_LOG=path`` starts a log (in append mode) when
-    cupy_poolmem is imported, and ``CUPY_POOLMEM_TRACK=1`` turns tracking on.
+    The allocating thread only appends a fixed-size record to a batch; a writer thread
+    formats the lines and writes them, a full batch (``LOG_BATCH`` records) at once and
+    whatever is there every ``LOG_INTERVAL_S`` (0.1 s).  **The file is complete after**
+    :func:`~cupy_poolmem.stop_log` **or** :func:`~cupy_poolmem.flush_log`, and at a normal
+    exit (an ``atexit`` handler stops the log; a ``multiprocessing`` child flushes it
+    before it exits).  A crash, a ``SIGKILL`` or ``os._exit`` loses the lines of the
+    last fraction of a second: call :func:`~cupy_poolmem.flush_log` first where that
+    matters.  Lines from several threads and devices go to the same file, in the order
+    the events happened.  With ``{pid}`` in ``path`` each process (forked children
+    included) writes its own file; without it several processes may append to one file
+    (``append=True``): each batch of whole lines is one write.  The environment variable
+    ``CUPY_POOLMEM_LOG=path`` starts a log (in append mode) when cupy_poolmem is
+    imported, and ``CUPY_POOLMEM_TRACK=1`` turns tracking on.
 
     Starting a new log stops the previous one.  Read logs with
     ``python -m cupy_poolmem report alloc.csv --plot usage.png``.
@@ -1146,19 +1131,32 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
         raise InvalidOptionError(f"path must be a non-empty file name; got {path!r}")
     with _CTL:
         writer = _LogWriter(template, append)
-        old = _OBSERVER._set_writer(writer)
+        old, _OBSERVER._writer = _OBSERVER._writer, None
         if old is not None:
-            old.close()
+            old.close()  # the records so far go to the old file
+        _OBSERVER._writer = writer
+        rec = _OBSERVER.recorder
+        if rec is not None:
+            rec.set_logging(True)
+        writer.start()
         _track_log = track
+        _update()
+        if rec is not None:
+            rec.refresh_all()  # the first lines get a known reserved size
         if not _atexit_registered:
             atexit.register(_atexit_close)
+            with contextlib.suppress(Exception):
+                import multiprocessing.util as mpu
+
+                mpu.register_after_fork(_OBSERVER, _flush_at_mp_exit)
             _atexit_registered = True
-        _update()
         return writer.path
 
 
 def stop_log() -> str | None:
     """Stop the log started by :func:`~cupy_poolmem.start_log`; return its path (``None`` if none).
+
+    Every line is in the file when it returns.
 
     Examples
     --------
@@ -1167,13 +1165,35 @@ def stop_log() -> str | None:
     """
     global _track_log
     with _CTL:
-        old = _OBSERVER._set_writer(None)
+        old, _OBSERVER._writer = _OBSERVER._writer, None
+        if _OBSERVER._rec is not None:
+            _OBSERVER._rec.set_logging(False)
         _track_log = False
         _update()
-    if old is None:
-        return None
-    old.close()
+        if old is None:
+            return None
+        old.close()
     return old.path
+
+
+def flush_log() -> str | None:
+    """Write every line logged so far to the log file; return its path (``None``: no log).
+
+    The writer thread writes lines within ``LOG_INTERVAL_S`` (0.1 s) anyway; call this
+    before reading the file while the log is open, or before ``os._exit``.
+
+    Examples
+    --------
+    >>> path = cupy_poolmem.start_log("alloc-{pid}.csv")
+    >>> cupy_poolmem.flush_log() == path
+    True
+    >>> _ = cupy_poolmem.stop_log()
+    """
+    w = _OBSERVER._writer
+    if w is None:
+        return None
+    w.flush()
+    return w.path
 
 
 def log_path() -> str | None:
@@ -1186,37 +1206,10 @@ def _log_guard_event(
     core: Any, op: str, ptr: int, size: int, stream_ptr: int, tag_: str, callsite: str
 ) -> None:
     """One ``guard:<kind>`` line in the allocation log when one is open.  Never raises."""
-    obs = _OBSERVER
-    if obs._writer is None:
+    rec = _OBSERVER._rec
+    if _OBSERVER._writer is None or rec is None:
         return
-    try:
-        t = _time()
-        thread = _current_thread().name
-        dev = int(core.device_id)
-
-        def write() -> None:
-            w = obs._writer
-            if w is not None:
-                w.row(
-                    [
-                        f"{t:.6f}",
-                        obs._pid,
-                        thread,
-                        dev,
-                        stream_ptr,
-                        op,
-                        f"0x{ptr:x}",
-                        size,
-                        tag_,
-                        callsite,
-                        obs._dev_used.get(dev, ""),
-                        obs._dev_reserved.get(dev, ""),
-                    ]
-                )
-
-        obs._locked(write)
-    except Exception as exc:
-        obs._error(exc)
+    rec.note(core, op, ptr, size, stream_ptr, tag_, callsite)
 
 
 def _atexit_close() -> None:

@@ -83,7 +83,7 @@ def test_twin_has_every_name_and_signature_of_the_pyx():
         cls = getattr(twin, cls_name)
         slots = set(getattr(cls, "__slots__", ()))
         for name, what in members.items():
-            if name in ("__dealloc__", "__weakref__"):
+            if name in ("__cinit__", "__dealloc__", "__weakref__"):
                 continue
             if what == "attr":
                 assert name in slots or hasattr(cls, name), f"{cls_name}.{name} missing"
