@@ -767,10 +767,10 @@ class Recorder:
                 return
             ns, thread, dev = _now_ns(), self._thread_name(), int(core.device_id)
 
-            def append() -> None:
+            def append() -> bool:
                 d = self._devs.get(dev)
                 used, reserved = (d.used, d.reserved) if d is not None else (-1, -1)
-                self._append(
+                return self._append(
                     ns, ptr, size, stream_ptr, used, reserved, dev, op, thread, tag, callsite
                 )
 

@@ -690,22 +690,31 @@ class _LogWriter:
     def batch_full(self) -> None:
         """A batch is full (called by the recorder in the allocating thread)."""
         self._pending += 1
-        if self._pending > _MAX_PENDING_BATCHES:
-            self.flush()  # the writer falls behind: memory stays bounded
+        # The writer falls behind: this thread writes, so memory stays bounded.  Not
+        # when a write is under way (maybe on this very thread: a garbage collection
+        # inside it frees blocks), which writes these records next.
+        if self._pending > _MAX_PENDING_BATCHES and self._lock.acquire(blocking=False):
+            try:
+                self._flush_locked()
+            finally:
+                self._lock.release()
         else:
             self._wake.set()
 
     def flush(self) -> None:
         """Write every record taken so far.  Never raises (errors are counted)."""
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
         rec = _OBSERVER._rec
         if rec is None:
             return
         try:
-            with self._lock:
-                self._pending = 0
-                for batch in rec.take_batches():
-                    self._write(batch.format(self.pid))
-                    self.n_lines += len(batch)
+            self._pending = 0
+            for batch in rec.take_batches():
+                self._write(batch.format(self.pid))
+                self.n_lines += len(batch)
         except Exception as exc:
             _OBSERVER._error(exc)
 
@@ -1134,8 +1143,10 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
         old, _OBSERVER._writer = _OBSERVER._writer, None
         if old is not None:
             old.close()  # the records so far go to the old file
-        _OBSERVER._writer = writer
         rec = _OBSERVER.recorder
+        if old is None and rec is not None:
+            rec.take_batches()  # nothing logged belongs to this file
+        _OBSERVER._writer = writer
         if rec is not None:
             rec.set_logging(True)
         writer.start()

@@ -572,3 +572,206 @@ def test_forked_child_writes_its_own_pid_file(tmp_path):
     assert [r["pid"] for r in parent_rows] == [str(parent)] * 3
     child_rows = _read(template.replace("{pid}", str(child)))
     assert [(r["pid"], r["pointer"]) for r in child_rows] == [(str(child), "0xf000")]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_sharing_the_file_writes_only_its_own_lines(tmp_path):
+    """The parent's records not yet written when it forks are the parent's: the child
+    drops them (no line twice), and its restarted writer thread writes its own lines."""
+    path = str(tmp_path / "shared.csv")
+    tail = textwrap.dedent("""
+        pid = os.fork()
+        if pid == 0:
+            alloc(FakeCore(), 0xC000, 1)
+            import time
+            time.sleep(30 * stats.LOG_INTERVAL_S)  # no flush: the child's writer thread
+            os._exit(0)
+        os.waitpid(pid, 0)
+        stats.stop_log()
+        print(os.getpid(), pid)
+    """)
+    code = _CHILD.format(tests=os.path.dirname(__file__), path=path, tail=tail)
+    proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    parent, child = map(int, proc.stdout.split()[-2:])
+    rows = _read(path)
+    assert sorted((r["pid"], r["pointer"]) for r in rows) == sorted(
+        [(str(parent), hex(0x1000 * (i + 1))) for i in range(3)] + [(str(child), "0xc000")]
+    )
+
+
+_MP_CHILD = """
+import multiprocessing as mp, os, sys
+sys.path.insert(0, {tests!r})
+from cupy_poolmem import stats
+from _observer_fakes import FakeCore, alloc
+
+def work():
+    global kept
+    kept = [alloc(FakeCore(), 0xD000 + i, 1) for i in range(2)]  # no flush: exit does it
+
+if __name__ == "__main__":
+    stats.LOG_INTERVAL_S = 3600.0  # the writer thread would not write in time
+    stats.start_log({path!r})
+    p = mp.get_context("fork").Process(target=work)
+    p.start()
+    p.join(60)
+    print(p.pid, p.exitcode)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_multiprocessing_child_writes_its_lines_before_it_exits(tmp_path):
+    template = str(tmp_path / "mp-{pid}.csv")
+    code = _MP_CHILD.format(tests=os.path.dirname(__file__), path=template)
+    proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    pid, exitcode = proc.stdout.split()[-2:]
+    assert exitcode == "0"
+    rows = _read(template.replace("{pid}", pid))
+    assert [r["pointer"] for r in rows] == ["0xd000", "0xd001"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_counts_only_its_own_open_tag_scopes():
+    code = textwrap.dedent("""
+        import os, threading
+        from cupy_poolmem import stats
+        inside, done = threading.Event(), threading.Event()
+        def other():
+            with stats.tag("other"):
+                inside.set()
+                done.wait(30)
+        t = threading.Thread(target=other)
+        t.start()
+        inside.wait(30)
+        with stats.tag("a"), stats.tag("b"):
+            assert stats._tag_scopes[0] == 3
+            pid = os.fork()
+            if pid == 0:
+                ok = stats._tag_scopes[0] == 2 and stats.current_tag() == "a/b"
+                with stats.tag("c"):
+                    ok = ok and stats._tag_scopes[0] == 3
+                os._exit(0 if ok and stats._tag_scopes[0] == 2 else 1)
+            _, status = os.waitpid(pid, 0)
+        done.set()
+        t.join(30)
+        assert stats._tag_scopes[0] == 0
+        print(os.waitstatus_to_exitcode(status))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-1] == "0"
+
+
+def test_tag_scopes_are_counted_for_the_recorder():
+    assert stats._tag_scopes[0] == 0
+    with stats.tag("a"):
+        with stats.tag("b"):
+            assert stats._tag_scopes[0] == 2
+        assert stats._tag_scopes[0] == 1
+    with pytest.raises(KeyError):
+        with stats.tag("c"):
+            raise KeyError
+    assert stats._tag_scopes[0] == 0
+
+
+def test_flush_log_writes_while_the_log_stays_open(tmp_path, monkeypatch):
+    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)  # the writer thread stays asleep
+    assert stats.flush_log() is None
+    path = stats.start_log(tmp_path / "f.csv")
+    core = FakeCore()
+    blocks = [alloc(core, 0x1000 * (i + 1), 8) for i in range(5)]
+    assert _read(path) == []  # not written yet
+    assert stats.flush_log() == path
+    assert [r["op"] for r in _read(path)] == ["alloc"] * 5
+    for b in blocks:
+        free(b)
+    stats.stop_log()
+    assert [r["op"] for r in _read(path)] == ["alloc"] * 5 + ["free"] * 5
+
+
+def test_a_writer_falling_behind_is_caught_up_by_the_allocating_thread(tmp_path, monkeypatch):
+    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 0)
+    path = stats.start_log(tmp_path / "b.csv")
+    w = stats._OBSERVER._writer
+    w._closing = True  # the thread ends at its next wake: only this thread writes
+    w._wake.set()
+    w._thread.join(30)
+    rec = stats._OBSERVER.recorder
+    core = FakeCore()
+    n = _pools._hp.LOG_BATCH
+    for i in range(n + 10):
+        rec.note(core, "alloc", i, 1, 0, "", None)
+    assert len(_read(path)) == n  # the full batch, written by this thread
+    stats.stop_log()
+    assert len(_read(path)) == n + 10
+
+
+def test_a_new_log_takes_over_from_the_old_one(tmp_path):
+    core = FakeCore()
+    first = stats.start_log(tmp_path / "1.csv")
+    a = alloc(core, 0x10, 1)
+    second = stats.start_log(tmp_path / "2.csv")
+    free(a)
+    stats.stop_log()
+    assert [(r["op"], r["pointer"]) for r in _read(first)] == [("alloc", "0x10")]
+    assert [(r["op"], r["pointer"]) for r in _read(second)] == [("free", "0x10")]
+
+
+def test_many_threads_tags_and_nested_scopes_with_a_log(tmp_path):
+    core = FakeCore()
+    n_threads, n_iter = 6, 800
+    path = stats.start_log(tmp_path / "m.csv")
+
+    def work(k: int) -> None:
+        with stats.tag(f"k{k % 2}"):
+            for i in range(n_iter):
+                b = alloc(core, (k + 1) << 36 | (i + 1) << 8, 8)
+                if i % 2:
+                    free(b)
+                else:
+                    held.append(b)
+
+    held: list = []
+    with stats.statistics() as outer:
+        with stats.statistics() as inner:
+            ts = [threading.Thread(target=work, args=(k,), name=f"m{k}") for k in range(n_threads)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(timeout=120)
+        for b in held:
+            free(b)
+    stats.stop_log()
+    n = n_threads * n_iter
+    assert (inner.n_allocs, inner.n_frees, inner.current_bytes) == (n, n // 2, 8 * n // 2)
+    assert (outer.n_allocs, outer.n_frees, outer.current_bytes) == (n, n, 0)
+    assert outer.peak_used_bytes == inner.peak_used_bytes
+    assert {k: t.n_allocs for k, t in outer.per_tag.items()} == {"k0": n // 2, "k1": n // 2}
+    rows = _read(path)
+    assert len(rows) == 2 * n
+    assert {r["thread"] for r in rows if r["op"] == "alloc"} == {f"m{k}" for k in range(n_threads)}
+    assert rows[-1]["used"] == "0"
+    assert {r["tag"] for r in rows} == {"k0", "k1"}
+
+
+def test_statistics_objects_compare_print_and_build_by_keyword():
+    t = stats.TagStatistics(n_allocs=2, total_bytes=64, current_bytes=32, peak_bytes=64)
+    assert t == stats.TagStatistics(2, 0, 64, 32, 64) and t != stats.TagStatistics()
+    assert "n_allocs=2" in repr(t)
+    st = stats.Statistics(n_allocs=3, peak_used_bytes=10, per_tag={"x": t}, kind="device")
+    assert st.per_tag["x"] == t and st.to_dict()["per_tag"]["x"]["total_bytes"] == 64
+    assert st.active and st.kind == "device" and "3 allocs" in str(st)
+    st.n_allocs = 4
+    assert st.n_allocs == 4 and st != stats.Statistics()
+    with stats.statistics() as live:
+        t_live = None
+        core = FakeCore()
+        with stats.tag("q"):
+            b = alloc(core, 0x10, 16)
+        t_live = live.per_tag["q"]
+        assert t_live.current_bytes == 16
+        free(b)
+        assert t_live.current_bytes == 0  # the view reads the live counters
