@@ -67,7 +67,10 @@ def _pyx_api() -> tuple[set[str], dict[str, dict[str, object]]]:
 
 def test_pyx_parser_sees_the_api():
     module, classes = _pyx_api()
-    assert {"Block", "PoolCore", "Dispatch"} <= set(classes)
+    assert {"Block", "PoolCore", "Dispatch", "Recorder", "Info", "Batch"} <= set(classes)
+    assert classes["Recorder"]["on_free"] == ["self", "core", "ptr", "size", "stream_ptr", "info"]
+    assert classes["Recorder"]["_alloc"] == "cdef"
+    assert classes["PoolCore"]["observer"] == "attr"
     assert {"set_shared_release", "KIND_DEVICE", "FLAG_CAPTURED", "VERSION"} <= module
     assert classes["PoolCore"]["malloc"] == ["self", "size"]
     assert classes["PoolCore"]["_malloc"] == "cdef"
@@ -108,7 +111,18 @@ def test_compiled_and_twin_match_when_the_extension_imports():
     if hp is None:
         pytest.skip("the Cython hot path is not built in this checkout (the .pyx was compared)")
     assert hp.IMPLEMENTATION == "cython" and hp.VERSION == twin.VERSION
-    for name in ("Block", "PoolCore", "Dispatch"):
+    for name in (
+        "Block",
+        "PoolCore",
+        "Dispatch",
+        "Recorder",
+        "Scope",
+        "Counts",
+        "Info",
+        "Batch",
+        "PoolObs",
+        "DevObs",
+    ):
         c, t = getattr(hp, name), getattr(twin, name)
         for attr, v in vars(c).items():
             if attr.startswith("__"):

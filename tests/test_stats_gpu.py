@@ -121,3 +121,93 @@ def test_log_of_a_real_run_renders_a_report(pool, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert report.main([path, "--plot", str(tmp_path / "cli.png")]) == 0
     del c, d
+
+
+def _device_used(device: int) -> int:
+    """What the log's ``used`` column counts: live bytes of this process's pools there."""
+    from cupy_poolmem import _pools
+
+    return sum(int(p.live_bytes) for p in _pools.all_pools() if p.device_id == device)
+
+
+def _rows(path) -> list[dict[str, str]]:
+    import csv
+
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_threads_counters_and_log_agree_with_the_pool(pool, tmp_path):
+    """Threads allocate real arrays (data checked) under nested scopes, tags and a
+    tracked log: the scopes' numbers are the pool's, and the log has every event once
+    stop_log() returns."""
+    import threading
+
+    n_threads, n_iter, n = 4, 200, 4096  # 4096 float32: 16 KiB blocks
+    path = stats.start_log(tmp_path / "t-{pid}.csv", track=True)
+    bad: list[str] = []
+    go = threading.Barrier(n_threads)
+
+    def work(k: int) -> None:
+        with cupy.cuda.Device(pool.device_id), cupy_poolmem.using(pool), stats.tag(f"w{k}"):
+            go.wait()
+            for i in range(n_iter):
+                x = cupy.full(n, k * 1000 + i, dtype=cupy.float32)
+                if float(x.sum()) != float(n * (k * 1000 + i)):
+                    bad.append(f"thread {k} iteration {i}")
+                del x
+
+    before = pool.stats()
+    with stats.statistics() as outer:
+        with stats.statistics(device=pool.device_id) as inner:
+            ts = [threading.Thread(target=work, args=(k,), name=f"g{k}") for k in range(n_threads)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join(timeout=300)
+        cupy.cuda.get_current_stream().synchronize()
+    stats.stop_log()
+    after = pool.stats()
+    assert not bad, bad[:5]
+    n_pool = after.n_allocs - before.n_allocs
+    assert n_pool >= n_threads * n_iter  # cupy.full and sum() temporaries included
+    assert inner.n_allocs == n_pool == after.n_frees - before.n_frees
+    assert (inner.n_frees, inner.current_bytes) == (n_pool, 0)
+    assert outer.n_allocs >= inner.n_allocs and outer.current_bytes == 0
+    assert {f"w{k}" for k in range(n_threads)} <= set(inner.per_tag)
+    for k in range(n_threads):
+        t = inner.per_tag[f"w{k}"]
+        assert t.n_allocs >= n_iter and t.n_frees == t.n_allocs and t.current_bytes == 0
+        assert t.peak_bytes >= 4 * n
+    rows = [r for r in _rows(path) if int(r["device"]) == pool.device_id]
+    mine = [r for r in rows if r["thread"].startswith("g")]
+    assert sum(r["op"] == "alloc" for r in mine) == n_pool
+    assert sum(r["op"] == "free" for r in mine) == n_pool
+    sites = {r["callsite"] for r in mine if r["op"] == "alloc"}
+    assert all(os.path.samefile(_site(s)[0], __file__) for s in sites), sites
+    assert rows[-1]["used"] == str(_device_used(pool.device_id))
+
+
+def test_flush_log_shows_the_lines_of_an_open_log(pool, tmp_path):
+    path = stats.start_log(tmp_path / "f-{pid}.csv")
+    with cupy_poolmem.using(pool):
+        x = cupy.arange(MiB, dtype=cupy.uint8)
+        assert stats.flush_log() == path
+        rows = [r for r in _rows(path) if int(r["pointer"], 16) == x.data.ptr]
+        assert [(r["op"], int(r["size"])) for r in rows] == [("alloc", MiB)]
+        assert int(rows[0]["used"]) == _device_used(pool.device_id)
+        assert int(rows[0]["reserved"]) >= MiB
+        assert int(x[255]) == 255 and int(x[-1]) == (MiB - 1) % 256
+        ptr = x.data.ptr
+        del x
+    stats.stop_log()
+    rows = [r for r in _rows(path) if int(r["pointer"], 16) == ptr]
+    assert [r["op"] for r in rows] == ["alloc", "free"]
+
+
+def test_the_compiled_recorder_is_installed_when_the_hot_path_is(pool):
+    from cupy_poolmem import _pools
+
+    with stats.statistics():
+        assert pool.observer is _pools._RECORDER
+        assert type(pool.observer).__module__ == type(pool).__mro__[-2].__module__

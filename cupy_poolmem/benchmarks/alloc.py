@@ -3,10 +3,17 @@
 Prints one table: microseconds per operation and the ratio to CuPy's MemoryPool,
 all measured in this process and run, round-robin (each allocator's best of four
 rounds, so drift hits every row alike).  The DevicePool rows run with observability
-off (the default: no cost); the last rows switch statistics and a tracked log on, and
-put a pool under the debug guard (``DevicePool(guard=True)``: red zone fill, poison fill,
-a check that synchronises at each free and at each block's exit from the quarantine);
-a line after the table gives the guard's overhead per allocation and free.
+off (the default: no cost); the last row puts a pool under the debug guard
+(``DevicePool(guard=True)``: red zone fill, poison fill, a check that synchronises at
+each free and at each block's exit from the quarantine); a line after the table gives
+the guard's overhead per allocation and free.
+
+A second table gives what observability costs, measured together in a phase of their
+own: CuPy's MemoryPool, one DevicePool with nothing observed, the same pool inside
+``statistics()``, with ``start_log()`` and with ``start_log(track=True)``, each cell
+with its ratio to the plain pool and to MemoryPool; then one line per goal of issue
+15 (``GOALS``: at most 1.3x, 2x and 4x the plain pool per ``cupy.empty`` + free)
+saying whether this run met it.
 
 ``python -m cupy_poolmem bench alloc [--quick]``
 
@@ -70,13 +77,6 @@ def peers() -> list[tuple[Any, ...]]:
             p = cupy_poolmem.DevicePool(peer_access=pa)
             label = f"'all' ({len(p.peer_access)} peers)" if pa else "None"
             out.append((f"DevicePool peer_access={label}", p.malloc, p.close))
-    # Observability switched on: what statistics() and a tracked log cost per allocation.
-    spool = cupy_poolmem.DevicePool()
-    out.append(
-        ("DevicePool inside statistics()", spool.malloc, spool.close, cupy_poolmem.statistics)
-    )
-    lpool = cupy_poolmem.DevicePool()
-    out.append(("DevicePool with start_log(track=True)", lpool.malloc, lpool.close, _logging))
     gpool = cupy_poolmem.DevicePool(guard=True)
     out.append((GUARD_ROW, gpool.malloc, gpool.close, contextlib.nullcontext))
     return out
@@ -85,18 +85,78 @@ def peers() -> list[tuple[Any, ...]]:
 GUARD_ROW = "DevicePool guard=True (debug mode)"
 
 
-class _logging:
-    """Context manager: an allocation log with call sites, in a temporary file."""
+class _Logging:
+    """Context manager: an allocation log (with call sites if ``track``) in a temporary
+    file.  Its writer thread runs while the cases are timed; stop_log() writes what is
+    left when the context exits, between two timings."""
+
+    def __init__(self, track: bool) -> None:
+        self.track = track
 
     def __enter__(self):
         import tempfile
 
         self._dir = tempfile.TemporaryDirectory()
-        cupy_poolmem.start_log(os.path.join(self._dir.name, "alloc.csv"), track=True)
+        cupy_poolmem.start_log(os.path.join(self._dir.name, "alloc.csv"), track=self.track)
 
     def __exit__(self, *exc):
         cupy_poolmem.stop_log()
         self._dir.cleanup()
+
+
+# -- observability: the second table ------------------------------------------------------
+OBS_BASE = "cupy MemoryPool"
+OBS_PLAIN = "DevicePool, nothing observed"
+OBS_STATS = "DevicePool inside statistics()"
+OBS_LOG = "DevicePool with start_log()"
+OBS_TRACK = "DevicePool with start_log(track=True)"
+#: Issue 15's goals: row -> most it may cost, as a ratio to the plain pool, per
+#: ``cupy.empty(n)`` + free (the first ``len(CASES)`` columns).
+GOALS = {OBS_STATS: 1.3, OBS_LOG: 2.0, OBS_TRACK: 4.0}
+
+
+def observed_entries() -> list[tuple[Any, ...]]:
+    """(name, malloc, cleanup, context) of the observability table: one DevicePool for
+    every DevicePool row, so they differ only in what observes it."""
+    mp = cupy.cuda.MemoryPool()
+    pool = cupy_poolmem.DevicePool()
+    nothing = contextlib.nullcontext
+    return [
+        (OBS_BASE, mp.malloc, mp.free_all_blocks, nothing),
+        (OBS_PLAIN, pool.malloc, None, nothing),
+        (OBS_STATS, pool.malloc, None, cupy_poolmem.statistics),
+        (OBS_LOG, pool.malloc, None, functools.partial(_Logging, False)),
+        (OBS_TRACK, pool.malloc, pool.close, functools.partial(_Logging, True)),
+    ]
+
+
+def observability_report(
+    measured: list[tuple[str, list[float]]],
+) -> tuple[list[list[str]], list[str]]:
+    """Rows of the observability table and one line per goal, from seconds per op.
+
+    Each cell: microseconds, the ratio to the plain DevicePool and the ratio to
+    MemoryPool.  A goal is met when every ``cupy.empty`` case is within its ratio.
+    """
+    by_name = dict(measured)
+    base, plain = by_name[OBS_BASE], by_name[OBS_PLAIN]
+    rows = [
+        [name]
+        + [f"{v * 1e6:7.2f} us ({v / p:.2f}x, {v / b:.2f}x)" for v, p, b in zip(vals, plain, base)]
+        for name, vals in measured
+    ]
+    goals = []
+    for name, limit in GOALS.items():
+        if name not in by_name:
+            continue
+        ratios = [v / p for v, p in zip(by_name[name][: len(CASES)], plain)]
+        worst = max(range(len(ratios)), key=lambda i: ratios[i])
+        verdict = "met" if ratios[worst] <= limit else "NOT met"
+        goals.append(
+            f"goal: {name} at most {limit:g}x the plain DevicePool per cupy.empty + free: "
+            f"worst {ratios[worst]:.2f}x ({CASES[worst][0]}) -> {verdict}"
+        )
+    return rows, goals
 
 
 def guard_overhead(measured: list[tuple[str, list[float], Any]]) -> str | None:
@@ -315,8 +375,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(header("allocation benchmark: microseconds per op (ratio to cupy MemoryPool)"))
     rows, base = [], None
     entries = peers()
-    # Observability rows go last, in their own phase: what they leave behind (objects,
-    # caches) must not weigh on the rows measured with everything off.
+    # The guard's row goes last, in its own phase: what it leaves behind (its
+    # quarantine) must not weigh on the rows measured with everything off.
     plain = [e for e in entries if len(e) == 3]
     observed = [e for e in entries if len(e) > 3]
     results = measure_interleaved(plain, n) + measure_interleaved(observed, n, rounds=2)
@@ -335,6 +395,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     overhead = guard_overhead(measured)
     if overhead:
         print(overhead)
+    print()
+    print(
+        "observability: microseconds per op (ratio to the plain DevicePool, ratio to cupy "
+        "MemoryPool), measured together"
+    )
+    obs = observed_entries()
+    obs_vals = measure_interleaved(obs, n)
+    obs_rows, goals = observability_report([(e[0], v) for e, v in zip(obs, obs_vals)])
+    print(table(["allocator"] + [c[0] for c in CASES] + ["chain 10k f32"], obs_rows))
+    for line in goals:
+        print(line)
+    for e in obs:
+        if e[2]:
+            e[2]()
     print()
     print("allocation on a non-blocking stream (the graph-capture query): microseconds")
     print(_stream_costs(quick))
