@@ -85,7 +85,7 @@ LOG_COLUMNS: tuple[str, ...] = (
 )
 
 #: Seconds between two writes of the log's records by its writer thread (a full batch
-#: of ``LOG_BATCH`` records is written at once).
+#: of 4096 records, the hot path's ``LOG_BATCH``, is written at once).
 LOG_INTERVAL_S = 0.1
 _KIND_NAMES = {0: "device", 1: "pinned", 2: "managed"}
 _KINDS = {v: k for k, v in _KIND_NAMES.items()}
@@ -452,7 +452,7 @@ def statistics(*, device: int | None = None, kind: str | None = None) -> Iterato
     was live before the scope began never makes ``current_bytes`` negative.
 
     While at least one scope is open the pools carry an observer, which counts in the
-    hot path's own compiled code (a few hundred nanoseconds per allocation and free,
+    hot path's own compiled code (about a hundred nanoseconds per allocation and free,
     see :doc:`observability`); once the last one closes, the hot path is back to zero
     cost.
 
@@ -1089,7 +1089,7 @@ def start_log(path: str | os.PathLike, track: bool = False, *, append: bool = Fa
         a pool grows and at most once a second on allocation); blank if unknown.
 
     The allocating thread only appends a fixed-size record to a batch; a writer thread
-    formats the lines and writes them, a full batch (``LOG_BATCH`` records) at once and
+    formats the lines and writes them, a full batch (4096 records) at once and
     whatever is there every ``LOG_INTERVAL_S`` (0.1 s).  **The file is complete after**
     :func:`~cupy_poolmem.stop_log` **or** :func:`~cupy_poolmem.flush_log`, and at a normal
     exit (an ``atexit`` handler stops the log; a ``multiprocessing`` child flushes it
