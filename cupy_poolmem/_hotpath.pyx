@@ -606,6 +606,7 @@ cdef class Dispatch:
 # garbage collection runs on this thread lands before or after it, never inside.  The
 # log records are fixed-size C structs in batches of LOG_BATCH; stats' writer thread
 # takes the batches and formats them into CSV lines without the GIL (Batch.format).
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE
 from cpython.ref cimport PyObject, Py_XINCREF, Py_XDECREF
 from libc.stdlib cimport malloc as _c_malloc, free as _c_free
 from libc.string cimport memcpy
@@ -1017,8 +1018,8 @@ cdef class Recorder:
     cdef Batch _batch
     cdef list _sealed
     cdef object _tls                 # stats' thread-local: .tag, .thread
-    cdef object _tags                # stats' count of open tag() scopes (an array)
-    cdef long long* _n_tags          # its item: 0 lets _alloc skip the thread-local
+    cdef Py_buffer _tags             # stats' count of open tag() scopes (an array)...
+    cdef long long* _n_tags          # ...its item: 0 lets _alloc skip the thread-local
     cdef object _on_batch            # fn(): a batch is full
     cdef object _on_error            # fn(exc)
     cdef object _refresh             # fn(pool) -> reserved bytes or None
@@ -1041,14 +1042,22 @@ cdef class Recorder:
     def __dealloc__(self):
         if self._live is not None:
             _drop_list(self._live)  # the Infos still listed must not point to its head
+        if self._tags.buf != NULL:
+            PyBuffer_Release(&self._tags)
 
     # -- configuration (stats.py) ------------------------------------------------------
     def configure(self, tls, tags, on_batch, on_error, refresh):
         """The tag thread-local and the count of open tag scopes (``array('q', [n])``),
         then fn() for a full batch, fn(exc), fn(core) -> reserved bytes."""
-        cdef long long[::1] view = tags
-        self._tags = view  # holds the buffer: the array cannot be resized under us
-        self._n_tags = &view[0]
+        cdef Py_buffer buf
+        PyObject_GetBuffer(tags, &buf, PyBUF_WRITABLE)  # held: the array cannot be resized
+        if buf.len < <Py_ssize_t>sizeof(long long):
+            PyBuffer_Release(&buf)
+            raise ValueError("tags must hold one 64-bit count")
+        if self._tags.buf != NULL:
+            PyBuffer_Release(&self._tags)
+        self._tags = buf
+        self._n_tags = <long long*>buf.buf
         self._tls, self._on_batch, self._on_error, self._refresh = tls, on_batch, on_error, refresh
 
     def set_sites(self, skip, depth):
