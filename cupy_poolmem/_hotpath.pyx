@@ -1396,13 +1396,12 @@ cdef class Recorder:
         cdef PyFrameObject* f = PyEval_GetFrame()
         cdef PyFrameObject* back
         cdef PyObject* code
-        cdef int i
+        cdef int left = self._depth
         site = None
         Py_XINCREF(<PyObject*>f)
         try:
-            for i in range(self._depth):
-                if f == NULL:
-                    break
+            while left > 0 and f != NULL:
+                left -= 1
                 code = <PyObject*>PyFrame_GetCode(f)
                 try:
                     entry = self._codes.get(<uintptr_t>code)

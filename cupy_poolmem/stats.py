@@ -120,7 +120,7 @@ class _TagScope(contextlib.ContextDecorator):
     """Context manager (and decorator) returned by :func:`~cupy_poolmem.tag`."""
 
     def __init__(self, name: str) -> None:
-        self.name = name
+        self.name = str(name)  # a plain str: the recorder looks tags up from C
 
     def _recreate_cm(self) -> _TagScope:  # a fresh scope per decorated call
         return _TagScope(self.name)
@@ -824,6 +824,7 @@ class _Observer:
         self.tracking = False
         self.depth = 32
         self._rec: Any = None  # the hot path's Recorder, configured on first need
+        self._pools: Any = None  # cupy_poolmem._pools, once observing
         self._scopes: tuple[Statistics, ...] = ()
         self._writer: _LogWriter | None = None
         self._pid = os.getpid()
@@ -885,7 +886,7 @@ class _Observer:
             return
         rec.tracking = self.tracking
         rec.start()
-        pools = _pools_module()
+        pools = self._pools = _pools_module()
         pools._set_global_observer(rec)
         for p in pools.all_pools():
             rec.baseline(p, _live_bytes(p), _reserved(p))
@@ -893,7 +894,7 @@ class _Observer:
     def _deactivate(self) -> None:
         rec = self._rec
         if rec is not None:
-            _pools_module()._set_global_observer(None)
+            self._pools._set_global_observer(None)  # no import: this may run at exit
             rec.stop()
         self.active = False
 

@@ -12,6 +12,7 @@ import csv
 import importlib
 import io
 import os
+import sys
 import threading
 from array import array
 from pathlib import Path
@@ -473,3 +474,33 @@ def test_a_restart_forgets_the_live_list_and_pool_records(hp):
 
 def test_the_package_recorder_is_the_hot_paths():
     assert isinstance(_pools._RECORDER, _pools._hp.Recorder)
+
+
+@pytest.mark.parametrize("hp", IMPLS)
+def test_call_sites_walk_skipped_frames_up_to_depth(hp, tmp_path, monkeypatch):
+    helper = tmp_path / "deep_helper.py"
+    helper.write_text(
+        "def nest(k, fn):\n    if k == 0:\n        return fn()\n    return nest(k - 1, fn)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "deep_helper", raising=False)  # the other run's
+    import deep_helper
+
+    g = Rig(hp)
+    g.rec.start()
+    g.rec.tracking = True
+    core = FakeCore()
+    # Frames: Rig.alloc (this file), nest x5 (skipped), the lambda's caller here.
+    g.rec.set_sites((FAKES_FILE, PKG, str(helper)), 32)
+    b = deep_helper.nest(4, lambda: g.alloc(core, 0x10, 1))
+    assert b.info.callsite == f"{__file__}:{_alloc_line()} in alloc"
+    # Skip this file too: the walk goes through the lambda, alloc, 5 nest frames...
+    g.rec.set_sites((FAKES_FILE, PKG, str(helper), __file__), 32)
+    for _ in range(2):  # the second time from the caches
+        b = deep_helper.nest(4, lambda: g.alloc(core, 0x20, 1))
+        line = b.info.callsite
+        assert line is not None and not line.startswith((__file__, str(helper)))
+    # ...and never more than `depth` frames: alloc, lambda, 5 nest frames are 7.
+    g.rec.set_sites((FAKES_FILE, PKG, str(helper), __file__), 7)
+    assert deep_helper.nest(4, lambda: g.alloc(core, 0x30, 1)).info.callsite is None
+    assert not g.errors
