@@ -1125,9 +1125,12 @@ cdef class Recorder:
 
     # -- hooks (the hot path calls _alloc and _free directly) -----------------------------
     def on_alloc(self, block):
-        info = self._alloc(block.core, block.ptr, block.size, block.stream_ptr)
-        if info is not None:
-            block.info = info
+        try:
+            info = self._alloc(block.core, block.ptr, block.size, block.stream_ptr)
+            if info is not None:
+                block.info = info
+        except BaseException as exc:  # a conversion of the block's fields
+            self._error(exc)
 
     def on_free(self, core, ptr, size, stream_ptr, info):
         try:

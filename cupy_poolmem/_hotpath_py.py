@@ -751,11 +751,20 @@ class Recorder:
 
     # -- hooks called by the hot path ----------------------------------------------------
     def on_alloc(self, block: Any) -> None:
-        info = self._alloc(block.core, block.ptr, block.size, block.stream_ptr)
-        if info is not None:
-            block.info = info
+        try:  # the conversions of the compiled version's C arguments
+            ptr, size, sptr = _as_size(block.ptr), _as_size(block.size), _as_size(block.stream_ptr)
+            info = self._alloc(block.core, ptr, size, sptr)
+            if info is not None:
+                block.info = info
+        except BaseException as exc:
+            self._error(exc)
 
     def on_free(self, core: Any, ptr: int, size: int, stream_ptr: int, info: Any) -> None:
+        try:
+            ptr, size, stream_ptr = _as_size(ptr), _as_size(size), _as_size(stream_ptr)
+        except BaseException as exc:
+            self._error(exc)
+            return
         self._free(core, ptr, size, stream_ptr, info)
 
     def note(
@@ -766,6 +775,7 @@ class Recorder:
             if not self.logging:
                 return
             ns, thread, dev = _now_ns(), self._thread_name(), int(core.device_id)
+            ptr, size, stream_ptr = _as_size(ptr), _as_size(size), _as_size(stream_ptr)
 
             def append() -> bool:
                 d = self._devs.get(dev)
@@ -805,6 +815,7 @@ class Recorder:
                 return None
             # Everything that may run Python code first; the counters change in one go.
             info = Info()
+            info.serial = 0  # until _apply_alloc numbers it
             info._ns = _now_ns()
             t = info.time = info._ns * 1e-9
             tag = self._tls.tag if self._tags[0] else ""

@@ -436,7 +436,9 @@ def test_errors_are_counted_never_raised(hp):
     g.rec.on_free(object(), 0x10, 8, 0, None)  # a core without attributes
     g.rec.on_free(None, "x", None, None, ("bad",))
     g.rec.on_alloc(FakeBlock(object(), 0x10, 8))
-    assert g.rec.n_errors == 3 and len(g.errors) == 3
+    g.rec.on_alloc(FakeBlock(FakeCore(), "not a pointer", 8))
+    g.rec.on_alloc(None)
+    assert g.rec.n_errors == 5 and len(g.errors) == 5
 
 
 @pytest.mark.parametrize("hp", IMPLS)
