@@ -313,7 +313,7 @@ class PoolCore:
             elif self.cached_bytes:
                 hit = self._cache.get((sptr, size))
                 if hit:
-                    dptr, _, share = hit.pop()
+                    dptr, stream, share = hit.pop()  # the stream object that freed it, as the .pyx
                     self.cached_bytes -= size
                     self.cache_misses = 0
                 else:

@@ -82,3 +82,21 @@ def test_the_compiled_hot_path_flushes_after_the_same_count():
         "self.cache_misses = 0\n                else:\n                    self._cache_missed()"
         in src
     )
+
+
+def test_a_cache_hit_keeps_the_stream_object_that_freed_the_block(world):
+    """The block served from the cache holds the stream object it was cached with (the
+    one kept alive while it waited), as the compiled hot path does, not another wrapper
+    of the same handle that happens to be current."""
+    import cupy
+
+    first = world.current
+    m = world.pool().malloc(KB)
+    p = m.mem._owner.core
+    ptr = m.ptr
+    del m
+    world.current = cupy.cuda.ExternalStream(first.ptr, 0)  # same handle, new object
+    m = p.malloc(KB)
+    assert m.ptr == ptr and m.mem._owner.stream is first
+    src = open(_pools.__file__.rsplit("/", 1)[0] + "/_hotpath.pyx").read()
+    assert "dptr, stream, share = hit.pop()" in src
