@@ -134,35 +134,6 @@ def test_close_in_another_thread_never_retires_the_pool_before_an_in_flight_free
     assert "close_pool" in events and events.index("close_pool") == len(events) - 1
 
 
-def test_a_last_free_during_close_waits_for_the_quarantine_hand_over(world):
-    """close() marks the pool closed, then hands the guard's quarantine over.  Another
-    thread's last free landing in between does not retire the pool: close() does, at its
-    end, so the quarantined block is freed (after a sync) before the pool goes."""
-    p = world.pool(reuse_cache=0)
-    _closing(world, p)
-    ops = FakeOps(world)
-    g = _guard.attach(p, GuardOptions(red_zone=16, quarantine_blocks=8), ops=ops)
-    q = p.malloc(64)
-    qptr = q.ptr
-    del q  # quarantined
-    assert g.stats()["quarantined_blocks"] == 1
-    last = [p.malloc(64)]  # held by a worker thread
-    mark_closed = p._mark_closed
-
-    def mark_closed_then_switch():
-        mark_closed()
-        last.clear()  # the worker's last free runs here
-
-    p._mark_closed = mark_closed_then_switch
-    ops.underway = True  # a capture elsewhere: the quarantine cannot be checked now
-    p.close()
-    ops.underway = False
-    world.retirer.drain()
-    assert ("close_pool",) in world.log
-    i = world.log.index(("close_pool",))
-    assert ("legacy_free", qptr, 0) in world.log[:i]
-
-
 def test_the_compiled_hot_path_sends_blocks_of_finalized_streams_to_the_retirer():
     """The .pyx free takes the same branch as the twin (there is no GPU here: the
     compiled module is read, not run): both test the pool's finalized flag, the

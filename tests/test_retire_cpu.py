@@ -42,6 +42,20 @@ class Resource:
         self.log.append(("close", self.name))
 
 
+def _failing_sync_retirer(sync, log: list) -> _retire.Retirer:
+    """A retirer on device 0 whose ``sync`` the test controls; frees go to ``log``, and
+    three failed drains in a row count as a broken context."""
+    r = _retire.Retirer(
+        sync,
+        lambda: False,
+        lambda: [0],
+        free=lambda p, d: log.append(("free", p)),
+        background=False,
+    )
+    r.max_failures = 3
+    return r
+
+
 # ---------------------------------------------------------------- the retirer itself
 def test_nothing_is_closed_before_a_sync_of_its_devices(fake_retirer):
     log = fake_retirer.log.events
@@ -119,14 +133,7 @@ def test_a_capture_the_pools_never_saw_holds_retirement_back_however_long_it_las
             raise RuntimeError("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
         log.append(("sync", dev))
 
-    r = _retire.Retirer(
-        sync,
-        lambda: False,
-        lambda: [0],
-        free=lambda p, d: log.append(("free", p)),
-        background=False,
-    )
-    r.max_failures = 3
+    r = _failing_sync_retirer(sync, log)
     live = r.adopt(Resource(log, "live"))
     r.add_leftovers(live, 0, [0xA])  # an orphaned block of a live pool
     r.retire(r.adopt(Resource(log, "gone")), 0)
@@ -152,14 +159,7 @@ def test_a_sync_error_keeps_the_pools_due_but_never_drops_a_live_pools_leftovers
             raise _errors.CUDADriverError("cuCtxSynchronize", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
         log.append(("sync", dev))
 
-    r = _retire.Retirer(
-        sync,
-        lambda: False,
-        lambda: [0],
-        free=lambda p, d: log.append(("free", p)),
-        background=False,
-    )
-    r.max_failures = 3
+    r = _failing_sync_retirer(sync, log)
     live = r.adopt(Resource(log, "live"))
     r.add_leftovers(live, 0, [0xA])
     gone = Resource(log, "gone")
@@ -910,8 +910,9 @@ def test_a_retired_pools_finalizer_does_not_retire_it_again(world, tp, monkeypat
 def test_a_guard_quarantine_handed_over_after_the_pool_was_retired_is_freed_first(world):
     """close() marks the pool closed, then hands the guard's quarantine to the retirer
     (a capture is under way: it cannot be checked now).  Another thread's last free in
-    between retires the pool: the quarantined block must still be freed before the CUDA
-    pool is destroyed, not dropped with the retired token."""
+    between does not retire the pool (close() does, at its end): the quarantined block
+    is freed, after a sync, before the CUDA pool is destroyed, not dropped with the
+    token."""
     from _guard_fakes import FakeOps
 
     from cupy_poolmem import _guard
@@ -938,6 +939,8 @@ def test_a_guard_quarantine_handed_over_after_the_pool_was_retired_is_freed_firs
     ops.underway = False
     world.retirer.drain()
     assert world.log[-1] == ("close_pool",)
+    i = world.log.index(("close_pool",))
+    assert ("legacy_free", qptr, 0) in world.log[:i]  # freed (after a sync) before the pool
     freed = [e for e in world.log if e[0] in ("free", "legacy_free") and e[1] == qptr]
     assert freed == [("legacy_free", qptr, 0)] and world.retirer.n_leftovers_lost == 0
 
