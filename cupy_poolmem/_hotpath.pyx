@@ -379,7 +379,7 @@ cdef class PoolCore:
         if self.live_bytes > self.peak_live_bytes:
             self.peak_live_bytes = self.live_bytes
         if self.observer is not None:  # statistics(), a log, tracking: see Recorder
-            b.info = self.observer._alloc(self, dptr, size, sptr)
+            self.observer._alloc(self, dptr, size, sptr, b)  # raises only a KeyboardInterrupt
         if self.kind == KIND_PINNED:
             return _PinnedMemoryPointer(b, 0)
         return _MemoryPointer(_UnownedMemory(dptr, size, b, self.device_id), 0)
@@ -1125,17 +1125,19 @@ cdef class Recorder:
 
     # -- hooks (the hot path calls _alloc and _free directly) -----------------------------
     def on_alloc(self, block):
+        cdef uintptr_t ptr, sptr
+        cdef size_t size
         try:
-            info = self._alloc(block.core, block.ptr, block.size, block.stream_ptr)
-            if info is not None:
-                block.info = info
-        except BaseException as exc:  # a conversion of the block's fields
+            core, ptr, size, sptr = block.core, block.ptr, block.size, block.stream_ptr
+        except Exception as exc:  # a conversion of the block's fields
             self._error(exc)
+            return
+        self._alloc(core, ptr, size, sptr, block)
 
     def on_free(self, core, ptr, size, stream_ptr, info):
         try:
             self._free(core, ptr, size, stream_ptr, info)
-        except BaseException as exc:  # a conversion of the arguments
+        except Exception as exc:  # a conversion of the arguments
             self._error(exc)
 
     def note(self, core, op, ptr, size, stream_ptr, tag, callsite):
@@ -1153,7 +1155,7 @@ cdef class Recorder:
                             d.reserved if d is not None else -1, dev, op, thread, tag,
                             callsite):
                 self._on_batch()
-        except BaseException as exc:
+        except Exception as exc:  # a KeyboardInterrupt, a SystemExit: the caller's
             self._error(exc)
 
     # -- reading (stats.py) --------------------------------------------------------------
@@ -1180,23 +1182,33 @@ cdef class Recorder:
         return out
 
     # -- the work ------------------------------------------------------------------------
-    cdef Info _alloc(self, object core, uintptr_t ptr, size_t size, uintptr_t sptr):
-        """Count an allocation and log it; its Info (None when not active).  Never raises."""
+    cdef int _alloc(self, object core, uintptr_t ptr, size_t size, uintptr_t sptr,
+                    object block) except -1:
+        """Count an allocation, log it and set ``block.info`` (unless not active).
+
+        An ``Exception`` of the Python pre-step is counted (the block is then not
+        observed).  Any other ``BaseException`` (a KeyboardInterrupt, the SystemExit of
+        a signal handler that ran there) is the program's: the allocation is counted
+        with what is known so far, ``block.info`` set, then it is raised, so that the
+        block's free, when the caller drops it, is counted as usual."""
         cdef Info info
         cdef PoolObs p
         cdef double t
         thread = None
+        stop = None
         if not self.active:
-            return None
+            return 0
+        info = Info.__new__(Info)
+        info._ns = _wall_ns()
+        t = info.time = <double>info._ns * 1e-9
+        info.tag = ""
+        info.ptr = ptr
+        info.size = size
+        info.stream = sptr
         try:
             # What may run Python code first (see above); then _apply_alloc in one go.
-            info = Info.__new__(Info)
-            info._ns = _wall_ns()
-            t = info.time = <double>info._ns * 1e-9
-            info.tag = self._tls.tag if self._n_tags[0] else ""
-            info.ptr = ptr
-            info.size = size
-            info.stream = sptr
+            if self._n_tags[0]:
+                info.tag = self._tls.tag
             if self.tracking:
                 info.callsite = self._site()
             p = info._pool = self._pool_of(core)
@@ -1207,12 +1219,34 @@ cdef class Recorder:
                         or t - p.reserved_t > 1.0):  # grown, or a second old
                     self._refresh_pool(p, core, t)
             self._prepare_tags(info.tag, p.device, p.kind)
+        except Exception as exc:
+            self._error(exc)
+            return 0
+        except BaseException as exc:
+            stop = exc
+        if stop is not None:
+            if type(info.tag) is not str:
+                info.tag = ""
+            if info._pool is None:
+                try:
+                    info._pool = self._pool_of(core)
+                    info.device = info._pool.device
+                except BaseException:
+                    raise stop
+            if thread is None and self.logging:
+                thread = ""
+        try:
             if self._apply_alloc(info, thread):
                 self._on_batch()
-            return info
-        except BaseException as exc:
+        except Exception as exc:
             self._error(exc)
-            return None
+        if isinstance(block, Block):
+            (<Block>block).info = info
+        else:
+            block.info = info
+        if stop is not None:
+            raise stop
+        return 0
 
     cdef bint _apply_alloc(self, Info info, object thread) except -1:
         cdef PoolObs p = info._pool
@@ -1263,7 +1297,7 @@ cdef class Recorder:
                 p = self._pool_of(core)
             if self._apply_free(p, ptr, size, sptr, info, ns, thread):
                 self._on_batch()
-        except BaseException as exc:
+        except BaseException as exc:  # a deallocator cannot raise: even a Ctrl-C is counted
             self._error(exc)
 
     cdef bint _apply_free(self, PoolObs p, uintptr_t ptr, size_t size, uintptr_t sptr,

@@ -506,3 +506,71 @@ def test_call_sites_walk_skipped_frames_up_to_depth(hp, tmp_path, monkeypatch):
     g.rec.set_sites((FAKES_FILE, PKG, str(helper), __file__), 7)
     assert deep_helper.nest(4, lambda: g.alloc(core, 0x30, 1)).info.callsite is None
     assert not g.errors
+
+
+# ------------------------------------------------------------------------------------------
+# A signal's exception (Ctrl-C, SystemExit) inside an observed allocation
+# ------------------------------------------------------------------------------------------
+class _InterruptedName:
+    """A thread whose ``name`` raises KeyboardInterrupt once: SIGINT's handler runs in
+    the Python code of the recorder's pre-step (Thread.name is a property)."""
+
+    def __init__(self, real: threading.Thread) -> None:
+        self.real = real
+        self.fired = False
+
+    @property
+    def name(self) -> str:
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+        return self.real.name
+
+
+@pytest.mark.parametrize("hp", IMPLS)
+def test_keyboard_interrupt_in_an_observed_allocation_propagates_and_stays_counted(hp):
+    """Only an Exception of the pre-step is counted as an observer error; a
+    KeyboardInterrupt reaches the program, after the allocation was counted (with a
+    Info on the block), so that the block, dropped by the caller, has its free counted."""
+    import cupy
+
+    g = Rig(hp)
+    core = _core(hp)
+    core.observer = g.rec
+    stream = cupy.cuda.ExternalStream(0, 0)
+    g.rec.start()
+    g.rec.set_logging(True)
+    scope = g.rec.add_scope(None, None)
+    g.tls.thread = _InterruptedName(threading.current_thread())
+    with pytest.raises(KeyboardInterrupt):
+        core._make_block(0x1000, 64, stream, 0)
+    import gc
+
+    gc.collect()  # the interrupted frame's block
+    ops = [(r[7], r[1]) for b in g.rec.take_batches() for r in b.rows()]
+    assert not g.errors and g.rec.n_errors == 0
+    assert ops == [("alloc", 0x1000), ("free", 0x1000)]
+    assert (scope.n_allocs, scope.n_frees, scope.current_bytes) == (1, 1, 0)
+    assert g.rec.live(None) == []
+
+
+@pytest.mark.parametrize("hp", IMPLS)
+def test_system_exit_in_an_observed_allocation_propagates(hp):
+    g = Rig(hp)
+    g.rec.start()
+    core = FakeCore()
+
+    class _Exit:
+        @property
+        def name(self) -> str:
+            raise SystemExit(3)
+
+    g.tls.thread = _Exit()
+    g.rec.set_logging(True)
+    b = FakeBlock(core, 0x10, 8)
+    with pytest.raises(SystemExit):
+        g.rec.on_alloc(b)
+    assert b.info is not None and b.info.tag == ""
+    g.rec.set_logging(False)
+    g.free(b)
+    assert g.rec.live(None) == [] and not g.errors

@@ -206,51 +206,6 @@ def test_r2_log_keeps_its_lines_when_a_call_site_path_is_not_utf8(tmp_path, clea
 
 
 # ------------------------------------------------------------------------------------------
-# R3: Ctrl-C (any BaseException from a signal handler) inside an observed allocation
-# ------------------------------------------------------------------------------------------
-class _InterruptedName:
-    """A thread whose ``name`` is read when SIGINT's handler runs (Thread.name is a
-    Python property: the handler may run in it)."""
-
-    def __init__(self, real: threading.Thread) -> None:
-        self.real = real
-        self.fired = False
-
-    @property
-    def name(self) -> str:
-        if not self.fired:
-            self.fired = True
-            raise KeyboardInterrupt
-        return self.real.name
-
-
-@pytest.mark.parametrize("hp", IMPLS)
-def test_r3_keyboard_interrupt_in_an_observed_allocation_reaches_the_program(hp):
-    """``Recorder._alloc`` catches BaseException around the Python code it runs (the
-    thread's name, the tag, the pool's reserved bytes, the call site): a Ctrl-C whose
-    handler runs there is swallowed, counted as an observer error, and the block gets
-    no Info (its free is then never counted).  The hot path itself, no fakes."""
-    import cupy
-
-    g = Rig(hp)
-    core = _core(hp)
-    core.observer = g.rec
-    stream = cupy.cuda.ExternalStream(0, 0)
-    g.rec.start()
-    g.rec.set_logging(True)
-    g.tls.thread = _InterruptedName(threading.current_thread())
-    with pytest.raises(KeyboardInterrupt):
-        core._make_block(0x1000, 64, stream, 0)
-
-
-def test_r3_ctrl_c_is_not_swallowed_through_stats(tmp_path, clean_stats, monkeypatch):
-    monkeypatch.setattr(stats._tls, "thread", _InterruptedName(threading.current_thread()))
-    stats.start_log(tmp_path / "k.csv")
-    with pytest.raises(KeyboardInterrupt):
-        alloc(FakeCore(), 0x1000, 8)
-
-
-# ------------------------------------------------------------------------------------------
 # R4: twin only: a scope opened between _prepare_tags and the locked step
 # ------------------------------------------------------------------------------------------
 def test_r4_twin_scope_opened_by_another_thread_mid_allocation():

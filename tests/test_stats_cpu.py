@@ -775,3 +775,24 @@ def test_statistics_objects_compare_print_and_build_by_keyword():
         assert t_live.current_bytes == 16
         free(b)
         assert t_live.current_bytes == 0  # the view reads the live counters
+
+
+def test_ctrl_c_in_an_observed_allocation_is_not_swallowed(tmp_path, monkeypatch):
+    """A KeyboardInterrupt raised while the observer runs Python code (here: the
+    thread's name) reaches the program; it is no observer error."""
+
+    class Interrupted:
+        def __init__(self) -> None:
+            self.fired = False
+
+        @property
+        def name(self) -> str:
+            if not self.fired:
+                self.fired = True
+                raise KeyboardInterrupt
+            return "MainThread"
+
+    monkeypatch.setattr(stats._tls, "thread", Interrupted())
+    stats.start_log(tmp_path / "k.csv")
+    with pytest.raises(KeyboardInterrupt):
+        alloc(FakeCore(), 0x1000, 8)
