@@ -876,12 +876,13 @@ class Recorder:
                 s.current_bytes += size
                 if s.current_bytes > s.peak_used_bytes:
                     s.peak_used_bytes = s.current_bytes
-                c = s.per_tag[info.tag]
-                c.n_allocs += 1
-                c.total_bytes += size
-                c.current_bytes += size
-                if c.current_bytes > c.peak_bytes:
-                    c.peak_bytes = c.current_bytes
+                c = s.per_tag.get(info.tag)
+                if c is not None:
+                    c.n_allocs += 1
+                    c.total_bytes += size
+                    c.current_bytes += size
+                    if c.current_bytes > c.peak_bytes:
+                        c.peak_bytes = c.current_bytes
         if thread is None or not self.logging:
             return False
         return self._append(

@@ -574,3 +574,62 @@ def test_system_exit_in_an_observed_allocation_propagates(hp):
     g.rec.set_logging(False)
     g.free(b)
     assert g.rec.live(None) == [] and not g.errors
+
+
+def test_twin_scope_opened_by_another_thread_mid_allocation():
+    """A statistics() scope opened by another thread between the twin's pre-step
+    (which makes the per-tag counters) and its locked step has no counters for the
+    tag: the allocation is still observed, and its free leaves nothing listed."""
+    g = Rig(twin)
+    core = FakeCore()
+    g.rec.start()
+    orig = g.rec._prepare_tags
+
+    def prepare_then_switch(*args):
+        orig(*args)
+        g.rec.add_scope(None, None)  # another thread enters statistics() here
+
+    g.rec._prepare_tags = prepare_then_switch
+    g.tag("t")
+    b = g.alloc(core, 0x10, 8)
+    g.rec._prepare_tags = orig
+    assert b.info is not None
+    g.free(b)
+    assert not g.errors, g.errors
+    assert g.rec.live(None) == []
+
+
+@pytest.mark.skipif(not os.environ.get("CUPY_POOLMEM_STRESS"), reason="set CUPY_POOLMEM_STRESS=1")
+@pytest.mark.parametrize("hp", IMPLS)
+def test_stress_scopes_opened_while_threads_allocate(hp):
+    import time
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        g = Rig(hp)
+        g.rec.start()
+        g.tags[0] = 1
+        core = FakeCore()
+        stop = threading.Event()
+
+        def scoper():
+            while not stop.is_set():
+                g.rec.remove_scope(g.rec.add_scope(None, None))
+
+        t = threading.Thread(target=scoper)
+        t.start()
+        held, i, t0 = [], 0, time.time()
+        while time.time() - t0 < 3:
+            g.tls.tag = f"t{i % 50}"
+            held.append(g.alloc(core, 0x1000 + i, 8))
+            if len(held) > 10:
+                g.free(held.pop(0))
+            i += 1
+        stop.set()
+        t.join()
+        for b in held:
+            g.free(b)
+    finally:
+        sys.setswitchinterval(old)
+    assert not g.errors and g.rec.live(None) == []
