@@ -708,6 +708,7 @@ cdef class DevObs:
 
 
 @cython.final
+@cython.no_gc_clear  # an Info's pool: read by Block.__dealloc__ of a block freed by GC
 cdef class PoolObs:
     """What the recorder keeps of one pool (found by ``id(core)``, or ``core._obs``)."""
     cdef object ref                  # weak reference (or a holder) to the pool
@@ -726,8 +727,15 @@ cdef class PoolObs:
 
 @cython.final
 @cython.freelist(256)
+@cython.no_gc_clear
 cdef class Info:
-    """What the recorder knows of one observed allocation (``Block.info``)."""
+    """What the recorder knows of one observed allocation (``Block.info``).
+
+    Not cleared by the garbage collector: when a block dies in a reference cycle (an
+    exception's traceback holding the frame that holds the array), ``Block.__dealloc__``
+    reads its tag, call site and pool after the collector's tp_clear ran on the
+    cycle.  It can still be traversed (its pool may hold a pool without weak
+    references through ``_Held``), and nothing it holds refers back to it."""
     cdef readonly unsigned long long serial
     cdef readonly double time
     cdef readonly object tag

