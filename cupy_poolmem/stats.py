@@ -982,8 +982,35 @@ def _update() -> None:
         obs._deactivate()
 
 
+def _after_fork_child() -> None:
+    """In a forked child: a new ``_CTL`` (the parent's may have been held by a thread
+    that does not exist here, inside ``start_log``, ``stop_log`` or ``statistics()``),
+    then repair what such a thread may have left half done."""
+    global _CTL
+    _CTL = threading.RLock()
+    obs = _OBSERVER
+    obs._after_fork_child()
+    rec = obs._rec
+    if rec is None:
+        return
+    try:
+        # A fork inside start_log's switch: logging on, no writer to take the records.
+        rec.set_logging(obs._writer is not None)
+        # A fork between the recorder's add_scope/remove_scope and _scopes' update.
+        mine = {id(st._c) for st in obs._scopes if st._c is not None}
+        for c in rec.scopes:
+            if id(c) not in mine:
+                rec.remove_scope(c)
+        # A fork inside _activate/_deactivate: observe again from a known state.
+        if obs.active != bool(rec.active):
+            obs.active = bool(rec.active)
+            _update()
+    except Exception as exc:
+        obs._error(exc)
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_OBSERVER._after_fork_child)
+    os.register_at_fork(after_in_child=_after_fork_child)
 
 
 # ----------------------------------------------------------------------------------------

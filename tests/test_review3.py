@@ -214,59 +214,6 @@ def test_r5_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(
 
 
 # ------------------------------------------------------------------------------------------
-# R6: fork while another thread is inside start_log/stop_log/statistics(): _CTL
-# ------------------------------------------------------------------------------------------
-_FORK_CTL = """
-import os, signal, sys, threading
-sys.path.insert(0, {tests!r})
-from cupy_poolmem import stats
-from _observer_fakes import FakeCore, alloc
-
-stats.start_log({path!r})
-kept = [alloc(FakeCore(), 0x1000 + i, 8) for i in range(3)]
-w = stats._OBSERVER._writer
-entered, release = threading.Event(), threading.Event()
-
-class Slow:
-    # stop_log() writes the last lines to a slow disk, _CTL held
-    def __init__(self, f): self.f = f
-    def write(self, d):
-        entered.set(); release.wait(10); return self.f.write(d)
-    def fileno(self): return self.f.fileno()
-    def close(self): self.f.close()
-
-w.file = Slow(w.file)
-t = threading.Thread(target=stats.stop_log)
-t.start()
-entered.wait(30)
-pid = os.fork()  # e.g. a multiprocessing worker started by another thread
-if pid == 0:
-    signal.alarm(10)  # a deadlocked child dies of SIGALRM
-    with stats.statistics() as st:
-        pass
-    os._exit(0)
-release.set()
-t.join(30)
-_, status = os.waitpid(pid, 0)
-print("child", status)
-"""
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_r6_forked_child_can_use_stats_while_the_parent_held_the_control_lock(tmp_path):
-    """stats' _CTL (an RLock) is held across file I/O and thread joins (start_log,
-    stop_log, the first statistics() that installs the observer); a fork from another
-    thread meanwhile leaves it held in the child by a thread that does not exist
-    there.  The child's statistics(), start_log(), track() and its atexit stop_log()
-    then block forever.  _tag_lock is re-made after a fork; _CTL is not."""
-    code = _FORK_CTL.format(tests=os.path.dirname(__file__), path=str(tmp_path / "f.csv"))
-    proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    status = int(proc.stdout.split()[-1])
-    assert os.waitstatus_to_exitcode(status) == 0, "the child deadlocked on stats._CTL"
-
-
-# ------------------------------------------------------------------------------------------
 # R7: a failed write leaves a torn line that swallows the next good one
 # ------------------------------------------------------------------------------------------
 class _DiskFull:

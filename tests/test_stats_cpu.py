@@ -796,3 +796,78 @@ def test_ctrl_c_in_an_observed_allocation_is_not_swallowed(tmp_path, monkeypatch
     stats.start_log(tmp_path / "k.csv")
     with pytest.raises(KeyboardInterrupt):
         alloc(FakeCore(), 0x1000, 8)
+
+
+# ------------------------------------------------------------------------------------------
+# Fork while another thread is inside start_log/stop_log/statistics()
+# ------------------------------------------------------------------------------------------
+_FORK_CTL = """
+import os, signal, sys, threading
+sys.path.insert(0, {tests!r})
+from cupy_poolmem import stats
+from _observer_fakes import FakeCore, alloc
+
+stats.start_log({path!r})
+kept = [alloc(FakeCore(), 0x1000 + i, 8) for i in range(3)]
+w = stats._OBSERVER._writer
+entered, release = threading.Event(), threading.Event()
+
+class Slow:
+    # stop_log() writes the last lines to a slow disk, _CTL held
+    def __init__(self, f): self.f = f
+    def write(self, d):
+        entered.set(); release.wait(10); return self.f.write(d)
+    def fileno(self): return self.f.fileno()
+    def close(self): self.f.close()
+
+w.file = Slow(w.file)
+t = threading.Thread(target=stats.stop_log)
+t.start()
+entered.wait(30)
+pid = os.fork()  # e.g. a multiprocessing worker started by another thread
+if pid == 0:
+    signal.alarm(10)  # a deadlocked child dies of SIGALRM
+    with stats.statistics() as st:
+        pass
+    os._exit(0)
+release.set()
+t.join(30)
+_, status = os.waitpid(pid, 0)
+print("child", status)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_can_use_stats_while_the_parent_held_the_control_lock(tmp_path):
+    """stats' _CTL (an RLock) is held across file I/O and thread joins (start_log,
+    stop_log, the first statistics() that installs the observer); a fork from another
+    thread meanwhile leaves it held in the child by a thread that does not exist
+    there.  The child's statistics(), start_log(), track() and its atexit stop_log()
+    would block forever: the child makes a new one."""
+    code = _FORK_CTL.format(tests=os.path.dirname(__file__), path=str(tmp_path / "f.csv"))
+    proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    status = int(proc.stdout.split()[-1])
+    assert os.waitstatus_to_exitcode(status) == 0, "the child deadlocked on stats._CTL"
+
+
+
+
+def test_fork_inside_start_logs_switch_leaves_no_logging_without_a_writer(tmp_path):
+    """A fork while start_log had the recorder logging but no writer set yet: the
+    child's after-fork hook turns logging off, so records do not pile up unread; a
+    recorder scope with no statistics() (a fork inside statistics()'s entry) goes."""
+    stats.start_log(tmp_path / "a.csv")
+    rec = stats._OBSERVER.recorder
+    w, stats._OBSERVER._writer = stats._OBSERVER._writer, None
+    orphan = rec.add_scope(None, None)
+    try:
+        stats._after_fork_child()  # what the child runs (here in this process)
+        assert rec.logging is False
+        assert orphan not in rec.scopes
+        with stats.statistics():  # _CTL usable
+            pass
+    finally:
+        stats._OBSERVER._writer = w
+        rec.set_logging(True)
+        rec.remove_scope(orphan)
