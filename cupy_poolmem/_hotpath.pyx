@@ -877,7 +877,9 @@ cdef int _utf8(PyObject** slot, const char** out, Py_ssize_t* n) except -1:
     p = PyUnicode_AsUTF8AndSize(obj, n) if type(obj) is str else NULL
     if p == NULL:
         PyErr_Clear()
-        safe = str(obj).encode("utf-8", "backslashreplace").decode("ascii")
+        # What cannot be encoded (a lone surrogate: an undecodable byte of a file name)
+        # as a backslash escape, the rest as UTF-8 (as the twin's whole-batch encode).
+        safe = str(obj).encode("utf-8", "backslashreplace").decode("utf-8")
         Py_XINCREF(<PyObject*>safe)
         Py_XDECREF(slot[0])
         slot[0] = <PyObject*>safe

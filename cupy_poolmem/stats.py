@@ -710,13 +710,18 @@ class _LogWriter:
         rec = _OBSERVER._rec
         if rec is None:
             return
+        self._pending = 0
         try:
-            self._pending = 0
-            for batch in rec.take_batches():
-                self._write(batch.format(self.pid))
-                self.n_lines += len(batch)
+            batches = rec.take_batches()
         except Exception as exc:
             _OBSERVER._error(exc)
+            return
+        for batch in batches:  # each on its own: one that fails loses no other
+            try:
+                self._write(batch.format(self.pid))
+                self.n_lines += len(batch)
+            except Exception as exc:
+                _OBSERVER._error(exc)
 
     def _write(self, data: bytes) -> None:
         view = memoryview(data)

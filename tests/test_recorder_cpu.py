@@ -714,3 +714,21 @@ def test_blocks_freed_from_an_exception_cycle_balance_their_tag(hp):
     frees = [r[9] for b in g.rec.take_batches() for r in b.rows() if r[7] == "free"]
     assert frees == ["model"] * 4
     assert g.rec.live(None) == []
+
+
+@pytest.mark.parametrize("hp", IMPLS)
+def test_format_a_string_with_a_lone_surrogate_and_non_ascii(hp):
+    """A string UTF-8 cannot encode (a lone surrogate, from an undecodable byte of a
+    file name) next to other non-ASCII characters: the surrogate is written as a
+    backslash escape, the rest as UTF-8, by both implementations."""
+    g = Rig(hp)
+    core = FakeCore()
+    g.rec.start()
+    g.rec.set_logging(True)
+    g.rec.note(core, "alloc", 1, 8, 0, "before", None)
+    g.rec.note(core, "alloc", 2, 8, 0, "caf\u00e9/\udcff", "/data/caf\u00e9/\udcff.py:3 in f")
+    g.rec.note(core, "alloc", 3, 8, 0, "after", None)
+    (batch,) = g.rec.take_batches()
+    lines = batch.format(1).decode("utf-8").splitlines()
+    assert len(lines) == 3
+    assert lines[1].split(",")[8] == "caf\u00e9/\\udcff"  # as the twin writes it

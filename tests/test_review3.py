@@ -120,45 +120,6 @@ def _read(path) -> list[dict[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------
-# R2: the compiled formatter's fallback for unencodable strings raises on non-ASCII
-# ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("hp", IMPLS)
-def test_r2_format_a_string_with_a_lone_surrogate_and_non_ascii(hp):
-    """_utf8's fallback encodes with backslashreplace, then decodes as ASCII: any
-    other non-ASCII character in the same string (an accent in a directory name next
-    to an undecodable byte) raises UnicodeDecodeError, and the whole batch is lost."""
-    g = Rig(hp)
-    core = FakeCore()
-    g.rec.start()
-    g.rec.set_logging(True)
-    g.rec.note(core, "alloc", 1, 8, 0, "before", None)
-    g.rec.note(core, "alloc", 2, 8, 0, "caf\u00e9/\udcff", "/data/caf\u00e9/\udcff.py:3 in f")
-    g.rec.note(core, "alloc", 3, 8, 0, "after", None)
-    (batch,) = g.rec.take_batches()
-    lines = batch.format(1).decode("utf-8").splitlines()
-    assert len(lines) == 3
-    assert lines[1].split(",")[8] == "caf\u00e9/\\udcff"  # as the twin writes it
-
-
-def test_r2_log_keeps_its_lines_when_a_call_site_path_is_not_utf8(tmp_path, clean_stats):
-    """End to end: tracking on, one allocation made from a file whose name has an
-    accent and an undecodable byte (``os.fsdecode`` gives a surrogate): every line of
-    the batch around it must reach the file (today none does, one error counted)."""
-    core = FakeCore()
-    path = stats.start_log(tmp_path / "s.csv", track=True)
-    alloc(core, 0x1000, 8)
-    fname = os.path.join(str(tmp_path), "caf\u00e9", "\udcffmod.py")
-    ns: dict = {}
-    exec(compile("def f(alloc, core):\n    return alloc(core, 0x2000, 8)\n", fname, "exec"), ns)
-    kept = ns["f"](alloc, core)
-    alloc(core, 0x3000, 8)
-    stats.stop_log()
-    assert stats._OBSERVER.n_errors == 0
-    assert [r["ptr"] for r in _read(path)] == [0x1000, 0x2000, 0x3000]
-    del kept
-
-
-# ------------------------------------------------------------------------------------------
 # R5: the backlog grows without bound while the writer thread is in a long write
 # ------------------------------------------------------------------------------------------
 class _StuckFile:

@@ -871,3 +871,32 @@ def test_fork_inside_start_logs_switch_leaves_no_logging_without_a_writer(tmp_pa
         stats._OBSERVER._writer = w
         rec.set_logging(True)
         rec.remove_scope(orphan)
+
+
+def test_log_keeps_its_lines_when_a_call_site_path_is_not_utf8(tmp_path):
+    """End to end: tracking on, one allocation made from a file whose name has an
+    accent and an undecodable byte (``os.fsdecode`` gives a surrogate): every line of
+    the batch around it must reach the file (none is lost, no error counted)."""
+    core = FakeCore()
+    path = stats.start_log(tmp_path / "s.csv", track=True)
+    alloc(core, 0x1000, 8)
+    fname = os.path.join(str(tmp_path), "caf\u00e9", "\udcffmod.py")
+    ns: dict = {}
+    exec(compile("def f(alloc, core):\n    return alloc(core, 0x2000, 8)\n", fname, "exec"), ns)
+    kept = ns["f"](alloc, core)
+    alloc(core, 0x3000, 8)
+    stats.stop_log()
+    assert stats._OBSERVER.n_errors == 0
+    events = _events(path)
+    assert [e.ptr for e in events] == [0x1000, 0x2000, 0x3000]
+    assert events[1].callsite.startswith(fname.encode("utf-8", "backslashreplace").decode())
+    del kept
+
+
+def _events(path) -> list:
+    """The log's events as the report reads them; no torn or unparsable line."""
+    from cupy_poolmem import report
+
+    events, n_bad = report.read_log(path)
+    assert n_bad == 0, f"{n_bad} torn or unparsable line(s) in {path}"
+    return events
