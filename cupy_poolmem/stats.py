@@ -89,7 +89,13 @@ LOG_COLUMNS: tuple[str, ...] = (
 LOG_INTERVAL_S = 0.1
 _KIND_NAMES = {0: "device", 1: "pinned", 2: "managed"}
 _KINDS = {v: k for k, v in _KIND_NAMES.items()}
-_MAX_PENDING_BATCHES = 64  # beyond this the allocating thread writes (bounded memory)
+# Beyond this many full batches not yet written (4096 records each: 64 is about 20 MB)
+# the allocating thread waits for the writer and writes them itself (bounded memory);
+# if the writer is stuck in a write for _MAX_WAIT_S, the records waiting are dropped
+# (counted in the writer's n_dropped and as an observer error, with a warning) rather
+# than the program hanging on a stalled disk.
+_MAX_PENDING_BATCHES = 64
+_MAX_WAIT_S = 30.0
 _ENV_LOG = "CUPY_POOLMEM_LOG"
 _ENV_TRACK = "CUPY_POOLMEM_TRACK"
 
@@ -653,14 +659,17 @@ class _LogWriter:
         self.template = template
         self.append = append
         self.n_lines = 0
+        self.n_dropped = 0  # records dropped while the writer was stuck (see batch_full)
         self._pending = 0  # batches filled since the last write
         self._closing = False
+        self._closed = False
         self._thread: threading.Thread | None = None
         self._locks()
         self._open(os.getpid())
 
     def _locks(self) -> None:
         self._lock = threading.Lock()  # one write at a time, in order
+        self._owner: int | None = None  # the thread that holds it
         self._wake = threading.Event()
 
     def _open(self, pid: int) -> None:
@@ -690,21 +699,55 @@ class _LogWriter:
     def batch_full(self) -> None:
         """A batch is full (called by the recorder in the allocating thread)."""
         self._pending += 1
-        # The writer falls behind: this thread writes, so memory stays bounded.  Not
-        # when a write is under way (maybe on this very thread: a garbage collection
-        # inside it frees blocks), which writes these records next.
-        if self._pending > _MAX_PENDING_BATCHES and self._lock.acquire(blocking=False):
+        if self._pending <= _MAX_PENDING_BATCHES or self._owner == threading.get_ident():
+            # A write on this very thread (a garbage collection inside it freed
+            # blocks) writes these records next.
+            self._wake.set()
+            return
+        # The writer falls behind: this thread waits for the write under way, then
+        # writes what is left, so memory stays bounded (spdlog's "block" policy).
+        if self._lock.acquire(timeout=_MAX_WAIT_S):
+            self._owner = threading.get_ident()
             try:
                 self._flush_locked()
             finally:
+                self._owner = None
                 self._lock.release()
-        else:
-            self._wake.set()
+            return
+        self._drop()
+
+    def _drop(self) -> None:
+        """The writer is stuck in a write: drop the records waiting (counted)."""
+        rec = _OBSERVER._rec
+        if rec is None or self._closed:
+            return
+        try:
+            n = sum(len(b) for b in rec.take_batches())
+        except Exception as exc:
+            _OBSERVER._error(exc)
+            return
+        self._pending = 0
+        first = not self.n_dropped
+        self.n_dropped += n
+        _OBSERVER._errors += 1
+        if first:
+            with contextlib.suppress(BaseException):
+                warnings.warn(
+                    f"cupy_poolmem: the allocation log {self.path} has been stuck in a "
+                    f"write for over {_MAX_WAIT_S:g} s: {n} records dropped (later drops "
+                    "are counted in cupy_poolmem.stats._OBSERVER.n_errors)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def flush(self) -> None:
         """Write every record taken so far.  Never raises (errors are counted)."""
         with self._lock:
-            self._flush_locked()
+            self._owner = threading.get_ident()
+            try:
+                self._flush_locked()
+            finally:
+                self._owner = None
 
     def _flush_locked(self) -> None:
         rec = _OBSERVER._rec

@@ -120,61 +120,6 @@ def _read(path) -> list[dict[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------
-# R5: the backlog grows without bound while the writer thread is in a long write
-# ------------------------------------------------------------------------------------------
-class _StuckFile:
-    """The log file on a disk that stalls: the first write blocks until released."""
-
-    def __init__(self, real, entered: threading.Event, release: threading.Event) -> None:
-        self.real, self.entered, self.release = real, entered, release
-        self.first = True
-
-    def write(self, data):
-        if self.first:
-            self.first = False
-            self.entered.set()
-            self.release.wait(60)
-        return self.real.write(data)
-
-    def fileno(self):
-        return self.real.fileno()
-
-    def close(self):
-        self.real.close()
-
-
-def test_r5_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(
-    tmp_path, clean_stats, monkeypatch
-):
-    """batch_full() writes on the allocating thread beyond _MAX_PENDING_BATCHES only
-    when the writer's lock is free; while the writer thread is inside a slow write it
-    holds it, so the allocating threads only wake it and the batches pile up (a fast
-    allocation rate into a slow disk grows memory without bound).  The release comes
-    from a timer, so a fix that makes the allocating thread wait does not hang here."""
-    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 2)
-    stats.start_log(tmp_path / "slow.csv")
-    w = stats._OBSERVER._writer
-    rec = stats._OBSERVER.recorder
-    entered, release = threading.Event(), threading.Event()
-    w.file = _StuckFile(w.file, entered, release)
-    core = FakeCore()
-    rec.note(core, "alloc", 0, 1, 0, "", None)
-    w._wake.set()
-    assert entered.wait(30), "the writer thread did not start its write"
-    timer = threading.Timer(5.0, release.set)
-    timer.start()
-    try:
-        n = _pools._hp.LOG_BATCH
-        for i in range(10 * n):
-            rec.note(core, "alloc", i, 1, 0, "", None)
-        pending = len(rec.take_batches())  # what memory holds now
-    finally:
-        release.set()
-        timer.cancel()
-    assert pending <= 2 + 1, f"{pending} full batches held while the writer was stuck"
-
-
-# ------------------------------------------------------------------------------------------
 # R7: a failed write leaves a torn line that swallows the next good one
 # ------------------------------------------------------------------------------------------
 class _DiskFull:

@@ -900,3 +900,85 @@ def _events(path) -> list:
     events, n_bad = report.read_log(path)
     assert n_bad == 0, f"{n_bad} torn or unparsable line(s) in {path}"
     return events
+
+
+# ------------------------------------------------------------------------------------------
+# The backlog stays bounded while the writer thread is in a long write
+# ------------------------------------------------------------------------------------------
+class _StuckFile:
+    """The log file on a disk that stalls: the first write blocks until released."""
+
+    def __init__(self, real, entered: threading.Event, release: threading.Event) -> None:
+        self.real, self.entered, self.release = real, entered, release
+        self.first = True
+
+    def write(self, data):
+        if self.first:
+            self.first = False
+            self.entered.set()
+            self.release.wait(60)
+        return self.real.write(data)
+
+    def fileno(self):
+        return self.real.fileno()
+
+    def close(self):
+        self.real.close()
+
+
+def test_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(tmp_path, monkeypatch):
+    """Beyond _MAX_PENDING_BATCHES full batches, the allocating thread waits for the
+    writer thread's slow write to end and writes the backlog itself: a fast allocation
+    rate into a slow disk does not grow memory without bound.  The slow write ends
+    after 1 s (a timer); no record is lost."""
+    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 2)
+    stats.start_log(tmp_path / "slow.csv")
+    w = stats._OBSERVER._writer
+    rec = stats._OBSERVER.recorder
+    entered, release = threading.Event(), threading.Event()
+    w.file = _StuckFile(w.file, entered, release)
+    core = FakeCore()
+    rec.note(core, "alloc", 0, 1, 0, "", None)
+    w._wake.set()
+    assert entered.wait(30), "the writer thread did not start its write"
+    timer = threading.Timer(1.0, release.set)
+    timer.start()
+    try:
+        n = _pools._hp.LOG_BATCH
+        for i in range(10 * n):
+            rec.note(core, "alloc", i, 1, 0, "", None)
+        pending = len(rec.take_batches())  # what memory holds now
+    finally:
+        release.set()
+        timer.cancel()
+    assert pending <= 2 + 1, f"{pending} full batches held while the writer was stuck"
+    assert w.n_dropped == 0
+
+
+def test_backlog_is_dropped_with_a_warning_when_the_writer_stays_stuck(tmp_path, monkeypatch):
+    """A write stuck beyond _MAX_WAIT_S (a hung network disk): the allocating thread
+    stops waiting, drops the records waiting (counted, one warning) and goes on."""
+    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 2)
+    monkeypatch.setattr(stats, "_MAX_WAIT_S", 0.05)
+    stats.start_log(tmp_path / "stuck.csv")
+    w = stats._OBSERVER._writer
+    rec = stats._OBSERVER.recorder
+    entered, release = threading.Event(), threading.Event()
+    w.file = _StuckFile(w.file, entered, release)
+    core = FakeCore()
+    rec.note(core, "alloc", 0, 1, 0, "", None)
+    w._wake.set()
+    assert entered.wait(30), "the writer thread did not start its write"
+    n = _pools._hp.LOG_BATCH
+    try:
+        with pytest.warns(RuntimeWarning, match="records dropped"):
+            for i in range(6 * n):
+                rec.note(core, "alloc", i, 1, 0, "", None)
+        held = sum(len(b) for b in rec.take_batches())
+    finally:
+        release.set()
+    assert held <= 3 * n
+    assert w.n_dropped >= n and w.n_dropped + held <= 6 * n
+    assert stats._OBSERVER.n_errors >= 1
+    stats._OBSERVER.n_errors = 0
+    stats._OBSERVER._warned = False
