@@ -1087,6 +1087,31 @@ cdef class Recorder:
         _drop_list(self._live)
         self._pools, self._devs = pools, devs
 
+    def install(self, core, live_bytes):
+        """Become ``core``'s observer and count the bytes live in it at that instant.
+
+        For a ``PoolCore`` both happen in one step (no Python code in between), so an
+        allocation or free by another thread is counted by the hook or in the
+        baseline, never both or neither; a pool already observed by this recorder
+        (made after the global observer was set) is left as it is.  For another kind
+        of pool ``live_bytes(core)`` is read just before."""
+        cdef PoolObs p = self._pool_of(core)
+        cdef long long n
+        if isinstance(core, PoolCore):
+            if (<PoolCore>core).observer is self:
+                return
+            (<PoolCore>core).observer = self
+            n = (<PoolCore>core).live_bytes
+        else:
+            if core.observer is self:
+                return
+            v = live_bytes(core)
+            core.observer = self
+            n = v if v is not None else 0
+        if n > 0:
+            p.used += n
+            p.dev.used += n
+
     def baseline(self, core, used, reserved):
         """Count ``used`` bytes already live in ``core`` (and its reserved bytes)."""
         cdef PoolObs p = self._pool_of(core)

@@ -704,6 +704,27 @@ class Recorder:
 
         self._cs.run(stop)
 
+    def install(self, core: Any, live_bytes: Any) -> None:
+        """Become ``core``'s observer and count the bytes live in it at that instant
+        (see ``_hotpath.pyx``; here the two are consecutive statements)."""
+        p = self._pool_of(core)
+        if core.observer is self:
+            return
+        if isinstance(core, PoolCore):
+            core.observer = self
+            n = core.live_bytes
+        else:
+            v = live_bytes(core)
+            core.observer = self
+            n = v if v is not None else 0
+
+        def add() -> None:
+            if n > 0:
+                p.used += n
+                p.dev.used += n
+
+        self._cs.run(add)
+
     def baseline(self, core: Any, used: int | None, reserved: int | None) -> None:
         """Count ``used`` bytes already live in ``core`` (and its reserved bytes)."""
         p = self._pool_of(core)

@@ -935,9 +935,14 @@ class _Observer:
         rec.tracking = self.tracking
         rec.start()
         pools = self._pools = _pools_module()
-        pools._set_global_observer(rec)
-        for p in pools.all_pools():
-            rec.baseline(p, _live_bytes(p), _reserved(p))
+        pools._GLOBAL_OBSERVER[0] = rec  # pools made from now on: observed from birth
+        all_pools = pools.all_pools()
+        for p in all_pools:
+            # The observer set and the pool's live bytes read in one step: no
+            # allocation by another thread is counted twice (or missed).
+            rec.install(p, _live_bytes)
+        for p in all_pools:
+            rec.baseline(p, 0, _reserved(p))  # Python code, a driver query: after
 
     def _deactivate(self) -> None:
         rec = self._rec

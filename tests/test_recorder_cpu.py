@@ -732,3 +732,26 @@ def test_format_a_string_with_a_lone_surrogate_and_non_ascii(hp):
     lines = batch.format(1).decode("utf-8").splitlines()
     assert len(lines) == 3
     assert lines[1].split(",")[8] == "caf\u00e9/\\udcff"  # as the twin writes it
+
+
+@pytest.mark.parametrize("hp", IMPLS)
+def test_install_counts_a_pools_live_bytes_once(hp):
+    """install() sets the observer and counts the bytes already live in the pool;
+    on a pool it already observes (made after the global observer was set) it adds
+    nothing, so those bytes, counted by the hook, are not counted again."""
+    import cupy
+
+    g = Rig(hp)
+    core = _core(hp)
+    stream = cupy.cuda.ExternalStream(0, 0)
+    before = core._make_block(0x1000, 64, stream, 0)  # not observed
+    g.rec.start()
+    g.rec.set_logging(True)
+    g.rec.install(core, None)
+    assert core.observer is g.rec
+    after = core._make_block(0x2000, 32, stream, 0)
+    g.rec.install(core, None)  # again: nothing added
+    del before
+    rows = [(r[7], r[1], r[4]) for b in g.rec.take_batches() for r in b.rows()]
+    del after
+    assert rows == [("alloc", 0x2000, 96), ("free", 0x1000, 32)]

@@ -982,3 +982,56 @@ def test_backlog_is_dropped_with_a_warning_when_the_writer_stays_stuck(tmp_path,
     assert stats._OBSERVER.n_errors >= 1
     stats._OBSERVER.n_errors = 0
     stats._OBSERVER._warned = False
+
+
+# ------------------------------------------------------------------------------------------
+# The used column when observation starts while another thread allocates
+# ------------------------------------------------------------------------------------------
+def _alloc_on(core: FakeCore, ptr: int, size: int) -> FakeBlock:
+    """PoolCore._wrap's way: the observer installed on this pool, if any."""
+    b = FakeBlock(core, ptr, size)
+    if core.observer is not None:
+        core.observer.on_alloc(b)
+    return b
+
+
+class _BusyCore(FakeCore):
+    """A pool whose reserved-bytes query lets another thread allocate from ``other``
+    (the query is Python code in cuda.core: the GIL may switch there)."""
+
+    other: FakeCore | None = None
+    kept: list = []
+
+    def stats(self):
+        other = _BusyCore.other
+        if other is not None:
+            _BusyCore.other = None
+            other.used += 100  # the pool's own counter, as PoolCore._wrap does first
+            _BusyCore.kept.append(_alloc_on(other, 0xB000, 100))
+        return super().stats()
+
+
+def test_used_is_not_counted_twice_when_observation_starts(tmp_path):
+    """Observation starts: each pool gets the observer and its live bytes are read in
+    one step, so an allocation made by another thread meanwhile (here: inside another
+    pool's reserved-bytes query, Python code) is counted once, by the recorder or in
+    the baseline, and `used` is right for the rest of the log."""
+    a, b = _BusyCore(used=0), FakeCore(used=0)
+    with _pools._ALL_LOCK:
+        _pools._ALL_POOLS.add(a)
+        _pools._ALL_POOLS.add(b)
+    try:
+        _BusyCore.other, _BusyCore.kept = b, []
+        path = stats.start_log(tmp_path / "u.csv")
+        b.used += 1
+        c = _alloc_on(b, 0xC000, 1)
+        stats.stop_log()
+        events = _events(path)
+        # 101 bytes are live in b (a holds none).
+        assert (events[-1].ptr, events[-1].used) == (0xC000, 101)
+        del c
+    finally:
+        _BusyCore.other, _BusyCore.kept = None, []
+        with _pools._ALL_LOCK:
+            _pools._ALL_POOLS.discard(a)
+            _pools._ALL_POOLS.discard(b)
