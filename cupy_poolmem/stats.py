@@ -659,6 +659,7 @@ class _LogWriter:
         self.template = template
         self.append = append
         self.n_lines = 0
+        self._tail = b""  # the rest of a line a failed write left unfinished
         self.n_dropped = 0  # records dropped while the writer was stuck (see batch_full)
         self._pending = 0  # batches filled since the last write
         self._closing = False
@@ -767,12 +768,25 @@ class _LogWriter:
                 _OBSERVER._error(exc)
 
     def _write(self, data: bytes) -> None:
+        """Write whole lines.  A write that fails after part of a line (a disk that
+        fills up: part of the data, then ENOSPC) keeps the rest of that line, which the
+        next write puts first: no torn line swallows the next good one."""
+        midline = bool(self._tail)
+        if midline:
+            data, self._tail = self._tail + data, b""
         view = memoryview(data)
-        while view:
-            n = self.file.write(view)
-            if not n:
-                raise OSError(f"cannot write the allocation log {self.path}")
-            view = view[n:]
+        try:
+            while view:
+                n = self.file.write(view)
+                if not n:
+                    raise OSError(f"cannot write the allocation log {self.path}")
+                view = view[n:]
+        except BaseException:
+            done = len(data) - len(view)
+            if (data[done - 1 : done] != b"\n") if done else midline:
+                end = data.find(b"\n", done)
+                self._tail = bytes(data[done : end + 1 if end >= 0 else len(data)])
+            raise
 
     def close(self) -> None:
         """Stop the thread, write what is left and close the file."""
@@ -783,6 +797,12 @@ class _LogWriter:
             t.join(timeout=10)
         self._thread = None
         self.flush()
+        if self._tail:  # a torn line, not finished since: finish it if the disk allows
+            with self._lock:
+                try:
+                    self._write(b"")
+                except Exception as exc:
+                    _OBSERVER._error(exc)
         with contextlib.suppress(Exception):
             self.file.close()
 
@@ -792,6 +812,7 @@ class _LogWriter:
         self._locks()
         self._pending = 0
         self.n_lines = 0
+        self._tail = b""
         if "{pid}" in self.template:
             with contextlib.suppress(Exception):
                 self.file.close()

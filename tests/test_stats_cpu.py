@@ -6,6 +6,7 @@ See ``_observer_fakes.py`` for how the fakes mimic the hot path.
 from __future__ import annotations
 
 import csv
+import errno
 import os
 import subprocess
 import sys
@@ -1035,3 +1036,56 @@ def test_used_is_not_counted_twice_when_observation_starts(tmp_path):
         with _pools._ALL_LOCK:
             _pools._ALL_POOLS.discard(a)
             _pools._ALL_POOLS.discard(b)
+
+
+# ------------------------------------------------------------------------------------------
+# A failed write in the middle of a line (a disk filling up)
+# ------------------------------------------------------------------------------------------
+class _DiskFull:
+    """write(2) on a filling disk: part of the data, then ENOSPC, then space again."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.calls = 0
+
+    def write(self, data):
+        self.calls += 1
+        if self.calls == 1:
+            return self.real.write(bytes(data[: len(data) // 2 + 7]))  # mid-line
+        if self.calls == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real.write(data)
+
+    def fileno(self):
+        return self.real.fileno()
+
+    def close(self):
+        self.real.close()
+
+
+@pytest.mark.filterwarnings("ignore:cupy_poolmem observer error")
+def test_log_has_no_torn_line_after_a_partial_write_and_enospc(tmp_path, monkeypatch):
+    """A write that fails after half a line keeps the rest of that line and writes it
+    first next time: the torn line is finished, not glued to the next batch's first
+    line (which read back with a time 10^6 times too big).  The failed batch's later
+    lines are lost (counted); the lines after read back right."""
+    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)
+    path = stats.start_log(tmp_path / "full.csv")
+    w = stats._OBSERVER._writer
+    w.file = _DiskFull(w.file)
+    core = FakeCore()
+    t0 = time.time()
+    first = [alloc(core, 0x1000 + i, 8) for i in range(4)]
+    stats.flush_log()  # the disk fills up
+    assert stats._OBSERVER.n_errors == 1
+    second = [alloc(core, 0x2000 + i, 8) for i in range(4)]
+    stats.flush_log()  # space again
+    stats.stop_log()
+    t1 = time.time()
+    events = _events(path)
+    assert [e.ptr for e in events if e.ptr >= 0x2000] == [0x2000, 0x2001, 0x2002, 0x2003]
+    assert all(t0 <= e.time <= t1 for e in events), [e.time for e in events]
+    assert len([e for e in events if e.ptr < 0x2000]) >= 1  # the torn line, finished
+    stats._OBSERVER.n_errors = 0
+    stats._OBSERVER._warned = False
+    del first, second
