@@ -1082,10 +1082,11 @@ cdef class Recorder:
         self.active = True
 
     def stop(self):
-        pools, devs = {}, {}
+        pools, devs, codes = {}, {}, {}
         self.active = False
         _drop_list(self._live)
         self._pools, self._devs = pools, devs
+        self._codes = codes  # the code objects met while tracking: not kept alive
 
     def install(self, core, live_bytes):
         """Become ``core``'s observer and count the bytes live in it at that instant.

@@ -701,6 +701,7 @@ class Recorder:
         def stop() -> None:
             self.active = False
             self._live, self._pools, self._devs = set(), {}, {}
+            self._codes = {}  # the code objects met while tracking: not kept alive
 
         self._cs.run(stop)
 

@@ -1046,9 +1046,11 @@ _atexit_registered = False
 def _update() -> None:
     """Install the observer when something needs it, remove it when nothing does (_CTL held)."""
     obs = _OBSERVER
-    obs.tracking = _track_user or _track_log
+    was, obs.tracking = obs.tracking, _track_user or _track_log
     if obs._rec is not None:
         obs._rec.tracking = obs.tracking
+        if was and not obs.tracking:
+            obs._sites()  # empties the call-site cache: no code object is kept alive
     need = bool(obs._scopes) or obs._writer is not None or obs.tracking
     if need and not obs.active:
         obs._activate()

@@ -120,34 +120,6 @@ def _read(path) -> list[dict[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------
-# R9: the call-site cache keeps code objects alive after tracking stops
-# ------------------------------------------------------------------------------------------
-def test_r9_call_site_cache_does_not_pin_generated_code(clean_stats):
-    """The recorder's code cache holds each code object it met (up to 8192) strongly,
-    and nothing clears it when tracking or observation stops: code made by exec()
-    (templating, dataclasses, JIT front ends) and its constants stay alive for the
-    life of the process."""
-    core = FakeCore()
-    stats.track(True)  # keeps the skip list: the cache is not reset below
-    refs = []
-    for i in range(5):
-        ns: dict = {}
-        big = "x" * 100_000
-        src = f"def f(alloc, core, p):\n    s = {big!r}\n    return alloc(core, p, 8)\n"
-        exec(compile(src, f"<generated-{i}>", "exec"), ns)
-        b = ns["f"](alloc, core, 0x1000 + i)
-        assert b.info.callsite.startswith(f"<generated-{i}>:3")
-        free(b)
-        refs.append(weakref.ref(ns["f"].__code__))
-        del ns, b
-    stats.track(False)
-    assert observer() is None
-    gc.collect()
-    alive = sum(r() is not None for r in refs)
-    assert alive == 0, f"{alive} generated code objects kept alive by the call-site cache"
-
-
-# ------------------------------------------------------------------------------------------
 # R10: flush_log() racing a start_log() that replaces the log
 # ------------------------------------------------------------------------------------------
 def test_r10_flush_of_a_replaced_writer_does_not_take_the_new_logs_lines(

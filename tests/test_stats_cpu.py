@@ -6,6 +6,7 @@ See ``_observer_fakes.py`` for how the fakes mimic the hot path.
 from __future__ import annotations
 
 import csv
+import gc
 import errno
 import os
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 
 import pytest
 from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, alloc, free, observer
@@ -1089,3 +1091,49 @@ def test_log_has_no_torn_line_after_a_partial_write_and_enospc(tmp_path, monkeyp
     stats._OBSERVER.n_errors = 0
     stats._OBSERVER._warned = False
     del first, second
+
+
+# ------------------------------------------------------------------------------------------
+# The call-site cache and code objects
+# ------------------------------------------------------------------------------------------
+def test_call_site_cache_does_not_keep_generated_code_alive_after_tracking(tmp_path):
+    """The recorder's call-site cache holds the code objects it met (up to 8192) while
+    tracking is on; it is emptied when tracking or observation stops, so code made by
+    exec() (templating, dataclasses, JIT front ends) and its constants can go."""
+    core = FakeCore()
+    stats.track(True)  # keeps the skip list: the cache is not reset below
+    refs = []
+    for i in range(5):
+        ns: dict = {}
+        big = "x" * 100_000
+        src = f"def f(alloc, core, p):\n    s = {big!r}\n    return alloc(core, p, 8)\n"
+        exec(compile(src, f"<generated-{i}>", "exec"), ns)
+        b = ns["f"](alloc, core, 0x1000 + i)
+        assert b.info.callsite.startswith(f"<generated-{i}>:3")
+        free(b)
+        refs.append(weakref.ref(ns["f"].__code__))
+        del ns, b
+    stats.track(False)
+    assert observer() is None
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0, f"{alive} generated code objects kept alive by the call-site cache"
+
+
+
+
+def test_call_site_cache_is_emptied_when_tracking_stops_under_an_open_scope():
+    """Tracking off while a statistics() scope keeps the observer installed."""
+    core = FakeCore()
+    with stats.statistics():
+        stats.track(True)
+        ns: dict = {}
+        exec(compile("def f(alloc, core):\n    return alloc(core, 0x10, 8)\n", "<gen>", "exec"), ns)
+        b = ns["f"](alloc, core)
+        free(b)
+        ref = weakref.ref(ns["f"].__code__)
+        del ns, b
+        stats.track(False)
+        assert observer() is not None
+        gc.collect()
+        assert ref() is None
