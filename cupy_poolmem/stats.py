@@ -752,7 +752,7 @@ class _LogWriter:
 
     def _flush_locked(self) -> None:
         rec = _OBSERVER._rec
-        if rec is None:
+        if rec is None or self._closed:
             return
         self._pending = 0
         try:
@@ -796,13 +796,17 @@ class _LogWriter:
         if t is not None and t is not threading.current_thread():
             t.join(timeout=10)
         self._thread = None
-        self.flush()
-        if self._tail:  # a torn line, not finished since: finish it if the disk allows
-            with self._lock:
+        with self._lock:
+            self._flush_locked()
+            if self._tail:  # a torn line, not finished since: finish it if the disk allows
                 try:
                     self._write(b"")
                 except Exception as exc:
                     _OBSERVER._error(exc)
+            # A flush of this writer from now on (flush_log() or batch_full() on a
+            # thread that fetched it before start_log replaced it) must not take the
+            # recorder's records: they belong to the next log.
+            self._closed = True
         with contextlib.suppress(Exception):
             self.file.close()
 

@@ -120,30 +120,6 @@ def _read(path) -> list[dict[str, str]]:
 
 
 # ------------------------------------------------------------------------------------------
-# R10: flush_log() racing a start_log() that replaces the log
-# ------------------------------------------------------------------------------------------
-def test_r10_flush_of_a_replaced_writer_does_not_take_the_new_logs_lines(
-    tmp_path, clean_stats, monkeypatch
-):
-    """flush_log() reads _OBSERVER._writer without _CTL, then flushes it; when another
-    thread's start_log() closed that writer in between, its flush still takes the
-    recorder's batches (they belong to the new log) and writes them to the closed
-    file: they are lost (an error is counted).  Here the old writer's flush is called
-    at that point."""
-    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)
-    core = FakeCore()
-    stats.start_log(tmp_path / "1.csv")
-    old = stats._OBSERVER._writer
-    second = stats.start_log(tmp_path / "2.csv")
-    a = alloc(core, 0x10, 1)
-    old.flush()  # the other thread's flush_log(), which got `old` before the switch
-    stats.stop_log()
-    assert stats._OBSERVER.n_errors == 0
-    assert [(r["op"], r["ptr"]) for r in _read(second)] == [("alloc", 0x10)]
-    del a
-
-
-# ------------------------------------------------------------------------------------------
 # R11: compiled and twin disagree on a None tag in note()
 # ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("hp", IMPLS)

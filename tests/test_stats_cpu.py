@@ -1137,3 +1137,24 @@ def test_call_site_cache_is_emptied_when_tracking_stops_under_an_open_scope():
         assert observer() is not None
         gc.collect()
         assert ref() is None
+
+
+# ------------------------------------------------------------------------------------------
+# flush_log() racing a start_log() that replaces the log
+# ------------------------------------------------------------------------------------------
+def test_flush_of_a_replaced_writer_does_not_take_the_new_logs_lines(tmp_path, monkeypatch):
+    """flush_log() reads _OBSERVER._writer without _CTL, then flushes it; when another
+    thread's start_log() closed that writer in between, that flush must leave the
+    recorder's records (they belong to the new log) alone.  Here the old writer's
+    flush is called at that point."""
+    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)
+    core = FakeCore()
+    stats.start_log(tmp_path / "1.csv")
+    old = stats._OBSERVER._writer
+    second = stats.start_log(tmp_path / "2.csv")
+    a = alloc(core, 0x10, 1)
+    old.flush()  # the other thread's flush_log(), which got `old` before the switch
+    stats.stop_log()
+    assert stats._OBSERVER.n_errors == 0
+    assert [(e.op, e.ptr) for e in _events(second)] == [("alloc", 0x10)]
+    del a
