@@ -1377,9 +1377,11 @@ cdef class Recorder:
         r.used, r.reserved, r.device = used, reserved, dev
         Py_XINCREF(<PyObject*>op)
         Py_XINCREF(<PyObject*>thread)
-        Py_XINCREF(<PyObject*>tag)
-        r.op, r.thread, r.tag = <PyObject*>op, <PyObject*>thread, <PyObject*>tag
-        r.site = NULL
+        r.op, r.thread = <PyObject*>op, <PyObject*>thread
+        r.tag = r.site = NULL  # None: an empty field, as the twin writes it
+        if tag is not None:
+            Py_XINCREF(<PyObject*>tag)
+            r.tag = <PyObject*>tag
         if site is not None:
             Py_XINCREF(<PyObject*>site)
             r.site = <PyObject*>site

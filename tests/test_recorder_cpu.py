@@ -755,3 +755,19 @@ def test_install_counts_a_pools_live_bytes_once(hp):
     rows = [(r[7], r[1], r[4]) for b in g.rec.take_batches() for r in b.rows()]
     del after
     assert rows == [("alloc", 0x2000, 96), ("free", 0x1000, 32)]
+
+
+# ------------------------------------------------------------------------------------------
+# note() with a None tag
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hp", IMPLS)
+def test_note_with_a_none_tag_writes_an_empty_field(hp):
+    """Recorder.note(..., tag=None, callsite=None): empty fields, in both
+    implementations (the compiled one wrote the text "None" for the tag)."""
+    g = Rig(hp)
+    g.rec.start()
+    g.rec.set_logging(True)
+    g.rec.note(FakeCore(), "guard:double_free", 0x10, 8, 0, None, None)
+    (batch,) = g.rec.take_batches()
+    line = batch.format(1).decode()
+    assert line.rstrip("\n").split(",")[8:10] == ["", ""]
