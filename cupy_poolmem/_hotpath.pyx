@@ -96,7 +96,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 7
+VERSION = 8
 
 # Allocations in a row that a non-empty reuse cache cannot serve before it is flushed.
 FLUSH_AFTER_MISSES = 16

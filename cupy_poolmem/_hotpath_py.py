@@ -28,7 +28,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 7
+VERSION = 8
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
