@@ -6,8 +6,8 @@ See ``_observer_fakes.py`` for how the fakes mimic the hot path.
 from __future__ import annotations
 
 import csv
-import gc
 import errno
+import gc
 import os
 import subprocess
 import sys
@@ -854,8 +854,6 @@ def test_forked_child_can_use_stats_while_the_parent_held_the_control_lock(tmp_p
     assert os.waitstatus_to_exitcode(status) == 0, "the child deadlocked on stats._CTL"
 
 
-
-
 def test_fork_inside_start_logs_switch_leaves_no_logging_without_a_writer(tmp_path):
     """A fork while start_log had the recorder logging but no writer set yet: the
     child's after-fork hook turns logging off, so records do not pile up unread; a
@@ -1118,8 +1116,6 @@ def test_call_site_cache_does_not_keep_generated_code_alive_after_tracking(tmp_p
     gc.collect()
     alive = sum(r() is not None for r in refs)
     assert alive == 0, f"{alive} generated code objects kept alive by the call-site cache"
-
-
 
 
 def test_call_site_cache_is_emptied_when_tracking_stops_under_an_open_scope():
