@@ -865,12 +865,12 @@ class Recorder:
         if stop is not None:
             if type(info.tag) is not str:
                 info.tag = ""
-            if getattr(info, "_pool", None) is None:
-                try:
+            try:
+                if getattr(info, "_pool", None) is None:
                     info._pool = self._pool_of(core)
-                    info.device = info._pool.device
-                except BaseException:
-                    raise stop from None
+                info.device = info._pool.device
+            except BaseException:
+                raise stop from None
             if thread is None and self.logging:
                 thread = ""
         try:

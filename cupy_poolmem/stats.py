@@ -797,7 +797,11 @@ class _LogWriter:
             t.join(timeout=10)
         self._thread = None
         with self._lock:
-            self._flush_locked()
+            self._owner = threading.get_ident()
+            try:
+                self._flush_locked()
+            finally:
+                self._owner = None
             if self._tail:  # a torn line, not finished since: finish it if the disk allows
                 try:
                     self._write(b"")
