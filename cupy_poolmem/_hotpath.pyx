@@ -96,7 +96,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 7
+VERSION = 8
 
 # Allocations in a row that a non-empty reuse cache cannot serve before it is flushed.
 FLUSH_AFTER_MISSES = 16
@@ -379,7 +379,7 @@ cdef class PoolCore:
         if self.live_bytes > self.peak_live_bytes:
             self.peak_live_bytes = self.live_bytes
         if self.observer is not None:  # statistics(), a log, tracking: see Recorder
-            b.info = self.observer._alloc(self, dptr, size, sptr)
+            self.observer._alloc(self, dptr, size, sptr, b)  # raises only a KeyboardInterrupt
         if self.kind == KIND_PINNED:
             return _PinnedMemoryPointer(b, 0)
         return _MemoryPointer(_UnownedMemory(dptr, size, b, self.device_id), 0)
@@ -708,6 +708,7 @@ cdef class DevObs:
 
 
 @cython.final
+@cython.no_gc_clear  # an Info's pool: read by Block.__dealloc__ of a block freed by GC
 cdef class PoolObs:
     """What the recorder keeps of one pool (found by ``id(core)``, or ``core._obs``)."""
     cdef object ref                  # weak reference (or a holder) to the pool
@@ -726,8 +727,15 @@ cdef class PoolObs:
 
 @cython.final
 @cython.freelist(256)
+@cython.no_gc_clear
 cdef class Info:
-    """What the recorder knows of one observed allocation (``Block.info``)."""
+    """What the recorder knows of one observed allocation (``Block.info``).
+
+    Not cleared by the garbage collector: when a block dies in a reference cycle (an
+    exception's traceback holding the frame that holds the array), ``Block.__dealloc__``
+    reads its tag, call site and pool after the collector's tp_clear ran on the
+    cycle.  It can still be traversed (its pool may hold a pool without weak
+    references through ``_Held``), and nothing it holds refers back to it."""
     cdef readonly unsigned long long serial
     cdef readonly double time
     cdef readonly object tag
@@ -869,7 +877,9 @@ cdef int _utf8(PyObject** slot, const char** out, Py_ssize_t* n) except -1:
     p = PyUnicode_AsUTF8AndSize(obj, n) if type(obj) is str else NULL
     if p == NULL:
         PyErr_Clear()
-        safe = str(obj).encode("utf-8", "backslashreplace").decode("ascii")
+        # What cannot be encoded (a lone surrogate: an undecodable byte of a file name)
+        # as a backslash escape, the rest as UTF-8 (as the twin's whole-batch encode).
+        safe = str(obj).encode("utf-8", "backslashreplace").decode("utf-8")
         Py_XINCREF(<PyObject*>safe)
         Py_XDECREF(slot[0])
         slot[0] = <PyObject*>safe
@@ -1072,10 +1082,36 @@ cdef class Recorder:
         self.active = True
 
     def stop(self):
-        pools, devs = {}, {}
+        pools, devs, codes = {}, {}, {}
         self.active = False
         _drop_list(self._live)
         self._pools, self._devs = pools, devs
+        self._codes = codes  # the code objects met while tracking: not kept alive
+
+    def install(self, core, live_bytes):
+        """Become ``core``'s observer and count the bytes live in it at that instant.
+
+        For a ``PoolCore`` both happen in one step (no Python code in between), so an
+        allocation or free by another thread is counted by the hook or in the
+        baseline, never both or neither; a pool already observed by this recorder
+        (made after the global observer was set) is left as it is.  For another kind
+        of pool ``live_bytes(core)`` is read just before."""
+        cdef PoolObs p = self._pool_of(core)
+        cdef long long n
+        if isinstance(core, PoolCore):
+            if (<PoolCore>core).observer is self:
+                return
+            (<PoolCore>core).observer = self
+            n = (<PoolCore>core).live_bytes
+        else:
+            if core.observer is self:
+                return
+            v = live_bytes(core)
+            core.observer = self
+            n = v if v is not None else 0
+        if n > 0:
+            p.used += n
+            p.dev.used += n
 
     def baseline(self, core, used, reserved):
         """Count ``used`` bytes already live in ``core`` (and its reserved bytes)."""
@@ -1125,17 +1161,19 @@ cdef class Recorder:
 
     # -- hooks (the hot path calls _alloc and _free directly) -----------------------------
     def on_alloc(self, block):
+        cdef uintptr_t ptr, sptr
+        cdef size_t size
         try:
-            info = self._alloc(block.core, block.ptr, block.size, block.stream_ptr)
-            if info is not None:
-                block.info = info
-        except BaseException as exc:  # a conversion of the block's fields
+            core, ptr, size, sptr = block.core, block.ptr, block.size, block.stream_ptr
+        except Exception as exc:  # a conversion of the block's fields
             self._error(exc)
+            return
+        self._alloc(core, ptr, size, sptr, block)
 
     def on_free(self, core, ptr, size, stream_ptr, info):
         try:
             self._free(core, ptr, size, stream_ptr, info)
-        except BaseException as exc:  # a conversion of the arguments
+        except Exception as exc:  # a conversion of the arguments
             self._error(exc)
 
     def note(self, core, op, ptr, size, stream_ptr, tag, callsite):
@@ -1153,7 +1191,7 @@ cdef class Recorder:
                             d.reserved if d is not None else -1, dev, op, thread, tag,
                             callsite):
                 self._on_batch()
-        except BaseException as exc:
+        except Exception as exc:  # a KeyboardInterrupt, a SystemExit: the caller's
             self._error(exc)
 
     # -- reading (stats.py) --------------------------------------------------------------
@@ -1180,23 +1218,33 @@ cdef class Recorder:
         return out
 
     # -- the work ------------------------------------------------------------------------
-    cdef Info _alloc(self, object core, uintptr_t ptr, size_t size, uintptr_t sptr):
-        """Count an allocation and log it; its Info (None when not active).  Never raises."""
+    cdef int _alloc(self, object core, uintptr_t ptr, size_t size, uintptr_t sptr,
+                    object block) except -1:
+        """Count an allocation, log it and set ``block.info`` (unless not active).
+
+        An ``Exception`` of the Python pre-step is counted (the block is then not
+        observed).  Any other ``BaseException`` (a KeyboardInterrupt, the SystemExit of
+        a signal handler that ran there) is the program's: the allocation is counted
+        with what is known so far, ``block.info`` set, then it is raised, so that the
+        block's free, when the caller drops it, is counted as usual."""
         cdef Info info
         cdef PoolObs p
         cdef double t
         thread = None
+        stop = None
         if not self.active:
-            return None
+            return 0
+        info = Info.__new__(Info)
+        info._ns = _wall_ns()
+        t = info.time = <double>info._ns * 1e-9
+        info.tag = ""
+        info.ptr = ptr
+        info.size = size
+        info.stream = sptr
         try:
             # What may run Python code first (see above); then _apply_alloc in one go.
-            info = Info.__new__(Info)
-            info._ns = _wall_ns()
-            t = info.time = <double>info._ns * 1e-9
-            info.tag = self._tls.tag if self._n_tags[0] else ""
-            info.ptr = ptr
-            info.size = size
-            info.stream = sptr
+            if self._n_tags[0]:
+                info.tag = self._tls.tag
             if self.tracking:
                 info.callsite = self._site()
             p = info._pool = self._pool_of(core)
@@ -1207,12 +1255,34 @@ cdef class Recorder:
                         or t - p.reserved_t > 1.0):  # grown, or a second old
                     self._refresh_pool(p, core, t)
             self._prepare_tags(info.tag, p.device, p.kind)
+        except Exception as exc:
+            self._error(exc)
+            return 0
+        except BaseException as exc:
+            stop = exc
+        if stop is not None:
+            if type(info.tag) is not str:
+                info.tag = ""
+            if info._pool is None:
+                try:
+                    info._pool = self._pool_of(core)
+                    info.device = info._pool.device
+                except BaseException:
+                    raise stop
+            if thread is None and self.logging:
+                thread = ""
+        try:
             if self._apply_alloc(info, thread):
                 self._on_batch()
-            return info
-        except BaseException as exc:
+        except Exception as exc:
             self._error(exc)
-            return None
+        if isinstance(block, Block):
+            (<Block>block).info = info
+        else:
+            block.info = info
+        if stop is not None:
+            raise stop
+        return 0
 
     cdef bint _apply_alloc(self, Info info, object thread) except -1:
         cdef PoolObs p = info._pool
@@ -1263,7 +1333,7 @@ cdef class Recorder:
                 p = self._pool_of(core)
             if self._apply_free(p, ptr, size, sptr, info, ns, thread):
                 self._on_batch()
-        except BaseException as exc:
+        except BaseException as exc:  # a deallocator cannot raise: even a Ctrl-C is counted
             self._error(exc)
 
     cdef bint _apply_free(self, PoolObs p, uintptr_t ptr, size_t size, uintptr_t sptr,
@@ -1307,9 +1377,11 @@ cdef class Recorder:
         r.used, r.reserved, r.device = used, reserved, dev
         Py_XINCREF(<PyObject*>op)
         Py_XINCREF(<PyObject*>thread)
-        Py_XINCREF(<PyObject*>tag)
-        r.op, r.thread, r.tag = <PyObject*>op, <PyObject*>thread, <PyObject*>tag
-        r.site = NULL
+        r.op, r.thread = <PyObject*>op, <PyObject*>thread
+        r.tag = r.site = NULL  # None: an empty field, as the twin writes it
+        if tag is not None:
+            Py_XINCREF(<PyObject*>tag)
+            r.tag = <PyObject*>tag
         if site is not None:
             Py_XINCREF(<PyObject*>site)
             r.site = <PyObject*>site

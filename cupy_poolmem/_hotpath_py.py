@@ -28,7 +28,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 7
+VERSION = 8
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
@@ -701,8 +701,30 @@ class Recorder:
         def stop() -> None:
             self.active = False
             self._live, self._pools, self._devs = set(), {}, {}
+            self._codes = {}  # the code objects met while tracking: not kept alive
 
         self._cs.run(stop)
+
+    def install(self, core: Any, live_bytes: Any) -> None:
+        """Become ``core``'s observer and count the bytes live in it at that instant
+        (see ``_hotpath.pyx``; here the two are consecutive statements)."""
+        p = self._pool_of(core)
+        if core.observer is self:
+            return
+        if isinstance(core, PoolCore):
+            core.observer = self
+            n = core.live_bytes
+        else:
+            v = live_bytes(core)
+            core.observer = self
+            n = v if v is not None else 0
+
+        def add() -> None:
+            if n > 0:
+                p.used += n
+                p.dev.used += n
+
+        self._cs.run(add)
 
     def baseline(self, core: Any, used: int | None, reserved: int | None) -> None:
         """Count ``used`` bytes already live in ``core`` (and its reserved bytes)."""
@@ -753,16 +775,16 @@ class Recorder:
     def on_alloc(self, block: Any) -> None:
         try:  # the conversions of the compiled version's C arguments
             ptr, size, sptr = _as_size(block.ptr), _as_size(block.size), _as_size(block.stream_ptr)
-            info = self._alloc(block.core, ptr, size, sptr)
-            if info is not None:
-                block.info = info
-        except BaseException as exc:
+            core = block.core
+        except Exception as exc:
             self._error(exc)
+            return
+        self._alloc(core, ptr, size, sptr, block)
 
     def on_free(self, core: Any, ptr: int, size: int, stream_ptr: int, info: Any) -> None:
         try:
             ptr, size, stream_ptr = _as_size(ptr), _as_size(size), _as_size(stream_ptr)
-        except BaseException as exc:
+        except Exception as exc:
             self._error(exc)
             return
         self._free(core, ptr, size, stream_ptr, info)
@@ -787,7 +809,7 @@ class Recorder:
             sealed = self._cs.run(append)
             if sealed:
                 self._on_batch()
-        except BaseException as exc:
+        except Exception as exc:  # a KeyboardInterrupt, a SystemExit: the caller's
             self._error(exc)
 
     # -- reading (stats.py) --------------------------------------------------------------
@@ -809,32 +831,56 @@ class Recorder:
         return self._cs.call(take)
 
     # -- the work ------------------------------------------------------------------------
-    def _alloc(self, core: Any, ptr: int, size: int, sptr: int) -> Info | None:
+    def _alloc(self, core: Any, ptr: int, size: int, sptr: int, block: Any) -> None:
+        """Count an allocation, log it and set ``block.info`` (see ``_hotpath.pyx``: an
+        ``Exception`` is counted, any other ``BaseException`` raised once it is done)."""
+        if not self.active:
+            return
+        thread = None
+        stop: BaseException | None = None
+        info = Info()
+        info.serial = 0  # until _apply_alloc numbers it
+        info._ns = _now_ns()
+        t = info.time = info._ns * 1e-9
+        info.tag, info.ptr, info.size, info.stream = "", ptr, size, sptr
+        info.callsite = None
         try:
-            if not self.active:
-                return None
             # Everything that may run Python code first; the counters change in one go.
-            info = Info()
-            info.serial = 0  # until _apply_alloc numbers it
-            info._ns = _now_ns()
-            t = info.time = info._ns * 1e-9
-            tag = self._tls.tag if self._tags[0] else ""
-            info.tag, info.ptr, info.size, info.stream = tag, ptr, size, sptr
-            info.callsite = self._site() if self.tracking else None
+            if self._tags[0]:
+                info.tag = self._tls.tag
+            if self.tracking:
+                info.callsite = self._site()
             p = info._pool = self._pool_of(core)
             info.device = p.device
-            thread = None
             if self.logging:
                 thread = self._thread_name()
                 if p.reserved >= 0 and p.used + size > p.reserved or t - p.reserved_t > 1.0:
                     self._refresh_pool(p, core, t)
-            self._prepare_tags(tag, p.device, p.kind)
+            self._prepare_tags(info.tag, p.device, p.kind)
+        except Exception as exc:
+            self._error(exc)
+            return
+        except BaseException as exc:
+            stop = exc
+        if stop is not None:
+            if type(info.tag) is not str:
+                info.tag = ""
+            try:
+                if getattr(info, "_pool", None) is None:
+                    info._pool = self._pool_of(core)
+                info.device = info._pool.device
+            except BaseException:
+                raise stop from None
+            if thread is None and self.logging:
+                thread = ""
+        try:
             if self._cs.run(self._apply_alloc, info, thread):
                 self._on_batch()
-            return info
-        except BaseException as exc:
+        except Exception as exc:
             self._error(exc)
-            return None
+        block.info = info
+        if stop is not None:
+            raise stop
 
     def _apply_alloc(self, info: Info, thread: Any) -> bool:
         self._serial += 1
@@ -852,12 +898,13 @@ class Recorder:
                 s.current_bytes += size
                 if s.current_bytes > s.peak_used_bytes:
                     s.peak_used_bytes = s.current_bytes
-                c = s.per_tag[info.tag]
-                c.n_allocs += 1
-                c.total_bytes += size
-                c.current_bytes += size
-                if c.current_bytes > c.peak_bytes:
-                    c.peak_bytes = c.current_bytes
+                c = s.per_tag.get(info.tag)
+                if c is not None:
+                    c.n_allocs += 1
+                    c.total_bytes += size
+                    c.current_bytes += size
+                    if c.current_bytes > c.peak_bytes:
+                        c.peak_bytes = c.current_bytes
         if thread is None or not self.logging:
             return False
         return self._append(

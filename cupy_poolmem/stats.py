@@ -89,7 +89,13 @@ LOG_COLUMNS: tuple[str, ...] = (
 LOG_INTERVAL_S = 0.1
 _KIND_NAMES = {0: "device", 1: "pinned", 2: "managed"}
 _KINDS = {v: k for k, v in _KIND_NAMES.items()}
-_MAX_PENDING_BATCHES = 64  # beyond this the allocating thread writes (bounded memory)
+# Beyond this many full batches not yet written (4096 records each: 64 is about 20 MB)
+# the allocating thread waits for the writer and writes them itself (bounded memory);
+# if the writer is stuck in a write for _MAX_WAIT_S, the records waiting are dropped
+# (counted in the writer's n_dropped and as an observer error, with a warning) rather
+# than the program hanging on a stalled disk.
+_MAX_PENDING_BATCHES = 64
+_MAX_WAIT_S = 30.0
 _ENV_LOG = "CUPY_POOLMEM_LOG"
 _ENV_TRACK = "CUPY_POOLMEM_TRACK"
 
@@ -653,14 +659,18 @@ class _LogWriter:
         self.template = template
         self.append = append
         self.n_lines = 0
+        self._tail = b""  # the rest of a line a failed write left unfinished
+        self.n_dropped = 0  # records dropped while the writer was stuck (see batch_full)
         self._pending = 0  # batches filled since the last write
         self._closing = False
+        self._closed = False
         self._thread: threading.Thread | None = None
         self._locks()
         self._open(os.getpid())
 
     def _locks(self) -> None:
         self._lock = threading.Lock()  # one write at a time, in order
+        self._owner: int | None = None  # the thread that holds it
         self._wake = threading.Event()
 
     def _open(self, pid: int) -> None:
@@ -690,41 +700,93 @@ class _LogWriter:
     def batch_full(self) -> None:
         """A batch is full (called by the recorder in the allocating thread)."""
         self._pending += 1
-        # The writer falls behind: this thread writes, so memory stays bounded.  Not
-        # when a write is under way (maybe on this very thread: a garbage collection
-        # inside it frees blocks), which writes these records next.
-        if self._pending > _MAX_PENDING_BATCHES and self._lock.acquire(blocking=False):
+        if self._pending <= _MAX_PENDING_BATCHES or self._owner == threading.get_ident():
+            # A write on this very thread (a garbage collection inside it freed
+            # blocks) writes these records next.
+            self._wake.set()
+            return
+        # The writer falls behind: this thread waits for the write under way, then
+        # writes what is left, so memory stays bounded (spdlog's "block" policy).
+        if self._lock.acquire(timeout=_MAX_WAIT_S):
+            self._owner = threading.get_ident()
             try:
                 self._flush_locked()
             finally:
+                self._owner = None
                 self._lock.release()
-        else:
-            self._wake.set()
+            return
+        self._drop()
+
+    def _drop(self) -> None:
+        """The writer is stuck in a write: drop the records waiting (counted)."""
+        rec = _OBSERVER._rec
+        if rec is None or self._closed:
+            return
+        try:
+            n = sum(len(b) for b in rec.take_batches())
+        except Exception as exc:
+            _OBSERVER._error(exc)
+            return
+        self._pending = 0
+        first = not self.n_dropped
+        self.n_dropped += n
+        _OBSERVER._errors += 1
+        if first:
+            with contextlib.suppress(BaseException):
+                warnings.warn(
+                    f"cupy_poolmem: the allocation log {self.path} has been stuck in a "
+                    f"write for over {_MAX_WAIT_S:g} s: {n} records dropped (later drops "
+                    "are counted in cupy_poolmem.stats._OBSERVER.n_errors)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
 
     def flush(self) -> None:
         """Write every record taken so far.  Never raises (errors are counted)."""
         with self._lock:
-            self._flush_locked()
+            self._owner = threading.get_ident()
+            try:
+                self._flush_locked()
+            finally:
+                self._owner = None
 
     def _flush_locked(self) -> None:
         rec = _OBSERVER._rec
-        if rec is None:
+        if rec is None or self._closed:
             return
+        self._pending = 0
         try:
-            self._pending = 0
-            for batch in rec.take_batches():
-                self._write(batch.format(self.pid))
-                self.n_lines += len(batch)
+            batches = rec.take_batches()
         except Exception as exc:
             _OBSERVER._error(exc)
+            return
+        for batch in batches:  # each on its own: one that fails loses no other
+            try:
+                self._write(batch.format(self.pid))
+                self.n_lines += len(batch)
+            except Exception as exc:
+                _OBSERVER._error(exc)
 
     def _write(self, data: bytes) -> None:
+        """Write whole lines.  A write that fails after part of a line (a disk that
+        fills up: part of the data, then ENOSPC) keeps the rest of that line, which the
+        next write puts first: no torn line swallows the next good one."""
+        midline = bool(self._tail)
+        if midline:
+            data, self._tail = self._tail + data, b""
         view = memoryview(data)
-        while view:
-            n = self.file.write(view)
-            if not n:
-                raise OSError(f"cannot write the allocation log {self.path}")
-            view = view[n:]
+        try:
+            while view:
+                n = self.file.write(view)
+                if not n:
+                    raise OSError(f"cannot write the allocation log {self.path}")
+                view = view[n:]
+        except BaseException:
+            done = len(data) - len(view)
+            if (data[done - 1 : done] != b"\n") if done else midline:
+                end = data.find(b"\n", done)
+                self._tail = bytes(data[done : end + 1 if end >= 0 else len(data)])
+            raise
 
     def close(self) -> None:
         """Stop the thread, write what is left and close the file."""
@@ -734,7 +796,21 @@ class _LogWriter:
         if t is not None and t is not threading.current_thread():
             t.join(timeout=10)
         self._thread = None
-        self.flush()
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                self._flush_locked()
+            finally:
+                self._owner = None
+            if self._tail:  # a torn line, not finished since: finish it if the disk allows
+                try:
+                    self._write(b"")
+                except Exception as exc:
+                    _OBSERVER._error(exc)
+            # A flush of this writer from now on (flush_log() or batch_full() on a
+            # thread that fetched it before start_log replaced it) must not take the
+            # recorder's records: they belong to the next log.
+            self._closed = True
         with contextlib.suppress(Exception):
             self.file.close()
 
@@ -744,6 +820,7 @@ class _LogWriter:
         self._locks()
         self._pending = 0
         self.n_lines = 0
+        self._tail = b""
         if "{pid}" in self.template:
             with contextlib.suppress(Exception):
                 self.file.close()
@@ -887,9 +964,14 @@ class _Observer:
         rec.tracking = self.tracking
         rec.start()
         pools = self._pools = _pools_module()
-        pools._set_global_observer(rec)
-        for p in pools.all_pools():
-            rec.baseline(p, _live_bytes(p), _reserved(p))
+        pools._GLOBAL_OBSERVER[0] = rec  # pools made from now on: observed from birth
+        all_pools = pools.all_pools()
+        for p in all_pools:
+            # The observer set and the pool's live bytes read in one step: no
+            # allocation by another thread is counted twice (or missed).
+            rec.install(p, _live_bytes)
+        for p in all_pools:
+            rec.baseline(p, 0, _reserved(p))  # Python code, a driver query: after
 
     def _deactivate(self) -> None:
         rec = self._rec
@@ -972,9 +1054,11 @@ _atexit_registered = False
 def _update() -> None:
     """Install the observer when something needs it, remove it when nothing does (_CTL held)."""
     obs = _OBSERVER
-    obs.tracking = _track_user or _track_log
+    was, obs.tracking = obs.tracking, _track_user or _track_log
     if obs._rec is not None:
         obs._rec.tracking = obs.tracking
+        if was and not obs.tracking:
+            obs._sites()  # empties the call-site cache: no code object is kept alive
     need = bool(obs._scopes) or obs._writer is not None or obs.tracking
     if need and not obs.active:
         obs._activate()
@@ -982,8 +1066,35 @@ def _update() -> None:
         obs._deactivate()
 
 
+def _after_fork_child() -> None:
+    """In a forked child: a new ``_CTL`` (the parent's may have been held by a thread
+    that does not exist here, inside ``start_log``, ``stop_log`` or ``statistics()``),
+    then repair what such a thread may have left half done."""
+    global _CTL
+    _CTL = threading.RLock()
+    obs = _OBSERVER
+    obs._after_fork_child()
+    rec = obs._rec
+    if rec is None:
+        return
+    try:
+        # A fork inside start_log's switch: logging on, no writer to take the records.
+        rec.set_logging(obs._writer is not None)
+        # A fork between the recorder's add_scope/remove_scope and _scopes' update.
+        mine = {id(st._c) for st in obs._scopes if st._c is not None}
+        for c in rec.scopes:
+            if id(c) not in mine:
+                rec.remove_scope(c)
+        # A fork inside _activate/_deactivate: observe again from a known state.
+        if obs.active != bool(rec.active):
+            obs.active = bool(rec.active)
+            _update()
+    except Exception as exc:
+        obs._error(exc)
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_OBSERVER._after_fork_child)
+    os.register_at_fork(after_in_child=_after_fork_child)
 
 
 # ----------------------------------------------------------------------------------------

@@ -506,3 +506,268 @@ def test_call_sites_walk_skipped_frames_up_to_depth(hp, tmp_path, monkeypatch):
     g.rec.set_sites((FAKES_FILE, PKG, str(helper), __file__), 7)
     assert deep_helper.nest(4, lambda: g.alloc(core, 0x30, 1)).info.callsite is None
     assert not g.errors
+
+
+# ------------------------------------------------------------------------------------------
+# A signal's exception (Ctrl-C, SystemExit) inside an observed allocation
+# ------------------------------------------------------------------------------------------
+class _InterruptedName:
+    """A thread whose ``name`` raises KeyboardInterrupt once: SIGINT's handler runs in
+    the Python code of the recorder's pre-step (Thread.name is a property)."""
+
+    def __init__(self, real: threading.Thread) -> None:
+        self.real = real
+        self.fired = False
+
+    @property
+    def name(self) -> str:
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+        return self.real.name
+
+
+@pytest.mark.parametrize("hp", IMPLS)
+def test_keyboard_interrupt_in_an_observed_allocation_propagates_and_stays_counted(hp):
+    """Only an Exception of the pre-step is counted as an observer error; a
+    KeyboardInterrupt reaches the program, after the allocation was counted (with a
+    Info on the block), so that the block, dropped by the caller, has its free counted."""
+    import cupy
+
+    g = Rig(hp)
+    core = _core(hp)
+    core.observer = g.rec
+    stream = cupy.cuda.ExternalStream(0, 0)
+    g.rec.start()
+    g.rec.set_logging(True)
+    scope = g.rec.add_scope(None, None)
+    g.tls.thread = _InterruptedName(threading.current_thread())
+    with pytest.raises(KeyboardInterrupt):
+        core._make_block(0x1000, 64, stream, 0)
+    import gc
+
+    gc.collect()  # the interrupted frame's block
+    ops = [(r[7], r[1]) for b in g.rec.take_batches() for r in b.rows()]
+    assert not g.errors and g.rec.n_errors == 0
+    assert ops == [("alloc", 0x1000), ("free", 0x1000)]
+    assert (scope.n_allocs, scope.n_frees, scope.current_bytes) == (1, 1, 0)
+    assert g.rec.live(None) == []
+
+
+@pytest.mark.parametrize("hp", IMPLS)
+def test_system_exit_in_an_observed_allocation_propagates(hp):
+    g = Rig(hp)
+    g.rec.start()
+    core = FakeCore()
+
+    class _Exit:
+        @property
+        def name(self) -> str:
+            raise SystemExit(3)
+
+    g.tls.thread = _Exit()
+    g.rec.set_logging(True)
+    b = FakeBlock(core, 0x10, 8)
+    with pytest.raises(SystemExit):
+        g.rec.on_alloc(b)
+    assert b.info is not None and b.info.tag == ""
+    g.rec.set_logging(False)
+    g.free(b)
+    assert g.rec.live(None) == [] and not g.errors
+
+
+def test_twin_scope_opened_by_another_thread_mid_allocation():
+    """A statistics() scope opened by another thread between the twin's pre-step
+    (which makes the per-tag counters) and its locked step has no counters for the
+    tag: the allocation is still observed, and its free leaves nothing listed."""
+    g = Rig(twin)
+    core = FakeCore()
+    g.rec.start()
+    orig = g.rec._prepare_tags
+
+    def prepare_then_switch(*args):
+        orig(*args)
+        g.rec.add_scope(None, None)  # another thread enters statistics() here
+
+    g.rec._prepare_tags = prepare_then_switch
+    g.tag("t")
+    b = g.alloc(core, 0x10, 8)
+    g.rec._prepare_tags = orig
+    assert b.info is not None
+    g.free(b)
+    assert not g.errors, g.errors
+    assert g.rec.live(None) == []
+
+
+@pytest.mark.skipif(not os.environ.get("CUPY_POOLMEM_STRESS"), reason="set CUPY_POOLMEM_STRESS=1")
+@pytest.mark.parametrize("hp", IMPLS)
+def test_stress_scopes_opened_while_threads_allocate(hp):
+    import time
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        g = Rig(hp)
+        g.rec.start()
+        g.tags[0] = 1
+        core = FakeCore()
+        stop = threading.Event()
+
+        def scoper():
+            while not stop.is_set():
+                g.rec.remove_scope(g.rec.add_scope(None, None))
+
+        t = threading.Thread(target=scoper)
+        t.start()
+        held, i, t0 = [], 0, time.time()
+        while time.time() - t0 < 3:
+            g.tls.tag = f"t{i % 50}"
+            held.append(g.alloc(core, 0x1000 + i, 8))
+            if len(held) > 10:
+                g.free(held.pop(0))
+            i += 1
+        stop.set()
+        t.join()
+        for b in held:
+            g.free(b)
+    finally:
+        sys.setswitchinterval(old)
+    assert not g.errors and g.rec.live(None) == []
+
+
+# ------------------------------------------------------------------------------------------
+# A block that dies in a garbage cycle keeps what its Info says
+# ------------------------------------------------------------------------------------------
+class _Cycle:
+    pass
+
+
+@pytest.mark.parametrize("hp", IMPLS)
+def test_block_freed_in_a_garbage_cycle_keeps_its_tag_and_call_site(hp):
+    """Only the block refers to its Info: when the block dies in a reference cycle (an
+    exception's traceback holding a frame that holds the array), the collector must
+    not empty the Info before the block's free reads its tag, call site and pool."""
+    import gc
+
+    import cupy
+
+    g = Rig(hp)
+    core = _core(hp)
+    core.observer = g.rec
+    stream = cupy.cuda.ExternalStream(0, 0)
+    g.rec.start()
+    g.rec.set_logging(True)
+    g.rec.tracking = True
+    scope = g.rec.add_scope(None, None)
+    untagged = core._make_block(0x1000, 32, stream, 0)  # live all along, untagged
+    g.tag("model")
+    m = core._make_block(0x2000, 64, stream, 0)
+    g.tag("")
+    site = m.mem._owner.info.callsite
+    assert site is not None
+    holder = _Cycle()
+    holder.me, holder.arr = holder, m  # made after the block: the collector meets it last
+    del m, holder
+    gc.collect()
+    rows = [(r[7], r[1], r[9], r[10]) for b in g.rec.take_batches() for r in b.rows()]
+    per_tag = {k: (c.n_allocs, c.n_frees, c.current_bytes) for k, c in scope.per_tag.items()}
+    del untagged  # before any assert: a failing test's frame must not keep a block
+    assert not g.errors, g.errors
+    assert (rows[-1], per_tag) == (
+        ("free", 0x2000, "model", site),
+        {"": (1, 0, 32), "model": (1, 1, 0)},
+    )
+
+
+@pytest.mark.parametrize("hp", IMPLS)
+def test_blocks_freed_from_an_exception_cycle_balance_their_tag(hp):
+    """The common form: ``except E as e: err = e`` keeps a frame (with its arrays) in
+    a cycle; collected later, every free is charged to its tag, none to untagged."""
+    import gc
+
+    import cupy
+
+    g = Rig(hp)
+    core = _core(hp)
+    core.observer = g.rec
+    stream = cupy.cuda.ExternalStream(0, 0)
+    g.rec.start()
+    g.rec.set_logging(True)
+    scope = g.rec.add_scope(None, None)
+
+    def work():
+        g.tag("model")
+        arrs = [core._make_block(0x3000 + 0x100 * i, 16, stream, 0) for i in range(4)]
+        g.tag("")
+        try:
+            raise ValueError(len(arrs))
+        except ValueError as exc:
+            return exc  # its traceback holds this frame, which holds the arrays
+
+    err = work()
+    err.keep = err  # a cycle through the exception
+    del err
+    gc.collect()
+    per_tag = {k: (c.n_allocs, c.n_frees, c.current_bytes) for k, c in scope.per_tag.items()}
+    assert not g.errors, g.errors
+    assert per_tag == {"model": (4, 4, 0)}
+    frees = [r[9] for b in g.rec.take_batches() for r in b.rows() if r[7] == "free"]
+    assert frees == ["model"] * 4
+    assert g.rec.live(None) == []
+
+
+@pytest.mark.parametrize("hp", IMPLS)
+def test_format_a_string_with_a_lone_surrogate_and_non_ascii(hp):
+    """A string UTF-8 cannot encode (a lone surrogate, from an undecodable byte of a
+    file name) next to other non-ASCII characters: the surrogate is written as a
+    backslash escape, the rest as UTF-8, by both implementations."""
+    g = Rig(hp)
+    core = FakeCore()
+    g.rec.start()
+    g.rec.set_logging(True)
+    g.rec.note(core, "alloc", 1, 8, 0, "before", None)
+    g.rec.note(core, "alloc", 2, 8, 0, "caf\u00e9/\udcff", "/data/caf\u00e9/\udcff.py:3 in f")
+    g.rec.note(core, "alloc", 3, 8, 0, "after", None)
+    (batch,) = g.rec.take_batches()
+    lines = batch.format(1).decode("utf-8").splitlines()
+    assert len(lines) == 3
+    assert lines[1].split(",")[8] == "caf\u00e9/\\udcff"  # as the twin writes it
+
+
+@pytest.mark.parametrize("hp", IMPLS)
+def test_install_counts_a_pools_live_bytes_once(hp):
+    """install() sets the observer and counts the bytes already live in the pool;
+    on a pool it already observes (made after the global observer was set) it adds
+    nothing, so those bytes, counted by the hook, are not counted again."""
+    import cupy
+
+    g = Rig(hp)
+    core = _core(hp)
+    stream = cupy.cuda.ExternalStream(0, 0)
+    before = core._make_block(0x1000, 64, stream, 0)  # not observed
+    g.rec.start()
+    g.rec.set_logging(True)
+    g.rec.install(core, None)
+    assert core.observer is g.rec
+    after = core._make_block(0x2000, 32, stream, 0)
+    g.rec.install(core, None)  # again: nothing added
+    del before
+    rows = [(r[7], r[1], r[4]) for b in g.rec.take_batches() for r in b.rows()]
+    del after
+    assert rows == [("alloc", 0x2000, 96), ("free", 0x1000, 32)]
+
+
+# ------------------------------------------------------------------------------------------
+# note() with a None tag
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hp", IMPLS)
+def test_note_with_a_none_tag_writes_an_empty_field(hp):
+    """Recorder.note(..., tag=None, callsite=None): empty fields, in both
+    implementations (the compiled one wrote the text "None" for the tag)."""
+    g = Rig(hp)
+    g.rec.start()
+    g.rec.set_logging(True)
+    g.rec.note(FakeCore(), "guard:double_free", 0x10, 8, 0, None, None)
+    (batch,) = g.rec.take_batches()
+    line = batch.format(1).decode()
+    assert line.rstrip("\n").split(",")[8:10] == ["", ""]

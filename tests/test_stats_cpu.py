@@ -6,12 +6,15 @@ See ``_observer_fakes.py`` for how the fakes mimic the hot path.
 from __future__ import annotations
 
 import csv
+import errno
+import gc
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import weakref
 
 import pytest
 from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, alloc, free, observer
@@ -775,3 +778,379 @@ def test_statistics_objects_compare_print_and_build_by_keyword():
         assert t_live.current_bytes == 16
         free(b)
         assert t_live.current_bytes == 0  # the view reads the live counters
+
+
+def test_ctrl_c_in_an_observed_allocation_is_not_swallowed(tmp_path, monkeypatch):
+    """A KeyboardInterrupt raised while the observer runs Python code (here: the
+    thread's name) reaches the program; it is no observer error."""
+
+    class Interrupted:
+        def __init__(self) -> None:
+            self.fired = False
+
+        @property
+        def name(self) -> str:
+            if not self.fired:
+                self.fired = True
+                raise KeyboardInterrupt
+            return "MainThread"
+
+    monkeypatch.setattr(stats._tls, "thread", Interrupted())
+    stats.start_log(tmp_path / "k.csv")
+    with pytest.raises(KeyboardInterrupt):
+        alloc(FakeCore(), 0x1000, 8)
+
+
+# ------------------------------------------------------------------------------------------
+# Fork while another thread is inside start_log/stop_log/statistics()
+# ------------------------------------------------------------------------------------------
+_FORK_CTL = """
+import os, signal, sys, threading
+sys.path.insert(0, {tests!r})
+from cupy_poolmem import stats
+from _observer_fakes import FakeCore, alloc
+
+stats.start_log({path!r})
+kept = [alloc(FakeCore(), 0x1000 + i, 8) for i in range(3)]
+w = stats._OBSERVER._writer
+entered, release = threading.Event(), threading.Event()
+
+class Slow:
+    # stop_log() writes the last lines to a slow disk, _CTL held
+    def __init__(self, f): self.f = f
+    def write(self, d):
+        entered.set(); release.wait(10); return self.f.write(d)
+    def fileno(self): return self.f.fileno()
+    def close(self): self.f.close()
+
+w.file = Slow(w.file)
+t = threading.Thread(target=stats.stop_log)
+t.start()
+entered.wait(30)
+pid = os.fork()  # e.g. a multiprocessing worker started by another thread
+if pid == 0:
+    signal.alarm(10)  # a deadlocked child dies of SIGALRM
+    with stats.statistics() as st:
+        pass
+    os._exit(0)
+release.set()
+t.join(30)
+_, status = os.waitpid(pid, 0)
+print("child", status)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_can_use_stats_while_the_parent_held_the_control_lock(tmp_path):
+    """stats' _CTL (an RLock) is held across file I/O and thread joins (start_log,
+    stop_log, the first statistics() that installs the observer); a fork from another
+    thread meanwhile leaves it held in the child by a thread that does not exist
+    there.  The child's statistics(), start_log(), track() and its atexit stop_log()
+    would block forever: the child makes a new one."""
+    code = _FORK_CTL.format(tests=os.path.dirname(__file__), path=str(tmp_path / "f.csv"))
+    proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    status = int(proc.stdout.split()[-1])
+    assert os.waitstatus_to_exitcode(status) == 0, "the child deadlocked on stats._CTL"
+
+
+def test_fork_inside_start_logs_switch_leaves_no_logging_without_a_writer(tmp_path):
+    """A fork while start_log had the recorder logging but no writer set yet: the
+    child's after-fork hook turns logging off, so records do not pile up unread; a
+    recorder scope with no statistics() (a fork inside statistics()'s entry) goes."""
+    stats.start_log(tmp_path / "a.csv")
+    rec = stats._OBSERVER.recorder
+    w, stats._OBSERVER._writer = stats._OBSERVER._writer, None
+    orphan = rec.add_scope(None, None)
+    try:
+        stats._after_fork_child()  # what the child runs (here in this process)
+        assert rec.logging is False
+        assert orphan not in rec.scopes
+        with stats.statistics():  # _CTL usable
+            pass
+    finally:
+        stats._OBSERVER._writer = w
+        rec.set_logging(True)
+        rec.remove_scope(orphan)
+
+
+def test_log_keeps_its_lines_when_a_call_site_path_is_not_utf8(tmp_path):
+    """End to end: tracking on, one allocation made from a file whose name has an
+    accent and an undecodable byte (``os.fsdecode`` gives a surrogate): every line of
+    the batch around it must reach the file (none is lost, no error counted)."""
+    core = FakeCore()
+    path = stats.start_log(tmp_path / "s.csv", track=True)
+    alloc(core, 0x1000, 8)
+    fname = os.path.join(str(tmp_path), "caf\u00e9", "\udcffmod.py")
+    ns: dict = {}
+    exec(compile("def f(alloc, core):\n    return alloc(core, 0x2000, 8)\n", fname, "exec"), ns)
+    kept = ns["f"](alloc, core)
+    alloc(core, 0x3000, 8)
+    stats.stop_log()
+    assert stats._OBSERVER.n_errors == 0
+    events = _events(path)
+    assert [e.ptr for e in events] == [0x1000, 0x2000, 0x3000]
+    assert events[1].callsite.startswith(fname.encode("utf-8", "backslashreplace").decode())
+    del kept
+
+
+def _events(path) -> list:
+    """The log's events as the report reads them; no torn or unparsable line."""
+    from cupy_poolmem import report
+
+    events, n_bad = report.read_log(path)
+    assert n_bad == 0, f"{n_bad} torn or unparsable line(s) in {path}"
+    return events
+
+
+# ------------------------------------------------------------------------------------------
+# The backlog stays bounded while the writer thread is in a long write
+# ------------------------------------------------------------------------------------------
+class _StuckFile:
+    """The log file on a disk that stalls: the first write blocks until released."""
+
+    def __init__(self, real, entered: threading.Event, release: threading.Event) -> None:
+        self.real, self.entered, self.release = real, entered, release
+        self.first = True
+
+    def write(self, data):
+        if self.first:
+            self.first = False
+            self.entered.set()
+            self.release.wait(60)
+        return self.real.write(data)
+
+    def fileno(self):
+        return self.real.fileno()
+
+    def close(self):
+        self.real.close()
+
+
+def test_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(tmp_path, monkeypatch):
+    """Beyond _MAX_PENDING_BATCHES full batches, the allocating thread waits for the
+    writer thread's slow write to end and writes the backlog itself: a fast allocation
+    rate into a slow disk does not grow memory without bound.  The slow write ends
+    after 1 s (a timer); no record is lost."""
+    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 2)
+    stats.start_log(tmp_path / "slow.csv")
+    w = stats._OBSERVER._writer
+    rec = stats._OBSERVER.recorder
+    entered, release = threading.Event(), threading.Event()
+    w.file = _StuckFile(w.file, entered, release)
+    core = FakeCore()
+    rec.note(core, "alloc", 0, 1, 0, "", None)
+    w._wake.set()
+    assert entered.wait(30), "the writer thread did not start its write"
+    timer = threading.Timer(1.0, release.set)
+    timer.start()
+    try:
+        n = _pools._hp.LOG_BATCH
+        for i in range(10 * n):
+            rec.note(core, "alloc", i, 1, 0, "", None)
+        pending = len(rec.take_batches())  # what memory holds now
+    finally:
+        release.set()
+        timer.cancel()
+    assert pending <= 2 + 1, f"{pending} full batches held while the writer was stuck"
+    assert w.n_dropped == 0
+
+
+def test_backlog_is_dropped_with_a_warning_when_the_writer_stays_stuck(tmp_path, monkeypatch):
+    """A write stuck beyond _MAX_WAIT_S (a hung network disk): the allocating thread
+    stops waiting, drops the records waiting (counted, one warning) and goes on."""
+    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 2)
+    monkeypatch.setattr(stats, "_MAX_WAIT_S", 0.05)
+    stats.start_log(tmp_path / "stuck.csv")
+    w = stats._OBSERVER._writer
+    rec = stats._OBSERVER.recorder
+    entered, release = threading.Event(), threading.Event()
+    w.file = _StuckFile(w.file, entered, release)
+    core = FakeCore()
+    rec.note(core, "alloc", 0, 1, 0, "", None)
+    w._wake.set()
+    assert entered.wait(30), "the writer thread did not start its write"
+    n = _pools._hp.LOG_BATCH
+    try:
+        with pytest.warns(RuntimeWarning, match="records dropped"):
+            for i in range(6 * n):
+                rec.note(core, "alloc", i, 1, 0, "", None)
+        held = sum(len(b) for b in rec.take_batches())
+    finally:
+        release.set()
+    assert held <= 3 * n
+    assert w.n_dropped >= n and w.n_dropped + held <= 6 * n
+    assert stats._OBSERVER.n_errors >= 1
+    stats._OBSERVER.n_errors = 0
+    stats._OBSERVER._warned = False
+
+
+# ------------------------------------------------------------------------------------------
+# The used column when observation starts while another thread allocates
+# ------------------------------------------------------------------------------------------
+def _alloc_on(core: FakeCore, ptr: int, size: int) -> FakeBlock:
+    """PoolCore._wrap's way: the observer installed on this pool, if any."""
+    b = FakeBlock(core, ptr, size)
+    if core.observer is not None:
+        core.observer.on_alloc(b)
+    return b
+
+
+class _BusyCore(FakeCore):
+    """A pool whose reserved-bytes query lets another thread allocate from ``other``
+    (the query is Python code in cuda.core: the GIL may switch there)."""
+
+    other: FakeCore | None = None
+    kept: list = []
+
+    def stats(self):
+        other = _BusyCore.other
+        if other is not None:
+            _BusyCore.other = None
+            other.used += 100  # the pool's own counter, as PoolCore._wrap does first
+            _BusyCore.kept.append(_alloc_on(other, 0xB000, 100))
+        return super().stats()
+
+
+def test_used_is_not_counted_twice_when_observation_starts(tmp_path):
+    """Observation starts: each pool gets the observer and its live bytes are read in
+    one step, so an allocation made by another thread meanwhile (here: inside another
+    pool's reserved-bytes query, Python code) is counted once, by the recorder or in
+    the baseline, and `used` is right for the rest of the log."""
+    a, b = _BusyCore(used=0), FakeCore(used=0)
+    with _pools._ALL_LOCK:
+        _pools._ALL_POOLS.add(a)
+        _pools._ALL_POOLS.add(b)
+    try:
+        _BusyCore.other, _BusyCore.kept = b, []
+        path = stats.start_log(tmp_path / "u.csv")
+        b.used += 1
+        c = _alloc_on(b, 0xC000, 1)
+        stats.stop_log()
+        events = _events(path)
+        # 101 bytes are live in b (a holds none).
+        assert (events[-1].ptr, events[-1].used) == (0xC000, 101)
+        del c
+    finally:
+        _BusyCore.other, _BusyCore.kept = None, []
+        with _pools._ALL_LOCK:
+            _pools._ALL_POOLS.discard(a)
+            _pools._ALL_POOLS.discard(b)
+
+
+# ------------------------------------------------------------------------------------------
+# A failed write in the middle of a line (a disk filling up)
+# ------------------------------------------------------------------------------------------
+class _DiskFull:
+    """write(2) on a filling disk: part of the data, then ENOSPC, then space again."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.calls = 0
+
+    def write(self, data):
+        self.calls += 1
+        if self.calls == 1:
+            return self.real.write(bytes(data[: len(data) // 2 + 7]))  # mid-line
+        if self.calls == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real.write(data)
+
+    def fileno(self):
+        return self.real.fileno()
+
+    def close(self):
+        self.real.close()
+
+
+@pytest.mark.filterwarnings("ignore:cupy_poolmem observer error")
+def test_log_has_no_torn_line_after_a_partial_write_and_enospc(tmp_path, monkeypatch):
+    """A write that fails after half a line keeps the rest of that line and writes it
+    first next time: the torn line is finished, not glued to the next batch's first
+    line (which read back with a time 10^6 times too big).  The failed batch's later
+    lines are lost (counted); the lines after read back right."""
+    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)
+    path = stats.start_log(tmp_path / "full.csv")
+    w = stats._OBSERVER._writer
+    w.file = _DiskFull(w.file)
+    core = FakeCore()
+    t0 = time.time()
+    first = [alloc(core, 0x1000 + i, 8) for i in range(4)]
+    stats.flush_log()  # the disk fills up
+    assert stats._OBSERVER.n_errors == 1
+    second = [alloc(core, 0x2000 + i, 8) for i in range(4)]
+    stats.flush_log()  # space again
+    stats.stop_log()
+    t1 = time.time()
+    events = _events(path)
+    assert [e.ptr for e in events if e.ptr >= 0x2000] == [0x2000, 0x2001, 0x2002, 0x2003]
+    assert all(t0 <= e.time <= t1 for e in events), [e.time for e in events]
+    assert len([e for e in events if e.ptr < 0x2000]) >= 1  # the torn line, finished
+    stats._OBSERVER.n_errors = 0
+    stats._OBSERVER._warned = False
+    del first, second
+
+
+# ------------------------------------------------------------------------------------------
+# The call-site cache and code objects
+# ------------------------------------------------------------------------------------------
+def test_call_site_cache_does_not_keep_generated_code_alive_after_tracking(tmp_path):
+    """The recorder's call-site cache holds the code objects it met (up to 8192) while
+    tracking is on; it is emptied when tracking or observation stops, so code made by
+    exec() (templating, dataclasses, JIT front ends) and its constants can go."""
+    core = FakeCore()
+    stats.track(True)  # keeps the skip list: the cache is not reset below
+    refs = []
+    for i in range(5):
+        ns: dict = {}
+        big = "x" * 100_000
+        src = f"def f(alloc, core, p):\n    s = {big!r}\n    return alloc(core, p, 8)\n"
+        exec(compile(src, f"<generated-{i}>", "exec"), ns)
+        b = ns["f"](alloc, core, 0x1000 + i)
+        assert b.info.callsite.startswith(f"<generated-{i}>:3")
+        free(b)
+        refs.append(weakref.ref(ns["f"].__code__))
+        del ns, b
+    stats.track(False)
+    assert observer() is None
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive == 0, f"{alive} generated code objects kept alive by the call-site cache"
+
+
+def test_call_site_cache_is_emptied_when_tracking_stops_under_an_open_scope():
+    """Tracking off while a statistics() scope keeps the observer installed."""
+    core = FakeCore()
+    with stats.statistics():
+        stats.track(True)
+        ns: dict = {}
+        exec(compile("def f(alloc, core):\n    return alloc(core, 0x10, 8)\n", "<gen>", "exec"), ns)
+        b = ns["f"](alloc, core)
+        free(b)
+        ref = weakref.ref(ns["f"].__code__)
+        del ns, b
+        stats.track(False)
+        assert observer() is not None
+        gc.collect()
+        assert ref() is None
+
+
+# ------------------------------------------------------------------------------------------
+# flush_log() racing a start_log() that replaces the log
+# ------------------------------------------------------------------------------------------
+def test_flush_of_a_replaced_writer_does_not_take_the_new_logs_lines(tmp_path, monkeypatch):
+    """flush_log() reads _OBSERVER._writer without _CTL, then flushes it; when another
+    thread's start_log() closed that writer in between, that flush must leave the
+    recorder's records (they belong to the new log) alone.  Here the old writer's
+    flush is called at that point."""
+    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)
+    core = FakeCore()
+    stats.start_log(tmp_path / "1.csv")
+    old = stats._OBSERVER._writer
+    second = stats.start_log(tmp_path / "2.csv")
+    a = alloc(core, 0x10, 1)
+    old.flush()  # the other thread's flush_log(), which got `old` before the switch
+    stats.stop_log()
+    assert stats._OBSERVER.n_errors == 0
+    assert [(e.op, e.ptr) for e in _events(second)] == [("alloc", 0x10)]
+    del a

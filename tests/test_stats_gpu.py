@@ -211,3 +211,40 @@ def test_the_compiled_recorder_is_installed_when_the_hot_path_is(pool):
     with stats.statistics():
         assert pool.observer is _pools._RECORDER
         assert type(pool.observer).__module__ == type(pool).__mro__[-2].__module__
+
+
+def test_arrays_freed_from_an_exception_cycle_are_charged_to_their_tag(pool, tmp_path):
+    """Real arrays kept alive only by an exception's traceback (``except E as e:
+    err = e``), freed later by the garbage collector: every free is charged to the
+    tag the allocation had, and its log line carries that tag and call site."""
+    import gc
+
+    path = str(tmp_path / "cycle.csv")
+    with cupy_poolmem.using(pool):
+        stats.start_log(path, track=True)
+        with stats.statistics() as st:
+
+            def work():
+                with stats.tag("model"):
+                    arrs = [cupy.full(MiB // 8, i, dtype=cupy.float64) for i in range(4)]
+                assert [int(a[-1]) for a in arrs] == [0, 1, 2, 3]
+                try:
+                    raise ValueError(len(arrs))
+                except ValueError as exc:
+                    return exc  # its traceback holds this frame, which holds the arrays
+
+            err = work()
+            err.keep = err  # a reference cycle through the exception
+            del err
+            gc.collect()
+            cupy.cuda.get_current_stream().synchronize()
+            per_tag = {k: (t.n_allocs, t.n_frees, t.current_bytes) for k, t in st.per_tag.items()}
+        stats.stop_log()
+    assert per_tag["model"] == (4, 4, 0)
+    assert per_tag.get("", (0, 0, 0))[2] >= 0
+    events, n_bad = report.read_log(path)
+    assert n_bad == 0
+    frees = [e for e in events if e.op == "free"]
+    assert len(frees) == 4
+    assert {e.tag for e in frees} == {"model"}
+    assert all(e.callsite and e.callsite.startswith(__file__) for e in frees)
