@@ -168,6 +168,7 @@ def instructions(script: str, n: int, size: int, cache: int) -> int:
             + [sys.executable, script, str(n), str(size), str(cache)],
             check=True,
             capture_output=True,
+            env=dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"),  # no spinning
         )
         with open(f) as fh:
             for line in fh:

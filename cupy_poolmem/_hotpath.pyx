@@ -94,6 +94,7 @@ cdef inline uintptr_t _current_stream_ptr() except? 0:
 KIND_DEVICE = 0
 KIND_PINNED = 1
 KIND_MANAGED = 2
+cdef int _KIND_PINNED = 1  # the C twin of KIND_PINNED (no module lookup and compare)
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
 VERSION = 7
@@ -323,7 +324,7 @@ cdef class PoolCore:
         cdef object share = None
         if self.closed:
             self._raise_closed()
-        if self.kind != KIND_PINNED and not device_checked:
+        if self.kind != _KIND_PINNED and not device_checked:
             err = cuCtxGetDevice(&cur)
             if err != 0 or cur != self.device_id:
                 self._raise_wrong_device(int(cur))
@@ -380,7 +381,7 @@ cdef class PoolCore:
             self.peak_live_bytes = self.live_bytes
         if self.observer is not None:  # statistics(), a log, tracking: see Recorder
             b.info = self.observer._alloc(self, dptr, size, sptr)
-        if self.kind == KIND_PINNED:
+        if self.kind == _KIND_PINNED:
             return _PinnedMemoryPointer(b, 0)
         return _MemoryPointer(_UnownedMemory(dptr, size, b, self.device_id), 0)
 
