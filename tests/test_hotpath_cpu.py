@@ -113,6 +113,7 @@ def test_compiled_and_twin_match_when_the_extension_imports():
     assert hp.IMPLEMENTATION == "cython" and hp.VERSION == twin.VERSION
     for name in (
         "Block",
+        "_Bin",
         "PoolCore",
         "Dispatch",
         "Recorder",
