@@ -34,6 +34,27 @@ from cupy.cuda.memory import UnownedMemory as _UnownedMemory
 from cupy.cuda.pinned_memory import PinnedMemoryPointer as _PinnedMemoryPointer
 from cupy.cuda.stream import get_current_stream as _get_current_stream
 
+cdef extern from *:
+    """
+    /* type(*args) the way type_call makes it (tp_new, then tp_init on an instance of
+       the type) without the call protocol around it; for types whose metatype is
+       ``type`` (checked below), so no metaclass __call__ is skipped. */
+    static PyObject* cpm_make(PyTypeObject* t, PyObject* args) {
+        PyObject* o = t->tp_new(t, args, NULL);
+        if (o != NULL && Py_IS_TYPE(o, t) && t->tp_init(o, args, NULL) < 0) {
+            Py_CLEAR(o);
+        }
+        return o;
+    }
+    """
+    object _make "cpm_make"(type t, tuple args)
+
+# CuPy's memory objects, made without the generic call (two per device allocation):
+# the types checked here are the ones made (the module's names may be rebound).
+cdef type _c_memory_pointer = _MemoryPointer
+cdef type _c_unowned_memory = _UnownedMemory
+cdef bint _direct = type(_MemoryPointer) is type and type(_UnownedMemory) is type
+
 import cuda.bindings.cydriver as _cydriver
 from operator import index as _operator_index
 from weakref import ref as weakref_ref
@@ -451,6 +472,9 @@ cdef class PoolCore:
             b.info = self.observer._alloc(self, dptr, size, sptr)
         if self.kind == _KIND_PINNED:
             return _PinnedMemoryPointer(b, 0)
+        if _direct:  # as below, without the generic call protocol (cpm_make)
+            mem = _make(_c_unowned_memory, (dptr, size, b, self.device_id))
+            return _make(_c_memory_pointer, (mem, 0))
         return _MemoryPointer(_UnownedMemory(dptr, size, b, self.device_id), 0)
 
     cdef _cache_missed(self):
