@@ -8,8 +8,9 @@ nothing, no stream captures, the current stream is the legacy one), then a
 ``valgrind --tool=callgrind``.  Two runs of different lengths are subtracted, so the
 interpreter's start-up cancels and what is left is the instructions of one steady
 allocation + free (a reuse-cache hit: the case ``cupy.empty(n)`` + free measures on
-a GPU), loop included.  A second row counts one with the reuse cache off (a driver
-call each way).  Timings on a GPU are in ``benchmarks/alloc.py``; this counts work.
+a GPU), the Python loop driving it included (about 300).  The last column counts one
+with the reuse cache off (a stubbed driver call each way, so it is no guide to that
+case's time on a GPU).  Timings are ``benchmarks/alloc.py``'s; this counts work.
 
 ``python benchmarks/hotpath_instructions.py [--rev REV ...] [--pure]``
 
@@ -157,7 +158,9 @@ def build(src: str, where: str) -> None:
                                     compiler_directives={"language_level": "3"}, quiet=True))
         """
     )
-    subprocess.run([sys.executable, "-c", setup], cwd=where, check=True)
+    r = subprocess.run([sys.executable, "-c", setup], cwd=where, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"hotpath_instructions: the build failed:\n{r.stderr[-3000:]}")
 
 
 def instructions(script: str, n: int, size: int, cache: int) -> int:
@@ -216,7 +219,7 @@ def main(argv: list[str]) -> None:
     print("CPU instructions per malloc + free (callgrind, loop included)")
     widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
     for r in [head] + rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
 
 
 def _at_rev(rev: str) -> str:
