@@ -25,6 +25,7 @@ from cpython.pycapsule cimport PyCapsule_GetName, PyCapsule_GetPointer
 cdef extern from "Python.h":
     int PyObject_GC_IsFinalized(object)  # 0 for None and objects the GC does not track
 from libc.stdint cimport intptr_t, uintptr_t
+from libc.stdlib cimport free as _c_free, realloc as _c_realloc
 from libc.string cimport strcmp
 
 import cupy.cuda.stream as _cupy_stream
@@ -32,6 +33,27 @@ from cupy.cuda.memory import MemoryPointer as _MemoryPointer
 from cupy.cuda.memory import UnownedMemory as _UnownedMemory
 from cupy.cuda.pinned_memory import PinnedMemoryPointer as _PinnedMemoryPointer
 from cupy.cuda.stream import get_current_stream as _get_current_stream
+
+cdef extern from *:
+    """
+    /* type(*args) the way type_call makes it (tp_new, then tp_init on an instance of
+       the type) without the call protocol around it; for types whose metatype is
+       ``type`` (checked below), so no metaclass __call__ is skipped. */
+    static PyObject* cpm_make(PyTypeObject* t, PyObject* args) {
+        PyObject* o = t->tp_new(t, args, NULL);
+        if (o != NULL && Py_IS_TYPE(o, t) && t->tp_init(o, args, NULL) < 0) {
+            Py_CLEAR(o);
+        }
+        return o;
+    }
+    """
+    object _make "cpm_make"(type t, tuple args)
+
+# CuPy's memory objects, made without the generic call (two per device allocation):
+# the types checked here are the ones made (the module's names may be rebound).
+cdef type _c_memory_pointer = _MemoryPointer
+cdef type _c_unowned_memory = _UnownedMemory
+cdef bint _direct = type(_MemoryPointer) is type and type(_UnownedMemory) is type
 
 import cuda.bindings.cydriver as _cydriver
 from operator import index as _operator_index
@@ -94,9 +116,10 @@ cdef inline uintptr_t _current_stream_ptr() except? 0:
 KIND_DEVICE = 0
 KIND_PINNED = 1
 KIND_MANAGED = 2
+cdef int _KIND_PINNED = 1  # the C twin of KIND_PINNED (no module lookup and compare)
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 8
+VERSION = 9
 
 # Allocations in a row that a non-empty reuse cache cannot serve before it is flushed.
 FLUSH_AFTER_MISSES = 16
@@ -245,6 +268,61 @@ cdef bint _any_finalized(list recorded):
     return False
 
 
+@cython.final
+@cython.no_gc_clear  # its list is never set to None (the pool's dict breaks cycles)
+cdef class _Bin:
+    """The reuse cache's blocks of one (stream handle, size); the last freed is reused first.
+
+    Addresses in a C array; the stream object that freed each block in a list beside
+    it, kept alive while the block is cached and handed to the block made of it.  The
+    list only grows (a taken slot is set to None), so a steady alloc + free moves no
+    memory.  Sharing records of exported blocks are the pool's ``_shares``.
+    """
+    cdef readonly uintptr_t stream_ptr
+    cdef readonly size_t size
+    cdef readonly Py_ssize_t n       # blocks held: ptrs[:n], streams[:n]
+    cdef Py_ssize_t cap
+    cdef uintptr_t* ptrs
+    cdef list streams
+
+    def __cinit__(self):
+        self.streams = []
+
+    def __dealloc__(self):
+        _c_free(self.ptrs)
+
+    @cython.boundscheck(True)  # n and the list agree; checked anyway (a compare)
+    cdef int push(self, uintptr_t ptr, object stream) except -1:
+        cdef uintptr_t* grown
+        if self.n == self.cap:
+            grown = <uintptr_t*>_c_realloc(self.ptrs, (2 * self.cap + 4) * sizeof(uintptr_t))
+            if grown == NULL:
+                raise MemoryError("no memory for the reuse cache")
+            self.ptrs = grown
+            self.cap = 2 * self.cap + 4
+        if self.n >= len(self.streams):
+            self.streams.append(stream)  # may fail: nothing changed yet
+        else:
+            self.streams[self.n] = stream
+        self.ptrs[self.n] = ptr
+        self.n += 1
+        return 0
+
+    @cython.boundscheck(True)
+    cdef object take(self, CUdeviceptr* ptr):
+        """The last block in (``n`` > 0): its address in ``ptr``; returns its stream."""
+        self.n -= 1
+        ptr[0] = self.ptrs[self.n]
+        stream = self.streams[self.n]
+        self.streams[self.n] = None
+        return stream
+
+    @cython.boundscheck(True)
+    def entries(self):
+        """``[(ptr, stream), ...]``, first cached first (flush, tests)."""
+        return [(self.ptrs[i], self.streams[i]) for i in range(self.n)]
+
+
 cdef class PoolCore:
     """The per-pool state the hot path needs; Python pool classes subclass it.
 
@@ -255,6 +333,11 @@ cdef class PoolCore:
     cache changes speed, not semantics.  Out-of-memory, ``trim`` and ``close`` flush it.
     An exported block comes back with its sharing record (``share``, see
     ``_cache_shared``); the next block made of it carries that record.
+
+    The cache is ``_cache``: (stream handle, size) -> :class:`_Bin`, with the last bin
+    used in C fields, so a steady loop of one size on one stream finds it with two
+    compares (no key tuple, no hash); ``_shares`` maps the address of each cached
+    exported block to its record (empty unless something was shared).
     """
     cdef CUmemoryPool _pool
     cdef readonly int device_id
@@ -268,7 +351,11 @@ cdef class PoolCore:
     cdef public unsigned long long n_oom
     cdef public long long live_bytes
     cdef public long long peak_live_bytes
-    cdef dict _cache                 # (stream_ptr, size) -> [(ptr, stream, share), ...]
+    cdef readonly dict _cache        # (stream_ptr, size) -> _Bin
+    cdef dict _shares                # ptr -> sharing record, for cached exported blocks
+    cdef _Bin _last_bin              # the bin of (_last_sptr, _last_size), or None
+    cdef uintptr_t _last_sptr
+    cdef size_t _last_size
     cdef public size_t cache_limit
     cdef public size_t cache_max_block
     cdef readonly size_t cached_bytes
@@ -288,6 +375,7 @@ cdef class PoolCore:
         self.device_id = device_id
         self.kind = kind
         self._cache = {}
+        self._shares = {}
 
     def _mark_closed(self):
         self.closed = True
@@ -319,11 +407,11 @@ cdef class PoolCore:
         cdef CUresult err
         cdef CUstreamCaptureStatus cap = 0
         cdef uintptr_t sptr
-        cdef list hit
+        cdef _Bin hit
         cdef object share = None
         if self.closed:
             self._raise_closed()
-        if self.kind != KIND_PINNED and not device_checked:
+        if self.kind != _KIND_PINNED and not device_checked:
             err = cuCtxGetDevice(&cur)
             if err != 0 or cur != self.device_id:
                 self._raise_wrong_device(int(cur))
@@ -338,9 +426,11 @@ cdef class PoolCore:
                 stream = _get_current_stream()
                 dptr = self._alloc_failed(2, size, stream)  # CUDA_ERROR_OUT_OF_MEMORY
             elif self.cached_bytes:
-                hit = self._cache.get((sptr, size))
-                if hit:
-                    dptr, stream, share = hit.pop()
+                hit = self._bin(sptr, size, False)
+                if hit is not None and hit.n:
+                    stream = hit.take(&dptr)  # and the stream object that freed it
+                    if self._shares:  # an exported block comes back with its record
+                        share = self._shares.pop(dptr, None)
                     self.cached_bytes -= size
                     self.cache_misses = 0
                 else:
@@ -380,8 +470,11 @@ cdef class PoolCore:
             self.peak_live_bytes = self.live_bytes
         if self.observer is not None:  # statistics(), a log, tracking: see Recorder
             self.observer._alloc(self, dptr, size, sptr, b)  # raises only a KeyboardInterrupt
-        if self.kind == KIND_PINNED:
+        if self.kind == _KIND_PINNED:
             return _PinnedMemoryPointer(b, 0)
+        if _direct:  # as below, without the generic call protocol (cpm_make)
+            mem = _make(_c_unowned_memory, (dptr, size, b, self.device_id))
+            return _make(_c_memory_pointer, (mem, 0))
         return _MemoryPointer(_UnownedMemory(dptr, size, b, self.device_id), 0)
 
     cdef _cache_missed(self):
@@ -393,15 +486,28 @@ cdef class PoolCore:
             self.cache_misses = 0
             self.flush_cache()
 
+    @cython.final
+    cdef _Bin _bin(self, uintptr_t sptr, size_t size, bint create):
+        """The cache's bin of (sptr, size); None when it has none and not ``create``."""
+        cdef _Bin b = self._last_bin
+        if b is not None and size == self._last_size and sptr == self._last_sptr:
+            return b
+        key = (sptr, size)
+        b = self._cache.get(key)
+        if b is None:
+            if not create:
+                return None
+            b = _Bin.__new__(_Bin)
+            b.stream_ptr, b.size = sptr, size
+            # setdefault: a garbage collection in __new__ may have freed a block here
+            b = self._cache.setdefault(key, b)
+        self._last_bin, self._last_sptr, self._last_size = b, sptr, size
+        return b
+
     cdef _release(self, uintptr_t ptr, size_t size, uintptr_t stream_ptr, object stream):
-        cdef list lst
         if (size <= self.cache_max_block and self.cached_bytes + size <= self.cache_limit
                 and not self.closed):
-            key = (stream_ptr, size)
-            lst = self._cache.get(key)
-            if lst is None:
-                lst = self._cache[key] = []
-            lst.append((ptr, stream, None))
+            self._bin(stream_ptr, size, True).push(ptr, stream)
             self.cached_bytes += size
             return
         self._free(ptr, stream_ptr, stream)
@@ -410,14 +516,14 @@ cdef class PoolCore:
         """Keep an exported block with its sharing record ``share`` (any size within
         ``cache_limit``: ``cache_max_block`` is for blocks never exported); False when
         the cache cannot take it (full, off, or the pool is closed or finalized)."""
-        cdef list lst
         if self.closed or self.finalized or self.cached_bytes + size > self.cache_limit:
             return False
-        key = (stream_ptr, size)
-        lst = self._cache.get(key)
-        if lst is None:
-            lst = self._cache[key] = []
-        lst.append((ptr, stream, share))
+        self._shares[ptr] = share  # first: a block is never cached without its record
+        try:
+            self._bin(stream_ptr, size, True).push(ptr, stream)
+        except BaseException:
+            del self._shares[ptr]
+            raise
         self.cached_bytes += size
         return True
 
@@ -440,14 +546,22 @@ cdef class PoolCore:
         An exported block's final free is its exporter's, after its receivers unmap it.
         """
         cdef size_t freed = self.cached_bytes
-        cache, self._cache = self._cache, {}
-        self.cached_bytes = 0
-        for (sptr, size), entries in cache.items():
-            for ptr, stream, share in entries:
-                if share is not None and self._retire_shared(ptr, size, stream, share):
+        cdef _Bin b
+        cache, shares = self._swap_cache()
+        for b in cache.values():
+            for ptr, stream in b.entries():
+                share = shares.pop(ptr, None) if shares else None
+                if share is not None and self._retire_shared(ptr, b.size, stream, share):
                     continue
-                self._free(ptr, sptr, stream)
+                self._free(ptr, b.stream_ptr, stream)
         return freed
+
+    cdef tuple _swap_cache(self):
+        """Empty the cache: its old ``(_cache, _shares)``, for the caller to let go of."""
+        old = (self._cache, self._shares)
+        self._cache, self._shares, self.cached_bytes = {}, {}, 0
+        self._last_bin, self._last_sptr, self._last_size = None, 0, 0
+        return old
 
     def _take_cache(self):
         """Empty the reuse cache without freeing: ``[ptr, ...]`` for the caller to free.
@@ -458,12 +572,13 @@ cdef class PoolCore:
         list only when no receiver maps it any more, else the exporter hands it to the
         retirer once they have unmapped it.
         """
-        cache, self._cache = self._cache, {}
-        self.cached_bytes = 0
+        cdef _Bin b
+        cache, shares = self._swap_cache()
         out = []
-        for (sptr, size), entries in cache.items():
-            for ptr, stream, share in entries:
-                if share is not None and self._retire_shared(ptr, size, None, share):
+        for b in cache.values():
+            for ptr, _ in b.entries():
+                share = shares.pop(ptr, None) if shares else None
+                if share is not None and self._retire_shared(ptr, b.size, None, share):
                     continue
                 out.append(ptr)
         return out
@@ -608,7 +723,7 @@ cdef class Dispatch:
 # takes the batches and formats them into CSV lines without the GIL (Batch.format).
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE
 from cpython.ref cimport PyObject, Py_XINCREF, Py_XDECREF
-from libc.stdlib cimport malloc as _c_malloc, free as _c_free
+from libc.stdlib cimport malloc as _c_malloc
 from libc.string cimport memcpy
 from posix.time cimport clock_gettime, timespec, CLOCK_REALTIME
 

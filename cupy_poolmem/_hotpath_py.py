@@ -28,7 +28,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 8
+VERSION = 9
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
@@ -168,11 +168,36 @@ def _any_finalized(recorded: Any) -> bool:
     return bool(recorded) and any(_gc_is_finalized(e[2]) for e in recorded)
 
 
+class _Bin:
+    """The reuse cache's blocks of one (stream handle, size); the last freed is reused
+    first (see ``_hotpath.pyx``): addresses and the stream objects that freed them."""
+
+    __slots__ = ("stream_ptr", "size", "ptrs", "streams")
+
+    def __init__(self, stream_ptr: int, size: int) -> None:
+        self.stream_ptr, self.size = stream_ptr, size
+        self.ptrs: list[int] = []
+        self.streams: list[Any] = []
+
+    @property
+    def n(self) -> int:
+        return len(self.ptrs)
+
+    def push(self, ptr: int, stream: Any) -> None:
+        self.streams.append(stream)
+        self.ptrs.append(ptr)
+
+    def entries(self) -> list[tuple[int, Any]]:
+        """``[(ptr, stream), ...]``, first cached first (flush, tests)."""
+        return list(zip(self.ptrs, self.streams))
+
+
 class PoolCore:
     """The per-pool state the hot path needs; Python pool classes subclass it.
 
-    See ``_hotpath.pyx`` for the reuse cache (entries ``(ptr, stream, share)``) and
-    the capture check.
+    See ``_hotpath.pyx`` for the reuse cache (``_cache``: (stream handle, size) ->
+    ``_Bin``, the last bin used remembered; ``_shares``: ptr -> sharing record) and the
+    capture check.
     """
 
     def __init__(self) -> None:  # pragma: no cover - subclasses call _attach
@@ -200,12 +225,17 @@ class PoolCore:
     _retire_token = 0
     finalized = False
     cache_misses = 0  # allocations in a row the cache could not serve
+    _cache: Any = None  # (stream_ptr, size) -> _Bin, from _attach on
+    _last_bin: Any = None  # the bin of (_last_sptr, _last_size), or None
+    _last_sptr = 0
+    _last_size = 0
 
     def _attach(self, pool_handle: int, device_id: int, kind: int) -> None:
         self._pool = _drv.CUmemoryPool(pool_handle) if pool_handle else None
         self.device_id = device_id
         self.kind = kind
-        self._cache: dict = {}
+        self._cache: dict[tuple[int, int], _Bin] = {}
+        self._shares: dict[int, Any] = {}
 
     def _mark_closed(self) -> None:
         self.closed = True
@@ -227,13 +257,30 @@ class PoolCore:
             self.cache_misses = 0
             self.flush_cache()
 
+    def _bin(self, sptr: int, size: int, create: bool) -> _Bin | None:
+        """The cache's bin of (sptr, size); None when it has none and not ``create``."""
+        b = self._last_bin
+        if b is not None and size == self._last_size and sptr == self._last_sptr:
+            return b
+        b = self._cache.get((sptr, size))
+        if b is None:
+            if not create:
+                return None
+            b = self._cache.setdefault((sptr, size), _Bin(sptr, size))
+        self._last_bin, self._last_sptr, self._last_size = b, sptr, size
+        return b
+
     def _release(self, ptr: int, size: int, stream_ptr: int, stream: Any) -> None:
         if (
             size <= self.cache_max_block
             and self.cached_bytes + size <= self.cache_limit
             and not self.closed
         ):
-            self._cache.setdefault((stream_ptr, size), []).append((ptr, stream, None))
+            b = self._last_bin  # the .pyx's _bin, its first test inline (a call costs here)
+            if b is None or size != self._last_size or stream_ptr != self._last_sptr:
+                b = self._bin(stream_ptr, size, True)
+            b.streams.append(stream)
+            b.ptrs.append(ptr)
             self.cached_bytes += size
             return
         self._free_now(ptr, stream_ptr, stream)
@@ -243,7 +290,12 @@ class PoolCore:
         ``cache_limit``); False when the cache cannot take it."""
         if self.closed or self.finalized or self.cached_bytes + size > self.cache_limit:
             return False
-        self._cache.setdefault((stream_ptr, size), []).append((ptr, stream, share))
+        self._shares[ptr] = share  # first: a block is never cached without its record
+        try:
+            self._bin(stream_ptr, size, True).push(ptr, stream)  # type: ignore[union-attr]
+        except BaseException:
+            del self._shares[ptr]
+            raise
         self.cached_bytes += size
         return True
 
@@ -263,24 +315,32 @@ class PoolCore:
 
         An exported block's final free is its exporter's, after its receivers unmap it.
         """
-        freed, cache = self.cached_bytes, self._cache
-        self._cache, self.cached_bytes = {}, 0
-        for (sptr, size), entries in cache.items():
-            for ptr, stream, share in entries:
-                if share is not None and self._retire_shared(ptr, size, stream, share):
+        freed = self.cached_bytes
+        cache, shares = self._swap_cache()
+        for b in cache.values():
+            for ptr, stream in b.entries():
+                share = shares.pop(ptr, None) if shares else None
+                if share is not None and self._retire_shared(ptr, b.size, stream, share):
                     continue
-                self._free_now(ptr, sptr, stream)
+                self._free_now(ptr, b.stream_ptr, stream)
         return freed
+
+    def _swap_cache(self) -> tuple[dict, dict]:
+        """Empty the cache: its old ``(_cache, _shares)``, for the caller to let go of."""
+        old = (self._cache, self._shares)
+        self._cache, self._shares, self.cached_bytes = {}, {}, 0
+        self._last_bin, self._last_sptr, self._last_size = None, 0, 0
+        return old
 
     def _take_cache(self) -> list[int]:
         """Empty the reuse cache without freeing: ``[ptr, ...]`` for the caller to free
         (an exported block only once no receiver maps it: see ``_hotpath.pyx``)."""
-        cache, self._cache = self._cache, {}
-        self.cached_bytes = 0
+        cache, shares = self._swap_cache()
         out = []
-        for (_sptr, size), entries in cache.items():
-            for ptr, _stream, share in entries:
-                if share is not None and self._retire_shared(ptr, size, None, share):
+        for b in cache.values():
+            for ptr, _stream in b.entries():
+                share = shares.pop(ptr, None) if shares else None
+                if share is not None and self._retire_shared(ptr, b.size, None, share):
                     continue
                 out.append(ptr)
         return out
@@ -311,9 +371,13 @@ class PoolCore:
             if self.soft_limit and self.live_bytes + size > self.soft_limit:
                 dptr = self._alloc_failed(2, size, stream)
             elif self.cached_bytes:
-                hit = self._cache.get((sptr, size))
-                if hit:
-                    dptr, stream, share = hit.pop()  # the stream object that freed it, as the .pyx
+                hit = self._last_bin  # the .pyx's _bin, its first test inline
+                if hit is None or size != self._last_size or sptr != self._last_sptr:
+                    hit = self._bin(sptr, size, False)
+                if hit is not None and hit.ptrs:
+                    dptr, stream = hit.ptrs.pop(), hit.streams.pop()  # and its stream object
+                    if self._shares:  # an exported block comes back with its record
+                        share = self._shares.pop(dptr, None)
                     self.cached_bytes -= size
                     self.cache_misses = 0
                 else:

@@ -57,11 +57,44 @@ def test_every_goal_names_a_row_the_benchmark_measures(name):
     assert name in alloc.GOALS
 
 
+def _plain_table(pool_x: list[float]) -> list[tuple[str, list[float], object]]:
+    base = [2e-6, 2.2e-6, 2.4e-6, 40e-6]
+    return [
+        (alloc.BASELINE_ROW, base, None),
+        ("cupy MemoryAsyncPool", [v * 3 for v in base], None),
+        ("cupy_poolmem DevicePool [cython]", [b * x for b, x in zip(base, pool_x)], None),
+        ("cupy_poolmem DevicePool [pure python, child process]", [1.0] * 4, None),
+    ]
+
+
+def test_pool_goal_lines_give_each_size_against_memorypool():
+    goals = alloc.pool_goals(_plain_table([0.97, 1.004, 1.2, 9.0]))
+    assert goals == [
+        "goal: DevicePool at most 1.00x MemoryPool per cupy.empty(1KiB) + free: 0.97x -> met",
+        "goal: DevicePool at most 1.00x MemoryPool per cupy.empty(1MiB) + free: 1.00x -> met",
+        "goal: DevicePool at most 1.00x MemoryPool per cupy.empty(64MiB) + free: 1.20x -> NOT met",
+    ]  # the chain column is not a goal; the child's pure-Python row is not the pool's
+    assert alloc.pool_goals(_plain_table([1.0] * 4)[1:]) == []  # no baseline: no lines
+
+
+def test_the_bare_table_gives_microseconds_and_the_ratio_to_memorypool():
+    rows = alloc.bare_report(
+        {
+            alloc.BARE_ROWS[0]: [0.5e-6, 0.5e-6, 0.52e-6],
+            alloc.BARE_ROWS[1]: [0.45e-6, 0.5e-6, 0.78e-6],
+        }
+    )
+    assert rows == [
+        [alloc.BARE_ROWS[0], "  0.500 us (1.00x)", "  0.500 us (1.00x)", "  0.520 us (1.00x)"],
+        [alloc.BARE_ROWS[1], "  0.450 us (0.90x)", "  0.500 us (1.00x)", "  0.780 us (1.50x)"],
+    ]
+
+
 def test_main_prints_the_observability_table_and_goal_lines(monkeypatch, capsys):
     """main() end to end with the GPU parts replaced: both tables, then the goals."""
     cleaned: list[str] = []
     fake_peers = [
-        ("cupy MemoryPool (baseline)", None, None),
+        (alloc.BASELINE_ROW, None, None),
         ("cupy_poolmem DevicePool [cython]", None, lambda: cleaned.append("pool")),
     ]
     obs = [(name, None, None, None) for name, _ in _measured(1, 1, 1)]
@@ -79,9 +112,13 @@ def test_main_prints_the_observability_table_and_goal_lines(monkeypatch, capsys)
     monkeypatch.setattr(alloc, "_pure_python_row", lambda n: None)
     monkeypatch.setattr(alloc, "_stream_costs", lambda quick: "(stream table)")
     monkeypatch.setattr(alloc, "_peer_costs", lambda quick: None)
+    monkeypatch.setattr(alloc, "_bare_costs", lambda quick: "(bare table)")
     alloc.main(["--quick"])
     out = capsys.readouterr().out
     assert "observability: microseconds per op (ratio to the plain DevicePool" in out
-    assert out.index(alloc.OBS_TRACK) < out.index("goal: ")
-    assert out.count("-> met") == 3
+    # The pool's goals after the first table, then the bare table, then observability.
+    pool_goal = out.index("goal: DevicePool at most 1.00x MemoryPool per cupy.empty(1KiB)")
+    assert pool_goal < out.index("(bare table)") < out.index("observability: ")
+    assert out.index(alloc.OBS_TRACK) < out.index("goal: " + alloc.OBS_STATS)
+    assert out.count("-> met") == 3 + len(alloc.CASES)
     assert cleaned == ["pool", "obs"]

@@ -99,4 +99,4 @@ def test_a_cache_hit_keeps_the_stream_object_that_freed_the_block(world):
     m = p.malloc(KB)
     assert m.ptr == ptr and m.mem._owner.stream is first
     src = open(_pools.__file__.rsplit("/", 1)[0] + "/_hotpath.pyx").read()
-    assert "dptr, stream, share = hit.pop()" in src
+    assert "stream = hit.take(&dptr)  # and the stream object that freed it" in src

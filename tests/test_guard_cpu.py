@@ -349,6 +349,19 @@ def test_trim_close_and_oom_empty_the_quarantine(world):
     assert _frees(world)[-1] == ptr2, "close checks and frees the quarantine first"
 
 
+def test_blocks_leaving_the_quarantine_never_enter_the_reuse_cache(world):
+    """The guard turns the cache off: a block out of the quarantine goes to the driver,
+    and every allocation asks the driver (reuse would hide a stale read)."""
+    p, g, ops = _guarded(world, quarantine_blocks=1)
+    ptrs = []
+    for _ in range(4):
+        m = p.malloc(64)
+        ptrs.append(m.ptr)
+        del m
+    assert p.cached_bytes == 0 and p._cache == {}
+    assert _frees(world) == ptrs[:3] and sum(1 for e in world.log if e[0] == "alloc") == 4
+
+
 def test_after_close_frees_are_checked_but_not_quarantined(world):
     p, g, ops = _guarded(world)
     m = p.malloc(64)

@@ -3,9 +3,11 @@ behaviour without a CUDA context, and typed errors for bad sizes."""
 
 from __future__ import annotations
 
+import gc
 import importlib
 import inspect
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,6 +115,7 @@ def test_compiled_and_twin_match_when_the_extension_imports():
     assert hp.IMPLEMENTATION == "cython" and hp.VERSION == twin.VERSION
     for name in (
         "Block",
+        "_Bin",
         "PoolCore",
         "Dispatch",
         "Recorder",
@@ -233,3 +236,55 @@ def test_closed_pool_refuses_before_touching_cuda():
     with pytest.raises(cpm.PoolClosedError):
         with cpm.using(p):
             pass
+
+
+# ---------------------------------------------------------------- CuPy's memory objects
+@pytest.mark.parametrize("impl", ["twin", "compiled"])
+def test_a_block_is_wrapped_in_cupys_memory_objects_and_freed_into_the_cache(impl):
+    """_make_block runs _wrap without a GPU: the compiled one makes CuPy's objects
+    through tp_new + tp_init (cpm_make); they must be what CuPy's constructors make,
+    and the block, dropped, must reach the reuse cache (a legacy stream: no driver)."""
+    import types
+
+    import cupy
+
+    hp = twin if impl == "twin" else _compiled()
+    if hp is None:
+        pytest.skip("the Cython hot path is not built in this checkout")
+
+    class Core(hp.PoolCore):
+        pass
+
+    c = Core()
+    c._attach(0, 0, hp.KIND_DEVICE)
+    c.cache_limit = c.cache_max_block = 1 << 20
+    stream = types.SimpleNamespace(ptr=0)
+    m = c._make_block(0x7000, 4096, stream, 0)
+    assert type(m) is cupy.cuda.MemoryPointer and type(m.mem) is cupy.cuda.UnownedMemory
+    assert (m.ptr, m.device_id, m.mem.ptr, m.mem.size, m.mem.device_id) == (
+        0x7000,
+        0,
+        0x7000,
+        4096,
+        0,
+    )
+    b = m.mem._owner
+    assert (b.ptr, b.size, b.stream, b.core) == (0x7000, 4096, stream, c)
+    assert (c.n_allocs, c.live_bytes) == (1, 4096)
+    del m, b
+    assert (c.n_frees, c.live_bytes, c.cached_bytes) == (1, 0, 4096)
+    assert c._cache[0, 4096].entries() == [(0x7000, stream)]
+    # Nothing leaks: no memory object outlives its pointer, the stream is not held.
+    c.cache_limit = 0  # each block goes to _backend_free (counted as an error here)
+    refs = sys.getrefcount(stream)
+    for _ in range(1000):
+        c._make_block(0x7000, 4096, stream, 0)
+    gc.collect()
+    assert sys.getrefcount(stream) == refs and c.n_free_errors == 1000
+    assert not [o for o in gc.get_objects() if type(o) is cupy.cuda.UnownedMemory]
+    assert type(cupy.cuda.MemoryPointer) is type and type(cupy.cuda.UnownedMemory) is type
+    # An error in CuPy's constructor propagates (no device for a null pointer).
+    c._attach(0, -1, hp.KIND_DEVICE)
+    with pytest.raises(RuntimeError, match="explicit device ID for a null pointer"):
+        c._make_block(0, 0, stream, 0)
+    assert c.n_allocs == c.n_frees == 1002

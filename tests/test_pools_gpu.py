@@ -180,6 +180,41 @@ def test_reuse_cache_same_stream_same_size(pool):
     del c
 
 
+def test_reuse_cache_bins_interleaved_streams_and_sizes_keep_data(pool):
+    """Two streams, three sizes, interleaved: each (stream, size) keeps reusing its one
+    block, never another's, each array reads back its own pattern, and the cache,
+    flushed by trim(), serves again (its last bin forgotten)."""
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    sizes = [1 << 10, (1 << 20) + 512, 3 << 20]
+    with cpm.using(pool):
+        for phase in range(2):
+            if phase:
+                cupy.cuda.runtime.deviceSynchronize()
+                pool.trim()
+                assert pool.stats().cached_bytes == 0
+            owner: dict[int, tuple[int, int]] = {}  # ptr -> the (stream, size) it serves
+            for rnd in range(3):
+                for k in range(len(streams) * len(sizes)):
+                    si, zi = k % 2, (k // 2 + rnd) % 3
+                    with streams[si]:
+                        want = _pattern(sizes[zi], 100 * phase + 10 * rnd + k)
+                        x = cupy.asarray(want)
+                        mem = x.data.mem
+                        assert type(mem) is cupy.cuda.UnownedMemory
+                        assert (mem.ptr, mem.size, mem.device_id) == (
+                            x.data.ptr,
+                            sizes[zi],
+                            pool.device_id,
+                        )
+                        assert owner.setdefault(x.data.ptr, (si, zi)) == (si, zi)
+                        assert (x.get(stream=streams[si]) == want).all()
+                        del x, mem
+            assert len(owner) == len(streams) * len(sizes)  # one block per key, reused
+            assert pool.stats().cached_bytes == 2 * sum(sizes)
+        for s in streams:
+            s.synchronize()
+
+
 def test_reuse_cache_disabled_and_bounded():
     with cpm.DevicePool(reuse_cache=0) as p, cpm.using(p):
         a = cupy.empty(1000, dtype=cupy.uint8)

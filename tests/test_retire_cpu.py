@@ -695,10 +695,11 @@ def _pyx_fields() -> tuple[list[str], list[str]]:
     """PoolCore's fields in ``_hotpath.pyx``: (C-typed ones, object ones)."""
     pyx = Path(twin.__file__).with_name("_hotpath.pyx").read_text()
     body = pyx.split("cdef class PoolCore")[1].split("\ncdef class ")[0]
+    classes = set(re.findall(r"^cdef class (\w+)", pyx, re.M))  # typed object fields too
     scalars, objects = [], []
     fields = re.findall(r"^    cdef (?:readonly |public )?([\w ]+?) (\w+)\s*(?:#.*)?$", body, re.M)
     for kind, name in fields:
-        (objects if kind in ("object", "dict", "list") else scalars).append(name)
+        (objects if kind in ("object", "dict", "list") or kind in classes else scalars).append(name)
     return scalars, objects
 
 
@@ -708,7 +709,8 @@ def _collector_clears(p) -> None:
     its C fields (counters, flags, the retire token) keep their values.  (The twin keeps
     them all in ``__dict__``; the fields are read from the .pyx.)"""
     scalars, objects = _pyx_fields()
-    assert {"closed", "n_frees"} <= set(scalars) and {"_backend", "_cache"} <= set(objects)
+    assert {"closed", "n_frees", "_last_size"} <= set(scalars)
+    assert {"_backend", "_cache", "_shares", "_last_bin", "observer"} <= set(objects)
     kept = {k: v for k, v in vars(p).items() if k in scalars}
     vars(p).clear()
     vars(p).update(kept)

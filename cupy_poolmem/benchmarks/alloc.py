@@ -8,6 +8,11 @@ off (the default: no cost); the last row puts a pool under the debug guard
 each free and at each block's exit from the quarantine); a line after the table gives
 the guard's overhead per allocation and free.
 
+After the table, one line per size for issue 15's goal for the pool itself
+(``POOL_GOAL``: DevicePool at most 1.00x MemoryPool per ``cupy.empty`` + free), then a
+short table of the bare ``pool.malloc(n)`` + free (no ``cupy.empty``: the pool's own
+share of that cost), ``MemoryPool.malloc`` against ``DevicePool.malloc``.
+
 A second table gives what observability costs, measured together in a phase of their
 own: CuPy's MemoryPool, one DevicePool with nothing observed, the same pool inside
 ``statistics()``, with ``start_log()`` and with ``start_log(track=True)``, each cell
@@ -46,7 +51,7 @@ def peers() -> list[tuple[Any, ...]]:
     """(name, malloc, cleanup) for every allocator measured."""
     out: list[tuple[Any, ...]] = []
     mp = cupy.cuda.MemoryPool()
-    out.append(("cupy MemoryPool (baseline)", mp.malloc, mp.free_all_blocks))
+    out.append((BASELINE_ROW, mp.malloc, mp.free_all_blocks))
     ap = cupy.cuda.MemoryAsyncPool()
     out.append(("cupy MemoryAsyncPool", ap.malloc, None))
     try:
@@ -159,10 +164,15 @@ def observability_report(
     return rows, goals
 
 
+def _plain_pool(by_name: dict[str, list[float]]) -> list[float] | None:
+    """The in-process DevicePool row's values (the first such row: not the child's)."""
+    return next((v for k, v in by_name.items() if k.startswith("cupy_poolmem DevicePool [")), None)
+
+
 def guard_overhead(measured: list[tuple[str, list[float], Any]]) -> str | None:
     """One line: what the guard adds per allocation + free, against the plain DevicePool."""
     by_name = {name: vals for name, vals, _ in measured}
-    plain = next((v for k, v in by_name.items() if k.startswith("cupy_poolmem DevicePool [")), None)
+    plain = _plain_pool(by_name)
     guarded = by_name.get(GUARD_ROW)
     if plain is None or guarded is None:
         return None
@@ -170,6 +180,67 @@ def guard_overhead(measured: list[tuple[str, list[float], Any]]) -> str | None:
         f"{label} +{(g - p) * 1e6:.1f} us" for (label, _size), g, p in zip(CASES, guarded, plain)
     ]
     return "guard overhead per allocation + free (vs DevicePool): " + ", ".join(parts)
+
+
+BASELINE_ROW = "cupy MemoryPool (baseline)"
+#: Issue 15's goal for the pool itself: DevicePool at most this ratio to CuPy's
+#: MemoryPool per ``cupy.empty(n)`` + free, at every size of ``CASES`` (to two decimals,
+#: the precision the tables print).
+POOL_GOAL = 1.0
+
+
+def _verdict(ratio: float, limit: float) -> str:
+    return "met" if round(ratio, 2) <= limit else "NOT met"
+
+
+def pool_goals(measured: list[tuple[str, list[float], Any]]) -> list[str]:
+    """One line per size of ``CASES``: the DevicePool row against MemoryPool's."""
+    by_name = {name: vals for name, vals, _ in measured}
+    base, plain = by_name.get(BASELINE_ROW), _plain_pool(by_name)
+    if base is None or plain is None:
+        return []
+    lines = []
+    for (label, _size), p, b in zip(CASES, plain, base):
+        case = f"cupy.empty({label.removeprefix('empty ')}) + free"
+        lines.append(
+            f"goal: DevicePool at most {POOL_GOAL:.2f}x MemoryPool per {case}: "
+            f"{p / b:.2f}x -> {_verdict(p / b, POOL_GOAL)}"
+        )
+    return lines
+
+
+BARE_ROWS = ("cupy MemoryPool.malloc", "cupy_poolmem DevicePool.malloc")
+
+
+def bare_report(best: dict[str, list[float]]) -> list[list[str]]:
+    """Rows of the bare table: microseconds per ``malloc(n)`` + free, ratio to MemoryPool."""
+    base = best[BARE_ROWS[0]]
+    return [
+        [name] + [f"{v * 1e6:7.3f} us ({v / b:.2f}x)" for v, b in zip(best[name], base)]
+        for name in BARE_ROWS
+    ]
+
+
+def _bare_costs(quick: bool) -> str:
+    """The bare table: ``malloc(n)`` + free without ``cupy.empty``, MemoryPool's and
+    DevicePool's, each size its best of four interleaved rounds."""
+    reps = 4000 if quick else 12000
+    mempool = cupy.cuda.MemoryPool()
+    pool = cupy_poolmem.DevicePool()
+    best = {name: [float("inf")] * len(CASES) for name in BARE_ROWS}
+    try:
+        for _ in range(4):
+            for name, malloc in zip(BARE_ROWS, (mempool.malloc, pool.malloc)):
+                for i, (_label, size) in enumerate(CASES):
+                    t = median_time(functools.partial(malloc, size), reps, repeats=3)
+                    best[name][i] = min(best[name][i], t)
+        cupy.cuda.get_current_stream().synchronize()
+    finally:
+        pool.close()
+        mempool.free_all_blocks()
+    return table(
+        ["bare malloc(n) + free"] + [c[0].removeprefix("empty ") for c in CASES], bare_report(best)
+    )
 
 
 def _pure_python_row(n: int) -> list[float] | None:
@@ -395,6 +466,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     overhead = guard_overhead(measured)
     if overhead:
         print(overhead)
+    for line in pool_goals(measured):
+        print(line)
+    print()
+    print("the pool alone: microseconds per malloc(n) + free, no cupy.empty (ratio to MemoryPool)")
+    print(_bare_costs(quick))
     print()
     print(
         "observability: microseconds per op (ratio to the plain DevicePool, ratio to cupy "
