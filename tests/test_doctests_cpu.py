@@ -22,7 +22,8 @@ MODULES = {
     "cupy_poolmem._dask_transfer._identity": 3,
     "cupy_poolmem._dask_transfer._decide": 4,
     "cupy_poolmem._dask_transfer._header": 2,
-    "cupy_poolmem.benchmarks.churn": 4,
+    "cupy_poolmem.benchmarks.churn": 6,
+    "cupy_poolmem.benchmarks._churn_variants": 5,
     "cupy_poolmem.benchmarks.pinned_bandwidth": 1,
 }
 

@@ -16,6 +16,11 @@ after every step.
 Goal (cupy_poolmem's default DevicePool): a reserved peak at most 0.8x MemoryPool's,
 at equal speed (at most 1.05x its time per step).
 
+A second table replays the trace straight on CUDA pools with the levers a pool built
+on them has (a second pool for small blocks, trims after frees; see
+``_churn_variants``): what the driver's own placement allows, against the same
+MemoryPool peak.
+
 ``python -m cupy_poolmem bench churn [--quick]``
 """
 
@@ -31,6 +36,7 @@ import cupy
 
 import cupy_poolmem
 
+from ._churn_variants import measure_variants
 from ._common import header, require_gpu, table
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -230,6 +236,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     ]
     print(table(["allocator", "time per step", "reserved peak"], out))
     print(goal_line(rows))
+    print()
+    print("the same trace straight on CUDA pools (no CuPy arrays; times include the binding calls)")
+    print(variants_table(measure_variants(steps), base[2]))
+
+
+def variants_table(results: list[Any], base_peak: int) -> str:
+    """The CUDA-pool variants' table: time per step, trims, peak and its ratio to
+    MemoryPool's (``base_peak``).
+
+    Examples
+    --------
+    >>> from cupy_poolmem.benchmarks._churn_variants import VariantResult
+    >>> lines = variants_table([VariantResult("one CUDA pool", 1e-5, 2 << 30, 0)], 1 << 30)
+    >>> [cell.strip() for cell in lines.splitlines()[2].split("|")]
+    ['one CUDA pool', '10.00 us', '0', '2048.0 MiB (2.00x)']
+    """
+    out = [
+        [
+            r.label,
+            f"{r.seconds_per_step * 1e6:8.2f} us",
+            f"{r.trims:5d}",
+            f"{r.peak_reserved / MiB:9.1f} MiB ({r.peak_reserved / base_peak:.2f}x)",
+        ]
+        for r in results
+    ]
+    return table(["variant", "time per step", "trims", "reserved peak"], out)
 
 
 if __name__ == "__main__":
