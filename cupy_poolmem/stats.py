@@ -708,11 +708,9 @@ class _LogWriter:
         # The writer falls behind: this thread waits for the write under way, then
         # writes what is left, so memory stays bounded (spdlog's "block" policy).
         if self._lock.acquire(timeout=_MAX_WAIT_S):
-            self._owner = threading.get_ident()
             try:
-                self._flush_locked()
+                self._flush_owned()
             finally:
-                self._owner = None
                 self._lock.release()
             return
         self._drop()
@@ -744,11 +742,16 @@ class _LogWriter:
     def flush(self) -> None:
         """Write every record taken so far.  Never raises (errors are counted)."""
         with self._lock:
-            self._owner = threading.get_ident()
-            try:
-                self._flush_locked()
-            finally:
-                self._owner = None
+            self._flush_owned()
+
+    def _flush_owned(self) -> None:
+        """Under the lock: flush, marking this thread as the lock's owner meanwhile (a
+        batch filled by a collection inside the write must not wait for the lock)."""
+        self._owner = threading.get_ident()
+        try:
+            self._flush_locked()
+        finally:
+            self._owner = None
 
     def _flush_locked(self) -> None:
         rec = _OBSERVER._rec
@@ -797,11 +800,7 @@ class _LogWriter:
             t.join(timeout=10)
         self._thread = None
         with self._lock:
-            self._owner = threading.get_ident()
-            try:
-                self._flush_locked()
-            finally:
-                self._owner = None
+            self._flush_owned()
             if self._tail:  # a torn line, not finished since: finish it if the disk allows
                 try:
                     self._write(b"")

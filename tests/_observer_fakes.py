@@ -16,6 +16,23 @@ from cupy_poolmem import _pools
 FAKES_FILE = __file__
 
 
+class InterruptedName:
+    """A thread whose ``name`` raises KeyboardInterrupt once, then reads ``name``:
+    SIGINT's handler running in the Python code of the recorder's pre-step (which
+    reads the thread's name, a property)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self.fired = False
+
+    @property
+    def name(self) -> str:
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+        return self._name
+
+
 class FakeCore:
     """Stands in for a pool: what the observer reads from ``block.core``."""
 

@@ -18,7 +18,7 @@ from array import array
 from pathlib import Path
 
 import pytest
-from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore
+from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, InterruptedName
 
 from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem import _pools, stats
@@ -215,6 +215,20 @@ def _core(hp):
     c._attach(0, 0, hp.KIND_DEVICE)
     c.cache_limit, c.cache_max_block = 1 << 30, 1 << 20
     return c
+
+
+def _observed(hp):
+    """A recorder of ``hp`` observing a pool core, logging, one scope open:
+    ``(rig, core, stream, scope)``; the core's blocks are on the legacy stream."""
+    import cupy
+
+    g = Rig(hp)
+    core = _core(hp)
+    core.observer = g.rec
+    stream = cupy.cuda.ExternalStream(0, 0)
+    g.rec.start()
+    g.rec.set_logging(True)
+    return g, core, stream, g.rec.add_scope(None, None)
 
 
 def _hot_transcript(hp) -> tuple:
@@ -511,37 +525,14 @@ def test_call_sites_walk_skipped_frames_up_to_depth(hp, tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------
 # A signal's exception (Ctrl-C, SystemExit) inside an observed allocation
 # ------------------------------------------------------------------------------------------
-class _InterruptedName:
-    """A thread whose ``name`` raises KeyboardInterrupt once: SIGINT's handler runs in
-    the Python code of the recorder's pre-step (Thread.name is a property)."""
-
-    def __init__(self, real: threading.Thread) -> None:
-        self.real = real
-        self.fired = False
-
-    @property
-    def name(self) -> str:
-        if not self.fired:
-            self.fired = True
-            raise KeyboardInterrupt
-        return self.real.name
-
-
 @pytest.mark.parametrize("hp", IMPLS)
 def test_keyboard_interrupt_in_an_observed_allocation_propagates_and_stays_counted(hp):
     """Only an Exception of the pre-step is counted as an observer error; a
     KeyboardInterrupt reaches the program, after the allocation was counted (with a
     Info on the block), so that the block, dropped by the caller, has its free counted."""
-    import cupy
 
-    g = Rig(hp)
-    core = _core(hp)
-    core.observer = g.rec
-    stream = cupy.cuda.ExternalStream(0, 0)
-    g.rec.start()
-    g.rec.set_logging(True)
-    scope = g.rec.add_scope(None, None)
-    g.tls.thread = _InterruptedName(threading.current_thread())
+    g, core, stream, scope = _observed(hp)
+    g.tls.thread = InterruptedName(threading.current_thread().name)
     with pytest.raises(KeyboardInterrupt):
         core._make_block(0x1000, 64, stream, 0)
     import gc
@@ -649,16 +640,8 @@ def test_block_freed_in_a_garbage_cycle_keeps_its_tag_and_call_site(hp):
     not empty the Info before the block's free reads its tag, call site and pool."""
     import gc
 
-    import cupy
-
-    g = Rig(hp)
-    core = _core(hp)
-    core.observer = g.rec
-    stream = cupy.cuda.ExternalStream(0, 0)
-    g.rec.start()
-    g.rec.set_logging(True)
+    g, core, stream, scope = _observed(hp)
     g.rec.tracking = True
-    scope = g.rec.add_scope(None, None)
     untagged = core._make_block(0x1000, 32, stream, 0)  # live all along, untagged
     g.tag("model")
     m = core._make_block(0x2000, 64, stream, 0)
@@ -685,15 +668,7 @@ def test_blocks_freed_from_an_exception_cycle_balance_their_tag(hp):
     a cycle; collected later, every free is charged to its tag, none to untagged."""
     import gc
 
-    import cupy
-
-    g = Rig(hp)
-    core = _core(hp)
-    core.observer = g.rec
-    stream = cupy.cuda.ExternalStream(0, 0)
-    g.rec.start()
-    g.rec.set_logging(True)
-    scope = g.rec.add_scope(None, None)
+    g, core, stream, scope = _observed(hp)
 
     def work():
         g.tag("model")

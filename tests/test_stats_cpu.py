@@ -17,7 +17,7 @@ import time
 import weakref
 
 import pytest
-from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, alloc, free, observer
+from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, InterruptedName, alloc, free, observer
 
 from cupy_poolmem import _pools, stats
 from cupy_poolmem.stats import LOG_COLUMNS
@@ -784,18 +784,7 @@ def test_ctrl_c_in_an_observed_allocation_is_not_swallowed(tmp_path, monkeypatch
     """A KeyboardInterrupt raised while the observer runs Python code (here: the
     thread's name) reaches the program; it is no observer error."""
 
-    class Interrupted:
-        def __init__(self) -> None:
-            self.fired = False
-
-        @property
-        def name(self) -> str:
-            if not self.fired:
-                self.fired = True
-                raise KeyboardInterrupt
-            return "MainThread"
-
-    monkeypatch.setattr(stats._tls, "thread", Interrupted())
+    monkeypatch.setattr(stats._tls, "thread", InterruptedName("MainThread"))
     stats.start_log(tmp_path / "k.csv")
     with pytest.raises(KeyboardInterrupt):
         alloc(FakeCore(), 0x1000, 8)
@@ -927,13 +916,10 @@ class _StuckFile:
         self.real.close()
 
 
-def test_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(tmp_path, monkeypatch):
-    """Beyond _MAX_PENDING_BATCHES full batches, the allocating thread waits for the
-    writer thread's slow write to end and writes the backlog itself: a fast allocation
-    rate into a slow disk does not grow memory without bound.  The slow write ends
-    after 1 s (a timer); no record is lost."""
-    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 2)
-    stats.start_log(tmp_path / "slow.csv")
+def _writer_stuck_in_a_write(path):
+    """A log at ``path`` whose writer thread is inside a write that blocks until
+    ``release`` is set: (writer, recorder, core, release)."""
+    stats.start_log(path)
     w = stats._OBSERVER._writer
     rec = stats._OBSERVER.recorder
     entered, release = threading.Event(), threading.Event()
@@ -942,6 +928,16 @@ def test_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(tmp_path, mo
     rec.note(core, "alloc", 0, 1, 0, "", None)
     w._wake.set()
     assert entered.wait(30), "the writer thread did not start its write"
+    return w, rec, core, release
+
+
+def test_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(tmp_path, monkeypatch):
+    """Beyond _MAX_PENDING_BATCHES full batches, the allocating thread waits for the
+    writer thread's slow write to end and writes the backlog itself: a fast allocation
+    rate into a slow disk does not grow memory without bound.  The slow write ends
+    after 1 s (a timer); no record is lost."""
+    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 2)
+    w, rec, core, release = _writer_stuck_in_a_write(tmp_path / "slow.csv")
     timer = threading.Timer(1.0, release.set)
     timer.start()
     try:
@@ -961,15 +957,7 @@ def test_backlog_is_dropped_with_a_warning_when_the_writer_stays_stuck(tmp_path,
     stops waiting, drops the records waiting (counted, one warning) and goes on."""
     monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 2)
     monkeypatch.setattr(stats, "_MAX_WAIT_S", 0.05)
-    stats.start_log(tmp_path / "stuck.csv")
-    w = stats._OBSERVER._writer
-    rec = stats._OBSERVER.recorder
-    entered, release = threading.Event(), threading.Event()
-    w.file = _StuckFile(w.file, entered, release)
-    core = FakeCore()
-    rec.note(core, "alloc", 0, 1, 0, "", None)
-    w._wake.set()
-    assert entered.wait(30), "the writer thread did not start its write"
+    w, rec, core, release = _writer_stuck_in_a_write(tmp_path / "stuck.csv")
     n = _pools._hp.LOG_BATCH
     try:
         with pytest.warns(RuntimeWarning, match="records dropped"):
