@@ -31,6 +31,7 @@ __all__ = [
     "local_device",
     "nearest_numa_node",
     "on_device",
+    "sync_device",
     "grant_access",
     "can_access_peer",
     "peer_topology",
@@ -229,6 +230,15 @@ class on_device:
     def __exit__(self, *exc: Any) -> None:
         if self.prev != self.dev:
             _runtime().setDevice(self.prev)
+
+
+def sync_device(dev: int) -> None:
+    """Wait until every stream of ``dev`` is idle (``cuCtxSynchronize`` on its primary
+    context), also while another thread captures a graph in global mode."""
+    from ._streams import relaxed_capture_mode
+
+    with on_device(dev), relaxed_capture_mode():
+        check_driver(_drv().cuCtxSynchronize(), "cuCtxSynchronize")
 
 
 def can_access_peer(dev: int, peer: int) -> bool:

@@ -29,6 +29,7 @@ from ._device import (
     on_device,
     require_gpu,
     resolve_peer_access,
+    sync_device,
 )
 from ._errors import (
     CUDADriverError,
@@ -838,8 +839,9 @@ class DevicePool(Pool):
 
         Assign ``"all"``, ``None`` or a list of ordinals (as for the constructor) to
         change it; the change covers the memory already allocated too.  Removing a GPU
-        (``PROT_NONE``) is allowed only when no work on it still uses the pool's memory:
-        a kernel there would then fail with ``cudaErrorIllegalAddress``.
+        (``PROT_NONE``) first waits until that GPU is idle (``cuCtxSynchronize``), so
+        work already queued there that reads the pool's memory finishes with access;
+        work queued there afterwards fails with ``cudaErrorIllegalAddress``.
 
         Examples
         --------
@@ -862,6 +864,11 @@ class DevicePool(Pool):
         peers = resolve_peer_access(value, self.device_id)
         if self.closed and self.n_allocs == self.n_frees:
             self._raise_closed()
+        for dev in sorted(set(self.peer_access) - set(peers)):
+            try:  # its queued kernels may read this pool's memory: let them finish first
+                sync_device(dev)
+            except Exception as exc:
+                raise _wrap(exc, f"waiting for GPU {dev} before revoking its access") from exc
         granted = _set_peers(self._mr, self.device_id, peers)
         self._peers_set = granted or getattr(self, "_peers_set", False)
 

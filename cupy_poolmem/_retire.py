@@ -505,12 +505,9 @@ class Retirer:
 
 
 def _sync_device(dev: int) -> None:
-    from ._device import _drv, on_device
-    from ._errors import check_driver
-    from ._streams import relaxed_capture_mode
+    from ._device import sync_device
 
-    with on_device(dev), relaxed_capture_mode():
-        check_driver(_drv().cuCtxSynchronize(), "cuCtxSynchronize")
+    sync_device(dev)
 
 
 def _free_on_legacy_stream(ptr: int, dev: int) -> None:

@@ -155,3 +155,49 @@ def numba_exporter(q_result, n):
         q_result.put(("ok", (*value, back)))
     except BaseException:
         q_result.put(("err", traceback.format_exc()))
+
+
+SLOW_SUM = r"""
+extern "C" __global__ void slow_sum(const float* x, int n, float* out, long long spin) {
+    long long t0 = clock64();
+    while (clock64() - t0 < spin) { }  // queued work that reads the memory later
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
+    atomicAdd(out, s);
+}
+"""
+
+
+def revoke_while_a_kernel_will_read(conn):
+    """GPU 1 queues a kernel that spins ~0.2 s, then reads GPU 0's pool memory; the
+    parent of the kernel revokes GPU 1's access right after the launch.  Sends ("ok",
+    sum) when the kernel read with access, or ("fault", error text).  Ends with os._exit
+    (a fault breaks the context)."""
+    try:
+        _quiet()
+        import cupy
+
+        import cupy_poolmem as cpm
+
+        n = 1 << 20
+        pool = cpm.DevicePool(device=0, peer_access=[1])
+        with cupy.cuda.Device(0), cupy.cuda.using_allocator(pool.malloc):
+            x = cupy.ones(n, dtype=cupy.float32)
+            cupy.cuda.Device(0).synchronize()
+        with cupy.cuda.Device(1):
+            out = cupy.zeros(1, dtype=cupy.float32)
+            kern = cupy.RawKernel(SLOW_SUM, "slow_sum")
+            spin = cupy.int64(400_000_000)  # cycles: about 0.2 s at 2 GHz
+            kern((1,), (256,), (x, cupy.int32(n), out, spin))  # queued; reads later
+        pool.peer_access = None  # must wait for the kernel before PROT_NONE
+        try:
+            with cupy.cuda.Device(1):
+                total = float(out.get())
+            conn.send(("ok", total, pool.peer_access))
+        except Exception as exc:
+            conn.send(("fault", f"{type(exc).__name__}: {exc}", ()))
+    except BaseException:
+        conn.send(("error", traceback.format_exc(), ()))
+    finally:
+        conn.close()
+        os._exit(0)

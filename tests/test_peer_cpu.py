@@ -26,6 +26,7 @@ def four_gpus(monkeypatch):
     monkeypatch.setattr(_device, "device_count", lambda: 4)
     monkeypatch.setattr(_pools, "device_count", lambda: 4)
     monkeypatch.setattr(_device, "can_access_peer", fake_can)
+    monkeypatch.setattr(_pools, "sync_device", lambda dev: None)  # no driver here
 
 
 @pytest.fixture
@@ -162,6 +163,32 @@ def test_peer_access_property_sets_and_reads_the_driver_state(four_gpus):
     assert pool.peer_access == () and pool._mr.peers == ()
     pool.peer_access = [0, 1]
     assert pool.peer_access == (1,)
+
+
+def test_revoking_a_gpu_waits_for_its_queued_work_first(monkeypatch, four_gpus):
+    """A kernel queued on GPU 1 that reads the pool's memory must finish before the
+    grant goes: the setter synchronises each GPU it removes, before the driver call."""
+    mr = FakeMR()
+    pool = _fake_pool(2, mr)
+    monkeypatch.setattr(_pools, "sync_device", lambda dev: mr.events.append(("sync", dev)))
+    pool.peer_access = [3]  # a grant waits for nothing
+    pool.peer_access = [3]  # nor does assigning what is granted already
+    pool.peer_access = None
+    assert mr.events == [("set", (3,)), ("set", (3,)), ("sync", 3), ("set", ())]
+
+
+def test_a_failed_wait_before_revoking_keeps_the_grant_and_the_error_name(monkeypatch, four_gpus):
+    pool = _fake_pool(0)
+    pool.peer_access = [1]
+
+    def fail(dev: int) -> None:
+        raise cpm.CUDADriverError("cuCtxSynchronize", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
+
+    monkeypatch.setattr(_pools, "sync_device", fail)
+    with pytest.raises(cpm.CUDADriverError) as ei:
+        pool.peer_access = None
+    assert ei.value.name == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    assert pool.peer_access == (1,)  # nothing revoked
 
 
 def test_peer_access_setter_validates_before_touching_the_pool(four_gpus):

@@ -334,3 +334,21 @@ def test_numba_handle_opened_on_the_second_gpu_gets_its_grant_once():
     assert ok  # a Numba kernel on GPU 1 read and wrote GPU 0's memory
     assert grants == [(1,)]  # one imported pool, GPU 1 granted once
     assert written_back  # the exporter sees the writes
+
+
+def test_revoking_a_gpu_lets_its_queued_kernel_finish_reading_first():
+    """``pool.peer_access = None`` while GPU 1 has a kernel queued that reads the pool's
+    memory: the kernel reads with access (the right sum), and the grant is gone after."""
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=W.revoke_while_a_kernel_will_read, args=(b,))
+    p.start()
+    b.close()
+    try:
+        assert a.poll(TIMEOUT), "the child sent nothing"
+        tag, value, peers = a.recv()
+        assert tag == "ok", value
+        assert value == float(1 << 20)
+        assert peers == ()
+    finally:
+        _join(p)
