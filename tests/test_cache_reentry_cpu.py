@@ -16,6 +16,7 @@ import importlib
 import threading
 from pathlib import Path
 
+import cupy
 import pytest
 from _hotpath_fakes import World, twin_pools
 
@@ -289,3 +290,98 @@ def test_twin_threads_allocating_while_one_flushes_keep_the_cache_consistent(wor
     assert len(freed) == len(set(freed))  # the fake never reuses an address
     p.flush_cache()
     assert p.cached_bytes == 0
+
+
+# ---------------------------------------------------------------- accounting
+def test_twin_cached_bytes_is_the_sum_of_the_bins_through_random_steps(world, monkeypatch):
+    """Hits, misses (and the flush after FLUSH_AFTER_MISSES), frees over the limit and
+    above cache_max_block, exported blocks, flush, take, trim-like flushes and close:
+    after each step cached_bytes is the bins' sum, every cached block is cached once
+    and not live, every exported one has its record (and only those)."""
+    import random
+
+    retired = []
+    monkeypatch.setattr(twin, "_shared_retire", lambda core, ptr, *a: retired.append(ptr))
+    rnd = random.Random(4)
+    p = world.pool(reuse_cache=24 * KB)
+    p.cache_max_block = 8 * KB
+    streams = [world.current, cupy.cuda.ExternalStream(0x6000, 0)]
+    live: dict[int, object] = {}
+    exported = iter(range(0x9000000, 0xA000000, 0x10000))
+    shared_hits = 0
+    for step in range(4000):
+        op = rnd.random()
+        world.current = rnd.choice(streams)
+        if op < 0.45:
+            m = p.malloc(
+                KB * rnd.choice([1, 2, 3, 9]) + rnd.choice([0, 0, 0, rnd.randrange(1, 64)])
+            )
+            assert m.ptr not in live
+            live[m.ptr] = m
+        elif op < 0.85 and live:
+            del live[rnd.choice(list(live))]
+        elif op < 0.9:
+            ptr = next(exported)
+            p._cache_shared(ptr, KB, world.current.ptr, world.current, ("rec", ptr))
+        elif op < 0.95:
+            p.flush_cache()
+        elif op < 0.97:
+            p._take_cache()
+        else:
+            m = p.malloc(KB)  # a hit of an exported block carries its own record
+            if m.mem._owner.share is not None:
+                assert m.mem._owner.share == ("rec", m.ptr)
+                shared_hits += 1
+            live[m.ptr] = m
+        cached = [ptr for b in p._cache.values() for ptr, _ in b.entries()]
+        assert p.cached_bytes == _bin_sum(p) <= p.cache_limit, step
+        assert len(cached) == len(set(cached)) and not set(cached) & set(live), step
+        assert set(p._shares) <= set(cached), step
+        assert all(v == ("rec", k) for k, v in p._shares.items()), step
+    assert shared_hits and retired  # both ways out of the cache for exported blocks
+    live.clear()
+    p._mark_closed()
+    assert p.cached_bytes == 0 == _bin_sum(p) and p._shares == {}
+
+
+@pytest.mark.parametrize("impl", ["twin", "compiled"])
+def test_cached_bytes_is_the_sum_of_the_bins_on_both_implementations(impl):
+    """What a CPU can run of the compiled cache (frees, exported blocks, flush, take;
+    no hits: its malloc needs a GPU), step by step against the same invariants."""
+    import random
+
+    hp = _impl(impl)
+    old = (hp._shared_release, hp._shared_retire)
+    hp.set_shared_release(old[0], lambda core, ptr, *a: ptr % 0x20000 == 0)
+    try:
+        rnd = random.Random(5)
+        c = _bare_core(hp)
+        c.cache_limit, c.cache_max_block = 40 * KB, 8 * KB
+        streams = [type("S", (), {"ptr": k})() for k in (0, 1)]
+        addrs = iter(range(0x100000, 0x10000000, 0x10000))
+        live = []
+        for step in range(3000):
+            op = rnd.random()
+            if op < 0.5:
+                size = KB * rnd.choice([1, 2, 3, 9])
+                live.append(c._make_block(next(addrs), size, rnd.choice(streams), 0))
+            elif op < 0.85 and live:
+                live.pop(rnd.randrange(len(live)))
+            elif op < 0.92:
+                s = rnd.choice(streams)
+                c._cache_shared(next(addrs), KB * rnd.choice([1, 16]), s.ptr, s, "rec")
+            elif op < 0.97:
+                c.flush_cache()
+            else:
+                c._take_cache()
+            cached = [ptr for b in c._cache.values() for ptr, _ in b.entries()]
+            assert c.cached_bytes == _bin_sum(c) <= c.cache_limit, step
+            assert len(cached) == len(set(cached)), step
+            assert not set(cached) & set(c.freed), step
+        live.clear()
+        assert c.n_allocs == c.n_frees and c.live_bytes == 0
+        c._mark_closed()
+        assert c.cached_bytes == 0 == _bin_sum(c) and c._cache == {}
+        assert len(c.freed) == len(set(c.freed))
+    finally:
+        hp.set_shared_release(*old)
