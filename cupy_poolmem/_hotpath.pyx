@@ -119,7 +119,7 @@ KIND_MANAGED = 2
 cdef int _KIND_PINNED = 1  # the C twin of KIND_PINNED (no module lookup and compare)
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 9
+VERSION = 10
 
 # Allocations in a row that a non-empty reuse cache cannot serve before it is flushed.
 FLUSH_AFTER_MISSES = 16
@@ -439,6 +439,9 @@ cdef class PoolCore:
                         share = self._shares.pop(dptr, None)
                     self.cached_bytes -= size
                     self.cache_misses = 0
+                    if PyObject_GC_IsFinalized(stream):  # see _drop_stale
+                        self._drop_stale(dptr, size, share)
+                        dptr, share = 0, None
                 else:
                     self._cache_missed()
             if dptr == 0:
@@ -563,6 +566,9 @@ cdef class PoolCore:
             for ptr, stream in b.entries():
                 try:
                     share = self._shares.pop(ptr, None) if self._shares else None
+                    if PyObject_GC_IsFinalized(stream):
+                        self._drop_stale(ptr, b.size, share)
+                        continue
                     if share is not None and self._retire_shared(ptr, b.size, stream, share):
                         continue
                     self._free(ptr, b.stream_ptr, stream)
@@ -572,6 +578,16 @@ cdef class PoolCore:
         if err is not None:
             raise err
         return freed
+
+    cdef _drop_stale(self, uintptr_t ptr, size_t size, object share):
+        """A cached block whose stream object was finalized since: a cupy Stream that
+        died in a garbage cycle after a finalizer there freed the block into the cache
+        (which resurrected the object, its CUDA stream destroyed; the handle may name a
+        new stream now).  Neither reused nor freed on it: an exported block goes to its
+        exporter, any other to the retirer (``_orphan``: freed after a sync)."""
+        if share is not None and self._retire_shared(ptr, size, None, share):
+            return
+        self._orphan(ptr, size, 0)
 
     cdef dict _swap_cache(self):
         """Empty the cache: its old ``_cache``, whose blocks are the caller's now.

@@ -28,7 +28,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 9
+VERSION = 10
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
@@ -359,6 +359,9 @@ class PoolCore:
             for ptr, stream in items:
                 try:
                     share = self._shares.pop(ptr, None) if self._shares else None
+                    if _gc_is_finalized(stream):
+                        self._drop_stale(ptr, b.size, share)
+                        continue
                     if share is not None and self._retire_shared(ptr, b.size, stream, share):
                         continue
                     self._free_now(ptr, b.stream_ptr, stream)
@@ -368,6 +371,13 @@ class PoolCore:
         if err is not None:
             raise err
         return freed
+
+    def _drop_stale(self, ptr: int, size: int, share: Any) -> None:
+        """A cached block whose stream object was finalized since: neither reused nor
+        freed on it (see _hotpath.pyx)."""
+        if share is not None and self._retire_shared(ptr, size, None, share):
+            return
+        self._orphan(ptr, size, 0)
 
     def _swap_cache(self) -> dict:
         """Empty the cache: its old ``_cache``, whose bins the caller takes with
@@ -422,10 +432,15 @@ class PoolCore:
                 # From the test of live to the pop no call and no allocation (see _Bin).
                 if hit is not None and hit.live and hit.items:
                     self.cached_bytes -= size
-                    dptr, stream = hit.items.pop()  # and the stream object that freed it
+                    dptr, freer = hit.items.pop()  # and the stream object that freed it
                     if self._shares:  # an exported block comes back with its record
                         share = self._shares.pop(dptr, None)
                     self.cache_misses = 0
+                    if _gc_is_finalized(freer):  # see _hotpath.pyx's _drop_stale
+                        self._drop_stale(dptr, size, share)
+                        dptr, share = 0, None
+                    else:
+                        stream = freer
                 else:
                     self._cache_missed()
             if not dptr:

@@ -385,3 +385,78 @@ def test_cached_bytes_is_the_sum_of_the_bins_on_both_implementations(impl):
         assert len(c.freed) == len(set(c.freed))
     finally:
         hp.set_shared_release(*old)
+
+
+# ---------------------------------------------------------------- finalized streams
+class _DyingStream:
+    """A stream object whose finalizer destroys its stream (as cupy.cuda.Stream's)."""
+
+    def __init__(self, ptr, log):
+        self.ptr, self.log = ptr, log
+
+    def __del__(self):
+        self.log.append(("destroy", self.ptr))
+
+
+class _Holder:
+    """An object that lets go of its array in its finalizer (a close() there)."""
+
+    def __del__(self):
+        self.arr = None
+
+
+def _cache_in_a_dying_cycle(alloc, log, sptr):
+    """A garbage cycle of a holder and a stream: the holder's finalizer frees its array
+    before the stream's finalizer destroys the stream, so the block is cached with the
+    stream object (which the cache resurrects) that is destroyed just after."""
+    h = _Holder()
+    s = _DyingStream(sptr, log)
+    h.arr = alloc(s)
+    ptr = h.arr.ptr
+    h.s, s.h = s, h
+    del h, s
+    gc.collect()
+    assert ("destroy", sptr) in log
+    return ptr
+
+
+def test_twin_a_block_cached_with_a_stream_destroyed_after_is_never_reused_on_it(
+    world, fake_retirer
+):
+    p = world.pool()
+
+    first = world.current
+
+    def alloc(s):
+        world.current = s
+        m = p.malloc(KB)
+        world.current = first
+        return m
+
+    ptr = _cache_in_a_dying_cycle(alloc, world.log, 0x7000)
+    world.current = _DyingStream(0x7000, [])  # a new stream, given the same handle
+    m = p.malloc(KB)
+    assert m.ptr != ptr  # not reused: its last work was on a destroyed stream
+    del m
+    p.flush_cache()
+    assert ptr not in _frees(world)  # and never freed on the destroyed stream ...
+    fake_retirer.drain()
+    assert ("free", ptr, 0) in fake_retirer.log.events  # ... but by the retirer, after a sync
+    assert p.cached_bytes == _bin_sum(p)
+
+
+@pytest.mark.parametrize("impl", ["twin", "compiled"])
+def test_a_flush_never_frees_a_block_on_a_stream_finalized_while_it_was_cached(impl):
+    hp = _impl(impl)
+    c = _bare_core(hp)
+    orphans = []
+    c._orphan = lambda ptr, size, flags: orphans.append(ptr) or True
+    log: list = []
+
+    def alloc(s):
+        return c._make_block(0x1000, KB, s, 0)
+
+    ptr = _cache_in_a_dying_cycle(alloc, log, 1)
+    assert c.cached_bytes == KB
+    c.flush_cache()
+    assert c.freed == [] and orphans == [ptr] and c.cached_bytes == 0

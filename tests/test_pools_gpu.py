@@ -280,6 +280,41 @@ def test_reuse_cache_threads_allocating_while_another_flushes_keep_data(pool):
     assert pool.n_free_errors == 0
 
 
+def test_reuse_cache_block_of_a_stream_destroyed_in_a_garbage_cycle_is_not_freed_on_it(pool):
+    """A finalizer in a garbage cycle frees an array into the reuse cache before the
+    cycle's cupy Stream is finalized (its CUDA stream destroyed; the cache resurrected
+    the object): the next allocation on another stream, the flush of trim() and the
+    pool's close never use that stream (a free on a destroyed stream crashed in the
+    driver); the block goes to the retirer.  Data of later arrays is intact."""
+
+    class Holder:
+        def __del__(self) -> None:
+            self.arr = None  # a close() in a finalizer
+
+    with cpm.using(pool):
+        for _ in range(3):
+            h = Holder()  # made first: its finalizer runs before the stream's
+            s = cupy.cuda.Stream(non_blocking=True)
+            with s:
+                h.arr = cupy.full(1 << 20, 7, dtype=cupy.uint8)
+            s.synchronize()
+            h.s, s.h = s, h
+            del h, s
+            gc.collect()
+        s2 = cupy.cuda.Stream(non_blocking=True)
+        with s2:
+            want = _pattern(1 << 20, 3)
+            x = cupy.asarray(want)
+            assert (x.get(stream=s2) == want).all()
+            del x
+        s2.synchronize()
+        pool.trim()
+        assert pool.stats().cached_bytes == 0
+        assert pool.n_free_errors == 0
+        y = cupy.full(1 << 20, 9, dtype=cupy.uint8)
+        assert int(y.sum()) == 9 << 20
+
+
 def test_reuse_cache_disabled_and_bounded():
     with cpm.DevicePool(reuse_cache=0) as p, cpm.using(p):
         a = cupy.empty(1000, dtype=cupy.uint8)

@@ -399,7 +399,7 @@ def test_the_compiled_allocation_path_uses_the_cache_as_the_twin_does():
     assert "stream = hit.take(&dptr)  # and the stream object that freed it" in pyx
     assert "self._bin(stream_ptr, size, True).push(ptr, stream)" in pyx
     assert "if hit is None or size != self._last_size or sptr != self._last_sptr:" in py
-    assert "dptr, stream = hit.items.pop()" in py
+    assert "dptr, freer = hit.items.pop()" in py
     assert "if b is None or size != self._last_size or stream_ptr != self._last_sptr:" in py
     for src in (pyx, py):
         assert "share = self._shares.pop(dptr, None)" in src
