@@ -460,3 +460,30 @@ def test_a_flush_never_frees_a_block_on_a_stream_finalized_while_it_was_cached(i
     assert c.cached_bytes == KB
     c.flush_cache()
     assert c.freed == [] and orphans == [ptr] and c.cached_bytes == 0
+
+
+# ---------------------------------------------------------------- bins: many, and big
+@pytest.mark.parametrize("impl", ["twin", "compiled"])
+def test_ten_thousand_sizes_and_a_deep_bin_keep_count_and_references(impl):
+    """10,000 bins of one block, one bin of 5,000 (its array grown many times): the
+    cache counts them all, a flush frees each once, and no reference to a stream
+    object is left behind (the list beside the addresses, the slots taken)."""
+    import sys
+
+    hp = _impl(impl)
+    c = _bare_core(hp)
+    c.cache_limit = c.cache_max_block = 1 << 40
+    s = type("S", (), {"ptr": 1})()
+    base = sys.getrefcount(s)
+    addrs = iter(range(0x100000, 1 << 40, 0x1000))
+    for size in range(1, 10001):
+        c._make_block(next(addrs), size, s, 0)  # dropped at once: cached
+    deep = [c._make_block(next(addrs), 64, s, 0) for _ in range(5000)]
+    deep.clear()
+    assert len(c._cache) == 10000 and c._cache[1, 64].n == 5001
+    assert c.cached_bytes == 10000 * 10001 // 2 + 5000 * 64 == _bin_sum(c)
+    assert sys.getrefcount(s) == base + 15000
+    assert c.flush_cache() == 10000 * 10001 // 2 + 5000 * 64
+    assert len(c.freed) == len(set(c.freed)) == 15000
+    gc.collect()
+    assert sys.getrefcount(s) == base and c.cached_bytes == 0 and c._cache == {}
