@@ -119,7 +119,7 @@ KIND_MANAGED = 2
 cdef int _KIND_PINNED = 1  # the C twin of KIND_PINNED (no module lookup and compare)
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 9
+VERSION = 10
 
 # Allocations in a row that a non-empty reuse cache cannot serve before it is flushed.
 FLUSH_AFTER_MISSES = 16
@@ -250,7 +250,13 @@ cdef class Block:
             core.n_frees += 1
             return
         if not kept:
-            core._release(self.ptr, self.size, self.stream_ptr, self.stream)
+            try:
+                core._release(self.ptr, self.size, self.stream_ptr, self.stream)
+            except BaseException:
+                # Its free raised (a hook, a KeyboardInterrupt landing there, no memory
+                # for the cache): leaked, as above, and still counted below, or a
+                # closed pool would wait for it forever (never retired).
+                core.n_free_errors += 1
         # Counted once the free (or its hand-off) is queued: a close() in another thread
         # that sees every block freed may retire the pool at once.
         core.n_frees += 1
@@ -433,6 +439,9 @@ cdef class PoolCore:
                         share = self._shares.pop(dptr, None)
                     self.cached_bytes -= size
                     self.cache_misses = 0
+                    if PyObject_GC_IsFinalized(stream):  # see _drop_stale
+                        self._drop_stale(dptr, size, share)
+                        dptr, share = 0, None
                 else:
                     self._cache_missed()
             if dptr == 0:
@@ -518,11 +527,14 @@ cdef class PoolCore:
         the cache cannot take it (full, off, or the pool is closed or finalized)."""
         if self.closed or self.finalized or self.cached_bytes + size > self.cache_limit:
             return False
-        self._shares[ptr] = share  # first: a block is never cached without its record
+        # First: a block is never cached without its record.  The map is never swapped
+        # out: a flush (a collection in _bin may run one) takes only the records of the
+        # blocks it takes, so this one stays for the block pushed next.
+        self._shares[ptr] = share
         try:
             self._bin(stream_ptr, size, True).push(ptr, stream)
         except BaseException:
-            del self._shares[ptr]
+            self._shares.pop(ptr, None)
             raise
         self.cached_bytes += size
         return True
@@ -544,23 +556,49 @@ cdef class PoolCore:
         """Free every block held in the reuse cache (stream-ordered); returns bytes freed.
 
         An exported block's final free is its exporter's, after its receivers unmap it.
+        A free that raises does not stop the others: the first error is raised after.
         """
-        cdef size_t freed = self.cached_bytes
+        cdef size_t freed = 0
         cdef _Bin b
-        cache, shares = self._swap_cache()
-        for b in cache.values():
+        err = None
+        for b in self._swap_cache().values():
+            freed += b.n * b.size
             for ptr, stream in b.entries():
-                share = shares.pop(ptr, None) if shares else None
-                if share is not None and self._retire_shared(ptr, b.size, stream, share):
-                    continue
-                self._free(ptr, b.stream_ptr, stream)
+                try:
+                    share = self._shares.pop(ptr, None) if self._shares else None
+                    if PyObject_GC_IsFinalized(stream):
+                        self._drop_stale(ptr, b.size, share)
+                        continue
+                    if share is not None and self._retire_shared(ptr, b.size, stream, share):
+                        continue
+                    self._free(ptr, b.stream_ptr, stream)
+                except BaseException as e:
+                    if err is None:
+                        err = e
+        if err is not None:
+            raise err
         return freed
 
-    cdef tuple _swap_cache(self):
-        """Empty the cache: its old ``(_cache, _shares)``, for the caller to let go of."""
-        old = (self._cache, self._shares)
-        self._cache, self._shares, self.cached_bytes = {}, {}, 0
+    cdef _drop_stale(self, uintptr_t ptr, size_t size, object share):
+        """A cached block whose stream object was finalized since: a cupy Stream that
+        died in a garbage cycle after a finalizer there freed the block into the cache
+        (which resurrected the object, its CUDA stream destroyed; the handle may name a
+        new stream now).  Neither reused nor freed on it: an exported block goes to its
+        exporter, any other to the retirer (``_orphan``: freed after a sync)."""
+        if share is not None and self._retire_shared(ptr, size, None, share):
+            return
+        self._orphan(ptr, size, 0)
+
+    cdef dict _swap_cache(self):
+        """Empty the cache: its old ``_cache``, whose blocks are the caller's now.
+
+        The sharing records stay in ``_shares``: the caller pops those of the blocks it
+        took (a block taken by another path meanwhile keeps its record)."""
+        fresh = {}  # made first: a collection here may still cache a block in the old
+        old = self._cache
+        self._cache = fresh
         self._last_bin, self._last_sptr, self._last_size = None, 0, 0
+        self.cached_bytes = 0
         return old
 
     def _take_cache(self):
@@ -573,11 +611,10 @@ cdef class PoolCore:
         retirer once they have unmapped it.
         """
         cdef _Bin b
-        cache, shares = self._swap_cache()
         out = []
-        for b in cache.values():
+        for b in self._swap_cache().values():
             for ptr, _ in b.entries():
-                share = shares.pop(ptr, None) if shares else None
+                share = self._shares.pop(ptr, None) if self._shares else None
                 if share is not None and self._retire_shared(ptr, b.size, None, share):
                     continue
                 out.append(ptr)

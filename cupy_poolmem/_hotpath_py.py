@@ -28,7 +28,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 9
+VERSION = 10
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
@@ -156,11 +156,24 @@ class Block:
             core.n_frees += 1
             return
         if not kept:
-            core._release(self.ptr, self.size, self.stream_ptr, self.stream)
+            try:
+                core._release(self.ptr, self.size, self.stream_ptr, self.stream)
+            except BaseException:
+                core.n_free_errors += 1  # leaked, and counted below (see _hotpath.pyx)
         # Counted once the free (or its hand-off) is queued (see _hotpath.pyx).
         core.n_frees += 1
         if core.closed and core.n_frees == core.n_allocs:
             core._drained()  # a closed pool's last block, however it went
+
+
+def _take_bin(core: Any, b: _Bin) -> list[tuple[int, Any]]:
+    """A bin of a swapped-out cache (``_swap_cache``): its pairs, their bytes taken off
+    ``cached_bytes`` (counted here, not zeroed by the swap: a block another thread took
+    from it or put in it after the swap, having found it before, counted itself)."""
+    b.live = False  # with the next line, one step (see _Bin)
+    items = b.items
+    core.cached_bytes -= len(items) * b.size
+    return items
 
 
 def _any_finalized(recorded: Any) -> bool:
@@ -170,26 +183,30 @@ def _any_finalized(recorded: Any) -> bool:
 
 class _Bin:
     """The reuse cache's blocks of one (stream handle, size); the last freed is reused
-    first (see ``_hotpath.pyx``): addresses and the stream objects that freed them."""
+    first (see ``_hotpath.pyx``): ``(address, stream object that freed it)`` pairs.
 
-    __slots__ = ("stream_ptr", "size", "ptrs", "streams")
+    Thread switches: the GIL passes to another thread only at a call or a loop's jump
+    (CPython's eval breaker), and a collection runs only at an allocation.  So a test of
+    ``live`` followed, with neither in between, by the append or pop of one pair cannot
+    be split by another thread's flush, which sets ``live`` False and takes ``items``
+    in one such step: a bin found before a flush is then left alone (the .pyx runs
+    these steps in C, where no other thread can come in).
+    """
+
+    __slots__ = ("stream_ptr", "size", "items", "live")
 
     def __init__(self, stream_ptr: int, size: int) -> None:
         self.stream_ptr, self.size = stream_ptr, size
-        self.ptrs: list[int] = []
-        self.streams: list[Any] = []
+        self.items: list[tuple[int, Any]] = []
+        self.live = True  # False once a flush took it: nothing goes in or out any more
 
     @property
     def n(self) -> int:
-        return len(self.ptrs)
-
-    def push(self, ptr: int, stream: Any) -> None:
-        self.streams.append(stream)
-        self.ptrs.append(ptr)
+        return len(self.items)
 
     def entries(self) -> list[tuple[int, Any]]:
         """``[(ptr, stream), ...]``, first cached first (flush, tests)."""
-        return list(zip(self.ptrs, self.streams))
+        return list(self.items)
 
 
 class PoolCore:
@@ -258,15 +275,18 @@ class PoolCore:
             self.flush_cache()
 
     def _bin(self, sptr: int, size: int, create: bool) -> _Bin | None:
-        """The cache's bin of (sptr, size); None when it has none and not ``create``."""
+        """The cache's bin of (sptr, size); None when it has none and not ``create``.
+
+        It may be taken by a flush (``live`` False) by the time the caller uses it."""
         b = self._last_bin
-        if b is not None and size == self._last_size and sptr == self._last_sptr:
+        if b is not None and size == self._last_size and sptr == self._last_sptr and b.live:
             return b
         b = self._cache.get((sptr, size))
         if b is None:
             if not create:
                 return None
-            b = self._cache.setdefault((sptr, size), _Bin(sptr, size))
+            new = _Bin(sptr, size)  # first: a flush while it is made swaps _cache
+            b = self._cache.setdefault((sptr, size), new)
         self._last_bin, self._last_sptr, self._last_size = b, sptr, size
         return b
 
@@ -276,13 +296,21 @@ class PoolCore:
             and self.cached_bytes + size <= self.cache_limit
             and not self.closed
         ):
+            item = (ptr, stream)  # made first: a collection may run here
             b = self._last_bin  # the .pyx's _bin, its first test inline (a call costs here)
             if b is None or size != self._last_size or stream_ptr != self._last_sptr:
                 b = self._bin(stream_ptr, size, True)
-            b.streams.append(stream)
-            b.ptrs.append(ptr)
-            self.cached_bytes += size
-            return
+            while not b.live:  # another thread's flush took it after the lookup
+                b = self._bin(stream_ptr, size, True)
+            # From the test of live to the append no call and no allocation (see _Bin).
+            if not self.closed:
+                self.cached_bytes += size
+                try:
+                    b.items.append(item)
+                except BaseException:  # no memory: not cached
+                    self.cached_bytes -= size
+                    raise
+                return
         self._free_now(ptr, stream_ptr, stream)
 
     def _cache_shared(self, ptr: int, size: int, stream_ptr: int, stream: Any, share: Any) -> bool:
@@ -290,13 +318,21 @@ class PoolCore:
         ``cache_limit``); False when the cache cannot take it."""
         if self.closed or self.finalized or self.cached_bytes + size > self.cache_limit:
             return False
-        self._shares[ptr] = share  # first: a block is never cached without its record
+        self._shares[ptr] = share  # first: never cached without it (see _hotpath.pyx)
+        counted = False
         try:
-            self._bin(stream_ptr, size, True).push(ptr, stream)  # type: ignore[union-attr]
+            item = (ptr, stream)
+            b: Any = self._bin(stream_ptr, size, True)
+            while not b.live:  # taken by another thread's flush (see _release)
+                b = self._bin(stream_ptr, size, True)
+            self.cached_bytes += size
+            counted = True
+            b.items.append(item)
         except BaseException:
-            del self._shares[ptr]
+            if counted:
+                self.cached_bytes -= size
+            self._shares.pop(ptr, None)
             raise
-        self.cached_bytes += size
         return True
 
     def _retire_shared(self, ptr: int, size: int, stream: Any, share: Any) -> bool:
@@ -315,31 +351,50 @@ class PoolCore:
 
         An exported block's final free is its exporter's, after its receivers unmap it.
         """
-        freed = self.cached_bytes
-        cache, shares = self._swap_cache()
-        for b in cache.values():
-            for ptr, stream in b.entries():
-                share = shares.pop(ptr, None) if shares else None
-                if share is not None and self._retire_shared(ptr, b.size, stream, share):
-                    continue
-                self._free_now(ptr, b.stream_ptr, stream)
+        freed = 0
+        err = None
+        for b in self._swap_cache().values():
+            items = _take_bin(self, b)
+            freed += len(items) * b.size
+            for ptr, stream in items:
+                try:
+                    share = self._shares.pop(ptr, None) if self._shares else None
+                    if _gc_is_finalized(stream):
+                        self._drop_stale(ptr, b.size, share)
+                        continue
+                    if share is not None and self._retire_shared(ptr, b.size, stream, share):
+                        continue
+                    self._free_now(ptr, b.stream_ptr, stream)
+                except BaseException as e:  # the rest is freed still (see _hotpath.pyx)
+                    if err is None:
+                        err = e
+        if err is not None:
+            raise err
         return freed
 
-    def _swap_cache(self) -> tuple[dict, dict]:
-        """Empty the cache: its old ``(_cache, _shares)``, for the caller to let go of."""
-        old = (self._cache, self._shares)
-        self._cache, self._shares, self.cached_bytes = {}, {}, 0
+    def _drop_stale(self, ptr: int, size: int, share: Any) -> None:
+        """A cached block whose stream object was finalized since: neither reused nor
+        freed on it (see _hotpath.pyx)."""
+        if share is not None and self._retire_shared(ptr, size, None, share):
+            return
+        self._orphan(ptr, size, 0)
+
+    def _swap_cache(self) -> dict:
+        """Empty the cache: its old ``_cache``, whose bins the caller takes with
+        ``_take_bin`` (the sharing records stay in ``_shares``: see _hotpath.pyx)."""
+        fresh: dict = {}  # made first: a collection may run here
+        old = self._cache  # from here to the end no call and no allocation (see _Bin)
+        self._cache = fresh
         self._last_bin, self._last_sptr, self._last_size = None, 0, 0
         return old
 
     def _take_cache(self) -> list[int]:
         """Empty the reuse cache without freeing: ``[ptr, ...]`` for the caller to free
         (an exported block only once no receiver maps it: see ``_hotpath.pyx``)."""
-        cache, shares = self._swap_cache()
         out = []
-        for b in cache.values():
-            for ptr, _stream in b.entries():
-                share = shares.pop(ptr, None) if shares else None
+        for b in self._swap_cache().values():
+            for ptr, _stream in _take_bin(self, b):
+                share = self._shares.pop(ptr, None) if self._shares else None
                 if share is not None and self._retire_shared(ptr, b.size, None, share):
                     continue
                 out.append(ptr)
@@ -374,12 +429,18 @@ class PoolCore:
                 hit = self._last_bin  # the .pyx's _bin, its first test inline
                 if hit is None or size != self._last_size or sptr != self._last_sptr:
                     hit = self._bin(sptr, size, False)
-                if hit is not None and hit.ptrs:
-                    dptr, stream = hit.ptrs.pop(), hit.streams.pop()  # and its stream object
+                # From the test of live to the pop no call and no allocation (see _Bin).
+                if hit is not None and hit.live and hit.items:
+                    self.cached_bytes -= size
+                    dptr, freer = hit.items.pop()  # and the stream object that freed it
                     if self._shares:  # an exported block comes back with its record
                         share = self._shares.pop(dptr, None)
-                    self.cached_bytes -= size
                     self.cache_misses = 0
+                    if _gc_is_finalized(freer):  # see _hotpath.pyx's _drop_stale
+                        self._drop_stale(dptr, size, share)
+                        dptr, share = 0, None
+                    else:
+                        stream = freer
                 else:
                     self._cache_missed()
             if not dptr:

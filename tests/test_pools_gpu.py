@@ -215,6 +215,106 @@ def test_reuse_cache_bins_interleaved_streams_and_sizes_keep_data(pool):
             s.synchronize()
 
 
+def test_reuse_cache_threads_allocating_while_another_flushes_keep_data(pool):
+    """Threads allocate, fill and check arrays of a few sizes on their own streams while
+    another thread flushes the reuse cache (trim without sync, as the 16-miss flush of a
+    third thread would): no block is live twice, every array reads back its pattern,
+    and cached_bytes ends as the flushes left it (0 after a last flush)."""
+    import sys
+    import threading
+
+    sizes = [1 << 12, (1 << 16) + 512, 1 << 20]
+    live: set[int] = set()
+    lock = threading.Lock()
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def worker(k: int) -> None:
+        s = cupy.cuda.Stream(non_blocking=True)
+        try:
+            with cpm.using(pool), s:
+                for i in range(300):
+                    n = sizes[(i + k) % 3]
+                    want = _pattern(n, 7 * i + k)
+                    x = cupy.asarray(want)
+                    with lock:
+                        if x.data.ptr in live:
+                            errors.append(f"{x.data.ptr:#x} live twice")
+                        live.add(x.data.ptr)
+                    y = x.copy()
+                    if not (y.get(stream=s) == want).all():
+                        errors.append(f"thread {k} step {i}: data")
+                    with lock:
+                        live.discard(x.data.ptr)
+                    del x, y
+                s.synchronize()
+        except Exception as e:  # reported below, not lost in the thread
+            errors.append(repr(e))
+
+    def flusher() -> None:
+        cupy.cuda.Device(pool.device_id).use()
+        cupy.cuda.runtime.free(0)  # the primary context current in this thread too
+        while not stop.is_set():
+            pool.flush_cache()
+            time.sleep(0)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        f = threading.Thread(target=flusher)
+        f.start()
+        ws = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+        for w in ws:
+            w.start()
+        for w in ws:
+            w.join(120)
+        stop.set()
+        f.join(60)
+    finally:
+        sys.setswitchinterval(old)
+    assert errors == []
+    cupy.cuda.runtime.deviceSynchronize()
+    pool.flush_cache()
+    st = pool.stats()
+    assert st.cached_bytes == 0 and st.used_bytes == 0 and st.n_allocs == st.n_frees
+    assert pool.n_free_errors == 0
+
+
+def test_reuse_cache_block_of_a_stream_destroyed_in_a_garbage_cycle_is_not_freed_on_it(pool):
+    """A finalizer in a garbage cycle frees an array into the reuse cache before the
+    cycle's cupy Stream is finalized (its CUDA stream destroyed; the cache resurrected
+    the object): the next allocation on another stream, the flush of trim() and the
+    pool's close never use that stream (a free on a destroyed stream crashed in the
+    driver); the block goes to the retirer.  Data of later arrays is intact."""
+
+    class Holder:
+        def __del__(self) -> None:
+            self.arr = None  # a close() in a finalizer
+
+    with cpm.using(pool):
+        for _ in range(3):
+            h = Holder()  # made first: its finalizer runs before the stream's
+            s = cupy.cuda.Stream(non_blocking=True)
+            with s:
+                h.arr = cupy.full(1 << 20, 7, dtype=cupy.uint8)
+            s.synchronize()
+            h.s, s.h = s, h
+            del h, s
+            gc.collect()
+        s2 = cupy.cuda.Stream(non_blocking=True)
+        with s2:
+            want = _pattern(1 << 20, 3)
+            x = cupy.asarray(want)
+            assert (x.get(stream=s2) == want).all()
+            del x
+        s2.synchronize()
+        pool.trim()
+        assert pool.stats().cached_bytes == 0
+        assert pool.n_free_errors == 0
+        y = cupy.full(1 << 20, 9, dtype=cupy.uint8)
+        assert int(y.sum()) == 9 << 20
+
+
 def test_reuse_cache_disabled_and_bounded():
     with cpm.DevicePool(reuse_cache=0) as p, cpm.using(p):
         a = cupy.empty(1000, dtype=cupy.uint8)

@@ -295,13 +295,14 @@ def test_flush_and_take_give_exported_blocks_to_their_exporter(world, monkeypatc
     assert retired == [(0x900000, KB, None, r1), (0x910000, KB, None, r2)]
 
 
-def test_a_failed_push_leaves_no_orphan_record(world, monkeypatch):
+def test_a_failed_push_leaves_no_orphan_record(world):
     p = world.pool()
 
-    def no_memory(self, ptr, stream):
-        raise MemoryError("no memory for the reuse cache")
+    class NoRoom(list):
+        def append(self, item):
+            raise MemoryError("no memory for the reuse cache")
 
-    monkeypatch.setattr(twin._Bin, "push", no_memory)
+    p._bin(S, KB, True).items = NoRoom()
     with pytest.raises(MemoryError):
         p._cache_shared(0x900000, KB, S, None, object())
     assert p._shares == {} and p.cached_bytes == 0
@@ -398,20 +399,22 @@ def test_the_compiled_allocation_path_uses_the_cache_as_the_twin_does():
     assert "stream = hit.take(&dptr)  # and the stream object that freed it" in pyx
     assert "self._bin(stream_ptr, size, True).push(ptr, stream)" in pyx
     assert "if hit is None or size != self._last_size or sptr != self._last_sptr:" in py
-    assert "dptr, stream = hit.ptrs.pop(), hit.streams.pop()" in py
+    assert "dptr, freer = hit.items.pop()" in py
     assert "if b is None or size != self._last_size or stream_ptr != self._last_sptr:" in py
     for src in (pyx, py):
         assert "share = self._shares.pop(dptr, None)" in src
         # _bin: the last bin first, then the dict; a new bin through setdefault.
-        assert "if b is not None and size == self._last_size and sptr == self._last_sptr:" in src
+        assert "if b is not None and size == self._last_size and sptr == self._last_sptr" in src
         assert "self._cache.setdefault(" in src
         assert "self._last_bin, self._last_sptr, self._last_size = b, sptr, size" in src
-        # Emptied in one place, which forgets the last bin.
+        # Emptied in one place, which forgets the last bin (the records stay).
         assert "self._last_bin, self._last_sptr, self._last_size = None, 0, 0" in src
         assert src.count("self._swap_cache()") == 2
+        assert "self._shares = {}" not in src[src.index(" _swap_cache(self)") :]
         # An exported block's record goes in before the block.
         shared = src[src.index("def _cache_shared") :]
-        assert shared.index("self._shares[ptr] = share") < shared.index(".push(ptr, stream)")
+        push = ".push(ptr, stream)" if src is pyx else ".items.append(item)"
+        assert shared.index("self._shares[ptr] = share") < shared.index(push)
     # The compiled bin never shrinks its list of streams, and clears a taken slot.
     take = pyx[pyx.index("    cdef object take(") : pyx.index("    def entries(")]
     assert "self.streams[self.n] = None" in take
