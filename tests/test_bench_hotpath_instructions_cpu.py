@@ -21,7 +21,9 @@ def _harness():
 
 def test_every_patch_applies_once_to_the_hot_path():
     h = _harness()
-    src = (ROOT / "cupy_poolmem" / "_hotpath.pyx").read_text()
+    import cupy_poolmem  # the .pyx beside the imported package (a wheel ships it too)
+
+    src = (Path(cupy_poolmem.__file__).parent / "_hotpath.pyx").read_text()
     out = h.patched(src)
     for name in ("alloc", "free", "ctxdev", "capturing", "stream"):
         assert f">hp_stub_{name}\n" in out
