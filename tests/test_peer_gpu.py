@@ -8,6 +8,7 @@ the rest of the run, so that case runs only in a child process.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 
 import numpy as np
@@ -278,23 +279,34 @@ def test_managed_pool_memory_is_used_from_the_other_gpu():
 
 
 # ---------------------------------------------------------------- child processes
-def test_without_a_grant_a_kernel_on_the_other_gpu_faults_and_check_access_says_so_first():
-    """What ``peer_access=None`` protects against, run where a fault cannot hurt."""
+@contextlib.contextmanager
+def _spawned(target):
+    """A spawned child running ``target(conn)``; yields ``recv(what)``, which waits up to
+    TIMEOUT for the child's next message.  The child is joined on exit."""
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
-    p = ctx.Process(target=W.kernel_without_grant, args=(b,))
+    p = ctx.Process(target=target, args=(b,))
     p.start()
     b.close()
+
+    def recv(what: str = "nothing"):
+        assert a.poll(TIMEOUT), f"the child sent {what}"
+        return a.recv()
+
     try:
-        assert a.poll(TIMEOUT), "the child sent nothing"
-        msg = a.recv()
-        assert msg == ("checked", "WrongDeviceError"), msg
-        assert a.poll(TIMEOUT), "the child sent no result"
-        tag, value = a.recv()
-        assert tag == "fault", (tag, value)  # "ran" would mean pool memory is mapped anyway
-        assert "cudaError" in value or "CUDA_ERROR" in value, value
+        yield recv
     finally:
         _join(p)
+
+
+def test_without_a_grant_a_kernel_on_the_other_gpu_faults_and_check_access_says_so_first():
+    """What ``peer_access=None`` protects against, run where a fault cannot hurt."""
+    with _spawned(W.kernel_without_grant) as recv:
+        msg = recv()
+        assert msg == ("checked", "WrongDeviceError"), msg
+        tag, value = recv("no result")
+        assert tag == "fault", (tag, value)  # "ran" would mean pool memory is mapped anyway
+        assert "cudaError" in value or "CUDA_ERROR" in value, value
 
 
 def test_received_array_is_used_from_a_second_gpu_in_the_receiver(restore_allocator):
@@ -339,16 +351,8 @@ def test_numba_handle_opened_on_the_second_gpu_gets_its_grant_once():
 def test_revoking_a_gpu_lets_its_queued_kernel_finish_reading_first():
     """``pool.peer_access = None`` while GPU 1 has a kernel queued that reads the pool's
     memory: the kernel reads with access (the right sum), and the grant is gone after."""
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    p = ctx.Process(target=W.revoke_while_a_kernel_will_read, args=(b,))
-    p.start()
-    b.close()
-    try:
-        assert a.poll(TIMEOUT), "the child sent nothing"
-        tag, value, peers = a.recv()
+    with _spawned(W.revoke_while_a_kernel_will_read) as recv:
+        tag, value, peers = recv()
         assert tag == "ok", value
         assert value == float(1 << 20)
         assert peers == ()
-    finally:
-        _join(p)
