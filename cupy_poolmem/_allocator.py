@@ -93,8 +93,9 @@ def set_allocator(**pool_options: Any) -> PoolAllocator:
     ----------
     **pool_options
         Passed to :class:`DevicePool` for each device (``max_size``,
-        ``release_threshold``, ``ipc``, ``peer_access``).  ``ipc`` defaults to ``True``
-        so arrays can be shared with other processes without a copy.
+        ``release_threshold``, ``ipc``, ``peer_access``, ``small_pool``).  ``ipc``
+        defaults to ``True`` so arrays can be shared with other processes without a
+        copy (an IPC pool is one CUDA pool: ``small_pool`` applies with ``ipc=False``).
         ``peer_access`` defaults to ``"all"``: each pool's memory is readable and
         writable from every GPU that can access its GPU, so code that uses an array
         from another GPU works as with CuPy's own pool; ``None`` keeps each pool's

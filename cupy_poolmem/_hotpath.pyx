@@ -119,7 +119,7 @@ KIND_MANAGED = 2
 cdef int _KIND_PINNED = 1  # the C twin of KIND_PINNED (no module lookup and compare)
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 10
+VERSION = 11
 
 # Allocations in a row that a non-empty reuse cache cannot serve before it is flushed.
 FLUSH_AFTER_MISSES = 16
@@ -346,6 +346,8 @@ cdef class PoolCore:
     exported block to its record (empty unless something was shared).
     """
     cdef CUmemoryPool _pool
+    cdef CUmemoryPool _small         # the small-block pool (``_pool`` when there is none)
+    cdef readonly size_t small_max   # blocks up to this size come from ``_small`` (0: none)
     cdef readonly int device_id
     cdef readonly int kind
     cdef readonly bint closed
@@ -378,10 +380,17 @@ cdef class PoolCore:
 
     def _attach(self, uintptr_t pool_handle, int device_id, int kind):
         self._pool = <CUmemoryPool>pool_handle
+        self._small = self._pool
+        self.small_max = 0
         self.device_id = device_id
         self.kind = kind
         self._cache = {}
         self._shares = {}
+
+    def _attach_small(self, uintptr_t pool_handle, size_t small_max):
+        """Blocks of 1 to ``small_max`` bytes come from the CUDA pool ``pool_handle``."""
+        self._small = <CUmemoryPool>pool_handle
+        self.small_max = small_max
 
     def _mark_closed(self):
         self.closed = True
@@ -450,7 +459,8 @@ cdef class PoolCore:
                 if self.n_capture_held:
                     self._drain_capture_held()
                 if self._pool != NULL:
-                    err = cuMemAllocFromPoolAsync(&dptr, size, self._pool, <CUstream>sptr)
+                    err = cuMemAllocFromPoolAsync(&dptr, size, self._small if size <= self.small_max
+                                                  else self._pool, <CUstream>sptr)
                     if err != 0:
                         dptr = self._alloc_failed(int(err), size, stream)
                 else:
@@ -626,7 +636,8 @@ cdef class PoolCore:
         cdef CUresult err
         if self._pool == NULL:
             return self._backend_try(size, stream_ptr)
-        err = cuMemAllocFromPoolAsync(&dptr, size, self._pool, <CUstream>stream_ptr)
+        err = cuMemAllocFromPoolAsync(&dptr, size, self._small if size <= self.small_max
+                                      else self._pool, <CUstream>stream_ptr)
         return int(err), int(dptr)
 
     cdef _free(self, uintptr_t ptr, uintptr_t stream_ptr, object stream):

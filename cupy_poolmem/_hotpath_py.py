@@ -28,7 +28,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 10
+VERSION = 11
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
@@ -221,6 +221,8 @@ class PoolCore:
         pass
 
     _pool: Any = None
+    _small: Any = None  # the small-block pool (``_pool`` when there is none)
+    small_max = 0  # blocks up to this size come from ``_small`` (0: none)
     device_id = -1
     kind = KIND_DEVICE
     closed = False
@@ -249,10 +251,17 @@ class PoolCore:
 
     def _attach(self, pool_handle: int, device_id: int, kind: int) -> None:
         self._pool = _drv.CUmemoryPool(pool_handle) if pool_handle else None
+        self._small = self._pool
+        self.small_max = 0
         self.device_id = device_id
         self.kind = kind
         self._cache: dict[tuple[int, int], _Bin] = {}
         self._shares: dict[int, Any] = {}
+
+    def _attach_small(self, pool_handle: int, small_max: int) -> None:
+        """Blocks of 1 to ``small_max`` bytes come from the CUDA pool ``pool_handle``."""
+        self._small = _drv.CUmemoryPool(pool_handle)
+        self.small_max = small_max
 
     def _mark_closed(self) -> None:
         self.closed = True
@@ -447,7 +456,9 @@ class PoolCore:
                 if self.n_capture_held:
                     self._drain_capture_held()
                 if self._pool is not None:
-                    err, p = _alloc(size, self._pool, sptr)
+                    err, p = _alloc(
+                        size, self._small if size <= self.small_max else self._pool, sptr
+                    )
                     dptr = int(p) if not err else self._alloc_failed(int(err), size, stream)
                 else:
                     dptr = self._backend_alloc(size, stream)
@@ -477,7 +488,7 @@ class PoolCore:
         """One raw attempt: returns ``(CUresult, ptr)``; used by the slow paths."""
         if self._pool is None:
             return self._backend_try(size, stream_ptr)
-        err, p = _alloc(size, self._pool, stream_ptr)
+        err, p = _alloc(size, self._small if size <= self.small_max else self._pool, stream_ptr)
         return int(err), (int(p) if not err else 0)
 
     def _free_now(self, ptr: int, stream_ptr: int, stream: Any = None) -> None:

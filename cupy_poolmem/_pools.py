@@ -71,6 +71,9 @@ __all__ = [
 
 _UINT64_MAX = 2**64 - 1
 _CACHE_MAX_BLOCK = 64 << 20  # blocks above this size always go back to the CUDA pool
+#: DevicePool(small_pool="auto"): blocks up to this size come from a CUDA pool of their
+#: own, when the pool has no IPC and no max_size (see DevicePool's Notes).
+SMALL_POOL_AUTO = 8 << 20
 _CUDA_ERROR_OUT_OF_MEMORY = 2
 _CUDA_ERROR_NOT_SUPPORTED = 801
 _A = _drv.CUmemPool_attribute
@@ -182,13 +185,19 @@ class Pool(_hp.PoolCore):
         release_threshold: int | str | None,
         max_size: int,
         reuse_cache: int = 0,
+        small: tuple[Any, int] | None = None,
     ) -> None:
         self._mr = mr
+        # Every CUDA pool of this pool: ``mr``, then the small-block pool if any
+        # (``small``: its resource and the largest block it serves).
+        self._mrs = tuple(m for m in (mr, small and small[0]) if m is not None)
         # The retirer owns the CUDA pool (or ManagedPool's "managed" backend) from now
         # on: it is destroyed only after its frees are done and seen (see _retire.py),
         # never by this object going away.  The token is a C field of the hot path's
         # PoolCore: it outlives a garbage collector's clearing of this __dict__.
         owner = mr if mr is not None else self._backend
+        if len(self._mrs) > 1:
+            owner = _Resources(self._mrs)
         self._retire_token = _retire.retirer().adopt(owner) if owner is not None else 0
         self._max_size = max_size
         # Reentrant: a garbage collection can start under it (a tuple, a list), and a
@@ -206,6 +215,8 @@ class Pool(_hp.PoolCore):
         self._capture_held: list[tuple] = []  # frees waiting for a capture to end
         self._alloc_call = "cuMemAllocFromPoolAsync"
         self._attach(int(mr.handle) if mr is not None else 0, device, kind)
+        if small is not None:
+            self._attach_small(int(small[0].handle), small[1])
         self.soft_limit = max_size  # enforced in the hot path too (host pools ignore maxSize)
         self.cache_limit = reuse_cache
         self.cache_max_block = min(reuse_cache, _CACHE_MAX_BLOCK)
@@ -492,7 +503,8 @@ class Pool(_hp.PoolCore):
         synchronisation, which makes later allocations slow.
         """
         v = _UINT64_MAX if value is None else parse_bytes(value, name="release_threshold")
-        _set_attr(self._mr, _A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, v)
+        for mr in self._mrs:
+            _set_attr(mr, _A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, v)
         self._release_threshold = v
 
     def stats(self) -> PoolStats:
@@ -524,14 +536,21 @@ class Pool(_hp.PoolCore):
         )
 
     def _reserved(self) -> tuple[int, int]:
-        a = self._mr.attributes
-        return int(a.reserved_mem_current), int(a.reserved_mem_high)
+        """Reserved bytes now and at the high-water mark, summed over the CUDA pools
+        (with a small-block pool, the sum of both peaks: an upper bound of the peak)."""
+        now = high = 0
+        for mr in self._mrs:
+            a = mr.attributes
+            now += int(a.reserved_mem_current)
+            high += int(a.reserved_mem_high)
+        return now, high
 
     def reset_peak(self) -> None:
         """Reset the peak used/reserved counters to the current values."""
         self.peak_live_bytes = self.live_bytes
-        _set_attr(self._mr, _A.CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
-        _set_attr(self._mr, _A.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)
+        for mr in self._mrs:
+            _set_attr(mr, _A.CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
+            _set_attr(mr, _A.CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, 0)
 
     def trim(self, keep: int | str = 0, *, sync: bool = True) -> int:
         """Release unused reserved memory back to the system, keeping at least ``keep`` bytes.
@@ -552,9 +571,12 @@ class Pool(_hp.PoolCore):
             self._drain_capture_held()
         if sync:
             self._synchronize()
-        before = int(self._mr.attributes.reserved_mem_current)
-        check_driver(_drv.cuMemPoolTrimTo(_pool_handle(self._mr), keep_b), "cuMemPoolTrimTo")
-        return max(0, before - int(self._mr.attributes.reserved_mem_current))
+        before, _ = self._reserved()
+        for mr in self._mrs:  # ``keep`` counts all of them together
+            others = sum(int(m.attributes.reserved_mem_current) for m in self._mrs if m is not mr)
+            keep_here = max(0, keep_b - others)
+            check_driver(_drv.cuMemPoolTrimTo(_pool_handle(mr), keep_here), "cuMemPoolTrimTo")
+        return max(0, before - self._reserved()[0])
 
     def outstanding(self, limit: int = 20) -> list:
         """Live allocations of this pool, biggest first (call sites when tracking is on).
@@ -707,9 +729,30 @@ class Pool(_hp.PoolCore):
 
     def _safe_used(self) -> int:
         try:
-            return int(self._mr.attributes.used_mem_current)
+            return sum(int(mr.attributes.used_mem_current) for mr in self._mrs)
         except Exception:
             return 0
+
+    def _owns_handle(self, handle: int) -> bool:
+        """Whether the CUDA pool ``handle`` is one of this pool's."""
+        return any(int(mr.handle) == handle for mr in getattr(self, "_mrs", ()))
+
+
+class _Resources:
+    """The retirer's resource for a pool made of several CUDA pools: closed together."""
+
+    def __init__(self, mrs: tuple[Any, ...]) -> None:
+        self.mrs = mrs
+
+    def close(self) -> None:
+        errors = []
+        for mr in self.mrs:
+            try:
+                mr.close()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
 
 class DevicePool(Pool):
@@ -737,6 +780,14 @@ class DevicePool(Pool):
         and after 16 allocations in a row it could not serve (sizes or streams no
         longer asked for go back to the CUDA pool, where any size reuses the memory).
         Default ``"1GiB"``; ``0`` disables it.
+    small_pool : "auto", int, str or None
+        Blocks up to this size (bytes or a string such as ``"8MiB"``) come from a
+        second CUDA pool, so small blocks do not pin the 32 MiB chunks in which the
+        driver maps a pool's memory, chunks that large blocks could use again (see
+        Notes).  ``"auto"`` (default): ``8MiB`` when the pool has no ``ipc`` and no
+        ``max_size``, else one CUDA pool.  ``None`` (or ``0``): one CUDA pool.  An
+        explicit size with ``ipc=True`` or ``max_size`` raises
+        :class:`~cupy_poolmem.InvalidOptionError`.
     peer_access : "all", None or list of int
         Other GPUs that may read and write this pool's memory (kernels and copies
         there).  ``"all"`` (default): every GPU that ``cudaDeviceCanAccessPeer`` allows,
@@ -764,6 +815,17 @@ class DevicePool(Pool):
     device-pool guide).  Calling ``malloc`` while another device is current raises
     :class:`~cupy_poolmem.WrongDeviceError`.
 
+    A CUDA pool maps memory in 32 MiB chunks and gives a chunk back (:meth:`~Pool.trim`)
+    only when no block is left in it, so a few small blocks scattered over chunks keep
+    them reserved while large blocks need new ones.  With a small-block pool
+    (``small_pool``) the small blocks share a few chunks of their own: on the churn
+    benchmark's traces the reserved peak fell from 0.95-1.16x CuPy's ``MemoryPool`` to
+    0.78-0.92x, at the same speed.  Memory freed in one of the two CUDA pools is used by
+    the other after :meth:`~Pool.trim` or an out-of-memory retry (which trims both).
+    :attr:`small_pool` gives the size in use, ``stats().peak_reserved_bytes`` the sum of
+    both pools' peaks.  IPC pools keep one CUDA pool: sharing exports one pool per
+    ``DevicePool``.
+
     Pool memory is mapped only on the GPUs the pool grants (``cuMemPoolSetAccess``);
     ``cudaDeviceEnablePeerAccess``, which CuPy calls, does not cover it.  A kernel on
     a GPU without a grant fails with ``cudaErrorIllegalAddress``;
@@ -790,6 +852,7 @@ class DevicePool(Pool):
         reuse_cache: int | str = "1GiB",
         peer_access: Any = "all",
         guard: Any = None,
+        small_pool: int | str | None = "auto",
     ) -> None:
         dev = check_device(device)
         ipc = _check_bool(ipc, "ipc")
@@ -805,11 +868,23 @@ class DevicePool(Pool):
                     f"than device {dev} has ({format_bytes(total)})"
                 )
             parse_bytes(release_threshold, name="release_threshold", allow_none=True)
+            small_max = _small_pool_size(small_pool, ipc, max_b)
+            mrs = []
             try:
-                mr = cc.DeviceMemoryResource(
-                    dev, cc.DeviceMemoryResourceOptions(ipc_enabled=ipc, max_size=max_b)
+                mrs.append(
+                    cc.DeviceMemoryResource(
+                        dev, cc.DeviceMemoryResourceOptions(ipc_enabled=ipc, max_size=max_b)
+                    )
                 )
+                if small_max:
+                    mrs.append(
+                        cc.DeviceMemoryResource(
+                            dev, cc.DeviceMemoryResourceOptions(ipc_enabled=False)
+                        )
+                    )
             except Exception as exc:
+                for m in mrs:
+                    m.close()
                 raise _wrap(exc, "creating a device pool") from exc
             self._peers_set = False
             if peers or device_count() > 1:
@@ -818,13 +893,16 @@ class DevicePool(Pool):
                 # cuda.core compares with what *it* granted (nothing, for a new pool),
                 # so stale grants are revoked here, by the driver call itself.
                 try:
-                    _revoke_stale(mr, dev)
-                    self._peers_set = _set_peers(mr, dev, peers)
+                    for m in mrs:
+                        _revoke_stale(m, dev)
+                        self._peers_set = _set_peers(m, dev, peers) or self._peers_set
                 except BaseException:
-                    mr.close()
+                    for m in mrs:
+                        m.close()
                     raise
             self.ipc = ipc
-            self._setup(mr, dev, _hp.KIND_DEVICE, release_threshold, max_b, cache)
+            small = (mrs[1], small_max) if small_max else None
+            self._setup(mrs[0], dev, _hp.KIND_DEVICE, release_threshold, max_b, cache, small)
             self._capacity = int(total)
             if guard_options is not None:
                 try:
@@ -832,6 +910,17 @@ class DevicePool(Pool):
                 except BaseException:
                     self.close()
                     raise
+
+    @property
+    def small_pool(self) -> int:
+        """The largest block the small-block pool serves, in bytes (``0``: none).
+
+        Examples
+        --------
+        >>> cupy_poolmem.DevicePool(small_pool="1MiB").small_pool  # doctest: +SKIP
+        1048576
+        """
+        return int(self.small_max)
 
     @property
     def peer_access(self) -> tuple[int, ...]:
@@ -869,7 +958,9 @@ class DevicePool(Pool):
                 sync_device(dev)
             except Exception as exc:
                 raise _wrap(exc, f"waiting for GPU {dev} before revoking its access") from exc
-        granted = _set_peers(self._mr, self.device_id, peers)
+        granted = False
+        for mr in self._mrs:
+            granted = _set_peers(mr, self.device_id, peers) or granted
         self._peers_set = granted or getattr(self, "_peers_set", False)
 
     def _retire_now(self, leftovers: Any = ()) -> None:
@@ -877,9 +968,38 @@ class DevicePool(Pool):
             # Revoke before the pool is destroyed: the driver may hand its handle to the
             # next pool created with the grants still set (nvbug 5698116), which
             # cuda.core 1.2 does not undo (a new pool revokes stale grants too).
-            with contextlib.suppress(Exception):
-                self._mr.peer_accessible_by = ()
+            for mr in self._mrs:
+                with contextlib.suppress(Exception):
+                    mr.peer_accessible_by = ()
         super()._retire_now(leftovers)
+
+
+def _small_pool_size(value: Any, ipc: bool, max_size: int) -> int:
+    """Bytes of the largest block a DevicePool's small-block pool serves (0: none).
+
+    Examples
+    --------
+    >>> _small_pool_size("auto", ipc=False, max_size=0) == SMALL_POOL_AUTO
+    True
+    >>> _small_pool_size("auto", ipc=True, max_size=0), _small_pool_size(None, False, 0)
+    (0, 0)
+    >>> _small_pool_size("1MiB", ipc=False, max_size=0)
+    1048576
+    """
+    if isinstance(value, str) and value == "auto":
+        return 0 if ipc or max_size else SMALL_POOL_AUTO
+    size = parse_bytes(value, name="small_pool", allow_none=True) or 0
+    if size and (ipc or max_size):
+        why = (
+            "ipc=True (sharing exports one CUDA pool per DevicePool)"
+            if ipc
+            else (f"max_size={format_bytes(max_size)} (a second CUDA pool could exceed the cap)")
+        )
+        raise InvalidOptionError(
+            f"small_pool={value!r} cannot be used with {why}; pass small_pool=None or "
+            "'auto' (which uses one CUDA pool there)"
+        )
+    return size
 
 
 def _granted_peers(mr: Any) -> tuple[int, ...]:

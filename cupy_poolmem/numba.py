@@ -302,7 +302,7 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         pool_handle = _pointer_pool(base)
         if pool_handle == 0:
             return GetIpcHandleMixin.get_ipc_handle(self, memory)
-        pool = next((p for p in all_pools() if p.handle == pool_handle and not p.closed), None)
+        pool = next((p for p in all_pools() if p._owns_handle(pool_handle) and not p.closed), None)
         if pool is None:
             raise SharingError(
                 f"cannot export pointer 0x{base:x}: it comes from a CUDA memory pool that "

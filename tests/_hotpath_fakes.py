@@ -78,6 +78,7 @@ class World:
         self.current = cupy.cuda.ExternalStream(0x5000, 0)
         self.graph_errors: list[int] = []  # CUresults the next graph allocations return
         self.queried: list[int] = []
+        self.alloc_pools: list[int] = []  # the CUDA pool handle of each _alloc, in order
         mp = monkeypatch
         mp.setattr(twin, "_ctx_device", lambda: (0, 0))
         mp.setattr(twin, "_get_current_stream", lambda: self.current)
@@ -103,6 +104,7 @@ class World:
     def _alloc(self, size: int, pool: Any, sptr: int) -> tuple[int, int]:
         p = next(self.ptrs)
         self.log.append(("alloc", p, size, sptr))
+        self.alloc_pools.append(int(pool))
         return 0, p
 
     def _free(self, ptr: int, sptr: int) -> tuple[int]:
@@ -124,23 +126,29 @@ class World:
         kind: int = 0,
         reuse_cache: int = 1 << 20,
         cuda_pool: bool = True,
+        small: int = 0,
         **attrs: Any,
     ):
         """A pool of the twin module without a CUDA pool behind it (``cuda_pool=False``:
-        none at all, as ManagedPool's "managed" backend, given as ``_backend=``)."""
+        none at all, as ManagedPool's "managed" backend, given as ``_backend=``).
+        ``small``: the largest block of a small-block pool (handle ``0xDEF``), if any."""
         cls = cls or self.tp.DevicePool
         p = cls.__new__(cls)
         for k, v in attrs.items():
             setattr(p, k, v)
-        mr = SimpleNamespace(
-            handle=0xABC,
-            attributes=SimpleNamespace(
-                reserved_mem_current=0, reserved_mem_high=0, used_mem_current=0
-            ),
-            close=lambda: None,
-        )
-        if not cuda_pool:
-            mr = None
-        p._setup(mr, 0 if kind != twin.KIND_PINNED else -1, kind, None, 0, reuse_cache)
+
+        def fake_mr(handle: int) -> Any:
+            return SimpleNamespace(
+                handle=handle,
+                attributes=SimpleNamespace(
+                    reserved_mem_current=0, reserved_mem_high=0, used_mem_current=0
+                ),
+                close=lambda: None,
+            )
+
+        mr = fake_mr(0xABC) if cuda_pool else None
+        second = (fake_mr(0xDEF), small) if small else None
+        dev = 0 if kind != twin.KIND_PINNED else -1
+        p._setup(mr, dev, kind, None, 0, reuse_cache, second)
         p._synchronize = lambda: self.log.append(("sync",))
         return p

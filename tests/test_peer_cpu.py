@@ -144,13 +144,17 @@ class FakeMR:
         self.events.append(("close",))
 
 
-def _fake_pool(device: int = 0, mr: FakeMR | None = None) -> cpm.DevicePool:
+def _fake_pool(
+    device: int = 0, mr: FakeMR | None = None, small: FakeMR | None = None
+) -> cpm.DevicePool:
     from cupy_poolmem import _retire
 
     pool = cpm.DevicePool.__new__(cpm.DevicePool)
     pool._attach(0x1000, device, _pools._hp.KIND_DEVICE)
     pool._mr = mr or FakeMR()
-    pool._retire_token = _retire.retirer().adopt(pool._mr)
+    pool._mrs = (pool._mr,) if small is None else (pool._mr, small)
+    resource = pool._mr if small is None else _pools._Resources(pool._mrs)
+    pool._retire_token = _retire.retirer().adopt(resource)
     return pool
 
 
@@ -234,6 +238,21 @@ def test_drained_pool_revokes_its_grants_before_closing(four_gpus, fake_retirer)
     assert fake_retirer.drain()
     assert pool._mr.events == [("set", (1,)), ("set", ()), ("close",)]
     assert other._mr.events == [("close",)]
+
+
+def test_a_small_block_pool_gets_the_same_grants_and_goes_with_the_pool(four_gpus, fake_retirer):
+    small = FakeMR()
+    pool = _fake_pool(0, small=small)
+    pool.peer_access = "all"
+    assert pool._mr.peers == small.peers == (1,)  # memory of both pools is mapped there
+    pool.peer_access = None
+    assert small.events == [("set", (1,)), ("set", ())]
+    pool.peer_access = [1]
+    pool._close_done = True
+    pool._drained()
+    assert fake_retirer.drain()
+    for mr in (pool._mr, small):  # both revoked before the retirer closed them
+        assert mr.events[-2:] == [("set", ()), ("close",)], mr.events
 
 
 def test_device_pool_checks_peer_access_before_creating_a_pool(monkeypatch, four_gpus):

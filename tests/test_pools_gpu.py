@@ -58,15 +58,68 @@ def test_device_pool_many_sizes_hold_data(pool, size):
             assert pool.stats().used_bytes >= size
 
 
-def test_pointer_is_from_this_pool(pool):
+def _pool_of(ptr: int) -> int:
     from cuda.bindings import driver
 
-    with cpm.using(pool):
-        x = cupy.ones(1000)
     err, handle = driver.cuPointerGetAttribute(
-        driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, x.data.ptr
+        driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr
     )
-    assert int(err) == 0 and int(handle) == pool.handle
+    assert int(err) == 0
+    return int(handle)
+
+
+def test_pointer_is_from_this_pool():
+    with cpm.DevicePool(small_pool=None) as p, cpm.using(p):
+        x = cupy.ones(1000)
+        assert _pool_of(x.data.ptr) == p.handle and p.small_pool == 0
+        del x
+
+
+@pytest.mark.parametrize("impl_size", [1 << 20, 8 << 20])
+def test_small_blocks_come_from_a_pool_of_their_own_and_keep_data(impl_size):
+    """Blocks up to ``small_pool`` bytes in the second CUDA pool, larger ones in the
+    first (``pool.handle``); both hold data, count in the statistics and are trimmed."""
+    with cpm.DevicePool(small_pool=impl_size, reuse_cache=0) as p, cpm.using(p):
+        small_h = int(p._mrs[1].handle)
+        assert p.small_pool == impl_size and small_h != p.handle
+        sizes = [1, 4096, impl_size - 1, impl_size, impl_size + 1, 3 * impl_size]
+        arrays = [cupy.asarray(_pattern(n, n % 97)) for n in sizes]
+        for n, a in zip(sizes, arrays):
+            assert _pool_of(a.data.ptr) == (small_h if n <= impl_size else p.handle), n
+        for n, a in zip(sizes, arrays):
+            assert (a.get() == _pattern(n, n % 97)).all(), n
+        st = p.stats()
+        assert st.used_bytes == sum(sizes)
+        assert st.reserved_bytes >= 2 * (32 << 20)  # a chunk in each CUDA pool at least
+        del arrays, a
+        cupy.cuda.runtime.deviceSynchronize()
+        assert p.trim() >= 2 * (32 << 20) and p.stats().reserved_bytes == 0
+
+
+def test_small_blocks_left_behind_pin_one_chunk_of_their_own():
+    """Large and small blocks interleaved, the large ones freed: the small survivors
+    keep one 32 MiB chunk of the small-block pool reserved, not the large blocks'."""
+    with cpm.DevicePool(reuse_cache=0) as p, cpm.using(p):
+        pairs = [
+            (cupy.empty(24 << 20, cupy.uint8), cupy.full(256, i, cupy.int32)) for i in range(16)
+        ]
+        large = [a for a, _ in pairs]
+        small = [b for _, b in pairs]
+        del pairs
+        assert p.stats().reserved_bytes >= 16 * (24 << 20)
+        del large
+        cupy.cuda.runtime.deviceSynchronize()
+        p.trim()
+        assert p.stats().reserved_bytes == 32 << 20  # the small pool's one chunk
+        assert [int(b[0]) for b in small] == list(range(16))
+
+
+def test_small_pool_defaults():
+    with cpm.DevicePool() as plain, cpm.DevicePool(ipc=True) as shared:
+        assert plain.small_pool == 8 << 20 and len(plain._mrs) == 2
+        assert shared.small_pool == 0 and len(shared._mrs) == 1
+    with cpm.DevicePool(max_size="1GiB") as capped:
+        assert capped.small_pool == 0
 
 
 def test_size_zero_allocation(pool):

@@ -14,7 +14,10 @@ and RMM's pool keep none, so for them a second replay, untimed, samples what the
 after every step.
 
 Goal (cupy_poolmem's default DevicePool): a reserved peak at most 0.8x MemoryPool's,
-at equal speed (at most 1.05x its time per step).
+at equal speed (at most 1.05x its time per step).  The default DevicePool takes blocks
+up to 8 MiB from a CUDA pool of their own (``small_pool``); the ``small_pool=None`` row
+is the same pool with one CUDA pool.  Its peak is the sum of both CUDA pools' peaks (an
+upper bound of the peak of their sum).
 
 A second table replays the trace straight on CUDA pools with the levers a pool built
 on them has (a second pool for small blocks, trims after frees; see
@@ -169,11 +172,12 @@ def measure(steps: list[tuple[int, list[int]]]) -> list[tuple[str, float, int]]:
     except Exception as exc:
         print(f"(rmm not measured: {type(exc).__name__}: {exc})")
 
-    for label, cache in (
-        ("cupy_poolmem DevicePool (default)", "1GiB"),
-        ("cupy_poolmem DevicePool reuse_cache=0", 0),
+    for label, opts in (
+        ("cupy_poolmem DevicePool (default)", {}),
+        ("cupy_poolmem DevicePool small_pool=None", {"small_pool": None}),
+        ("cupy_poolmem DevicePool reuse_cache=0", {"reuse_cache": 0}),
     ):
-        pool = cupy_poolmem.DevicePool(reuse_cache=cache)
+        pool = cupy_poolmem.DevicePool(**opts)
         pool.reset_peak()
         with cupy.cuda.using_allocator(pool.malloc):
             dt = replay(steps, _cupy_make)
