@@ -25,6 +25,8 @@ MODULES = {
     "cupy_poolmem.benchmarks.churn": 6,
     "cupy_poolmem.benchmarks._churn_variants": 5,
     "cupy_poolmem.benchmarks.pinned_bandwidth": 1,
+    "cupy_poolmem.benchmarks._paired": 12,
+    "cupy_poolmem.benchmarks.alloc": 3,
 }
 
 
