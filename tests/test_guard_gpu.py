@@ -417,7 +417,6 @@ def _closed_during_a_capture() -> dict:
     r._free = free
     n = 1 << 20
     guarded = cpm.DevicePool(guard=cpm.GuardOptions(quarantine_blocks=64))
-    mr = guarded.memory_resource
     with cpm.using(guarded):
         xs = [cupy.full(n, i, dtype=cupy.int32) for i in range(4)]
         values = [int(x[-1]) for x in xs]
@@ -435,7 +434,7 @@ def _closed_during_a_capture() -> dict:
         b = a + 1  # graph memory of the plain pool: the pools know a capture is under way
         guarded.close()  # a check would synchronise: the quarantine goes to the retirer
         stats = guarded.guard.stats()
-        used_during = int(mr.attributes.used_mem_current)  # still allocated, not freed
+        used_during = guarded._safe_used()  # still allocated, not freed (both CUDA pools)
         pending_during = r.pending
         freed_during = list(freed)
         graph = s.end_capture()
