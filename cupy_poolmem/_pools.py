@@ -190,7 +190,7 @@ class Pool(_hp.PoolCore):
         self._mr = mr
         # Every CUDA pool of this pool: ``mr``, then the small-block pool if any
         # (``small``: its resource and the largest block it serves).
-        self._mrs = tuple(m for m in (mr, small and small[0]) if m is not None)
+        self._mrs = tuple(m for m in (mr, small[0] if small else None) if m is not None)
         # The retirer owns the CUDA pool (or ManagedPool's "managed" backend) from now
         # on: it is destroyed only after its frees are done and seen (see _retire.py),
         # never by this object going away.  The token is a C field of the hot path's

@@ -1,6 +1,9 @@
-"""Shared test set-up: GPU tests skip, with a reason, where there is no GPU."""
+"""Shared test set-up: GPU tests skip, with a reason, where there is no GPU; fixtures of
+the fake driver (``tp``, ``twin_world``) and of the pool retirer (``fake_retirer``)."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 
@@ -56,3 +59,27 @@ def fake_retirer():
     old, _retire._OWNER[0] = _retire._OWNER[0], r
     yield r
     _retire._OWNER[0] = old
+
+
+@pytest.fixture(scope="module")
+def tp():
+    """``cupy_poolmem._pools`` loaded again over the pure-Python hot path (one per module)."""
+    from _hotpath_fakes import twin_pools
+
+    return twin_pools()
+
+
+@pytest.fixture
+def twin_world(monkeypatch, tp):
+    """tests/_hotpath_fakes.World playing the driver for the twin pools ``tp``; streams'
+    waits do nothing.  Garbage is collected before the fakes are undone (a fake block
+    must never reach the real driver).  A test that also wants ``fake_retirer`` asks for
+    it *before* this fixture, so the collection runs while the fake retirer is in place."""
+    from _hotpath_fakes import World
+
+    from cupy_poolmem import _hotpath_py, _pools, _streams
+
+    monkeypatch.setattr(_pools, "_hp", _hotpath_py)
+    monkeypatch.setattr(_streams, "wait_streams", lambda *a: None)
+    yield World(monkeypatch, tp)
+    gc.collect()

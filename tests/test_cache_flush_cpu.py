@@ -4,13 +4,10 @@ CUDA pool (where any size can reuse the memory), against the fake driver."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
-from _hotpath_fakes import World, twin_pools
 
 from cupy_poolmem import _hotpath_py as twin
-from cupy_poolmem import _pools, _streams
+from cupy_poolmem import _pools
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
@@ -18,17 +15,9 @@ KB = 4096
 N = twin.FLUSH_AFTER_MISSES
 
 
-@pytest.fixture(scope="module")
-def tp():
-    return twin_pools()
-
-
 @pytest.fixture
-def world(monkeypatch, tp):
-    monkeypatch.setattr(_pools, "_hp", twin)
-    monkeypatch.setattr(_streams, "wait_streams", lambda *a: None)
-    yield World(monkeypatch, tp)
-    gc.collect()
+def world(twin_world):
+    return twin_world
 
 
 def _frees(world):

@@ -18,10 +18,8 @@ from pathlib import Path
 
 import cupy
 import pytest
-from _hotpath_fakes import World, twin_pools
 
 from cupy_poolmem import _hotpath_py as twin
-from cupy_poolmem import _pools, _streams
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
@@ -160,17 +158,9 @@ def test_a_flush_whose_free_raises_still_frees_the_rest_then_raises(impl):
 
 
 # ---------------------------------------------------------------- another thread's flush
-@pytest.fixture(scope="module")
-def tp():
-    return twin_pools()
-
-
 @pytest.fixture
-def world(monkeypatch, tp):
-    monkeypatch.setattr(_pools, "_hp", twin)
-    monkeypatch.setattr(_streams, "wait_streams", lambda *a: None)
-    yield World(monkeypatch, tp)
-    gc.collect()
+def world(twin_world):
+    return twin_world
 
 
 def _frees(world):

@@ -18,10 +18,9 @@ import cupy
 import numpy as np
 import pytest
 from _guard_fakes import FakeOps, Heap
-from _hotpath_fakes import World, twin_pools
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _guard, _pools, _streams, report, stats
+from cupy_poolmem import _guard, _pools, report, stats
 from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem._guard import GuardOptions
 
@@ -41,24 +40,17 @@ def _line(marker: str) -> int:
     return hits[0]
 
 
-@pytest.fixture(scope="module")
-def tp():
-    return twin_pools()
-
-
 @pytest.fixture
-def world(monkeypatch, tp, fake_retirer):
-    monkeypatch.setattr(_pools, "_hp", twin)  # record_stream and check look blocks up there
-    monkeypatch.setattr(_streams, "wait_streams", lambda *a: None)
-    w = World(monkeypatch, tp)
+def world(monkeypatch, fake_retirer, twin_world):
+    # (the twin pools' hot path: record_stream and check look blocks up there)
+    w = twin_world
     Heap(w, monkeypatch)
     # Pools of these tests retire into a fake retirer: their pretend pointers (leftovers)
     # must never reach the real driver.
     w.retirer = fake_retirer
     fake_retirer._sync = lambda dev: w.log.append(("sync", dev))
     fake_retirer._free = lambda ptr, dev: w.log.append(("legacy_free", ptr, dev))
-    yield w
-    gc.collect()
+    return w
 
 
 def _guarded(world, **opts):

@@ -13,9 +13,8 @@ import threading
 import cupy
 import pytest
 from _guard_fakes import FakeOps
-from _hotpath_fakes import World, twin_pools
 
-from cupy_poolmem import _guard, _pools, _streams
+from cupy_poolmem import _guard, _streams
 from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem._guard import GuardOptions
 
@@ -28,14 +27,8 @@ KB = 4096
 S = 0x5000
 
 
-@pytest.fixture(scope="module")
-def tp():
-    return twin_pools()
-
-
 @pytest.fixture
-def world(monkeypatch, tp, fake_retirer):
-    monkeypatch.setattr(_pools, "_hp", twin)
+def world(monkeypatch, fake_retirer, twin_world):
     waits: list = []
     monkeypatch.setattr(
         _streams,
@@ -44,13 +37,12 @@ def world(monkeypatch, tp, fake_retirer):
             (target, [(e[0], gc.is_finalized(e[2])) for e in sources])
         ),
     )
-    w = World(monkeypatch, tp)
+    w = twin_world
     w.waits = waits
     w.retirer = fake_retirer
     fake_retirer._sync = lambda dev: w.log.append(("sync", dev))
     fake_retirer._free = lambda ptr, dev: w.log.append(("legacy_free", ptr, dev))
-    yield w
-    gc.collect()
+    return w
 
 
 def _closing(world, p):

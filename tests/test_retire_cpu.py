@@ -23,7 +23,6 @@ from types import SimpleNamespace
 
 import cupy
 import pytest
-from _hotpath_fakes import World, twin_pools
 
 from cupy_poolmem import _errors, _pools, _retire, _streams
 from cupy_poolmem import _hotpath_py as twin
@@ -584,19 +583,10 @@ def test_a_fork_child_never_polls_the_parents_waiting_pools(fake_retirer):
 
 
 # ---------------------------------------------------------------- pools use it
-@pytest.fixture(scope="module")
-def tp():
-    return twin_pools()
-
-
 @pytest.fixture
-def world(monkeypatch, tp, fake_retirer):
-    monkeypatch.setattr(_pools, "_hp", twin)
-    monkeypatch.setattr(_streams, "wait_streams", lambda *a: None)
-    w = World(monkeypatch, tp)
-    w.retirer = fake_retirer
-    yield w
-    gc.collect()
+def world(fake_retirer, twin_world):
+    twin_world.retirer = fake_retirer
+    return twin_world
 
 
 def _closing(world, p):

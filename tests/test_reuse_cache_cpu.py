@@ -19,11 +19,10 @@ from pathlib import Path
 
 import cupy
 import pytest
-from _hotpath_fakes import World, twin_pools
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _hotpath_py as twin
-from cupy_poolmem import _pools, _streams
+from cupy_poolmem import _pools
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
@@ -33,17 +32,9 @@ S2 = 0x6000
 PYX = Path(twin.__file__).with_name("_hotpath.pyx")
 
 
-@pytest.fixture(scope="module")
-def tp():
-    return twin_pools()
-
-
 @pytest.fixture
-def world(monkeypatch, tp):
-    monkeypatch.setattr(_pools, "_hp", twin)
-    monkeypatch.setattr(_streams, "wait_streams", lambda *a: None)
-    yield World(monkeypatch, tp)
-    gc.collect()
+def world(twin_world):
+    return twin_world
 
 
 def _allocs(world):

@@ -9,14 +9,11 @@ test_hotpath_cpu.py checks that both have ``_attach_small``.
 
 from __future__ import annotations
 
-import gc
 from types import SimpleNamespace
 
 import pytest
-from _hotpath_fakes import World, twin_pools
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem import _pools
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
@@ -25,18 +22,10 @@ MiB = 1 << 20
 MAIN, SMALL = 0xABC, 0xDEF
 
 
-@pytest.fixture(scope="module")
-def tp():
-    return twin_pools()
-
-
 @pytest.fixture
-def world(monkeypatch, tp, fake_retirer):
-    monkeypatch.setattr(_pools, "_hp", twin)
-    w = World(monkeypatch, tp)
-    w.retirer = fake_retirer
-    yield w
-    gc.collect()
+def world(fake_retirer, twin_world):
+    twin_world.retirer = fake_retirer
+    return twin_world
 
 
 def _mrs(p):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import cupy_poolmem
+
+from ._paired import timed_burst
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -63,15 +64,9 @@ def header(title: str) -> str:
 
 def median_time(fn: Callable[[], object], n: int, repeats: int = 5) -> float:
     """Median over ``repeats`` of the mean seconds per call of ``fn`` over ``n`` calls."""
-    for _ in range(min(n, 500)):
-        fn()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - t0) / n)
-    return statistics.median(runs)
+    burst = timed_burst(fn)
+    burst(min(n, 500))  # warm-up
+    return statistics.median(burst(n) for _ in range(repeats))
 
 
 def table(columns: list[str], rows: list[list[str]]) -> str:

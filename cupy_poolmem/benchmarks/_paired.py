@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .._errors import InvalidOptionError
+
 #: ``burst(n)``: make ``n`` calls, return the seconds per call they took.
 Burst = Callable[[int], float]
 
@@ -48,7 +50,8 @@ class PairedRatio:
     def of(cls, ratios: Sequence[float]) -> PairedRatio:
         """Median and quartiles of ``ratios`` (quartiles interpolated between the values,
         as ``statistics.quantiles(method="inclusive")``: ``[1, 2, 3, 4]`` gives 1.75 and
-        3.25).  One ratio is its own median and quartiles; none raises ``ValueError``.
+        3.25).  One ratio is its own median and quartiles; none raises
+        :class:`~cupy_poolmem.InvalidOptionError` (a ``ValueError``).
 
         Examples
         --------
@@ -56,7 +59,7 @@ class PairedRatio:
         PairedRatio(median=2.5, low=1.75, high=3.25, pairs=4)
         """
         if not ratios:
-            raise ValueError("no ratios: a paired ratio needs one pair at least")
+            raise InvalidOptionError("no ratios: a paired ratio needs one pair at least")
         if len(ratios) == 1:
             return cls(ratios[0], ratios[0], ratios[0], 1)
         low, _mid, high = statistics.quantiles(ratios, n=4, method="inclusive")
@@ -122,7 +125,7 @@ def paired_ratio(
     0.90x (IQR 0.90-0.90, 9 pairs)
     """
     if pairs < 1 or calls < 1:
-        raise ValueError(f"pairs and calls must be at least 1 (got {pairs} and {calls})")
+        raise InvalidOptionError(f"pairs and calls must be at least 1 (got {pairs} and {calls})")
     warmup = calls if warmup is None else warmup
     if warmup > 0:
         a(warmup)
