@@ -119,9 +119,9 @@ KIND_MANAGED = 2
 cdef int _KIND_PINNED = 1  # the C twin of KIND_PINNED (no module lookup and compare)
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 11
+VERSION = 12
 
-# Allocations in a row that a non-empty reuse cache cannot serve before it is flushed.
+# Misses beyond hits (see PoolCore._cache_missed) at which a non-empty reuse cache is flushed.
 FLUSH_AFTER_MISSES = 16
 cdef unsigned int _FLUSH_AFTER_MISSES = 16
 
@@ -375,7 +375,7 @@ cdef class PoolCore:
     cdef public unsigned long long _retire_token  # the retirer's name for its pool (0: none)
     cdef readonly bint finalized     # the pool's finalizer ran: blocks avoid their streams
     cdef public bint _close_done     # close() has handed everything over: may be retired
-    cdef readonly unsigned int cache_misses  # allocations in a row the cache could not serve
+    cdef readonly unsigned int cache_misses  # the cache's misses less its hits (see _cache_missed)
     cdef object _obs                 # the observer's PoolObs for this pool (its cache)
 
     def _attach(self, uintptr_t pool_handle, int device_id, int kind):
@@ -447,7 +447,8 @@ cdef class PoolCore:
                     if self._shares:  # an exported block comes back with its record
                         share = self._shares.pop(dptr, None)
                     self.cached_bytes -= size
-                    self.cache_misses = 0
+                    if self.cache_misses:  # a hit takes one miss back (see _cache_missed)
+                        self.cache_misses -= 1
                     if PyObject_GC_IsFinalized(stream):  # see _drop_stale
                         self._drop_stale(dptr, size, share)
                         dptr, share = 0, None
@@ -459,8 +460,8 @@ cdef class PoolCore:
                 if self.n_capture_held:
                     self._drain_capture_held()
                 if self._pool != NULL:
-                    err = cuMemAllocFromPoolAsync(&dptr, size, self._small if size <= self.small_max
-                                                  else self._pool, <CUstream>sptr)
+                    err = cuMemAllocFromPoolAsync(&dptr, size, self._pool_for(size),
+                                                  <CUstream>sptr)
                     if err != 0:
                         dptr = self._alloc_failed(int(err), size, stream)
                 else:
@@ -497,13 +498,21 @@ cdef class PoolCore:
         return _MemoryPointer(_UnownedMemory(dptr, size, b, self.device_id), 0)
 
     cdef _cache_missed(self):
-        """A miss while the cache holds blocks: after FLUSH_AFTER_MISSES in a row, the
-        blocks it holds (sizes or streams this program stopped asking for) go back to
-        the CUDA pool, where an allocation of any size can reuse their memory."""
+        """A miss while the cache holds blocks.  A hit takes one miss back, so the count
+        reaches FLUSH_AFTER_MISSES only while misses outnumber hits (most allocations
+        find nothing: sizes or streams this program stopped asking for, or sizes that
+        never repeat); then the blocks it holds go back to the CUDA pool, where an
+        allocation of any size can reuse their memory.  A steady working set (hits at
+        least as often as misses) keeps its cache."""
         self.cache_misses += 1
         if self.cache_misses >= _FLUSH_AFTER_MISSES:
             self.cache_misses = 0
             self.flush_cache()
+
+    @cython.final
+    cdef inline CUmemoryPool _pool_for(self, size_t size) noexcept:
+        """The CUDA pool a block of ``size`` bytes comes from (``_small`` up to ``small_max``)."""
+        return self._small if size <= self.small_max else self._pool
 
     @cython.final
     cdef _Bin _bin(self, uintptr_t sptr, size_t size, bint create):
@@ -636,8 +645,7 @@ cdef class PoolCore:
         cdef CUresult err
         if self._pool == NULL:
             return self._backend_try(size, stream_ptr)
-        err = cuMemAllocFromPoolAsync(&dptr, size, self._small if size <= self.small_max
-                                      else self._pool, <CUstream>stream_ptr)
+        err = cuMemAllocFromPoolAsync(&dptr, size, self._pool_for(size), <CUstream>stream_ptr)
         return int(err), int(dptr)
 
     cdef _free(self, uintptr_t ptr, uintptr_t stream_ptr, object stream):

@@ -28,14 +28,14 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 11
+VERSION = 12
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
 FLAG_ADVISED = 4
 _FLAG_SPECIAL = FLAG_CAPTURED | FLAG_ADVISED
 _SIZE_MAX = 2**64 - 1
-# Allocations in a row that a non-empty reuse cache cannot serve before it is flushed.
+# Misses beyond hits (see PoolCore._cache_missed) at which a non-empty reuse cache is flushed.
 FLUSH_AFTER_MISSES = 16
 
 _shared_release = None
@@ -243,7 +243,7 @@ class PoolCore:
     _backend: Any = None
     _retire_token = 0
     finalized = False
-    cache_misses = 0  # allocations in a row the cache could not serve
+    cache_misses = 0  # the cache's misses less its hits (see _cache_missed)
     _cache: Any = None  # (stream_ptr, size) -> _Bin, from _attach on
     _last_bin: Any = None  # the bin of (_last_sptr, _last_size), or None
     _last_sptr = 0
@@ -276,12 +276,17 @@ class PoolCore:
         self.finalized = True
 
     def _cache_missed(self) -> None:
-        """A miss while the cache holds blocks: after FLUSH_AFTER_MISSES in a row, the
-        blocks it holds go back to the CUDA pool (see ``_hotpath.pyx``)."""
+        """A miss while the cache holds blocks; a hit takes one back: at
+        FLUSH_AFTER_MISSES the blocks it holds go back to the CUDA pool (see
+        ``_hotpath.pyx``)."""
         self.cache_misses += 1
         if self.cache_misses >= FLUSH_AFTER_MISSES:
             self.cache_misses = 0
             self.flush_cache()
+
+    def _pool_for(self, size: int) -> Any:
+        """The CUDA pool a block of ``size`` bytes comes from (``_small`` up to ``small_max``)."""
+        return self._small if size <= self.small_max else self._pool
 
     def _bin(self, sptr: int, size: int, create: bool) -> _Bin | None:
         """The cache's bin of (sptr, size); None when it has none and not ``create``.
@@ -444,7 +449,8 @@ class PoolCore:
                     dptr, freer = hit.items.pop()  # and the stream object that freed it
                     if self._shares:  # an exported block comes back with its record
                         share = self._shares.pop(dptr, None)
-                    self.cache_misses = 0
+                    if self.cache_misses:  # a hit takes one miss back (see _cache_missed)
+                        self.cache_misses -= 1
                     if _gc_is_finalized(freer):  # see _hotpath.pyx's _drop_stale
                         self._drop_stale(dptr, size, share)
                         dptr, share = 0, None
@@ -456,9 +462,7 @@ class PoolCore:
                 if self.n_capture_held:
                     self._drain_capture_held()
                 if self._pool is not None:
-                    err, p = _alloc(
-                        size, self._small if size <= self.small_max else self._pool, sptr
-                    )
+                    err, p = _alloc(size, self._pool_for(size), sptr)
                     dptr = int(p) if not err else self._alloc_failed(int(err), size, stream)
                 else:
                     dptr = self._backend_alloc(size, stream)
@@ -488,7 +492,7 @@ class PoolCore:
         """One raw attempt: returns ``(CUresult, ptr)``; used by the slow paths."""
         if self._pool is None:
             return self._backend_try(size, stream_ptr)
-        err, p = _alloc(size, self._small if size <= self.small_max else self._pool, stream_ptr)
+        err, p = _alloc(size, self._pool_for(size), stream_ptr)
         return int(err), (int(p) if not err else 0)
 
     def _free_now(self, ptr: int, stream_ptr: int, stream: Any = None) -> None:

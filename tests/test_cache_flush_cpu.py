@@ -1,6 +1,7 @@
-"""The reuse cache lets go of blocks nobody asks for: after FLUSH_AFTER_MISSES
-allocations in a row that it cannot serve while it holds blocks, they go back to the
-CUDA pool (where any size can reuse the memory), against the fake driver."""
+"""The reuse cache lets go of blocks nobody asks for: once the allocations it cannot
+serve while it holds blocks outnumber the ones it serves by FLUSH_AFTER_MISSES (a hit
+takes one miss back), they go back to the CUDA pool (where any size can reuse the
+memory), against the fake driver."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_misses_in_a_row_flush_the_blocks_of_sizes_no_longer_asked_for(world):
     del live
 
 
-def test_a_hit_resets_the_count_so_a_steady_working_set_keeps_its_cache(world):
+def test_hits_as_often_as_misses_keep_a_steady_working_set_cached(world):
     p = world.pool()
     steady = None
     for i in range(5 * N):
@@ -49,10 +50,50 @@ def test_a_hit_resets_the_count_so_a_steady_working_set_keeps_its_cache(world):
         steady = steady or a.ptr
         assert a.ptr == steady
         b = p.malloc(KB * (2 + i))  # a size seen once: a miss each round
-        assert p.cache_misses == (1 if i else 0)  # the hit before restarted the count
+        assert p.cache_misses == (1 if i else 0)  # the hit took the miss before back
         del a, b
     assert steady not in _frees(world)  # never flushed
     assert sum(1 for e in world.log if e[0] == "alloc" and e[2] == KB) == 1
+
+
+def test_hits_fewer_than_misses_flush_though_no_run_of_misses_is_long(world):
+    """One steady size among three sizes that never repeat: the hits alone used to keep
+    the cache (each reset a count of misses in a row), so the one-off sizes stayed
+    reserved up to ``reuse_cache`` bytes; now the count grows by two a round."""
+    p = world.pool()
+    warm = p.malloc(KB)
+    steady = warm.ptr
+    del warm
+    held, flushed_in = [], None
+    for r in range(1, N + 1):
+        a = p.malloc(KB)  # a hit: one miss taken back
+        assert a.ptr == steady
+        for j in range(3):  # three misses
+            held.append(p.malloc(512 * (10 + 3 * r + j)))  # under the 1 MiB cache
+            if _frees(world):
+                flushed_in = flushed_in or r
+                assert p.cached_bytes == 0 and p.cache_misses == 0
+        del a
+        if flushed_in:
+            break
+        held.pop()  # one of the one-off blocks goes to the cache each round
+    # Round 1 counts nothing (its hit emptied the cache); round 2 counts three misses,
+    # each round after two more (three misses, one hit): 2r - 1 >= N in round (N+2)//2.
+    assert flushed_in == (N + 2) // 2
+    freed = _frees(world)
+    assert steady not in freed  # it was live (``a``) when the cache was flushed
+    assert len(freed) == len(set(freed)) and len(freed) == flushed_in - 1
+    del held
+
+
+def test_a_hit_with_no_misses_counted_leaves_the_count_at_zero(world):
+    p = world.pool()
+    a = p.malloc(KB)
+    del a
+    for _ in range(3):
+        a = p.malloc(KB)
+        assert p.cache_misses == 0
+        del a
 
 
 def test_an_empty_cache_counts_no_misses(world):
@@ -62,13 +103,14 @@ def test_an_empty_cache_counts_no_misses(world):
     del live
 
 
-def test_the_compiled_hot_path_flushes_after_the_same_count():
+def test_the_compiled_hot_path_counts_and_flushes_by_the_same_rule():
     pyx = (_pools.__file__.rsplit("/", 1)[0]) + "/_hotpath.pyx"
     src = open(pyx).read()
     assert f"FLUSH_AFTER_MISSES = {N}\n" in src
     assert f"cdef unsigned int _FLUSH_AFTER_MISSES = {N}\n" in src
     hit = src[src.index("stream = hit.take(&dptr)") : src.index("            if dptr == 0:")]
-    assert "self.cache_misses = 0\n" in hit
+    assert "if self.cache_misses:  # a hit takes one miss back" in hit
+    assert "self.cache_misses -= 1\n" in hit and "self.cache_misses = 0" not in hit
     assert "\n                else:\n                    self._cache_missed()\n" in hit
 
 

@@ -382,6 +382,42 @@ def test_reuse_cache_disabled_and_bounded():
         assert p.stats().cached_bytes == 2 << 20
 
 
+def test_a_cache_that_serves_fewer_than_it_misses_gives_its_blocks_back_to_the_cuda_pool():
+    """One steady size among three sizes that never repeat (a quarter of the allocations
+    are hits): the one-off blocks freed into the cache go back to the CUDA pool once
+    misses outnumber hits by FLUSH_AFTER_MISSES, and the driver sees only the live
+    blocks (and the steady one cached since) in use; memory the flush gave back and
+    that new arrays then take leaves the live arrays' data alone."""
+    from cupy_poolmem import _hotpath_py
+
+    n = _hotpath_py.FLUSH_AFTER_MISSES
+    with cpm.DevicePool(small_pool=None) as p, cpm.using(p):
+        warm = cupy.empty(1 << 20, dtype=cupy.uint8)
+        steady = warm.data.ptr
+        del warm
+        held, flushed = [], 0
+        for r in range(1, n + 1):
+            a = cupy.full(1 << 20, r, dtype=cupy.uint8)  # a hit: the steady block
+            assert a.data.ptr == steady
+            for j in range(3):  # three sizes seen once each: misses
+                v = (3 * r + j) % 251 + 1
+                held.append((cupy.full(4096 * (100 + 3 * r + j), v, dtype=cupy.uint8), v))
+            del a  # no reduction here: its result would be one more steady size
+            if r > 1 and p.stats().cached_bytes == 1 << 20 and p.cache_misses == 0:
+                flushed = r  # flushed in this round: only ``a`` went back to it since
+                break
+            held.pop()  # one one-off block a round goes to the cache
+        assert flushed == (n + 2) // 2, "the cache kept its one-off blocks"
+        cupy.cuda.runtime.deviceSynchronize()
+        live = sum(x.nbytes for x, _ in held)
+        assert p._safe_used() == live + (1 << 20)  # the live blocks and the cached steady one
+        fresh = [cupy.full(4096 * (100 + k), 0xEE, dtype=cupy.uint8) for k in range(3 * n)]
+        for x, v in held:
+            assert int(x[0]) == v and int(x[-1]) == v and int(x.sum()) == v * x.size
+        assert all(int(f.min()) == 0xEE for f in fresh)
+        del held, fresh
+
+
 def test_creating_pools_leaves_process_state_alone():
     from cuda.bindings import driver
 
