@@ -498,12 +498,13 @@ cdef class PoolCore:
         return _MemoryPointer(_UnownedMemory(dptr, size, b, self.device_id), 0)
 
     cdef _cache_missed(self):
-        """A miss while the cache holds blocks.  A hit takes one miss back, so the count
-        reaches FLUSH_AFTER_MISSES only while misses outnumber hits (most allocations
-        find nothing: sizes or streams this program stopped asking for, or sizes that
-        never repeat); then the blocks it holds go back to the CUDA pool, where an
-        allocation of any size can reuse their memory.  A steady working set (hits at
-        least as often as misses) keeps its cache."""
+        """A miss while the cache holds blocks.  A hit takes one miss back (never below
+        zero), so the count reaches FLUSH_AFTER_MISSES when misses outrun hits (most
+        allocations find nothing: sizes or streams this program stopped asking for, or
+        sizes that never repeat); then the blocks it holds go back to the CUDA pool,
+        where an allocation of any size can reuse their memory.  A working set served
+        about two times in three or more keeps its cache; at one in two, a random order
+        of hits and misses flushes it every few hundred allocations."""
         self.cache_misses += 1
         if self.cache_misses >= _FLUSH_AFTER_MISSES:
             self.cache_misses = 0

@@ -777,9 +777,10 @@ class DevicePool(Pool):
         allocation of the same size on the same stream, skipping the driver call.
         Same-stream reuse is what stream ordering already allows, so this changes
         speed only.  Flushed on out-of-memory, :meth:`~Pool.trim` and :meth:`~Pool.close`,
-        and once the allocations it could not serve outnumber the ones it served by
-        16 (sizes or streams no longer asked for, or sizes that seldom repeat, go back
-        to the CUDA pool, where any size reuses the memory).
+        and once the allocations it could not serve outrun the ones it served by 16
+        (a miss counts one up, a hit one down, never below zero: sizes or streams no
+        longer asked for, or sizes that seldom repeat, go back to the CUDA pool, where
+        any size reuses the memory).
         Default ``"1GiB"``; ``0`` disables it.
     small_pool : "auto", int, str or None
         Blocks up to this size (bytes or a string such as ``"8MiB"``) come from a

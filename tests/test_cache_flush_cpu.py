@@ -130,3 +130,37 @@ def test_a_cache_hit_keeps_the_stream_object_that_freed_the_block(world):
     assert m.ptr == ptr and m.mem._owner.stream is first
     src = open(_pools.__file__.rsplit("/", 1)[0] + "/_hotpath.pyx").read()
     assert "stream = hit.take(&dptr)  # and the stream object that freed it" in src
+
+
+@pytest.mark.parametrize(
+    ("hit_rate", "flushes"), [(0.75, (0, 0)), (0.5, (1, 60)), (0.1, (150, 400))]
+)
+def test_hits_and_misses_in_random_order_flush_by_hit_rate(world, hit_rate, flushes):
+    """A steady size the cache serves at ``hit_rate`` among sizes seen once, in a seeded
+    random order: about three hits in four never flush the cache in 4000 allocations,
+    one in two flushes it now and then, one in ten every twenty allocations or so."""
+    import random
+
+    p = world.pool()
+    n_flushes = 0
+    flush = p.flush_cache
+
+    def counting_flush():
+        nonlocal n_flushes
+        n_flushes += 1
+        return flush()
+
+    p.flush_cache = counting_flush  # the twin's hot path calls it by attribute
+    rng = random.Random(1234)
+    kept = []
+    for i in range(4000):
+        if rng.random() < hit_rate:
+            x = p.malloc(KB)  # the steady size: a hit whenever its block is cached
+            del x
+        else:
+            kept.append(p.malloc(512 * (16 + i)))  # seen once, kept live: a miss
+            if len(kept) > 64:
+                kept.pop(0)  # freed: cached (or over the limit), never asked for again
+    lo, hi = flushes
+    assert lo <= n_flushes <= hi
+    del kept

@@ -401,7 +401,7 @@ def test_a_cache_that_serves_fewer_than_it_misses_gives_its_blocks_back_to_the_c
             assert a.data.ptr == steady
             for j in range(3):  # three sizes seen once each: misses
                 v = (3 * r + j) % 251 + 1
-                held.append((cupy.full(4096 * (100 + 3 * r + j), v, dtype=cupy.uint8), v))
+                held.append((cupy.full((2 + 3 * r + j) << 20, v, dtype=cupy.uint8), v))
             del a  # no reduction here: its result would be one more steady size
             if r > 1 and p.stats().cached_bytes == 1 << 20 and p.cache_misses == 0:
                 flushed = r  # flushed in this round: only ``a`` went back to it since
@@ -410,8 +410,9 @@ def test_a_cache_that_serves_fewer_than_it_misses_gives_its_blocks_back_to_the_c
         assert flushed == (n + 2) // 2, "the cache kept its one-off blocks"
         cupy.cuda.runtime.deviceSynchronize()
         live = sum(x.nbytes for x, _ in held)
-        assert p._safe_used() == live + (1 << 20)  # the live blocks and the cached steady one
-        fresh = [cupy.full(4096 * (100 + k), 0xEE, dtype=cupy.uint8) for k in range(3 * n)]
+        # The live blocks and the cached steady one (MiB sizes: no driver rounding).
+        assert p._safe_used() == live + (1 << 20)
+        fresh = [cupy.full((2 + k) << 20, 0xEE, dtype=cupy.uint8) for k in range(3 * n)]
         for x, v in held:
             assert int(x[0]) == v and int(x[-1]) == v and int(x.sum()) == v * x.size
         assert all(int(f.min()) == 0xEE for f in fresh)
