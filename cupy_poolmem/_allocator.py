@@ -95,7 +95,8 @@ def set_allocator(**pool_options: Any) -> PoolAllocator:
         Passed to :class:`DevicePool` for each device (``max_size``,
         ``release_threshold``, ``ipc``, ``peer_access``, ``small_pool``).  ``ipc``
         defaults to ``True`` so arrays can be shared with other processes without a
-        copy (an IPC pool is one CUDA pool: ``small_pool`` applies with ``ipc=False``).
+        copy (blocks up to ``small_pool``, 8 MiB by default, are shared from the
+        small-block pool that holds them).
         ``peer_access`` defaults to ``"all"``: each pool's memory is readable and
         writable from every GPU that can access its GPU, so code that uses an array
         from another GPU works as with CuPy's own pool; ``None`` keeps each pool's

@@ -39,6 +39,7 @@ from ._errors import (
     OutOfPoolMemoryError,
     PinnedOutOfMemoryError,
     PoolClosedError,
+    SharingError,
     UnsupportedError,
     WrongDeviceError,
     check_driver,
@@ -176,6 +177,7 @@ class Pool(_hp.PoolCore):
     _held_for_sharing = 0  # bytes of freed blocks other processes still map (limbo)
     _forked = False  # set in a child forked after CUDA started: the pool refuses to work
     guard: Any = None  # a _guard.Guard when the pool was created with guard=... (device pools)
+    _ipc_pools: tuple = ()  # (handle, uuid, resource) per shareable CUDA pool (see _setup)
 
     def _setup(
         self,
@@ -223,10 +225,15 @@ class Pool(_hp.PoolCore):
         self.set_release_threshold(release_threshold)
         self.observer = _GLOBAL_OBSERVER[0]
         self._pool_uuid = ""
+        # (handle, uuid, resource) of each CUDA pool that can be shared: with a
+        # small-block pool a block goes out under the uuid of the pool that holds it.
+        self._ipc_pools: tuple[tuple[int, str, Any], ...] = ()
         if getattr(mr, "is_ipc_enabled", False):
-            # Export the pool's handle now, not in the middle of a first send.
-            mr.allocation_handle  # noqa: B018
-            self._pool_uuid = str(mr.uuid)
+            # Export the pools' handles now, not in the middle of a first send.
+            for m in self._mrs:
+                m.allocation_handle  # noqa: B018
+            self._ipc_pools = tuple((int(m.handle), str(m.uuid), m) for m in self._mrs)
+            self._pool_uuid = self._ipc_pools[0][1]
         with _ALL_LOCK:
             _ALL_POOLS.add(self)
         if self._pool_uuid:
@@ -733,6 +740,37 @@ class Pool(_hp.PoolCore):
         except Exception:
             return 0
 
+    def _ipc_pool_of(self, ptr: int) -> tuple[str, Any]:
+        """``(uuid, memory resource)`` of this pool's shareable CUDA pool holding ``ptr``.
+
+        With a small-block pool the driver says which (the pointer's
+        ``CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE``): the sharing protocol sends each block
+        under its own CUDA pool's uuid, and that pool's descriptor to a new receiver.
+        """
+        pools = self._ipc_pools
+        if not pools:
+            raise SharingError(
+                f"{self!r} is not IPC-enabled, so its memory cannot be shared with other "
+                "processes; create it with ipc=True (cupy_poolmem.set_allocator() does by "
+                "default)"
+            )
+        if len(pools) == 1:
+            return pools[0][1], pools[0][2]
+        handle = check_driver(
+            _drv.cuPointerGetAttribute(
+                _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, _drv.CUdeviceptr(ptr)
+            ),
+            "cuPointerGetAttribute",
+        )
+        handle = int(handle) if handle is not None else 0
+        for h, uuid, mr in pools:
+            if h == handle:
+                return uuid, mr
+        raise SharingError(
+            f"address {ptr:#x} is not memory of {self!r}'s CUDA pools (it belongs to pool "
+            f"{int(handle):#x}); share arrays allocated from the pool that exports them"
+        )
+
     def _owns_handle(self, handle: int) -> bool:
         """Whether the CUDA pool ``handle`` is one of this pool's."""
         return any(int(mr.handle) == handle for mr in getattr(self, "_mrs", ()))
@@ -786,10 +824,10 @@ class DevicePool(Pool):
         Blocks up to this size (bytes or a string such as ``"8MiB"``) come from a
         second CUDA pool, so small blocks do not pin the 32 MiB chunks in which the
         driver maps a pool's memory, chunks that large blocks could use again (see
-        Notes).  ``"auto"`` (default): ``8MiB`` when the pool has no ``ipc`` and no
-        ``max_size``, else one CUDA pool.  ``None`` (or ``0``): one CUDA pool.  An
-        explicit size with ``ipc=True`` or ``max_size`` raises
-        :class:`~cupy_poolmem.InvalidOptionError`.
+        Notes).  ``"auto"`` (default): ``8MiB`` when the pool has no ``max_size``,
+        else one CUDA pool.  ``None`` (or ``0``): one CUDA pool.  An explicit size
+        with ``max_size`` raises :class:`~cupy_poolmem.InvalidOptionError`.  With
+        ``ipc=True`` both CUDA pools can be shared, each block under its own.
     peer_access : "all", None or list of int
         Other GPUs that may read and write this pool's memory (kernels and copies
         there).  ``"all"`` (default): every GPU that ``cudaDeviceCanAccessPeer`` allows,
@@ -825,8 +863,8 @@ class DevicePool(Pool):
     0.78-0.92x, at the same speed.  Memory freed in one of the two CUDA pools is used by
     the other after :meth:`~Pool.trim` or an out-of-memory retry (which trims both).
     :attr:`small_pool` gives the size in use, ``stats().peak_reserved_bytes`` the sum of
-    both pools' peaks.  IPC pools keep one CUDA pool: sharing exports one pool per
-    ``DevicePool``.
+    both pools' peaks.  An IPC pool shares both: a block goes to other processes under
+    the CUDA pool that holds it.
 
     Pool memory is mapped only on the GPUs the pool grants (``cuMemPoolSetAccess``);
     ``cudaDeviceEnablePeerAccess``, which CuPy calls, does not cover it.  A kernel on
@@ -870,7 +908,7 @@ class DevicePool(Pool):
                     f"than device {dev} has ({format_bytes(total)})"
                 )
             parse_bytes(release_threshold, name="release_threshold", allow_none=True)
-            small_max = _small_pool_size(small_pool, ipc, max_b)
+            small_max = _small_pool_size(small_pool, max_b)
             mrs = []
             try:
                 mrs.append(
@@ -881,7 +919,7 @@ class DevicePool(Pool):
                 if small_max:
                     mrs.append(
                         cc.DeviceMemoryResource(
-                            dev, cc.DeviceMemoryResourceOptions(ipc_enabled=False)
+                            dev, cc.DeviceMemoryResourceOptions(ipc_enabled=ipc)
                         )
                     )
             except Exception as exc:
@@ -976,30 +1014,26 @@ class DevicePool(Pool):
         super()._retire_now(leftovers)
 
 
-def _small_pool_size(value: Any, ipc: bool, max_size: int) -> int:
+def _small_pool_size(value: Any, max_size: int) -> int:
     """Bytes of the largest block a DevicePool's small-block pool serves (0: none).
 
     Examples
     --------
-    >>> _small_pool_size("auto", ipc=False, max_size=0) == SMALL_POOL_AUTO
+    >>> _small_pool_size("auto", max_size=0) == SMALL_POOL_AUTO
     True
-    >>> _small_pool_size("auto", ipc=True, max_size=0), _small_pool_size(None, False, 0)
+    >>> _small_pool_size("auto", max_size=1 << 30), _small_pool_size(None, 0)
     (0, 0)
-    >>> _small_pool_size("1MiB", ipc=False, max_size=0)
+    >>> _small_pool_size("1MiB", max_size=0)
     1048576
     """
     if isinstance(value, str) and value == "auto":
-        return 0 if ipc or max_size else SMALL_POOL_AUTO
+        return 0 if max_size else SMALL_POOL_AUTO
     size = parse_bytes(value, name="small_pool", allow_none=True) or 0
-    if size and (ipc or max_size):
-        why = (
-            "ipc=True (sharing exports one CUDA pool per DevicePool)"
-            if ipc
-            else (f"max_size={format_bytes(max_size)} (a second CUDA pool could exceed the cap)")
-        )
+    if size and max_size:
         raise InvalidOptionError(
-            f"small_pool={value!r} cannot be used with {why}; pass small_pool=None or "
-            "'auto' (which uses one CUDA pool there)"
+            f"small_pool={value!r} cannot be used with max_size={format_bytes(max_size)} "
+            "(a second CUDA pool could exceed the cap); pass small_pool=None or 'auto' "
+            "(which uses one CUDA pool there)"
         )
     return size
 

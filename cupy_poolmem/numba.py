@@ -471,11 +471,12 @@ class PoolIpcHandle(IpcHandle):
                 "processes; create it with ipc=True (cupy_poolmem.set_allocator() does by "
                 "default) before Numba allocates"
             )
-        mr = pool.memory_resource
+        # The CUDA pool that holds the block: a DevicePool may have two (small_pool).
+        uuid_str, mr = pool._ipc_pool_of(base_ptr)
         try:
             ah = mr.allocation_handle
             ah = ah() if callable(ah) else ah
-            pool_uuid = ah.uuid if getattr(ah, "uuid", None) is not None else mr.uuid
+            pool_uuid = _uuid.UUID(uuid_str)
             fd = int(ah)
         except Exception as exc:
             raise SharingError(
@@ -557,7 +558,9 @@ class PoolIpcHandle(IpcHandle):
                 (
                     p
                     for p in all_pools()
-                    if getattr(p, "ipc", False) and not p.closed and _pool_uuid(p) == self.pool_uuid
+                    if getattr(p, "ipc", False)
+                    and not p.closed
+                    and self.pool_uuid in _pool_uuids(p)
                 ),
                 None,
             )
@@ -625,10 +628,11 @@ class PoolIpcHandle(IpcHandle):
         )
 
 
-def _pool_uuid(pool: Pool) -> _uuid.UUID | None:
+def _pool_uuids(pool: Pool) -> tuple[_uuid.UUID, ...]:
+    """The uuids of ``pool``'s shareable CUDA pools (two with a small-block pool)."""
     with contextlib.suppress(Exception):
-        return pool.memory_resource.uuid
-    return None
+        return tuple(_uuid.UUID(u) for _, u, _ in pool._ipc_pools)
+    return ()
 
 
 def _rebuild_pool_ipc_handle(

@@ -79,6 +79,7 @@ class World:
         self.graph_errors: list[int] = []  # CUresults the next graph allocations return
         self.queried: list[int] = []
         self.alloc_pools: list[int] = []  # the CUDA pool handle of each _alloc, in order
+        self.handles_read: list[int] = []  # allocation handles an ipc pool's setup read
         mp = monkeypatch
         mp.setattr(twin, "_ctx_device", lambda: (0, 0))
         mp.setattr(twin, "_get_current_stream", lambda: self.current)
@@ -127,23 +128,38 @@ class World:
         reuse_cache: int = 1 << 20,
         cuda_pool: bool = True,
         small: int = 0,
+        ipc: bool = False,
         **attrs: Any,
     ):
         """A pool of the twin module without a CUDA pool behind it (``cuda_pool=False``:
         none at all, as ManagedPool's "managed" backend, given as ``_backend=``).
-        ``small``: the largest block of a small-block pool (handle ``0xDEF``), if any."""
+        ``small``: the largest block of a small-block pool (handle ``0xDEF``), if any;
+        ``ipc``: its CUDA pools say they are IPC-enabled (uuid ``uuid-<handle>``, their
+        allocation handles counted in ``handles_read``)."""
         cls = cls or self.tp.DevicePool
         p = cls.__new__(cls)
         for k, v in attrs.items():
             setattr(p, k, v)
+        if ipc:
+            p.ipc = True
+
+        world = self
+
+        class IpcMR(SimpleNamespace):
+            @property
+            def allocation_handle(self) -> int:
+                world.handles_read.append(self.handle)
+                return self.handle + 1000
 
         def fake_mr(handle: int) -> Any:
-            return SimpleNamespace(
+            return (IpcMR if ipc else SimpleNamespace)(
                 handle=handle,
                 attributes=SimpleNamespace(
                     reserved_mem_current=0, reserved_mem_high=0, used_mem_current=0
                 ),
                 close=lambda: None,
+                is_ipc_enabled=ipc,
+                uuid=f"uuid-{handle:x}",
             )
 
         mr = fake_mr(0xABC) if cuda_pool else None

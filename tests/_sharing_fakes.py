@@ -683,7 +683,10 @@ class FakeDriver:
 
 # -- what the exporter reads from the hot path's Block and pool ------------------------------
 class FakeCore:
-    """A pool as the exporter sees it (``block.core``); its allocation handle is a pipe."""
+    """A pool as the exporter sees it (``block.core``); its allocation handle is a pipe.
+
+    ``small``: blocks up to this size come from a second CUDA pool with a uuid and a
+    pipe of its own (a DevicePool's small-block pool)."""
 
     def __init__(
         self,
@@ -691,6 +694,7 @@ class FakeCore:
         device_id: int = 0,
         kind: int = _wire.POOL_DEVICE,
         recycle: bool = False,
+        small: int = 0,
     ) -> None:
         self.proc = proc
         self.device_id = device_id if kind != _wire.POOL_PINNED else -1
@@ -718,6 +722,23 @@ class FakeCore:
             self._cache_shared = None  # type: ignore[assignment]
         gpu_dev = proc.driver._visible[max(device_id, 0)]  # the physical device
         self._pool = proc.gpu.new_pool(proc.gpu.proc(proc.name), gpu_dev, kind, self._rfd)
+        self.small_max = small
+        self._small: Any = None  # (uuid, resource, fake GPU pool, write end of its pipe)
+        self._small_ptrs: set[int] = set()
+        if small:
+            rfd, wfd = os.pipe()
+            mr = type("MR", (), {"allocation_handle": rfd})()
+            gpool = proc.gpu.new_pool(proc.gpu.proc(proc.name), gpu_dev, kind, rfd)
+            self._small = (str(uuid.uuid4()), mr, gpool, wfd)
+
+    def _gpu_pool(self, ptr: int) -> Any:
+        return self._small[2] if ptr in self._small_ptrs else self._pool
+
+    def _ipc_pool_of(self, ptr: int) -> tuple[str, Any]:
+        """(uuid, resource) of the CUDA pool holding ``ptr`` (as the driver says)."""
+        if ptr in self._small_ptrs:
+            return self._small[0], self._small[1]
+        return self._pool_uuid, self.memory_resource
 
     def alloc(self, size: int, payload: Any = None, stream: FakeStream | None = None) -> FakeBlock:
         """A new block (what ``PoolCore.malloc`` returns), its payload written on its stream."""
@@ -732,17 +753,20 @@ class FakeCore:
             b = FakeBlock(self, ptr, size, stream)
             b.share = share
             if payload is not None:
-                self.proc.gpu.write(self._pool, ptr, stream.ptr, payload)
+                self.proc.gpu.write(self._gpu_pool(ptr), ptr, stream.ptr, payload)
             return b
-        a = self.proc.gpu.alloc(self._pool, size, stream.ptr)
+        small = self._small is not None and size <= self.small_max
+        a = self.proc.gpu.alloc(self._small[2] if small else self._pool, size, stream.ptr)
+        if small:
+            self._small_ptrs.add(a.ptr)
         self.n_allocs += 1
         b = FakeBlock(self, a.ptr, size, stream)
         if payload is not None:
-            self.proc.gpu.write(self._pool, a.ptr, stream.ptr, payload)
+            self.proc.gpu.write(self._gpu_pool(a.ptr), a.ptr, stream.ptr, payload)
         return b
 
     def _free_now(self, ptr: int, stream_ptr: int, stream: Any = None) -> None:
-        self.proc.gpu.free(self._pool, ptr, stream_ptr)
+        self.proc.gpu.free(self._gpu_pool(ptr), ptr, stream_ptr)
 
     def _cache_shared(self, ptr: int, size: int, stream_ptr: int, stream: Any, share: Any) -> bool:
         if self.closed or self.cached_bytes + size > self.cache_limit:
@@ -814,7 +838,10 @@ class FakeCore:
             self._drained()
 
     def dispose(self) -> None:
-        for fd in (self._rfd, self._wfd):
+        fds = [self._rfd, self._wfd]
+        if self._small is not None:
+            fds += [self._small[1].allocation_handle, self._small[3]]
+        for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._rfd = self._wfd = -1
@@ -855,10 +882,10 @@ class FakeBlock:
     def write(self, payload: Any, stream: FakeStream | None = None) -> None:
         """Write ``payload`` on ``stream`` (default: the allocation stream)."""
         sptr = self.stream_ptr if stream is None else stream.ptr
-        self.core.proc.gpu.write(self.core._pool, self.ptr, sptr, payload)
+        self.core.proc.gpu.write(self.core._gpu_pool(self.ptr), self.ptr, sptr, payload)
 
     def read(self) -> tuple[int, Any]:
-        return self.core.proc.gpu.read_own(self.core._pool, self.ptr)
+        return self.core.proc.gpu.read_own(self.core._gpu_pool(self.ptr), self.ptr)
 
 
 def hot_path_free(block: FakeBlock) -> None:
@@ -919,11 +946,16 @@ class SimProc:
         return self.ctx.stats()
 
     def pool(
-        self, device: int = 0, kind: int = _wire.POOL_DEVICE, recycle: bool = False
+        self,
+        device: int = 0,
+        kind: int = _wire.POOL_DEVICE,
+        recycle: bool = False,
+        small: int = 0,
     ) -> FakeCore:
         """A pool; ``recycle=True``: exported blocks go back to its reuse cache with
-        their records (as a DevicePool's with its default reuse cache)."""
-        core = FakeCore(self, device, kind, recycle)
+        their records (as a DevicePool's with its default reuse cache); ``small``: blocks
+        up to that size come from a second CUDA pool (see FakeCore)."""
+        core = FakeCore(self, device, kind, recycle, small)
         self.cores.append(core)
         return core
 
@@ -947,7 +979,7 @@ class SimProc:
         if isinstance(owner, Imported):
             return self.gpu.read(self.gpu.proc(self.name), owner.ptr, stream)
         if isinstance(owner, LocalHold):
-            pool = owner.rec.core._pool
+            pool = owner.rec.core._gpu_pool(owner.ptr)
             return self.gpu.read_own(pool, owner.ptr, stream)
         if isinstance(owner, FakeBlock):
             return owner.read()

@@ -117,7 +117,8 @@ def test_small_blocks_left_behind_pin_one_chunk_of_their_own():
 def test_small_pool_defaults():
     with cpm.DevicePool() as plain, cpm.DevicePool(ipc=True) as shared:
         assert plain.small_pool == 8 << 20 and len(plain._mrs) == 2
-        assert shared.small_pool == 0 and len(shared._mrs) == 1
+        assert shared.small_pool == 8 << 20 and len(shared._mrs) == 2
+        assert all(m.is_ipc_enabled for m in shared._mrs) and len(shared._ipc_pools) == 2
     with cpm.DevicePool(max_size="1GiB") as capped:
         assert capped.small_pool == 0
 

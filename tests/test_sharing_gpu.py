@@ -96,6 +96,43 @@ def test_pipe_every_dtype_and_shape():
         _join(p)
 
 
+def test_blocks_of_both_cuda_pools_of_an_ipc_pool_are_shared_with_their_data():
+    """set_allocator()'s pools have a small-block pool: blocks on either side of its
+    limit come from different CUDA pools, and each arrives with its data in another
+    process (which imports each CUDA pool from its own descriptor)."""
+    from cuda.bindings import driver
+
+    pool = cpm.get_pool()
+    limit = pool.small_pool
+    assert limit == 8 << 20 and pool.ipc and len(pool._ipc_pools) == 2
+
+    def owner(arr):
+        attr = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE
+        err, h = driver.cuPointerGetAttribute(attr, arr.data.ptr)
+        assert int(err) == 0
+        return int(h)
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=W.pipe_worker, args=(b,))
+    p.start()
+    try:
+        sizes = {"tiny": 512, "at-limit": limit, "above": limit + 4096, "large": 96 << 20}
+        seen = set()
+        for k, (name, n) in enumerate(sizes.items()):
+            arr = (cupy.arange(n, dtype=cupy.uint8) + k).astype(cupy.uint8)
+            assert arr.nbytes == n
+            seen.add(owner(arr))
+            a.send((name, arr))
+            r = a.recv()
+            assert r[0] == name, r
+            np.testing.assert_array_equal(r[-1], cupy.asnumpy(arr), err_msg=name)
+        assert seen == {h for h, _, _ in pool._ipc_pools}  # both CUDA pools were shared
+    finally:
+        a.send(None)
+        _join(p)
+
+
 def test_pool_map_arguments_and_results():
     ctx = mp.get_context("spawn")
     arrays = [cupy.full(1000, i, dtype=cupy.float32) for i in range(6)]

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 import cupy_poolmem as cpm
+import cupy_poolmem._sharing  # noqa: F401  (sharing hooks into the real hot path first)
 from cupy_poolmem import _pools
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
@@ -165,36 +166,31 @@ def test_the_pool_that_owns_a_handle_is_found_by_either_handle(world):
 
 # ------------------------------------------------------------------ the option itself
 @pytest.mark.parametrize(
-    ("value", "ipc", "max_size", "want"),
+    ("value", "max_size", "want"),
     [
-        ("auto", False, 0, _pools.SMALL_POOL_AUTO),
-        ("auto", True, 0, 0),
-        ("auto", False, 1 << 30, 0),
-        (None, False, 0, 0),
-        (0, False, 0, 0),
-        ("1MiB", False, 0, MiB),
-        (4096, False, 0, 4096),
+        ("auto", 0, _pools.SMALL_POOL_AUTO),
+        ("auto", 1 << 30, 0),
+        (None, 0, 0),
+        (0, 0, 0),
+        ("1MiB", 0, MiB),
+        (4096, 0, 4096),
     ],
 )
-def test_small_pool_size_rule(value, ipc, max_size, want):
-    assert _pools._small_pool_size(value, ipc, max_size) == want
+def test_small_pool_size_rule(value, max_size, want):
+    assert _pools._small_pool_size(value, max_size) == want
 
 
-@pytest.mark.parametrize(
-    ("ipc", "max_size", "why"),
-    [(True, 0, "ipc=True"), (False, 1 << 30, "max_size=1.00 GiB")],
-)
-def test_an_explicit_small_pool_with_ipc_or_max_size_is_refused_naming_the_fix(ipc, max_size, why):
+def test_an_explicit_small_pool_with_max_size_is_refused_naming_the_fix():
     with pytest.raises(cpm.InvalidOptionError) as ei:
-        _pools._small_pool_size("2MiB", ipc, max_size)
+        _pools._small_pool_size("2MiB", 1 << 30)
     msg = str(ei.value)
-    assert "small_pool='2MiB'" in msg and why in msg and "small_pool=None" in msg
+    assert "small_pool='2MiB'" in msg and "max_size=1.00 GiB" in msg and "small_pool=None" in msg
 
 
 @pytest.mark.parametrize("bad", ["lots", -1, 1.5j])
 def test_a_bad_small_pool_value_raises_a_typed_error(bad):
     with pytest.raises(cpm.PoolmemError) as ei:
-        _pools._small_pool_size(bad, False, 0)
+        _pools._small_pool_size(bad, 0)
     assert "small_pool" in str(ei.value)
 
 
@@ -219,8 +215,76 @@ def test_device_pool_checks_small_pool_before_creating_a_cuda_pool(monkeypatch):
 
     monkeypatch.setattr(_pools.cupy.cuda, "Device", Device)
     with pytest.raises(cpm.InvalidOptionError, match="small_pool"):
-        cpm.DevicePool(ipc=True, small_pool="1MiB", peer_access=None)
-    with pytest.raises(cpm.InvalidOptionError, match="small_pool"):
         cpm.DevicePool(max_size="1GiB", small_pool="1MiB", peer_access=None)
     with pytest.raises(cpm.OptionTypeError, match="small_pool"):
         cpm.DevicePool(small_pool=[1], peer_access=None)
+
+
+# ------------------------------------------------------------------ sharing (ipc=True)
+def _driver_says_pool(world, monkeypatch, answer=None):
+    """``cuPointerGetAttribute(MEMPOOL_HANDLE, ptr)`` answered from the fake driver's
+    allocations (or ``answer(ptr)``); the calls are listed in the returned list."""
+    calls = []
+
+    def get(attr, ptr):
+        calls.append(int(ptr))
+        if answer is not None:
+            return answer(int(ptr))
+        allocs = [e[1] for e in world.log if e[0] == "alloc"]
+        owner = dict(zip(allocs, world.alloc_pools))
+        return 0, owner.get(int(ptr), 0x999)
+
+    monkeypatch.setattr(_pools._drv, "cuPointerGetAttribute", get)
+    return calls
+
+
+def test_an_ipc_pool_shares_both_cuda_pools_and_exports_their_handles_at_setup(world):
+    p = world.pool(small=8 * MiB, ipc=True)
+    assert [u for _, u, _ in p._ipc_pools] == ["uuid-abc", "uuid-def"]
+    assert p._pool_uuid == "uuid-abc"
+    assert sorted(world.handles_read) == [MAIN, SMALL]  # not in the middle of a first send
+
+
+def test_each_block_is_shared_under_the_cuda_pool_the_driver_says_holds_it(world, monkeypatch):
+    p = world.pool(small=8 * MiB, ipc=True, reuse_cache=0)
+    calls = _driver_says_pool(world, monkeypatch)
+    small, large = p.malloc(8 * MiB), p.malloc(8 * MiB + 1)
+    uuid, mr = p._ipc_pool_of(small.ptr)
+    assert uuid == "uuid-def" and mr.allocation_handle == SMALL + 1000
+    uuid, mr = p._ipc_pool_of(large.ptr)
+    assert uuid == "uuid-abc" and mr.allocation_handle == MAIN + 1000
+    assert calls == [small.ptr, large.ptr]
+    del small, large
+
+
+def test_a_pool_with_one_cuda_pool_asks_the_driver_nothing(world, monkeypatch):
+    p = world.pool(ipc=True, reuse_cache=0)
+    calls = _driver_says_pool(world, monkeypatch)
+    m = p.malloc(4096)
+    assert p._ipc_pool_of(m.ptr)[0] == "uuid-abc" and calls == []
+    del m
+
+
+def test_a_pointer_of_another_pool_is_refused_naming_both(world, monkeypatch):
+    p = world.pool(small=8 * MiB, ipc=True)
+    _driver_says_pool(world, monkeypatch)
+    with pytest.raises(cpm.SharingError) as ei:
+        p._ipc_pool_of(0x7000)
+    assert "0x7000" in str(ei.value) and "0x999" in str(ei.value)
+
+
+def test_a_driver_error_keeps_its_cuda_name(world, monkeypatch):
+    from cuda.bindings import driver
+
+    p = world.pool(small=8 * MiB, ipc=True)
+    err = driver.CUresult.CUDA_ERROR_INVALID_VALUE
+    _driver_says_pool(world, monkeypatch, answer=lambda ptr: (err, None))
+    with pytest.raises(cpm.CUDADriverError, match="CUDA_ERROR_INVALID_VALUE"):
+        p._ipc_pool_of(0x7000)
+
+
+def test_a_pool_without_ipc_refuses_to_share_naming_the_fix(world):
+    p = world.pool(small=8 * MiB)
+    assert p._ipc_pools == ()
+    with pytest.raises(cpm.SharingError, match="ipc=True"):
+        p._ipc_pool_of(0x7000)

@@ -64,6 +64,8 @@ class Record:
         "dev",
         "dev_uuid",
         "data",
+        "pool_uuid",
+        "pool_mr",
         "tickets",
         "claimed",
         "leases",
@@ -81,7 +83,14 @@ class Record:
     )
 
     def __init__(
-        self, exporter: Exporter, export_id: int, block: Any, data: bytes, dev: int, dev_uuid: str
+        self,
+        exporter: Exporter,
+        export_id: int,
+        block: Any,
+        data: bytes,
+        dev: int,
+        dev_uuid: str,
+        pool: tuple[str, Any],
     ) -> None:
         self.exporter = exporter
         self.export_id = export_id
@@ -89,6 +98,9 @@ class Record:
         self.stream = block.stream
         self.stream_ptr = int(block.stream_ptr)
         self.dev, self.dev_uuid, self.data = dev, dev_uuid, data
+        # The CUDA pool that holds the block (a DevicePool may have two): its uuid goes
+        # in every message, its descriptor to a receiver that has not imported it.
+        self.pool_uuid, self.pool_mr = pool
         self.tickets: dict[bytes, float] = {}
         self.claimed: OrderedDict[bytes, None] = OrderedDict()
         self.leases: dict[int, int] = {}
@@ -227,8 +239,9 @@ class Exporter:
         with self.lock:
             rec = block.share
             if rec is None:
-                self._ids += 1
                 dev = block.core.device_id
+                pool = block.core._ipc_pool_of(block.ptr)
+                self._ids += 1
                 rec = Record(
                     self,
                     self._ids,
@@ -236,6 +249,7 @@ class Exporter:
                     self.driver.export_pointer(block.ptr),
                     dev,
                     self.driver.device_uuid(dev) if dev >= 0 else "",
+                    pool,
                 )
                 self.records[rec.export_id] = rec
                 block.share = rec
@@ -688,7 +702,7 @@ class Exporter:
                 if f.keep:
                     rec.keepers.add(peer.cid)
                 if f.want_fd:  # the pool travels only to a peer with a live ticket for it
-                    fd = int(rec.core.memory_resource.allocation_handle)
+                    fd = int(rec.pool_mr.allocation_handle)
         reply = _wire.Reply(f.seq, _wire.OK if ok else _wire.REFUSED, fd is not None)
         peer.conn.send(_wire.encode(reply), fd)
 

@@ -99,7 +99,7 @@ def describe(
         _wire.VERSION,
         kind,
         exp.address,
-        core._pool_uuid,
+        rec.pool_uuid,
         rec.dev_uuid,
         core.kind,
         rec.export_id,
