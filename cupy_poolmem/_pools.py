@@ -73,7 +73,7 @@ __all__ = [
 _UINT64_MAX = 2**64 - 1
 _CACHE_MAX_BLOCK = 64 << 20  # blocks above this size always go back to the CUDA pool
 #: DevicePool(small_pool="auto"): blocks up to this size come from a CUDA pool of their
-#: own, when the pool has no IPC and no max_size (see DevicePool's Notes).
+#: own, when the pool has no max_size (see DevicePool's Notes).
 SMALL_POOL_AUTO = 8 << 20
 _CUDA_ERROR_OUT_OF_MEMORY = 2
 _CUDA_ERROR_NOT_SUPPORTED = 801
@@ -228,7 +228,7 @@ class Pool(_hp.PoolCore):
         # (handle, uuid, resource) of each CUDA pool that can be shared: with a
         # small-block pool a block goes out under the uuid of the pool that holds it.
         self._ipc_pools: tuple[tuple[int, str, Any], ...] = ()
-        if getattr(mr, "is_ipc_enabled", False):
+        if self._mrs and all(getattr(m, "is_ipc_enabled", False) for m in self._mrs):
             # Export the pools' handles now, not in the middle of a first send.
             for m in self._mrs:
                 m.allocation_handle  # noqa: B018
@@ -766,9 +766,10 @@ class Pool(_hp.PoolCore):
         for h, uuid, mr in pools:
             if h == handle:
                 return uuid, mr
+        where = f"it belongs to pool {handle:#x}" if handle else "it is not pool memory"
         raise SharingError(
-            f"address {ptr:#x} is not memory of {self!r}'s CUDA pools (it belongs to pool "
-            f"{int(handle):#x}); share arrays allocated from the pool that exports them"
+            f"address {ptr:#x} is not memory of {self!r}'s CUDA pools ({where}); share "
+            "arrays allocated from the pool that exports them"
         )
 
     def _owns_handle(self, handle: int) -> bool:

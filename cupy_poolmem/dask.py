@@ -178,7 +178,9 @@ class PoolmemPlugin(WorkerPlugin):
         dask-cuda's ``rmm_pool_size`` reads them.  The
         pools here have no built-in initial size, so the plugin allocates this much
         once and frees it; the pool keeps it reserved as long as the release
-        threshold allows (the default keeps everything).  ``None``: grow on demand.
+        threshold allows (the default keeps everything).  Such a pool has one CUDA
+        pool (``small_pool=None``), so every allocation comes out of the reservation.
+        ``None``: grow on demand (with the small-block pool).
     maximum_pool_size : int, str or float, optional
         Hard cap of the device pool (the pool's ``max_size``), in the same forms.
         ``None``: limited by the GPU only.
@@ -365,10 +367,14 @@ class PoolmemPlugin(WorkerPlugin):
             with cupy.cuda.Device(dev) as d:
                 total = int(d.mem_info[1])
                 sizes = self.resolve(total)
+                # A pre-reserved pool is one CUDA pool: a small-block pool beside it
+                # would reserve memory of its own beyond pool_size.
+                extra = {"small_pool": None} if sizes["pool_size"] else {}
                 self._device_alloc = cupy_poolmem.set_allocator(
                     max_size=sizes["maximum_pool_size"],
                     release_threshold=sizes["release_threshold"],
                     ipc=self.ipc,
+                    **extra,
                 )
                 pool = self._device_alloc.pool(dev)
                 if sizes["pool_size"]:
@@ -453,6 +459,9 @@ def _prereserve(pool: Any, nbytes: int) -> None:
             f"({exc}); lower pool_size"
         ) from exc
     del mem
+    # A pool_size up to the reuse cache's block limit would stay cached for that one
+    # size: back in the CUDA pool, every allocation can use it.
+    pool.flush_cache()
     cupy.cuda.get_current_stream().synchronize()
 
 

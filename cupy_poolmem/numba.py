@@ -349,7 +349,7 @@ def _pointer_pool(ptr: int) -> int:
 # Pool IPC for Numba handles
 # --------------------------------------------------------------------------------------
 # The receiving process maps through the sharing package's one importer: each exporter
-# pool is imported once (by pool UUID) and each allocation once (by export record),
+# CUDA pool is imported once (by pool UUID) and each allocation once (by export record),
 # whether it arrives as a Numba handle or as a shared CuPy array; importing one
 # allocation twice in a process breaks the first import.
 
@@ -385,8 +385,8 @@ class PoolIpcHandle(IpcHandle):
         export record plus an offset.
 
     In the receiving process
-        The exporter's pool is imported once per process (cached by pool UUID) and
-        each allocation once (cached by export record, reference-counted across
+        Each of the exporter's CUDA pools is imported once per process (cached by pool
+        UUID) and each allocation once (cached by export record, reference-counted across
         handles): importing one allocation twice would break the first import.
         ``open()`` returns a Numba device pointer on the exporter's GPU (found by
         UUID, so ``CUDA_VISIBLE_DEVICES`` may differ between processes).  Opened in a
@@ -566,7 +566,8 @@ class PoolIpcHandle(IpcHandle):
             )
             if local is not None:  # unpickled in the exporting process: no import needed
                 if ctx_dev != local.device_id:  # the pool's own grants decide; say so now
-                    require_access(local.handle, local.device_id, ctx_dev, repr(local))
+                    handle = _pool_uuids(local)[self.pool_uuid]
+                    require_access(handle, local.device_id, ctx_dev, repr(local))
                 self._release_fd()
                 self._local = True
                 return MemoryPointer(
@@ -628,11 +629,11 @@ class PoolIpcHandle(IpcHandle):
         )
 
 
-def _pool_uuids(pool: Pool) -> tuple[_uuid.UUID, ...]:
-    """The uuids of ``pool``'s shareable CUDA pools (two with a small-block pool)."""
+def _pool_uuids(pool: Pool) -> dict[_uuid.UUID, int]:
+    """uuid -> handle of ``pool``'s shareable CUDA pools (two with a small-block pool)."""
     with contextlib.suppress(Exception):
-        return tuple(_uuid.UUID(u) for _, u, _ in pool._ipc_pools)
-    return ()
+        return {_uuid.UUID(u): h for h, u, _ in pool._ipc_pools}
+    return {}
 
 
 def _rebuild_pool_ipc_handle(

@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import itertools
 import os
+import uuid
 from types import SimpleNamespace
 from typing import Any
 
@@ -134,7 +135,7 @@ class World:
         """A pool of the twin module without a CUDA pool behind it (``cuda_pool=False``:
         none at all, as ManagedPool's "managed" backend, given as ``_backend=``).
         ``small``: the largest block of a small-block pool (handle ``0xDEF``), if any;
-        ``ipc``: its CUDA pools say they are IPC-enabled (uuid ``uuid-<handle>``, their
+        ``ipc``: its CUDA pools say they are IPC-enabled (uuid ``UUID(int=handle)``, their
         allocation handles counted in ``handles_read``)."""
         cls = cls or self.tp.DevicePool
         p = cls.__new__(cls)
@@ -159,7 +160,7 @@ class World:
                 ),
                 close=lambda: None,
                 is_ipc_enabled=ipc,
-                uuid=f"uuid-{handle:x}",
+                uuid=str(uuid.UUID(int=handle)),
             )
 
         mr = fake_mr(0xABC) if cuda_pool else None

@@ -53,7 +53,21 @@ def _worker_allocator_state() -> dict:
         "device": dev,
         "pci": cupy.cuda.Device(dev).pci_bus_id,
         "pool_ipc": bool(alloc.pool(dev).ipc) if alloc is not None else None,
+        "small_pool": int(alloc.pool(dev).small_pool) if alloc is not None else None,
     }
+
+
+def _small_block_in_the_reservation() -> dict:
+    """A 1 MiB array on the worker: does the pool reserve more than it had?"""
+    import cupy
+
+    from cupy_poolmem import _allocator
+
+    pool = _allocator._current["device"].pool()
+    before = pool.stats().reserved_bytes
+    x = cupy.full(1 << 20, 7, dtype=cupy.uint8)
+    ok = int(x.sum()) == 7 << 20
+    return {"before": before, "after": pool.stats().reserved_bytes, "ok": ok}
 
 
 def _cluster(**kw):
@@ -97,6 +111,17 @@ def test_dask_array_workload_allocates_from_the_plugin_pool():
         assert not state["plugin_allocator"]
         with pytest.raises(cpm.PoolClosedError, match="no cupy_poolmem device pool"):
             gather_stats(client)
+
+
+def test_a_pre_reserved_pool_serves_small_blocks_from_its_reservation():
+    """pool_size without a cap: the pool is one CUDA pool (no small-block pool), so a
+    small array is carved out of the reservation instead of reserving a new chunk."""
+    with _cluster() as cluster, Client(cluster) as client:
+        client.register_plugin(PoolmemPlugin(pool_size=64 * MiB, pinned=False))
+        ((addr, state),) = client.run(_worker_allocator_state).items()
+        assert state["plugin_allocator"] and state["small_pool"] == 0
+        r = client.run(_small_block_in_the_reservation)[addr]
+        assert r["ok"] and r["before"] >= 64 * MiB and r["after"] == r["before"]
 
 
 def test_bad_fraction_against_the_real_gpu_is_reported_by_the_worker():

@@ -9,6 +9,7 @@ test_hotpath_cpu.py checks that both have ``_attach_small``.
 
 from __future__ import annotations
 
+import uuid
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
 MiB = 1 << 20
 MAIN, SMALL = 0xABC, 0xDEF
+UUID_MAIN, UUID_SMALL = str(uuid.UUID(int=MAIN)), str(uuid.UUID(int=SMALL))
 
 
 @pytest.fixture
@@ -240,8 +242,8 @@ def _driver_says_pool(world, monkeypatch, answer=None):
 
 def test_an_ipc_pool_shares_both_cuda_pools_and_exports_their_handles_at_setup(world):
     p = world.pool(small=8 * MiB, ipc=True)
-    assert [u for _, u, _ in p._ipc_pools] == ["uuid-abc", "uuid-def"]
-    assert p._pool_uuid == "uuid-abc"
+    assert [u for _, u, _ in p._ipc_pools] == [UUID_MAIN, UUID_SMALL]
+    assert p._pool_uuid == UUID_MAIN
     assert sorted(world.handles_read) == [MAIN, SMALL]  # not in the middle of a first send
 
 
@@ -250,9 +252,9 @@ def test_each_block_is_shared_under_the_cuda_pool_the_driver_says_holds_it(world
     calls = _driver_says_pool(world, monkeypatch)
     small, large = p.malloc(8 * MiB), p.malloc(8 * MiB + 1)
     uuid, mr = p._ipc_pool_of(small.ptr)
-    assert uuid == "uuid-def" and mr.allocation_handle == SMALL + 1000
+    assert uuid == UUID_SMALL and mr.allocation_handle == SMALL + 1000
     uuid, mr = p._ipc_pool_of(large.ptr)
-    assert uuid == "uuid-abc" and mr.allocation_handle == MAIN + 1000
+    assert uuid == UUID_MAIN and mr.allocation_handle == MAIN + 1000
     assert calls == [small.ptr, large.ptr]
     del small, large
 
@@ -261,7 +263,7 @@ def test_a_pool_with_one_cuda_pool_asks_the_driver_nothing(world, monkeypatch):
     p = world.pool(ipc=True, reuse_cache=0)
     calls = _driver_says_pool(world, monkeypatch)
     m = p.malloc(4096)
-    assert p._ipc_pool_of(m.ptr)[0] == "uuid-abc" and calls == []
+    assert p._ipc_pool_of(m.ptr)[0] == UUID_MAIN and calls == []
     del m
 
 
@@ -288,3 +290,23 @@ def test_a_pool_without_ipc_refuses_to_share_naming_the_fix(world):
     assert p._ipc_pools == ()
     with pytest.raises(cpm.SharingError, match="ipc=True"):
         p._ipc_pool_of(0x7000)
+
+
+def test_a_numba_handle_names_the_cuda_pool_that_holds_the_block(tp, world, monkeypatch):
+    import cuda.core
+
+    from cupy_poolmem import numba as cpn
+
+    p = world.pool(small=8 * MiB, ipc=True, reuse_cache=0)
+    _driver_says_pool(world, monkeypatch)
+    monkeypatch.setattr(cpn, "DevicePool", tp.DevicePool)
+    record = SimpleNamespace(reserved=list(range(64)))
+    monkeypatch.setattr(cpn._drv, "cuMemPoolExportPointer", lambda ptr: (0, record))
+    monkeypatch.setattr(cuda.core, "Device", lambda dev: SimpleNamespace(uuid="GPU-x"))
+    for size, handle in ((4096, SMALL), (8 * MiB + 1, MAIN)):
+        m = p.malloc(size)
+        h = cpn.PoolIpcHandle._export(p, SimpleNamespace(size=size), m.ptr, size, 0, None)
+        assert h.pool_uuid == uuid.UUID(int=handle) and h._export_fd == handle + 1000
+        del m
+    # The exporting process finds the pool, and the handle to check grants on, by uuid.
+    assert cpn._pool_uuids(p) == {uuid.UUID(int=MAIN): MAIN, uuid.UUID(int=SMALL): SMALL}
