@@ -15,8 +15,9 @@ after every step.
 
 Goal (cupy_poolmem's default DevicePool): a reserved peak at most 0.8x MemoryPool's,
 at equal speed (at most 1.05x its time per step).  The default DevicePool takes blocks
-up to 8 MiB from a CUDA pool of their own (``small_pool``); the ``small_pool=None`` row
-is the same pool with one CUDA pool.  Its peak is the sum of both CUDA pools' peaks (an
+up to 8 MiB from a CUDA pool of their own (``small_pool``); the ``ipc=True`` row is the
+pool ``set_allocator()`` makes (shareable, both CUDA pools IPC-enabled), the
+``small_pool=None`` row the same pool with one CUDA pool.  Its peak is the sum of both CUDA pools' peaks (an
 upper bound of the peak of their sum).
 
 A second table replays the trace straight on CUDA pools with the levers a pool built
@@ -174,6 +175,7 @@ def measure(steps: list[tuple[int, list[int]]]) -> list[tuple[str, float, int]]:
 
     for label, opts in (
         ("cupy_poolmem DevicePool (default)", {}),
+        ("cupy_poolmem DevicePool ipc=True (set_allocator's)", {"ipc": True}),
         ("cupy_poolmem DevicePool small_pool=None", {"small_pool": None}),
         ("cupy_poolmem DevicePool reuse_cache=0", {"reuse_cache": 0}),
     ):
