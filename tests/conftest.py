@@ -61,6 +61,21 @@ def fake_retirer():
     _retire._OWNER[0] = old
 
 
+@pytest.fixture
+def sharing_world():
+    """tests/_sharing_fakes.World: simulated processes on a fake GPU.  At the end every
+    thread the protocol started has ended and the fake GPU saw no violation."""
+    from _sharing_fakes import World, sharing_threads, wait_for
+
+    before = set(sharing_threads())
+    w = World()
+    yield w
+    w.teardown()
+    left = lambda: [t for t in sharing_threads() if t not in before and t.is_alive()]  # noqa: E731
+    assert wait_for(lambda: not left(), 5.0), f"threads left running: {left()}"
+    assert w.gpu.violations == []
+
+
 @pytest.fixture(scope="module")
 def tp():
     """``cupy_poolmem._pools`` loaded again over the pure-Python hot path (one per module)."""

@@ -44,15 +44,8 @@ KB = 1024
 
 
 @pytest.fixture
-def world():
-    before = set(sharing_threads())
-    w = World()
-    yield w
-    w.teardown()
-    # Every thread the protocol started for this test ends once its processes are gone.
-    left = lambda: [t for t in sharing_threads() if t not in before and t.is_alive()]  # noqa: E731
-    assert wait_for(lambda: not left(), 5.0), f"threads left running: {left()}"
-    assert w.gpu.violations == []
+def world(sharing_world):
+    return sharing_world
 
 
 def _exporter_receiver(world, **recv_opts):

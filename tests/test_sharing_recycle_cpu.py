@@ -18,7 +18,7 @@ import threading
 import weakref
 
 import pytest
-from _sharing_fakes import FakeStream, World, sharing_threads, wait_for
+from _sharing_fakes import FakeStream, wait_for
 
 from cupy_poolmem._errors import SharingError
 
@@ -27,14 +27,8 @@ S0 = 0  # the receiver's stream in these tests (reads are kernels ordered on it)
 
 
 @pytest.fixture
-def world():
-    before = set(sharing_threads())
-    w = World()
-    yield w
-    w.teardown()
-    left = lambda: [t for t in sharing_threads() if t not in before and t.is_alive()]  # noqa: E731
-    assert wait_for(lambda: not left(), 5.0), f"threads left running: {left()}"
-    assert w.gpu.violations == []
+def world(sharing_world):
+    return sharing_world
 
 
 def _setup(world, **recv_opts):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from _sharing_fakes import World, sharing_threads, wait_for
+from _sharing_fakes import wait_for
 
 from cupy_poolmem._errors import PoolmemError
 from cupy_poolmem._sharing._exporter import LocalHold
@@ -18,13 +18,8 @@ SMALL = 64 * KB
 
 
 @pytest.fixture
-def world():
-    before = set(sharing_threads())
-    w = World()
-    yield w
-    w.teardown()
-    left = lambda: [t for t in sharing_threads() if t not in before and t.is_alive()]  # noqa: E731
-    assert wait_for(lambda: not left(), 5.0), f"threads left running: {left()}"
+def world(sharing_world):
+    return sharing_world
 
 
 def test_small_and_large_blocks_travel_under_their_own_pools(world):
