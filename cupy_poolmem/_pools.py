@@ -740,12 +740,13 @@ class Pool(_hp.PoolCore):
         except Exception:
             return 0
 
-    def _ipc_pool_of(self, ptr: int) -> tuple[str, Any]:
+    def _ipc_pool_of(self, ptr: int, handle: int = 0) -> tuple[str, Any]:
         """``(uuid, memory resource)`` of this pool's shareable CUDA pool holding ``ptr``.
 
         With a small-block pool the driver says which (the pointer's
-        ``CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE``): the sharing protocol sends each block
-        under its own CUDA pool's uuid, and that pool's descriptor to a new receiver.
+        ``CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE``; ``handle``: that attribute, when the
+        caller has read it already): the sharing protocol sends each block under its own
+        CUDA pool's uuid, and that pool's descriptor to a new receiver.
         """
         pools = self._ipc_pools
         if not pools:
@@ -756,13 +757,15 @@ class Pool(_hp.PoolCore):
             )
         if len(pools) == 1:
             return pools[0][1], pools[0][2]
-        handle = check_driver(
-            _drv.cuPointerGetAttribute(
-                _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, _drv.CUdeviceptr(ptr)
-            ),
-            "cuPointerGetAttribute",
-        )
-        handle = int(handle) if handle is not None else 0
+        if not handle:
+            handle = check_driver(
+                _drv.cuPointerGetAttribute(
+                    _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+                    _drv.CUdeviceptr(ptr),
+                ),
+                "cuPointerGetAttribute",
+            )
+            handle = int(handle) if handle is not None else 0
         for h, uuid, mr in pools:
             if h == handle:
                 return uuid, mr

@@ -312,7 +312,7 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         check_driver(_drv.cuCtxSynchronize(), "cuCtxSynchronize")
         source_info = self.context.device.get_device_identity()
         return PoolIpcHandle._export(
-            pool, memory, base, alloc_size, int(memory.handle) - base, source_info
+            pool, memory, base, alloc_size, int(memory.handle) - base, source_info, pool_handle
         )
 
     def _find_allocation(self, memory: Any) -> tuple[int, int]:
@@ -460,7 +460,10 @@ class PoolIpcHandle(IpcHandle):
         alloc_size: int,
         offset: int,
         source_info: dict | None,
+        pool_handle: int = 0,
     ) -> PoolIpcHandle:
+        """A handle for ``base_ptr`` of ``pool`` (``pool_handle``: its CUDA pool, when
+        the caller has asked the driver already)."""
         import cuda.core as cc
 
         if not isinstance(pool, DevicePool):
@@ -472,7 +475,7 @@ class PoolIpcHandle(IpcHandle):
                 "default) before Numba allocates"
             )
         # The CUDA pool that holds the block: a DevicePool may have two (small_pool).
-        uuid_str, mr = pool._ipc_pool_of(base_ptr)
+        uuid_str, mr = pool._ipc_pool_of(base_ptr, pool_handle)
         try:
             ah = mr.allocation_handle
             ah = ah() if callable(ah) else ah

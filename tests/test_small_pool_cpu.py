@@ -259,6 +259,14 @@ def test_each_block_is_shared_under_the_cuda_pool_the_driver_says_holds_it(world
     del small, large
 
 
+def test_a_handle_the_caller_read_already_is_not_asked_again(world, monkeypatch):
+    p = world.pool(small=8 * MiB, ipc=True, reuse_cache=0)
+    calls = _driver_says_pool(world, monkeypatch)
+    m = p.malloc(4096)
+    assert p._ipc_pool_of(m.ptr, SMALL)[0] == UUID_SMALL and calls == []
+    del m
+
+
 def test_a_pool_with_one_cuda_pool_asks_the_driver_nothing(world, monkeypatch):
     p = world.pool(ipc=True, reuse_cache=0)
     calls = _driver_says_pool(world, monkeypatch)
