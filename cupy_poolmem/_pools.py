@@ -224,7 +224,6 @@ class Pool(_hp.PoolCore):
         self.cache_max_block = min(reuse_cache, _CACHE_MAX_BLOCK)
         self.set_release_threshold(release_threshold)
         self.observer = _GLOBAL_OBSERVER[0]
-        self._pool_uuid = ""
         # (handle, uuid, resource) of each CUDA pool that can be shared: with a
         # small-block pool a block goes out under the uuid of the pool that holds it.
         self._ipc_pools: tuple[tuple[int, str, Any], ...] = ()
@@ -233,10 +232,9 @@ class Pool(_hp.PoolCore):
             for m in self._mrs:
                 m.allocation_handle  # noqa: B018
             self._ipc_pools = tuple((int(m.handle), str(m.uuid), m) for m in self._mrs)
-            self._pool_uuid = self._ipc_pools[0][1]
         with _ALL_LOCK:
             _ALL_POOLS.add(self)
-        if self._pool_uuid:
+        if self._ipc_pools:
             from . import _sharing  # noqa: F401  (a pool that can share: sharing is hooked in)
 
             for cb in list(_IPC_POOL_CALLBACKS):
@@ -542,15 +540,15 @@ class Pool(_hp.PoolCore):
             graph_bytes=int(self._graph_bytes),
         )
 
+    def _sum_attr(self, name: str) -> int:
+        """The cuda.core attribute ``name`` (``reserved_mem_current``, ...) summed over
+        this pool's CUDA pools (a DevicePool may have a small-block pool)."""
+        return sum(int(getattr(mr.attributes, name)) for mr in self._mrs)
+
     def _reserved(self) -> tuple[int, int]:
         """Reserved bytes now and at the high-water mark, summed over the CUDA pools
         (with a small-block pool, the sum of both peaks: an upper bound of the peak)."""
-        now = high = 0
-        for mr in self._mrs:
-            a = mr.attributes
-            now += int(a.reserved_mem_current)
-            high += int(a.reserved_mem_high)
-        return now, high
+        return self._sum_attr("reserved_mem_current"), self._sum_attr("reserved_mem_high")
 
     def reset_peak(self) -> None:
         """Reset the peak used/reserved counters to the current values."""
@@ -578,12 +576,14 @@ class Pool(_hp.PoolCore):
             self._drain_capture_held()
         if sync:
             self._synchronize()
-        before, _ = self._reserved()
-        for mr in self._mrs:  # ``keep`` counts all of them together
-            others = sum(int(m.attributes.reserved_mem_current) for m in self._mrs if m is not mr)
-            keep_here = max(0, keep_b - others)
+        # ``keep`` counts all the CUDA pools together: each keeps what the others do not.
+        cur = [int(mr.attributes.reserved_mem_current) for mr in self._mrs]
+        before = sum(cur)
+        for i, mr in enumerate(self._mrs):
+            keep_here = max(0, keep_b - (sum(cur) - cur[i]))
             check_driver(_drv.cuMemPoolTrimTo(_pool_handle(mr), keep_here), "cuMemPoolTrimTo")
-        return max(0, before - self._reserved()[0])
+            cur[i] = int(mr.attributes.reserved_mem_current)
+        return max(0, before - sum(cur))
 
     def outstanding(self, limit: int = 20) -> list:
         """Live allocations of this pool, biggest first (call sites when tracking is on).
@@ -736,9 +736,14 @@ class Pool(_hp.PoolCore):
 
     def _safe_used(self) -> int:
         try:
-            return sum(int(mr.attributes.used_mem_current) for mr in self._mrs)
+            return self._sum_attr("used_mem_current")
         except Exception:
             return 0
+
+    @property
+    def _pool_uuid(self) -> str:
+        """The uuid of the main shareable CUDA pool (``""``: the pool cannot be shared)."""
+        return self._ipc_pools[0][1] if self._ipc_pools else ""
 
     def _ipc_pool_of(self, ptr: int, handle: int = 0) -> tuple[str, Any]:
         """``(uuid, memory resource)`` of this pool's shareable CUDA pool holding ``ptr``.

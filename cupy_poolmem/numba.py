@@ -557,19 +557,18 @@ class PoolIpcHandle(IpcHandle):
         require_gpu("PoolIpcHandle.open")
         ctx_dev = int(context.device.id)
         if self.pid == os.getpid():
-            local = next(
+            local, handle = next(
                 (
-                    p
+                    (p, h)
                     for p in all_pools()
                     if getattr(p, "ipc", False)
                     and not p.closed
-                    and self.pool_uuid in _pool_uuids(p)
+                    and (h := _pool_uuids(p).get(self.pool_uuid))
                 ),
-                None,
+                (None, 0),
             )
             if local is not None:  # unpickled in the exporting process: no import needed
                 if ctx_dev != local.device_id:  # the pool's own grants decide; say so now
-                    handle = _pool_uuids(local)[self.pool_uuid]
                     require_access(handle, local.device_id, ctx_dev, repr(local))
                 self._release_fd()
                 self._local = True

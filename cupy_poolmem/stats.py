@@ -845,9 +845,8 @@ def _live_bytes(core: Any) -> int | None:
 def _query(core: Any, attr: str, stats_field: str) -> int | None:
     """A memory-pool attribute from the driver (through cuda.core), else ``core.stats()``."""
     try:
-        mrs = getattr(core, "_mrs", None)
-        if mrs:  # every CUDA pool of it (a DevicePool may have a small-block pool)
-            return sum(int(getattr(mr.attributes, attr)) for mr in mrs)
+        if getattr(core, "_mrs", None):  # every CUDA pool of it (see Pool._sum_attr)
+            return int(core._sum_attr(attr))
         return int(getattr(core.stats(), stats_field))
     except Exception:
         return None
