@@ -9,10 +9,12 @@ frees, and a log of every call in order.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import itertools
 import os
 import uuid
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -169,3 +171,39 @@ class World:
         p._setup(mr, dev, kind, None, 0, reuse_cache, second)
         p._synchronize = lambda: self.log.append(("sync",))
         return p
+
+
+def compiled_hotpath(same_version: bool = True) -> Any:
+    """The compiled hot path when this checkout has one that imports, else None: only a
+    build of this checkout's .pyx (an editable install elsewhere can leak one) and, with
+    ``same_version``, of the twin's VERSION (a stale build is not used)."""
+    try:
+        hp = importlib.import_module("cupy_poolmem._hotpath")
+    except Exception:
+        return None
+    if Path(hp.__file__).parent != Path(twin.__file__).parent:
+        return None
+    return hp if not same_version or hp.VERSION == twin.VERSION else None
+
+
+def bare_core(hp: Any, cache: int, with_streams: bool = False, fail_free: Any = None) -> Any:
+    """A PoolCore of ``hp`` without a CUDA pool, its reuse cache ``cache`` bytes: frees
+    go to ``_backend_free`` (legacy streams only, so the driver is never asked about a
+    capture), which lists them in ``freed`` (``(ptr, stream)`` with ``with_streams``) or
+    raises ``fail_free[ptr]``; ``drained`` counts ``_drained`` calls."""
+
+    class Core(hp.PoolCore):
+        def _backend_free(self, ptr, stream_ptr):
+            if fail_free is not None and ptr in fail_free:
+                raise fail_free[ptr]
+            self.freed.append((ptr, stream_ptr) if with_streams else ptr)
+
+        def _drained(self):
+            self.drained += 1
+
+    c = Core()
+    c._attach(0, 0, hp.KIND_DEVICE)
+    c.cache_limit = c.cache_max_block = cache
+    c.freed = []
+    c.drained = 0
+    return c

@@ -12,12 +12,12 @@ bins; a free that fails is still counted (a closed pool drains).
 from __future__ import annotations
 
 import gc
-import importlib
 import threading
 from pathlib import Path
 
 import cupy
 import pytest
+from _hotpath_fakes import bare_core, compiled_hotpath
 
 from cupy_poolmem import _hotpath_py as twin
 
@@ -28,40 +28,15 @@ S = 0x5000  # World's current stream
 PYX = Path(twin.__file__).with_name("_hotpath.pyx")
 
 
-def _compiled():
-    try:
-        hp = importlib.import_module("cupy_poolmem._hotpath")
-    except Exception:
-        return None
-    return hp if Path(hp.__file__).parent == PYX.parent and hp.VERSION == twin.VERSION else None
-
-
 def _impl(name):
-    hp = twin if name == "twin" else _compiled()
+    hp = twin if name == "twin" else compiled_hotpath()
     if hp is None:
         pytest.skip("the Cython hot path is not built in this checkout")
     return hp
 
 
 def _bare_core(hp, fail_free=None):
-    """A PoolCore of ``hp`` without a CUDA pool: frees go to ``_backend_free`` (legacy
-    streams only, so the driver is never asked about a capture)."""
-
-    class Core(hp.PoolCore):
-        def _backend_free(self, ptr, stream_ptr):
-            if fail_free is not None and ptr in fail_free:
-                raise fail_free[ptr]
-            self.freed.append(ptr)
-
-        def _drained(self):
-            self.drained += 1
-
-    c = Core()
-    c._attach(0, 0, hp.KIND_DEVICE)
-    c.cache_limit = c.cache_max_block = 1 << 20
-    c.freed = []
-    c.drained = 0
-    return c
+    return bare_core(hp, 1 << 20, fail_free=fail_free)
 
 
 def _cached(core):

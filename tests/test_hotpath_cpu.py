@@ -4,13 +4,13 @@ behaviour without a CUDA context, and typed errors for bad sizes."""
 from __future__ import annotations
 
 import gc
-import importlib
 import inspect
 import re
 import sys
 from pathlib import Path
 
 import pytest
+from _hotpath_fakes import compiled_hotpath
 from cuda.bindings import driver
 
 import cupy_poolmem as cpm
@@ -18,16 +18,6 @@ from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem import _pools
 
 PYX = Path(_pools.__file__).with_name("_hotpath.pyx")
-
-
-def _compiled():
-    """The compiled hot path when this checkout has one that imports, else None."""
-    try:
-        hp = importlib.import_module("cupy_poolmem._hotpath")
-    except Exception:
-        return None
-    # Only a build of this checkout's .pyx (an editable install elsewhere can leak one).
-    return hp if Path(hp.__file__).parent == PYX.parent else None
 
 
 def _params(arglist: str) -> list[str]:
@@ -109,7 +99,7 @@ def test_twin_has_every_name_and_signature_of_the_pyx():
 
 
 def test_compiled_and_twin_match_when_the_extension_imports():
-    hp = _compiled()
+    hp = compiled_hotpath(same_version=False)
     if hp is None:
         pytest.skip("the Cython hot path is not built in this checkout (the .pyx was compared)")
     assert hp.IMPLEMENTATION == "cython" and hp.VERSION == twin.VERSION
@@ -248,7 +238,7 @@ def test_a_block_is_wrapped_in_cupys_memory_objects_and_freed_into_the_cache(imp
 
     import cupy
 
-    hp = twin if impl == "twin" else _compiled()
+    hp = twin if impl == "twin" else compiled_hotpath(same_version=False)
     if hp is None:
         pytest.skip("the Cython hot path is not built in this checkout")
 

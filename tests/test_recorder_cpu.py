@@ -9,7 +9,6 @@ transcripts are compared: counters, records, CSV lines.
 from __future__ import annotations
 
 import csv
-import importlib
 import io
 import os
 import sys
@@ -18,6 +17,7 @@ from array import array
 from pathlib import Path
 
 import pytest
+from _hotpath_fakes import compiled_hotpath
 from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, InterruptedName
 
 from cupy_poolmem import _hotpath_py as twin
@@ -28,19 +28,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 PKG = os.path.join(os.path.dirname(stats.__file__), "")
 
 
-def _compiled():
-    try:
-        hp = importlib.import_module("cupy_poolmem._hotpath")
-    except Exception:
-        return None
-    if Path(hp.__file__).parent != Path(twin.__file__).parent or hp.VERSION != twin.VERSION:
-        return None
-    return hp
-
-
 IMPLS = [pytest.param(twin, id="twin")]
-if _compiled() is not None:
-    IMPLS.append(pytest.param(_compiled(), id="cython"))
+if compiled_hotpath() is not None:
+    IMPLS.append(pytest.param(compiled_hotpath(), id="cython"))
 
 
 class _Tls(threading.local):

@@ -13,12 +13,12 @@ allocation path are compared with the twin's.
 from __future__ import annotations
 
 import gc
-import importlib
 import weakref
 from pathlib import Path
 
 import cupy
 import pytest
+from _hotpath_fakes import bare_core, compiled_hotpath
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _hotpath_py as twin
@@ -319,32 +319,13 @@ def test_a_bin_created_twice_by_a_nested_free_is_kept_once(world, monkeypatch):
 
 
 # ---------------------------------------------------------------- the compiled cache
-def _compiled():
-    try:
-        hp = importlib.import_module("cupy_poolmem._hotpath")
-    except Exception:
-        return None
-    return hp if Path(hp.__file__).parent == PYX.parent and hp.VERSION == twin.VERSION else None
-
-
 def _bare_core(hp):
-    """A PoolCore of ``hp`` without a CUDA pool: frees go to ``_backend_free`` (legacy
-    streams only, so the driver is never asked about a capture)."""
-
-    class Core(hp.PoolCore):
-        def _backend_free(self, ptr, stream_ptr):
-            self.freed.append((ptr, stream_ptr))
-
-    c = Core()
-    c._attach(0, 0, hp.KIND_DEVICE)
-    c.cache_limit = c.cache_max_block = 16 * KB
-    c.freed = []
-    return c
+    return bare_core(hp, 16 * KB, with_streams=True)
 
 
 @pytest.mark.parametrize("impl", ["twin", "compiled"])
 def test_both_implementations_keep_flush_and_take_exported_blocks_alike(impl):
-    hp = twin if impl == "twin" else _compiled()
+    hp = twin if impl == "twin" else compiled_hotpath()
     if hp is None:
         pytest.skip("the Cython hot path is not built in this checkout")
     retired = []
