@@ -197,15 +197,10 @@ class Pool(_hp.PoolCore):
         # on: it is destroyed only after its frees are done and seen (see _retire.py),
         # never by this object going away.  The token is a C field of the hot path's
         # PoolCore: it outlives a garbage collector's clearing of this __dict__.
-        # Only a shareable CUDA pool (driver 580 corrupted its heap when one was
-        # destroyed with a free pending on another process's event) and the managed
-        # backend are closed after a device sync; any other CUDA pool is closed
-        # without one, so a closed pool never breaks another thread's graph capture.
         owner = mr if mr is not None else self._backend
         if len(self._mrs) > 1:
             owner = _Resources(self._mrs)
-        sync = mr is None or any(getattr(m, "is_ipc_enabled", False) for m in self._mrs)
-        self._retire_token = _retire.retirer().adopt(owner, sync=sync) if owner is not None else 0
+        self._retire_token = _retire.retirer().adopt(owner) if owner is not None else 0
         self._max_size = max_size
         # Reentrant: a garbage collection can start under it (a tuple, a list), and a
         # block of this pool freed there can come back (a free held for a capture).

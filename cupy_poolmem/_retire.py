@@ -16,13 +16,6 @@ destroy it either), and when the pool is drained it synchronises the devices its
 ran on (``cuCtxSynchronize``, in a thread of its own, never while a capture the pools
 know of is under way) and only then closes the resource.
 
-A device synchronisation also invalidates a stream capture that no pool has seen (one
-that has not allocated yet), and nothing tells the retirer of those.  So it syncs only
-where the driver needs it: a resource adopted with ``sync=False`` (a CUDA pool that is
-neither shareable nor the managed backend: the documentation's case, which driver 580
-handles) is closed without one, in relaxed capture mode, at once, whatever captures
-are under way; its leftovers, if it has any, still go after a sync.
-
 Blocks that must not be freed on their own stream (a pool finalized inside a garbage
 cycle: a cupy ``Stream``'s finalizer may have destroyed the stream first) are
 *leftovers*: the retirer frees them after a sync, on the legacy stream, before it
@@ -32,7 +25,6 @@ is polled by the retirer (:meth:`Retirer.after_captures`) and retired once they 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -65,7 +57,6 @@ class _Due(NamedTuple):
     close: bool  # False: leftovers of a pool still held (closed by a later entry)
     everywhere: bool = False  # sync every active device (blocks used on other GPUs)
     token: int = 0  # the pool's (adopt)
-    sync: bool = True  # close only after a sync (leftovers are always after one)
 
 
 class _Poll:
@@ -84,13 +75,8 @@ class Retirer:
     queued on it; ``capture_underway()`` says whether synchronising now would break a
     stream capture; ``active_devices()`` lists the devices with a live context;
     ``free(ptr, device)`` frees a leftover block on ``device``'s legacy stream (a
-    resource with a ``free_leftover(ptr)`` method frees its own instead);
-    ``relaxed()`` is a context manager under which this thread's driver calls are
-    allowed while another thread captures in global mode.
+    resource with a ``free_leftover(ptr)`` method frees its own instead).
     With ``background=False`` nothing happens until :meth:`drain` is called.
-
-    A resource adopted with ``sync=False`` is closed at the next drain without any
-    sync, while captures are under way too (once its leftovers, if any, are done).
 
     A sync the driver refuses because of a capture the pools never saw waits for its
     end, however long it lasts.  Other sync errors count: after ``max_failures`` in a
@@ -114,11 +100,6 @@ class Retirer:
     True
     >>> len(closed), r.pending
     (1, 0)
-    >>> r.retire(r.adopt(Resource(), sync=False), 1)  # closed with no sync
-    >>> r.drain()
-    True
-    >>> len(closed)
-    2
     """
 
     def __init__(
@@ -129,10 +110,8 @@ class Retirer:
         free: Callable[[int, int], None] | None = None,
         delay: float = 0.05,
         background: bool = True,
-        relaxed: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self._sync, self._capture_underway = sync, capture_underway
-        self._relaxed = relaxed
         self._free = free or _free_on_legacy_stream
         self._active_devices = active_devices
         self._delay, self._background = delay, background
@@ -140,7 +119,6 @@ class Retirer:
         # start while this thread holds the lock (any allocation under it).
         self._lock = threading.RLock()
         self._held: dict[int, Any] = {}  # token -> resource of a live pool
-        self._unsynced: set[int] = set()  # tokens adopted with sync=False
         self._kept: list[Any] = []  # never closed: a fork child's, or ones no sync reached
         self._due: list[_Due] = []
         # Pools a drain is retiring now (token -> resource), and leftovers of theirs
@@ -164,18 +142,11 @@ class Retirer:
         self.n_poll_errors = 0  # exceptions out of polls (after_captures)
         self._warned: set[str] = set()
 
-    def adopt(self, resource: Any, sync: bool = True) -> int:
-        """Hold ``resource`` for a new pool; the token names it in :meth:`retire`.
-
-        ``sync=False``: closing it needs no device sync (the pool is neither shared
-        with other processes nor the managed backend): it is closed without one, so
-        it never breaks another thread's stream capture.
-        """
+    def adopt(self, resource: Any) -> int:
+        """Hold ``resource`` for a new pool; the token names it in :meth:`retire`."""
         with self._lock:
             token, self._next = self._next, self._next + 1
             self._held[token] = resource
-            if not sync:
-                self._unsynced.add(token)
         return token
 
     def retire(self, token: int, device: int, leftovers: Iterable[int] = ()) -> None:
@@ -193,12 +164,10 @@ class Retirer:
                 if leftovers and not self._forked:
                     self._add_late(token, device, leftovers, False)
                 return
-            sync = token not in self._unsynced
-            self._unsynced.discard(token)
             if self._forked:  # the parent's or the child's: CUDA is unusable here
                 self._kept.append(resource)
                 return
-            self._due.append(_Due(resource, device, leftovers, True, token=token, sync=sync))
+            self._due.append(_Due(resource, device, leftovers, True, token=token))
         self._start()
 
     def add_leftovers(
@@ -306,44 +275,19 @@ class Retirer:
             return True
         self._trouble = False
         self._poll_waiting()
-        # First what needs no sync: a capture under way, seen or not, is no obstacle.
-        done = self._drain_batch(self._take_unsynced)
         with self._lock:
             if not self._due:
-                return done and not self._waiting
+                return not self._waiting
         if self._capture_underway():
             return False
-        done = self._drain_batch(self._take_all) and done
         with self._lock:
-            return done and not self._waiting
-
-    def _take_all(self) -> list[_Due]:
-        """Under the lock: everything due."""
-        due, self._due = self._due, []
-        return due
-
-    def _take_unsynced(self) -> list[_Due]:
-        """Under the lock: the closes that need no sync, none of whose leftovers is due."""
-        waiting = {e.token for e in self._due if e.leftovers}
-        take = [e for e in self._due if e.close and not e.sync and e.token not in waiting]
-        if take:
-            taken = {id(e) for e in take}
-            self._due = [e for e in self._due if id(e) not in taken]
-        return take
-
-    def _drain_batch(self, take: Callable[[], list[_Due]]) -> bool:
-        """Retire what ``take()`` (called under the lock) hands over; False if held back."""
-        with self._lock:
-            due = take()
-            if not due:
-                return True
+            due, self._due = self._due, []
             tokens = [e.token for e in due if e.close]
             for e in due:
                 if e.close:
                     self._inflight[e.token] = e.resource
         try:
-            with self._relaxed():
-                return self._retire_batch(due)
+            done = self._retire_batch(due)
         except BaseException:
             # Nothing is lost and nothing is done twice: what is left of the batch
             # (_retire_batch strips the leftovers it freed and the resources it
@@ -354,6 +298,8 @@ class Retirer:
         finally:
             with self._lock:
                 self._settle(tokens)
+        with self._lock:
+            return done and not self._waiting
 
     def _poll_waiting(self) -> None:
         with self._lock:
@@ -399,8 +345,6 @@ class Retirer:
         devices: set[int] = set()
         active: list[int] | None = None
         for e in due:
-            if not (e.sync or e.leftovers):
-                continue  # closed without a sync (see adopt)
             if e.device == ALL_DEVICES or e.everywhere:
                 if active is None:
                     active = list(self._active_devices())
@@ -553,7 +497,6 @@ class Retirer:
             *self._inflight.values(),  # the parent's drain was retiring them
         ]
         self._held = {}
-        self._unsynced = set()
         self._due = []
         self._waiting = []
         self._inflight = {}
@@ -592,12 +535,6 @@ def _capture_underway() -> bool:
     return any_capture_underway()
 
 
-def _relaxed_capture_mode() -> contextlib.AbstractContextManager[None]:
-    from ._streams import relaxed_capture_mode
-
-    return relaxed_capture_mode()
-
-
 _OWNER: list[Retirer | None] = [None]
 _OWNER_LOCK = threading.Lock()
 
@@ -609,9 +546,7 @@ def retirer() -> Retirer:
         with _OWNER_LOCK:
             r = _OWNER[0]
             if r is None:
-                r = _OWNER[0] = Retirer(
-                    _sync_device, _capture_underway, _active_devices, relaxed=_relaxed_capture_mode
-                )
+                r = _OWNER[0] = Retirer(_sync_device, _capture_underway, _active_devices)
     return r
 
 

@@ -1,12 +1,9 @@
-"""CPU tests of how pools' CUDA pools are destroyed: a shareable one never before a sync
-saw its frees, a plain one without any sync.
+"""CPU tests of how pools' CUDA pools are destroyed: never before a sync saw their frees.
 
 Driver 580 corrupted its heap when an IPC pool was destroyed right after its last free
 (seen on an H100: the next pool created crashed in ``cuMemAllocFromPoolAsync``), so
-the pools hand their cuda.core resource to ``_retire.Retirer``.  A device sync also
-breaks any stream capture under way, including one no pool has seen, so pools that
-are not shareable are closed without one.  These tests play the driver
-(``tests/_hotpath_fakes.World`` and the ``fake_retirer`` fixture).
+the pools hand their cuda.core resource to ``_retire.Retirer``; these tests play the
+driver (``tests/_hotpath_fakes.World`` and the ``fake_retirer`` fixture).
 """
 
 from __future__ import annotations
@@ -59,79 +56,6 @@ def _failing_sync_retirer(sync, log: list) -> _retire.Retirer:
 
 
 # ---------------------------------------------------------------- the retirer itself
-def test_a_resource_adopted_without_sync_is_closed_with_no_sync_even_during_a_capture(
-    fake_retirer,
-):
-    log = fake_retirer.log.events
-    fake_retirer.retire(fake_retirer.adopt(Resource(log, "plain"), sync=False), 0)
-    fake_retirer.retire(fake_retirer.adopt(Resource(log, "shared")), 0)
-    fake_retirer.log.capturing = True  # a sync now would invalidate the capture
-    assert not fake_retirer.drain()  # held back: the shared one
-    assert log == [("close", "plain")] and fake_retirer.pending == 1
-    fake_retirer.log.capturing = False
-    assert fake_retirer.drain()
-    assert log == [("close", "plain"), ("sync", 0), ("close", "shared")]
-
-
-def test_leftovers_of_a_resource_adopted_without_sync_still_wait_for_a_sync(fake_retirer):
-    """Leftovers are freed on the legacy stream after a sync whatever the pool; the
-    close waits for them, so it waits for the capture too."""
-    log = fake_retirer.log.events
-    token = fake_retirer.adopt(Resource(log, "plain"), sync=False)
-    fake_retirer.add_leftovers(token, 0, [0xA])
-    fake_retirer.retire(token, 0)
-    fake_retirer.log.capturing = True
-    assert not fake_retirer.drain() and log == [] and fake_retirer.pending == 1
-    fake_retirer.log.capturing = False
-    assert fake_retirer.drain()
-    assert log == [("sync", 0), ("free", 0xA, 0), ("sync", 0), ("close", "plain")]
-
-
-def test_closes_run_in_relaxed_capture_mode():
-    """Another thread's global-mode capture forbids this thread's pool destroy unless
-    the thread is in relaxed mode: every batch runs under ``relaxed()``."""
-    log: list = []
-
-    @contextlib.contextmanager
-    def relaxed():
-        log.append("relaxed")
-        yield
-        log.append("restored")
-
-    r = _retire.Retirer(
-        lambda dev: log.append(("sync", dev)),
-        lambda: False,
-        lambda: [0],
-        background=False,
-        relaxed=relaxed,
-    )
-    r.retire(r.adopt(Resource(log, "plain"), sync=False), 0)
-    r.retire(r.adopt(Resource(log, "shared")), 0)
-    assert r.drain()
-    assert log == [
-        "relaxed",
-        ("close", "plain"),
-        "restored",
-        "relaxed",
-        ("sync", 0),
-        ("close", "shared"),
-        "restored",
-    ]
-
-
-def test_the_process_retirer_runs_its_batches_in_relaxed_capture_mode(monkeypatch):
-    monkeypatch.setattr(_retire, "_OWNER", [None])
-    assert _retire.retirer()._relaxed is _retire._relaxed_capture_mode
-
-
-def test_a_fork_child_keeps_a_resource_adopted_without_sync(fake_retirer):
-    log = fake_retirer.log.events
-    token = fake_retirer.adopt(Resource(log, "plain"), sync=False)
-    fake_retirer._after_fork_in_child()
-    fake_retirer.retire(token, 0)
-    assert fake_retirer.drain() and log == []  # CUDA is unusable here: never closed
-
-
 def test_nothing_is_closed_before_a_sync_of_its_devices(fake_retirer):
     log = fake_retirer.log.events
     a = fake_retirer.adopt(Resource(log, "a"))
@@ -672,12 +596,8 @@ def _closing(world, p):
     world.retirer._free = lambda ptr, dev: world.log.append(("legacy_free", ptr, dev))
 
 
-@pytest.mark.parametrize("ipc", [False, True])
-def test_a_closed_pool_is_destroyed_only_after_its_last_free(world, ipc):
-    """A shareable pool is destroyed only after a sync saw its last free (driver 580);
-    a plain one right after its last free, with no sync: a device sync would break
-    another thread's stream capture that no pool has seen."""
-    p = world.pool(ipc=ipc)
+def test_a_closed_pool_is_destroyed_only_after_its_last_free_and_a_sync(world):
+    p = world.pool()
     _closing(world, p)
     m = p.malloc(KB)
     ptr = m.ptr
@@ -688,27 +608,7 @@ def test_a_closed_pool_is_destroyed_only_after_its_last_free(world, ipc):
     assert world.retirer.pending == 1
     world.retirer.drain()
     tail = [e for e in world.log if e[0] in ("free", "sync", "close_pool")]
-    sync = [("sync", 0)] if ipc else []
-    assert tail[-3:] == [("free", ptr, 0x5000), *sync, ("close_pool",)][-3:]
-    assert tail.count(("sync", 0)) == len(sync)
-
-
-def test_a_pool_adopted_without_sync_is_closed_while_a_capture_is_under_way(world):
-    """The retirer holds back every sync while a capture is under way; a plain pool's
-    close needs none, so it goes at once.  A shareable one waits for the capture."""
-    plain, shared = world.pool(), world.pool(ipc=True)
-    closed = []
-    plain._mr.close = lambda: closed.append("plain")
-    shared._mr.close = lambda: closed.append("shared")
-    world.retirer._sync = lambda dev: closed.append(("sync", dev))
-    shared.close()
-    plain.close()
-    world.retirer.log.capturing = True
-    assert not world.retirer.drain()
-    assert closed == ["plain"] and world.retirer.pending == 1
-    world.retirer.log.capturing = False
-    assert world.retirer.drain()
-    assert closed == ["plain", ("sync", 0), "shared"] and world.retirer.pending == 0
+    assert tail[-3:] == [("free", ptr, 0x5000), ("sync", 0), ("close_pool",)]
 
 
 def test_a_pool_dropped_without_close_frees_its_cache_then_retires(world, tp, monkeypatch):
@@ -741,23 +641,13 @@ def test_take_cache_empties_the_cache_without_freeing(world):
     assert p._take_cache() == []
 
 
-def test_a_shareable_pinned_pool_syncs_every_active_device(world, tp):
-    world.retirer.log.active = [0, 1]
-    p = world.pool(kind=twin.KIND_PINNED, ipc=True)
-    _closing(world, p)
-    p.close()
-    world.retirer.drain()
-    assert world.log[-3:] == [("sync", 0), ("sync", 1), ("close_pool",)]
-
-
-def test_a_plain_pinned_pool_is_closed_without_a_sync(world, tp):
+def test_a_pinned_pool_syncs_every_active_device(world, tp):
     world.retirer.log.active = [0, 1]
     p = world.pool(kind=twin.KIND_PINNED)
     _closing(world, p)
     p.close()
-    n = len(world.log)
     world.retirer.drain()
-    assert world.log[n:] == [("close_pool",)]
+    assert world.log[-3:] == [("sync", 0), ("sync", 1), ("close_pool",)]
 
 
 def test_pool_holds_its_resource_through_the_retirer(world):
@@ -910,9 +800,8 @@ def test_a_pinned_pool_finalized_with_deferred_and_live_blocks_is_retired(world,
 
 
 # ---------------------------------------------------------------- frees held for a capture
-@pytest.mark.parametrize("ipc", [False, True])
-def test_a_closed_pool_does_its_frees_held_for_a_capture_before_it_is_retired(world, ipc):
-    p = world.pool(reuse_cache=0, ipc=ipc)
+def test_a_closed_pool_does_its_frees_held_for_a_capture_before_it_is_retired(world):
+    p = world.pool(reuse_cache=0)
     _closing(world, p)
     m = p.malloc(KB)
     ptr = m.ptr
@@ -927,8 +816,7 @@ def test_a_closed_pool_does_its_frees_held_for_a_capture_before_it_is_retired(wo
     del world.status[0x5000]  # end_capture()
     assert world.retirer.drain()
     tail = [e for e in world.log if e[0] in ("free", "sync", "close_pool")]
-    sync = [("sync", 0)] if ipc else []  # a plain pool: no sync (see above)
-    assert tail[-3:] == [("free", ptr, 0x5000), *sync, ("close_pool",)][-3:]
+    assert tail[-3:] == [("free", ptr, 0x5000), ("sync", 0), ("close_pool",)]
     assert world.retirer.waiting == 0 and world.retirer.held == 0
 
 
@@ -968,7 +856,7 @@ def test_a_closed_pool_whose_poll_raised_once_is_polled_again_and_retired(world,
     assert world.retirer.drain()
     frees = [e for e in world.log if e[0] in ("free", "legacy_free") and e[1] == ptr]
     assert frees == [("free", ptr, 0x5000)]  # once, on its stream
-    assert world.log[-2:] == [("free", ptr, 0x5000), ("close_pool",)]  # plain: no sync
+    assert world.log[-2:] == [("sync", 0), ("close_pool",)]
     assert world.retirer.held == 0 and world.retirer.waiting == 0
 
 
@@ -1063,7 +951,7 @@ def test_a_closed_pools_graph_memory_held_for_a_capture_is_freed_then_it_is_reti
     world.retirer.drain()
     assert ("graph_free", g, 0x5000) in world.log  # on its stream, not a leftover
     assert ("legacy_free", g, 0) not in world.log
-    assert world.log[-2:] == [("graph_free", g, 0x5000), ("close_pool",)]  # plain: no sync
+    assert world.log[-2:] == [("sync", 0), ("close_pool",)]
 
 
 def test_a_dropped_pool_hands_its_held_frees_to_the_retirer(world, tp):
