@@ -3,9 +3,14 @@
 The CUDA documentation lets a pool be destroyed while frees of its memory are still
 pending (the driver finishes the job when they complete).  Driver 580 does not cope:
 
-- a pool whose last free waited on another process's IPC event, destroyed right after
-  that free, corrupted the driver's heap: the next pool created in the process crashed
-  in ``cuMemAllocFromPoolAsync`` (SIGFPE, then SIGSEGV at a small address) on an H100;
+- any pool destroyed while a free of its memory is still pending corrupts the
+  driver's heap: a pool created later in the process crashes in its first
+  ``cuMemAllocFromPoolAsync`` (SIGFPE, or SIGSEGV at a small address; H100, driver
+  580.159).  First seen with an IPC pool whose last free waited on another
+  process's event; a probe of 2026-11-24 crashed every time for plain and shareable
+  pools alike, the free pending behind a kernel on its own stream or behind another
+  stream's event.  Destroying once an event recorded after the free reported done
+  (``cuEventQuery``, no synchronisation) never crashed (64 pools of 64);
 - an imported pool destroyed before a synchronising call saw its frees keeps a
   descriptor of ``/dev/nvidiactl`` open for good (the importer keeps its own events for
   those, see ``_sharing/_importer.py``).
@@ -14,7 +19,10 @@ So a pool never destroys its CUDA pool itself.  :class:`Retirer` holds the cuda.
 resource of every pool from creation (a pool dropped inside a garbage cycle cannot
 destroy it either), and when the pool is drained it synchronises the devices its frees
 ran on (``cuCtxSynchronize``, in a thread of its own, never while a capture the pools
-know of is under way) and only then closes the resource.
+know of is under way) and only then closes the resource.  That sync also invalidates
+a capture under way that no pool has seen yet (known issue: see the troubleshooting
+guide); events recorded after a pool's frees, on every stream it freed on, would
+avoid it, at the price of a ledger of those streams in the hot path.
 
 Blocks that must not be freed on their own stream (a pool finalized inside a garbage
 cycle: a cupy ``Stream``'s finalizer may have destroyed the stream first) are

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 import warnings
 
@@ -15,6 +16,8 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 cupyx = pytest.importorskip("cupyx")
+
+from _waits import wait_for  # noqa: E402
 
 SIZES = [0, 1, 7, 256, 4096, (1 << 20) + 3, 64 << 20]
 
@@ -813,6 +816,72 @@ def _wait_retired(r, deadline_s: float = 30.0) -> None:
     while (r.pending or r.waiting) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert r.pending == 0 and r.waiting == 0
+
+
+def _device_fds() -> dict[str, int]:
+    """Open descriptors of device files (``/dev/nvidia*``) by path."""
+    out: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/dev/"):
+            out[target] = out.get(target, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("ipc", [False, True])
+def test_pools_closed_with_frees_pending_are_destroyed_only_after_those_frees_ran(ipc):
+    """Driver 580 crashes (SIGFPE or SIGSEGV in a later pool's first allocation) when
+    any CUDA pool, plain or shareable, is destroyed while a free of its memory is still
+    pending (probe of 2026-11-24 on an H100: 32 pools out of 32 each way).  12 pools,
+    each closed while its last free waits behind another stream's kernel
+    (record_stream): each is destroyed only once that kernel is done.  The reads on the
+    other stream hold their values, pools created afterwards allocate and hold data,
+    and no device descriptor is left behind per pool."""
+    from cupy_poolmem import _retire
+
+    r = _retire.retirer()
+    _wait_retired(r)
+    a = cupy.cuda.Stream(non_blocking=True)
+    b = cupy.cuda.Stream(non_blocking=True)
+    warm = cpm.DevicePool(ipc=ipc)  # the driver's descriptors for pools, opened once
+    with cpm.using(warm):
+        cupy.ones(4).sum()
+    warm.close()
+    _wait_retired(r)
+    fds = _device_fds()
+    keep = cpm.DevicePool()  # the reads' results: alive after their sources' pools go
+    reads = []
+    for i in range(12):
+        p = cpm.DevicePool(reuse_cache=0, ipc=ipc)
+        with cpm.using(p), a:
+            x = cupy.full(1 << 18, i, dtype=cupy.int32)
+        a.synchronize()
+        spin(300, b)
+        with cpm.using(keep), b:
+            reads.append((i, x * 2))  # read on b, behind the spin
+        cpm.record_stream(x, b)
+        del x  # p's last block: its free waits for b's event, behind the spin
+        retired = r.n_retired
+        p.close()
+        assert not b.done  # the free is pending while the retirer takes the pool
+        assert wait_for(lambda n=retired: r.n_retired > n, 10.0)
+        assert b.done, "a pool was destroyed before its pending free ran"
+    for i, y in reads:
+        assert (y.get() == 2 * i).all()
+    del reads, y
+    keep.close()
+    _wait_retired(r)
+    after = _device_fds()
+    assert {k: n - fds.get(k, 0) for k, n in after.items() if n != fds.get(k, 0)} == {}
+    q = cpm.DevicePool()
+    with cpm.using(q):
+        for n, seed in ((1 << 10, 1), (3 << 20, 2), (40 << 20, 3)):
+            want = _pattern(n, seed)
+            assert (cupy.asarray(want).get() == want).all()
+    q.close()
 
 
 def test_pools_collected_in_cycles_with_their_streams_and_live_arrays_are_retired_safely():

@@ -1,7 +1,8 @@
 """CPU tests of how pools' CUDA pools are destroyed: never before a sync saw their frees.
 
-Driver 580 corrupted its heap when an IPC pool was destroyed right after its last free
-(seen on an H100: the next pool created crashed in ``cuMemAllocFromPoolAsync``), so
+Driver 580 corrupts its heap when a pool, plain or shareable, is destroyed while a
+free of its memory is pending (seen on an H100: a pool created later crashed in
+``cuMemAllocFromPoolAsync``), so
 the pools hand their cuda.core resource to ``_retire.Retirer``; these tests play the
 driver (``tests/_hotpath_fakes.World`` and the ``fake_retirer`` fixture).
 """
@@ -596,8 +597,10 @@ def _closing(world, p):
     world.retirer._free = lambda ptr, dev: world.log.append(("legacy_free", ptr, dev))
 
 
-def test_a_closed_pool_is_destroyed_only_after_its_last_free_and_a_sync(world):
-    p = world.pool()
+@pytest.mark.parametrize("ipc", [False, True])
+def test_a_closed_pool_is_destroyed_only_after_its_last_free_and_a_sync(world, ipc):
+    """Plain or shareable: driver 580 crashes on either destroyed with a free pending."""
+    p = world.pool(ipc=ipc)
     _closing(world, p)
     m = p.malloc(KB)
     ptr = m.ptr
