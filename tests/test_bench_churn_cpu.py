@@ -1,6 +1,8 @@
-"""The churn benchmark's trace and goal line (the replay itself needs a GPU)."""
+"""The churn benchmark's trace, goal line and page-mapper sketch (the replays need a GPU)."""
 
 from __future__ import annotations
+
+import pytest
 
 from cupy_poolmem.benchmarks import churn
 
@@ -89,3 +91,97 @@ def test_the_variants_replay_frees_every_block_once_and_splits_by_size():
             assert ops.by_pool[1] and min(ops.by_pool[1]) > split
         else:
             assert not ops.by_pool[1]
+
+
+class _FakePages:
+    """PageMapper's driver: checks that a page is mapped at one place at a time, and
+    that every range is unmapped and given back as it was reserved."""
+
+    def __init__(self, page: int, fail_map_at: int = -1) -> None:
+        self.page, self.fail_map_at = page, fail_map_at
+        self.created = 0
+        self.where: dict[str, int] = {}  # page handle -> address it is mapped at
+        self.ranges: dict[int, int] = {}  # reserved address -> bytes
+        self.next_va = 1 << 40
+        self.maps = 0
+        self.released: list[str] = []
+
+    def create(self) -> str:
+        self.created += 1
+        return f"page{self.created}"
+
+    def reserve(self, n: int) -> int:
+        va, self.next_va = self.next_va, self.next_va + n + self.page
+        self.ranges[va] = n
+        return va
+
+    def map(self, va: int, h: str) -> None:
+        self.maps += 1
+        if self.maps == self.fail_map_at:
+            raise RuntimeError("cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY")
+        assert h not in self.where, f"{h} mapped twice"
+        assert any(b <= va < b + n for b, n in self.ranges.items())
+        self.where[h] = va
+
+    def access(self, va: int, n: int) -> None:
+        assert self.ranges[va] == n
+
+    def unmap(self, va: int, n: int) -> None:
+        gone = [h for h, a in self.where.items() if va <= a < va + n]
+        assert len(gone) * self.page == n, "unmapped what was not mapped"
+        for h in gone:
+            del self.where[h]
+
+    def unreserve(self, va: int, n: int) -> None:
+        assert self.ranges.pop(va) == n
+
+    def release(self, h: str) -> None:
+        assert h not in self.where
+        self.released.append(h)
+
+
+def test_the_page_mapper_creates_pages_only_for_the_most_ever_live():
+    from cupy_poolmem.benchmarks import _churn_variants as cv
+    from cupy_poolmem.benchmarks._page_mapper import PageMapper
+
+    page = 2 * MiB
+    steps = churn.trace(3000, 256 * MiB)
+    small, drv = _FakePools(), _FakePages(page)
+    ops = cv.PagedOps(small, PageMapper(drv, page))
+    live: dict[int, int] = {}
+    most = 0
+    orig_alloc, orig_free = ops.mapper.alloc, ops.mapper.free
+
+    def alloc(size):
+        nonlocal most
+        va = orig_alloc(size)
+        live[va] = -(-size // page)
+        most = max(most, sum(live.values()))
+        assert len(drv.where) == sum(live.values())  # every live page mapped, once
+        return va
+
+    def free(va):
+        orig_free(va)
+        del live[va]
+
+    ops.mapper.alloc, ops.mapper.free = alloc, free
+    cv.replay_on(steps, ops, cv.PAGED_SPLIT, False)
+    assert most and ops.mapper.pages == most == drv.created
+    assert not drv.where and not drv.ranges and not live  # all unmapped, ranges given back
+    assert max(small.by_pool[0]) <= cv.PAGED_SPLIT and not small.by_pool[1]
+    assert ops.mapper.peak_bytes == most * page
+    ops.mapper.close()
+    assert sorted(drv.released) == sorted(f"page{i}" for i in range(1, most + 1))
+
+
+def test_a_page_mapper_alloc_that_fails_gives_everything_back():
+    from cupy_poolmem.benchmarks._page_mapper import PageMapper
+
+    drv = _FakePages(2 * MiB, fail_map_at=3)
+    m = PageMapper(drv, 2 * MiB)
+    with pytest.raises(RuntimeError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+        m.alloc(6 * MiB)  # the third page's map fails
+    assert not drv.where and not drv.ranges and not m.blocks
+    assert m.pages == 3 and len(m.free_pages) == 3  # created pages kept for the next
+    va = m.alloc(6 * MiB)
+    assert m.pages == 3 and len(drv.where) == 3 and m.blocks[va]

@@ -1,0 +1,143 @@
+"""A sketch of the backend the churn goal asks for: large blocks mapped from 2 MiB pages.
+
+A CUDA pool maps its memory in 32 MiB chunks and can give back only whole empty
+chunks, so on the churn trace (``churn.py``) no CUDA-pool arrangement gets its
+reserved peak below about 0.85x CuPy's ``MemoryPool``.  Virtual memory management
+(``cuMemCreate`` / ``cuMemMap``) maps at the device's granularity, 2 MiB: here each
+large block gets an address range of its own, backed by pages taken from a free list
+(created only when the list is empty), and a freed block's pages are unmapped and
+kept for the next one.  The memory reserved is then the pages ever created.
+
+This is a measurement, not a backend: it replays a trace on one stream with no
+kernels.  A backend would record an event at each free and reuse or unmap the pages
+only once it is done (other streams), share pages through
+``cuMemExportToShareableHandle`` rather than pool IPC, and route allocations made
+during a graph capture to a CUDA pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PageMapper:
+    """Blocks on ``page``-byte physical pages, each block in an address range of its own.
+
+    ``drv`` does the driver work: ``create()`` a page (a handle), ``reserve(n)`` an
+    address range, ``map(va, handle)`` one page at ``va``, ``access(va, n)`` (read and
+    write for the device), ``unmap(va, n)``, ``unreserve(va, n)``, ``release(handle)``.
+
+    Examples
+    --------
+    >>> class Log:
+    ...     def __init__(self): self.n, self.calls = 0, []
+    ...     def create(self): self.n += 1; return f"h{self.n}"
+    ...     def reserve(self, n): return 1 << 30
+    ...     def __getattr__(self, name): return lambda *a: self.calls.append((name, *a))
+    >>> m = PageMapper(Log(), page=2 << 20)
+    >>> va = m.alloc(3 << 20)  # 2 pages
+    >>> m.free(va)
+    >>> _ = m.alloc(4 << 20)  # the same 2 pages again: none created
+    >>> m.pages, m.peak_bytes
+    (2, 4194304)
+    """
+
+    def __init__(self, drv: Any, page: int) -> None:
+        self.drv, self.page = drv, page
+        self.free_pages: list[Any] = []
+        self.blocks: dict[int, list[Any]] = {}  # address -> its pages, in order
+        self.pages = 0  # pages created (the memory reserved, in pages)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Bytes reserved at most: pages are created, never released before close()."""
+        return self.pages * self.page
+
+    def alloc(self, size: int) -> int:
+        """A block of at least ``size`` bytes (a multiple of the page); its address."""
+        n = max(1, -(-size // self.page))
+        va = self.drv.reserve(n * self.page)
+        handles: list[Any] = []
+        mapped = 0
+        try:
+            for i in range(n):
+                if self.free_pages:
+                    h = self.free_pages.pop()
+                else:
+                    h = self.drv.create()
+                    self.pages += 1
+                handles.append(h)
+                self.drv.map(va + i * self.page, h)
+                mapped += 1
+            self.drv.access(va, n * self.page)
+        except BaseException:
+            # Nothing lost: the pages go back to the list, the range to the driver.
+            if mapped:
+                self.drv.unmap(va, mapped * self.page)
+            self.free_pages.extend(handles)
+            self.drv.unreserve(va, n * self.page)
+            raise
+        self.blocks[va] = handles
+        return va
+
+    def free(self, va: int) -> None:
+        """Unmap the block at ``va``; its pages go to the free list."""
+        handles = self.blocks.pop(va)
+        self.drv.unmap(va, len(handles) * self.page)
+        self.drv.unreserve(va, len(handles) * self.page)
+        self.free_pages.extend(handles)
+
+    def close(self) -> None:
+        """Free every block and release every page."""
+        for va in list(self.blocks):
+            self.free(va)
+        for h in self.free_pages:
+            self.drv.release(h)
+        self.free_pages = []
+
+
+class DriverPages:
+    """:class:`PageMapper`'s driver work on the current device, through cuda.bindings."""
+
+    def __init__(self, device: int) -> None:
+        from cuda.bindings import driver as drv
+
+        self._d = drv
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = device
+        self._prop = prop
+        flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        self.page = int(self._check(drv.cuMemGetAllocationGranularity(prop, flag), "granularity"))
+        desc = drv.CUmemAccessDesc()
+        desc.location = prop.location
+        desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._desc = [desc]
+
+    def _check(self, result: Any, what: str) -> Any:
+        err = result[0] if isinstance(result, tuple) else result
+        if int(err):
+            raise RuntimeError(f"{what} failed: {getattr(err, 'name', err)}")
+        return result[1] if isinstance(result, tuple) and len(result) > 1 else None
+
+    def create(self) -> Any:
+        return self._check(self._d.cuMemCreate(self.page, self._prop, 0), "cuMemCreate")
+
+    def reserve(self, n: int) -> int:
+        return int(self._check(self._d.cuMemAddressReserve(n, self.page, 0, 0), "reserve"))
+
+    def map(self, va: int, handle: Any) -> None:
+        self._check(self._d.cuMemMap(va, self.page, 0, handle, 0), "cuMemMap")
+
+    def access(self, va: int, n: int) -> None:
+        self._check(self._d.cuMemSetAccess(va, n, self._desc, 1), "cuMemSetAccess")
+
+    def unmap(self, va: int, n: int) -> None:
+        self._check(self._d.cuMemUnmap(va, n), "cuMemUnmap")
+
+    def unreserve(self, va: int, n: int) -> None:
+        self._check(self._d.cuMemAddressFree(va, n), "cuMemAddressFree")
+
+    def release(self, handle: Any) -> None:
+        self._check(self._d.cuMemRelease(handle), "cuMemRelease")
