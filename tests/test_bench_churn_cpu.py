@@ -106,7 +106,8 @@ class _FakePages:
         self.maps = 0
         self.released: list[str] = []
 
-    def create(self) -> str:
+    def create(self, n: int) -> str:
+        assert n == self.page
         self.created += 1
         return f"page{self.created}"
 
@@ -115,7 +116,8 @@ class _FakePages:
         self.ranges[va] = n
         return va
 
-    def map(self, va: int, h: str) -> None:
+    def map(self, va: int, n: int, h: str) -> None:
+        assert n == self.page
         self.maps += 1
         if self.maps == self.fail_map_at:
             raise RuntimeError("cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY")
@@ -185,3 +187,74 @@ def test_a_page_mapper_alloc_that_fails_gives_everything_back():
     assert m.pages == 3 and len(m.free_pages) == 3  # created pages kept for the next
     va = m.alloc(6 * MiB)
     assert m.pages == 3 and len(drv.where) == 3 and m.blocks[va]
+
+
+class _FakeBlocks(_FakePages):
+    """BlockMapper's driver: any size, a handle per block, released once unmapped."""
+
+    def __init__(self, page: int, fail: str = "") -> None:
+        super().__init__(page)
+        self.fail = fail
+        self.alive: set[str] = set()
+
+    def create(self, n: int) -> str:
+        assert n % self.page == 0
+        self.created += 1
+        self.alive.add(f"block{self.created}")
+        return f"block{self.created}"
+
+    def map(self, va: int, n: int, h: str) -> None:
+        if self.fail == "map":
+            raise RuntimeError("cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY")
+        assert h not in self.where and self.ranges[va] == n
+        self.where[h] = va
+
+    def access(self, va: int, n: int) -> None:
+        if self.fail == "access":
+            raise RuntimeError("cuMemSetAccess failed: CUDA_ERROR_INVALID_VALUE")
+        super().access(va, n)
+
+    def unmap(self, va: int, n: int) -> None:
+        gone = [h for h, a in self.where.items() if a == va]
+        assert len(gone) == 1
+        del self.where[gone[0]]
+
+    def release(self, h: str) -> None:
+        assert h not in self.where
+        self.alive.remove(h)
+
+
+def test_the_block_mapper_reserves_what_is_live_rounded_to_the_page():
+    from cupy_poolmem.benchmarks import _churn_variants as cv
+    from cupy_poolmem.benchmarks._page_mapper import BlockMapper
+
+    page = 2 * MiB
+    steps = churn.trace(3000, 256 * MiB)
+    drv = _FakeBlocks(page)
+    ops = cv.PagedOps(_FakePools(), BlockMapper(drv, page))
+    most, live = 0, 0
+    orig_alloc = ops.mapper.alloc
+
+    def alloc(size):
+        nonlocal most, live
+        va = orig_alloc(size)
+        live = sum(n for _, n in ops.mapper.blocks.values())
+        most = max(most, live)
+        assert len(drv.alive) == len(ops.mapper.blocks)  # freed blocks' memory released
+        return va
+
+    ops.mapper.alloc = alloc
+    cv.replay_on(steps, ops, cv.PAGED_SPLIT, False)
+    assert most and ops.mapper.peak_bytes == most and ops.mapper.live == 0
+    assert not drv.alive and not drv.where and not drv.ranges
+
+
+@pytest.mark.parametrize("fail", ["map", "access"])
+def test_a_block_mapper_alloc_that_fails_gives_everything_back(fail):
+    from cupy_poolmem.benchmarks._page_mapper import BlockMapper
+
+    drv = _FakeBlocks(2 * MiB, fail=fail)
+    m = BlockMapper(drv, 2 * MiB)
+    with pytest.raises(RuntimeError, match="failed: CUDA_ERROR"):
+        m.alloc(5 * MiB)
+    assert not drv.alive and not drv.where and not drv.ranges and not m.blocks and m.live == 0

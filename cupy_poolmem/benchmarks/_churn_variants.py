@@ -15,9 +15,10 @@ The peak is each variant's ``reserved_mem_high`` (summed over its pools).  Times
 step include the Python binding calls, so compare them with each other, not with the
 CuPy rows of the main table.
 
-The last row is not a CUDA pool: blocks above 8 MiB on 2 MiB pages mapped with virtual
-memory management (``_page_mapper.py``, a sketch of the backend the goal needs), the
-small ones from a CUDA pool; its peak is the pages ever created plus that pool's.
+The last two rows are not CUDA pools: blocks above 8 MiB mapped at 2 MiB with virtual
+memory management (``_page_mapper.py``, sketches of the backend the goal needs), on
+pages kept for the next block or on memory of their own released at free; the small
+ones from a CUDA pool.  Their peak adds that pool's to the mapped memory's.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ class _DriverOps:
 
 
 PAGED_LABEL = "split at 8 MiB, blocks above on 2 MiB pages (VMM sketch)"
+BLOCK_LABEL = "split at 8 MiB, blocks above mapped each alone (VMM sketch)"
 PAGED_SPLIT = 8 << 20
 
 
@@ -156,7 +158,7 @@ class PagedOps:
     ...     def trim(self, i): pass
     ...     def peak_reserved(self): return 32 << 20
     >>> class Pages:
-    ...     def create(self): return "h"
+    ...     def create(self, n): return "h"
     ...     def reserve(self, n): return 1 << 40
     ...     def __getattr__(self, name): return lambda *a: None
     >>> ops = PagedOps(Small(), PageMapper(Pages(), 2 << 20))
@@ -213,7 +215,7 @@ def measure_variants(steps: list[tuple[int, list[int]]]) -> list[VariantResult]:
     GPU)."""
     import cupy
 
-    from ._page_mapper import DriverPages, PageMapper
+    from ._page_mapper import BlockMapper, DriverPages, PageMapper
 
     out = []
     for label, split, trim in VARIANTS:
@@ -225,14 +227,18 @@ def measure_variants(steps: list[tuple[int, list[int]]]) -> list[VariantResult]:
         out.append(VariantResult(label, dt, ops.peak_reserved(), trims))
         ops.close()
     pages = DriverPages(cupy.cuda.runtime.getDevice())
-    paged = PagedOps(_DriverOps(1), PageMapper(pages, pages.page))
-    try:
-        _check_pages(paged.mapper)
-        t0 = time.perf_counter()
-        replay_on(steps, paged, PAGED_SPLIT, False)
-        cupy.cuda.runtime.deviceSynchronize()
-        dt = (time.perf_counter() - t0) / len(steps)
-        out.append(VariantResult(PAGED_LABEL, dt, paged.peak_reserved(), 0))
-    finally:
-        paged.close()
+    for label, mapper in (
+        (PAGED_LABEL, PageMapper(pages, pages.page)),
+        (BLOCK_LABEL, BlockMapper(pages, pages.page)),
+    ):
+        paged = PagedOps(_DriverOps(1), mapper)
+        try:
+            _check_pages(paged.mapper)
+            t0 = time.perf_counter()
+            replay_on(steps, paged, PAGED_SPLIT, False)
+            cupy.cuda.runtime.deviceSynchronize()
+            dt = (time.perf_counter() - t0) / len(steps)
+            out.append(VariantResult(label, dt, paged.peak_reserved(), 0))
+        finally:
+            paged.close()
     return out
