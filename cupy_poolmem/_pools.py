@@ -188,6 +188,7 @@ class Pool(_hp.PoolCore):
         max_size: int,
         reuse_cache: int = 0,
         small: tuple[Any, int] | None = None,
+        recycle_key: Any = None,
     ) -> None:
         self._mr = mr
         # Every CUDA pool of this pool: ``mr``, then the small-block pool if any
@@ -197,10 +198,16 @@ class Pool(_hp.PoolCore):
         # on: it is destroyed only after its frees are done and seen (see _retire.py),
         # never by this object going away.  The token is a C field of the hot path's
         # PoolCore: it outlives a garbage collector's clearing of this __dict__.
+        # With a ``recycle_key`` the CUDA pools are parked for the next pool of that
+        # key once this one is drained, instead of destroyed (no device sync: see
+        # _retire.py).
         owner = mr if mr is not None else self._backend
         if len(self._mrs) > 1:
             owner = _Resources(self._mrs)
-        self._retire_token = _retire.retirer().adopt(owner) if owner is not None else 0
+        park = _park if recycle_key is not None else None
+        self._retire_token = (
+            _retire.retirer().adopt(owner, recycle_key, park) if owner is not None else 0
+        )
         self._max_size = max_size
         # Reentrant: a garbage collection can start under it (a tuple, a list), and a
         # block of this pool freed there can come back (a free held for a capture).
@@ -657,8 +664,14 @@ class Pool(_hp.PoolCore):
         return True
 
     def _retire_now(self, leftovers: Any = ()) -> None:
-        """Hand the CUDA pool to the retirer (C fields only: see :meth:`_drained`)."""
+        """Hand the CUDA pool to the retirer (C fields only: see :meth:`_drained`).
+
+        From then on this object reads and sets nothing of it: the retirer destroys
+        it, or a new pool owns it (a plain DevicePool's, reused).
+        """
         _retire.retirer().retire(self._retire_token, self._retire_device(), leftovers)
+        with contextlib.suppress(Exception):
+            self._mrs = ()  # statistics read zero; trim, peaks and thresholds touch none
 
     def _retire_device(self) -> int:
         """The device the retirer synchronises for this pool's frees."""
@@ -783,6 +796,23 @@ class Pool(_hp.PoolCore):
     def _owns_handle(self, handle: int) -> bool:
         """Whether the CUDA pool ``handle`` is one of this pool's."""
         return any(int(mr.handle) == handle for mr in getattr(self, "_mrs", ()))
+
+
+def _park(resource: Any) -> None:
+    """A drained pool's CUDA pools, parked for the next pool of their kind: they keep
+    no memory (release threshold 0, so what their pending frees give back goes to the
+    device at the next synchronising call; a trim now for what is free already)."""
+    for mr in getattr(resource, "mrs", (resource,)):
+        _set_attr(mr, _A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, 0)
+        check_driver(_drv.cuMemPoolTrimTo(_pool_handle(mr), 0), "cuMemPoolTrimTo")
+
+
+def _recycled_mrs(key: Any) -> list[Any]:
+    """The CUDA pools a drained pool of ``key`` left parked, or [] (create new ones)."""
+    res = _retire.retirer().take_recycled(key)
+    if res is None:
+        return []
+    return list(getattr(res, "mrs", (res,)))
 
 
 class _Resources:
@@ -918,19 +948,25 @@ class DevicePool(Pool):
                 )
             parse_bytes(release_threshold, name="release_threshold", allow_none=True)
             small_max = _small_pool_size(small_pool, max_b)
-            mrs = []
+            # A plain pool's CUDA pools are reused by the next plain pool of the same
+            # shape once it is drained (never destroyed, so never a device sync); a
+            # shareable one's are destroyed (other processes know their handles).
+            key = None if ipc else ("device", dev, max_b, small_max)
+            mrs = _recycled_mrs(key) if key is not None else []
+            recycled = bool(mrs)
             try:
-                mrs.append(
-                    cc.DeviceMemoryResource(
-                        dev, cc.DeviceMemoryResourceOptions(ipc_enabled=ipc, max_size=max_b)
-                    )
-                )
-                if small_max:
+                if not mrs:
                     mrs.append(
                         cc.DeviceMemoryResource(
-                            dev, cc.DeviceMemoryResourceOptions(ipc_enabled=ipc)
+                            dev, cc.DeviceMemoryResourceOptions(ipc_enabled=ipc, max_size=max_b)
                         )
                     )
+                    if small_max:
+                        mrs.append(
+                            cc.DeviceMemoryResource(
+                                dev, cc.DeviceMemoryResourceOptions(ipc_enabled=ipc)
+                            )
+                        )
             except Exception as exc:
                 for m in mrs:
                     m.close()
@@ -946,12 +982,18 @@ class DevicePool(Pool):
                         _revoke_stale(m, dev)
                         self._peers_set = _set_peers(m, dev, peers) or self._peers_set
                 except BaseException:
-                    for m in mrs:
-                        m.close()
+                    if recycled:  # frees of the last owner may be pending: never close here
+                        owner = mrs[0] if len(mrs) == 1 else _Resources(tuple(mrs))
+                        _retire.retirer().retire_resource(owner, dev)
+                    else:
+                        for m in mrs:
+                            m.close()
                     raise
             self.ipc = ipc
             small = (mrs[1], small_max) if small_max else None
-            self._setup(mrs[0], dev, _hp.KIND_DEVICE, release_threshold, max_b, cache, small)
+            self._setup(mrs[0], dev, _hp.KIND_DEVICE, release_threshold, max_b, cache, small, key)
+            if recycled:
+                self.reset_peak()  # the last owner's peaks are not this pool's
             self._capacity = int(total)
             if guard_options is not None:
                 try:

@@ -24,6 +24,14 @@ a capture under way that no pool has seen yet (known issue: see the troubleshoot
 guide); events recorded after a pool's frees, on every stream it freed on, would
 avoid it, at the price of a ledger of those streams in the hot path.
 
+Most drained pools are not destroyed at all: a resource adopted with a
+``recycle_key`` (a plain DevicePool's CUDA pools) is *parked*, with no sync: its
+memory goes back to the device as its frees complete (release threshold 0, a trim),
+and the next pool created with the same key takes it over (:meth:`Retirer.take_recycled`).
+Frees still pending in a CUDA pool do not stop its reuse (they are stream-ordered),
+so nothing needs a sync, and no capture is broken.  Up to ``max_recycled`` resources
+wait per key; one more is destroyed as above.
+
 Blocks that must not be freed on their own stream (a pool finalized inside a garbage
 cycle: a cupy ``Stream``'s finalizer may have destroyed the stream first) are
 *leftovers*: the retirer frees them after a sync, on the legacy stream, before it
@@ -33,11 +41,12 @@ is polled by the retirer (:meth:`Retirer.after_captures`) and retired once they 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any, NamedTuple
 
 from ._streams import CAPTURE_ERRORS
@@ -83,8 +92,14 @@ class Retirer:
     queued on it; ``capture_underway()`` says whether synchronising now would break a
     stream capture; ``active_devices()`` lists the devices with a live context;
     ``free(ptr, device)`` frees a leftover block on ``device``'s legacy stream (a
-    resource with a ``free_leftover(ptr)`` method frees its own instead).
+    resource with a ``free_leftover(ptr)`` method frees its own instead);
+    ``relaxed()`` is a context manager under which this thread may make driver calls
+    while another thread captures in global mode (parking runs under it).
     With ``background=False`` nothing happens until :meth:`drain` is called.
+
+    A resource adopted with a ``recycle_key`` is parked when retired without
+    leftovers (``park(resource)`` at the next drain, no sync, captures or not), for
+    :meth:`take_recycled` to hand to the next pool of that key.
 
     A sync the driver refuses because of a capture the pools never saw waits for its
     end, however long it lasts.  Other sync errors count: after ``max_failures`` in a
@@ -108,6 +123,12 @@ class Retirer:
     True
     >>> len(closed), r.pending
     (1, 0)
+    >>> parked = []
+    >>> r.retire(r.adopt(Resource(), recycle_key="k", park=parked.append), 0)
+    >>> r.drain(), len(closed), len(parked)  # no sync, not closed: kept for reuse
+    (True, 1, 1)
+    >>> r.take_recycled("k") is parked[0], r.take_recycled("k")
+    (True, None)
     """
 
     def __init__(
@@ -118,8 +139,10 @@ class Retirer:
         free: Callable[[int, int], None] | None = None,
         delay: float = 0.05,
         background: bool = True,
+        relaxed: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self._sync, self._capture_underway = sync, capture_underway
+        self._relaxed = relaxed
         self._free = free or _free_on_legacy_stream
         self._active_devices = active_devices
         self._delay, self._background = delay, background
@@ -127,6 +150,13 @@ class Retirer:
         # start while this thread holds the lock (any allocation under it).
         self._lock = threading.RLock()
         self._held: dict[int, Any] = {}  # token -> resource of a live pool
+        # token -> (recycle key, park) of a live pool whose resource may be reused
+        self._recycle: dict[int, tuple[Hashable, Callable[[Any], None]]] = {}
+        self._parking: list[tuple[Hashable, Any, Callable[[Any], None], int, int]] = []
+        self._bins: dict[Hashable, list[Any]] = {}  # key -> parked resources
+        self.max_recycled = 4  # parked resources per key; one more is destroyed
+        self.n_parked = 0
+        self.n_park_errors = 0
         self._kept: list[Any] = []  # never closed: a fork child's, or ones no sync reached
         self._due: list[_Due] = []
         # Pools a drain is retiring now (token -> resource), and leftovers of theirs
@@ -150,12 +180,36 @@ class Retirer:
         self.n_poll_errors = 0  # exceptions out of polls (after_captures)
         self._warned: set[str] = set()
 
-    def adopt(self, resource: Any) -> int:
-        """Hold ``resource`` for a new pool; the token names it in :meth:`retire`."""
+    def adopt(
+        self,
+        resource: Any,
+        recycle_key: Hashable = None,
+        park: Callable[[Any], None] | None = None,
+    ) -> int:
+        """Hold ``resource`` for a new pool; the token names it in :meth:`retire`.
+
+        With a ``recycle_key``, the resource is parked instead of destroyed once the
+        pool is drained: ``park(resource)`` readies it for an owner to come (no sync),
+        and :meth:`take_recycled` hands it to the next pool asking with that key.
+        """
         with self._lock:
             token, self._next = self._next, self._next + 1
             self._held[token] = resource
+            if recycle_key is not None:
+                self._recycle[token] = (recycle_key, park or (lambda r: None))
         return token
+
+    def take_recycled(self, key: Hashable) -> Any:
+        """A parked resource of ``key`` for a new pool (to :meth:`adopt` again), or None."""
+        with self._lock:
+            parked = self._bins.get(key)
+            return parked.pop() if parked else None
+
+    @property
+    def recycled(self) -> int:
+        """Resources parked for reuse."""
+        with self._lock:
+            return sum(len(v) for v in self._bins.values())
 
     def retire(self, token: int, device: int, leftovers: Iterable[int] = ()) -> None:
         """The pool ``token`` is drained (its frees are queued): destroy it once done.
@@ -168,6 +222,7 @@ class Retirer:
         leftovers = tuple(leftovers)
         with self._lock:
             resource = self._held.pop(token, None)
+            recycle = self._recycle.pop(token, None)
             if resource is None:  # retired already
                 if leftovers and not self._forked:
                     self._add_late(token, device, leftovers, False)
@@ -175,8 +230,22 @@ class Retirer:
             if self._forked:  # the parent's or the child's: CUDA is unusable here
                 self._kept.append(resource)
                 return
+            # Not with leftovers (given now, or due already): they go after a sync.
+            if recycle is not None and not leftovers and not self._has_leftovers(token):
+                key, park = recycle
+                waiting = len(self._bins.get(key, ())) + sum(
+                    1 for e in self._parking if e[0] == key
+                )
+                if waiting < self.max_recycled:
+                    self._parking.append((key, resource, park, device, token))
+                    self._start()
+                    return
             self._due.append(_Due(resource, device, leftovers, True, token=token))
         self._start()
+
+    def _has_leftovers(self, token: int) -> bool:
+        """Under the lock: whether leftovers of the pool ``token`` wait for a drain."""
+        return token in self._late or any(e.token == token and e.leftovers for e in self._due)
 
     def add_leftovers(
         self, token: int, device: int, ptrs: Iterable[int], everywhere: bool = False
@@ -254,9 +323,9 @@ class Retirer:
 
     @property
     def pending(self) -> int:
-        """Resources retired but not destroyed yet (due, or in a drain under way)."""
+        """Resources retired but not destroyed or parked yet (due, or in a drain under way)."""
         with self._lock:
-            return sum(1 for e in self._due if e.close) + len(self._inflight)
+            return sum(1 for e in self._due if e.close) + len(self._inflight) + len(self._parking)
 
     @property
     def waiting(self) -> int:
@@ -283,6 +352,7 @@ class Retirer:
             return True
         self._trouble = False
         self._poll_waiting()
+        self._park_retired()  # no sync: a capture under way is no obstacle
         with self._lock:
             if not self._due:
                 return not self._waiting
@@ -308,6 +378,30 @@ class Retirer:
                 self._settle(tokens)
         with self._lock:
             return done and not self._waiting
+
+    def _park_retired(self) -> None:
+        """Ready the resources retired for reuse; one whose park raises is destroyed
+        the usual way (after a sync) instead."""
+        with self._lock:
+            parking, self._parking = self._parking, []
+        for i, (key, resource, park, device, token) in enumerate(parking):
+            try:
+                with self._relaxed():
+                    park(resource)
+            except Exception:
+                self.n_park_errors += 1
+                self._trouble = True
+                with self._lock:
+                    self._due.append(_Due(resource, device, (), True, token=token))
+                continue
+            except BaseException:  # nothing lost: this one destroyed, the rest parked later
+                with self._lock:
+                    self._due.append(_Due(resource, device, (), True, token=token))
+                    self._parking[:0] = parking[i + 1 :]
+                raise
+            with self._lock:
+                self._bins.setdefault(key, []).append(resource)
+                self.n_parked += 1
 
     def _poll_waiting(self) -> None:
         with self._lock:
@@ -472,7 +566,7 @@ class Retirer:
                     failed = True
                 self._backoff = min(self._backoff + 1, 16) if failed else 0
                 with self._lock:
-                    if not self._due and not self._waiting:
+                    if not self._due and not self._waiting and not self._parking:
                         self._thread = None
                         return
         finally:
@@ -482,7 +576,7 @@ class Retirer:
                 died = self._thread is me
                 if died:
                     self._thread = None
-                again = died and bool(self._due or self._waiting)
+                again = died and bool(self._due or self._waiting or self._parking)
             if again:
                 self._start()
 
@@ -500,11 +594,16 @@ class Retirer:
         self._kept = [
             *self._kept,
             *self._held.values(),
+            *(e[1] for e in self._parking),
+            *(r for parked in self._bins.values() for r in parked),
             *(e.resource for e in self._due),
             *(w.fn for w in self._waiting),  # their pools hold streams: kept alive
             *self._inflight.values(),  # the parent's drain was retiring them
         ]
         self._held = {}
+        self._recycle = {}
+        self._parking = []
+        self._bins = {}
         self._due = []
         self._waiting = []
         self._inflight = {}
@@ -543,6 +642,12 @@ def _capture_underway() -> bool:
     return any_capture_underway()
 
 
+def _relaxed_capture_mode() -> contextlib.AbstractContextManager[None]:
+    from ._streams import relaxed_capture_mode
+
+    return relaxed_capture_mode()
+
+
 _OWNER: list[Retirer | None] = [None]
 _OWNER_LOCK = threading.Lock()
 
@@ -554,7 +659,9 @@ def retirer() -> Retirer:
         with _OWNER_LOCK:
             r = _OWNER[0]
             if r is None:
-                r = _OWNER[0] = Retirer(_sync_device, _capture_underway, _active_devices)
+                r = _OWNER[0] = Retirer(
+                    _sync_device, _capture_underway, _active_devices, relaxed=_relaxed_capture_mode
+                )
     return r
 
 

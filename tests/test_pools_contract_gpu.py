@@ -190,36 +190,54 @@ def test_capture_replay_100_times_then_destroy(how, mode):
             pool.close()
 
 
-@pytest.mark.xfail(
+_SHARED_HOLE = pytest.mark.xfail(
     strict=True,
-    reason="known hole: the retirer synchronises the device to destroy a closed pool, "
-    "which invalidates a stream capture that no pool has seen yet (no allocation in it)",
+    reason="known hole: a shareable pool is destroyed after a device sync (driver 580 "
+    "crashes otherwise), which invalidates a stream capture that no pool has seen yet",
 )
-def test_a_pool_retired_while_another_thread_begins_a_capture():
+
+
+@pytest.mark.parametrize(
+    "ipc,mode",
+    [
+        (False, "streamCaptureModeThreadLocal"),
+        (False, "streamCaptureModeGlobal"),
+        (False, "streamCaptureModeRelaxed"),
+        pytest.param(True, "streamCaptureModeThreadLocal", marks=_SHARED_HOLE),
+    ],
+)
+def test_a_pool_retired_while_another_thread_begins_a_capture(ipc, mode):
     """A pool closed with a free still queued, then a capture begun on a stream whose
-    first allocation has not come yet: the retirer's ``cuCtxSynchronize`` (in its own
-    thread) must not break that capture."""
+    first allocation has not come yet: the retirer takes the pool (in its own thread)
+    while the capture runs, and the capture must survive.  A plain pool's CUDA pools
+    are parked for reuse, no device sync; a shareable one is destroyed after one."""
+    r = _retire.retirer()
+    assert wait_for(lambda: r.pending == 0)
     s = cupy.cuda.Stream(non_blocking=True)
     busy = cupy.cuda.Stream(non_blocking=True)
-    pool = cpm.DevicePool(reuse_cache=0)
+    pool = cpm.DevicePool(reuse_cache=0, ipc=ipc)
     with cpm.using(pool), busy:
         x = cupy.ones(1 << 20, dtype=cupy.float32)
         spin(300, busy)  # the free below waits behind this kernel
         del x
+    parked, retired = r.n_parked, r.n_retired
     with s:
         y = cupy.zeros(16, dtype=cupy.float32)  # allocated before: the capture allocates nothing
         s.synchronize()
-        s.begin_capture(cupy.cuda.runtime.streamCaptureModeThreadLocal)
+        s.begin_capture(getattr(cupy.cuda.runtime, mode))
         try:
-            pool.close()  # drained: the retirer syncs the device while s captures
-            time.sleep(0.5)
+            pool.close()  # drained: the retirer takes it while s captures
+            taken = wait_for(lambda: r.n_parked > parked or r.n_retired > retired, 1.0)
             y += 1  # a kernel node
         finally:
             g = s.end_capture()  # raises when the capture was invalidated
-        g.launch(s)
+        assert taken, "the pool was not retired while the capture ran"
+        assert r.n_retired == retired, "a plain pool is parked, never destroyed"
+        for _ in range(3):
+            g.launch(s)
         s.synchronize()
-    assert int(y.sum()) == 16
-    assert wait_for(lambda: _retire.retirer().pending == 0)
+    assert int(y.sum()) == 3 * 16
+    assert wait_for(lambda: r.pending == 0)
 
 
 @pytest.mark.parametrize("ipc", [False, True])

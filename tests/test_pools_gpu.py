@@ -832,14 +832,15 @@ def _device_fds() -> dict[str, int]:
 
 
 @pytest.mark.parametrize("ipc", [False, True])
-def test_pools_closed_with_frees_pending_are_destroyed_only_after_those_frees_ran(ipc):
+def test_pools_closed_with_frees_pending_are_never_destroyed_before_those_frees_ran(ipc):
     """Driver 580 crashes (SIGFPE or SIGSEGV in a later pool's first allocation) when
     any CUDA pool, plain or shareable, is destroyed while a free of its memory is still
     pending (probe of 2026-11-24 on an H100: 32 pools out of 32 each way).  12 pools,
     each closed while its last free waits behind another stream's kernel
-    (record_stream): each is destroyed only once that kernel is done.  The reads on the
-    other stream hold their values, pools created afterwards allocate and hold data,
-    and no device descriptor is left behind per pool."""
+    (record_stream).  A shareable one is destroyed only once that kernel is done; a
+    plain one is parked at once, with no sync, and the next plain pool allocates from
+    it while that free is still pending.  Every array holds its values, no device
+    descriptor is left per pool, and a pool made afterwards holds data."""
     from cupy_poolmem import _retire
 
     r = _retire.retirer()
@@ -852,10 +853,11 @@ def test_pools_closed_with_frees_pending_are_destroyed_only_after_those_frees_ra
     warm.close()
     _wait_retired(r)
     fds = _device_fds()
-    keep = cpm.DevicePool()  # the reads' results: alive after their sources' pools go
-    reads = []
+    keep = cpm.DevicePool(small_pool=None)  # the reads' results (a pool of another shape)
+    reads, handles = [], []
+    p = cpm.DevicePool(reuse_cache=0, ipc=ipc)
     for i in range(12):
-        p = cpm.DevicePool(reuse_cache=0, ipc=ipc)
+        handles.append(p.handle)
         with cpm.using(p), a:
             x = cupy.full(1 << 18, i, dtype=cupy.int32)
         a.synchronize()
@@ -864,11 +866,23 @@ def test_pools_closed_with_frees_pending_are_destroyed_only_after_those_frees_ra
             reads.append((i, x * 2))  # read on b, behind the spin
         cpm.record_stream(x, b)
         del x  # p's last block: its free waits for b's event, behind the spin
-        retired = r.n_retired
+        parked, retired = r.n_parked, r.n_retired
         p.close()
         assert not b.done  # the free is pending while the retirer takes the pool
-        assert wait_for(lambda n=retired: r.n_retired > n, 10.0)
-        assert b.done, "a pool was destroyed before its pending free ran"
+        if ipc:
+            assert wait_for(lambda n=retired: r.n_retired > n, 10.0)
+            assert b.done, "a pool was destroyed before its pending free ran"
+        else:
+            assert wait_for(lambda n=parked: r.n_parked > n, 10.0)
+            assert r.n_retired == retired and not b.done  # parked, no sync
+        p = cpm.DevicePool(reuse_cache=0, ipc=ipc)
+        with cpm.using(p), a:  # on a, ordered after x's pending free
+            z = cupy.full(1 << 18, -i, dtype=cupy.int32)
+            assert int(z.sum()) == -i << 18
+        del z
+    if not ipc:
+        assert len(set(handles)) == 1  # the same CUDA pool all along
+    p.close()
     for i, y in reads:
         assert (y.get() == 2 * i).all()
     del reads, y

@@ -1246,3 +1246,123 @@ def test_pending_and_waiting_count_what_a_drain_is_working_on(fake_retirer):
     assert fake_retirer.drain()
     assert seen == {"poll": 1, "leftover": (1, 0), "close": (1, 0)}
     assert res.closed and (fake_retirer.pending, fake_retirer.waiting) == (0, 0)
+
+
+# ---------------------------------------------------------------- recycling
+def test_a_recyclable_resource_is_parked_without_a_sync_and_goes_to_the_next_pool_of_its_key(
+    fake_retirer,
+):
+    log = fake_retirer.log.events
+    parked = []
+    r1 = Resource(log, "r1")
+    fake_retirer.retire(fake_retirer.adopt(r1, ("dev", 0), parked.append), 0)
+    assert fake_retirer.pending == 1  # until a drain parks it
+    assert fake_retirer.take_recycled(("dev", 0)) is None
+    assert fake_retirer.drain()
+    assert log == [] and parked == [r1] and fake_retirer.pending == 0  # no sync, no close
+    assert fake_retirer.recycled == 1 and fake_retirer.n_parked == 1
+    assert fake_retirer.take_recycled(("dev", 1)) is None  # another key
+    assert fake_retirer.take_recycled(("dev", 0)) is r1
+    assert fake_retirer.take_recycled(("dev", 0)) is None and fake_retirer.recycled == 0
+    # adopted again by the new pool, and parked again when that one is drained
+    fake_retirer.retire(fake_retirer.adopt(r1, ("dev", 0), parked.append), 0)
+    assert fake_retirer.drain() and parked == [r1, r1] and log == []
+
+
+def test_parking_goes_on_while_a_capture_is_under_way(fake_retirer):
+    """A sync would invalidate the capture, a park does not need one."""
+    log = fake_retirer.log.events
+    fake_retirer.retire(fake_retirer.adopt(Resource(log, "plain"), "k", lambda r: None), 0)
+    fake_retirer.retire(fake_retirer.adopt(Resource(log, "other")), 0)
+    fake_retirer.log.capturing = True
+    assert not fake_retirer.drain()  # the other one waits for the capture
+    assert fake_retirer.recycled == 1 and log == [] and fake_retirer.pending == 1
+    fake_retirer.log.capturing = False
+    assert fake_retirer.drain() and log == [("sync", 0), ("close", "other")]
+
+
+def test_at_most_max_recycled_wait_per_key_the_next_is_destroyed(fake_retirer):
+    log = fake_retirer.log.events
+    fake_retirer.max_recycled = 2
+    tokens = [fake_retirer.adopt(Resource(log, f"r{i}"), "k", lambda r: None) for i in range(3)]
+    for t in tokens:
+        fake_retirer.retire(t, 0)
+    assert fake_retirer.drain()
+    assert fake_retirer.recycled == 2 and log == [("sync", 0), ("close", "r2")]
+
+
+@pytest.mark.parametrize("when", ["before", "with"])
+def test_a_recyclable_pool_with_leftovers_is_destroyed_after_a_sync(fake_retirer, when):
+    """Its leftovers are freed on the legacy stream after a sync: the pool goes the
+    usual way (never parked with blocks of its last owner still to free)."""
+    log = fake_retirer.log.events
+    parked = []
+    token = fake_retirer.adopt(Resource(log, "r"), "k", parked.append)
+    if when == "before":
+        fake_retirer.add_leftovers(token, 0, [0xA])
+        fake_retirer.retire(token, 0)
+    else:
+        fake_retirer.retire(token, 0, [0xA])
+    assert fake_retirer.drain()
+    assert parked == [] and fake_retirer.recycled == 0
+    assert log == [("sync", 0), ("free", 0xA, 0), ("sync", 0), ("close", "r")]
+
+
+def test_a_park_that_fails_destroys_the_resource_after_a_sync(fake_retirer):
+    log = fake_retirer.log.events
+
+    def park(r):
+        raise RuntimeError("cuMemPoolTrimTo failed: CUDA_ERROR_INVALID_VALUE")
+
+    fake_retirer.retire(fake_retirer.adopt(Resource(log, "r"), "k", park), 0)
+    fake_retirer.drain()
+    assert fake_retirer.recycled == 0 and fake_retirer.n_park_errors == 1
+    assert log == [("sync", 0), ("close", "r")] and fake_retirer.pending == 0
+
+
+def test_parks_run_in_relaxed_capture_mode():
+    """Another thread's global-mode capture forbids this thread's pool calls (a trim)
+    unless it is in relaxed mode."""
+    log: list = []
+
+    @contextlib.contextmanager
+    def relaxed():
+        log.append("relaxed")
+        yield
+        log.append("restored")
+
+    r = _retire.Retirer(
+        lambda dev: None, lambda: False, lambda: [0], background=False, relaxed=relaxed
+    )
+    r.retire(r.adopt(Resource(log), "k", lambda res: log.append("park")), 0)
+    assert r.drain() and log == ["relaxed", "park", "restored"]
+    monkey = _retire._OWNER[0]
+    try:
+        _retire._OWNER[0] = None
+        assert _retire.retirer()._relaxed is _retire._relaxed_capture_mode
+    finally:
+        _retire._OWNER[0] = monkey
+
+
+def test_a_fork_child_never_parks_or_hands_out_the_parents_resources(fake_retirer):
+    log = fake_retirer.log.events
+    parked = []
+    a = fake_retirer.adopt(Resource(log, "a"), "k", parked.append)
+    b = fake_retirer.adopt(Resource(log, "b"), "k", parked.append)
+    fake_retirer.retire(a, 0)
+    fake_retirer.drain()
+    fake_retirer.retire(b, 0)  # parking, not parked yet
+    fake_retirer._after_fork_in_child()
+    assert fake_retirer.take_recycled("k") is None and fake_retirer.drain()
+    assert len(parked) == 1 and log == [] and len(fake_retirer._kept) == 2
+
+
+def test_the_background_thread_parks_and_then_stops():
+    parked = threading.Event()
+    r = _retire.Retirer(lambda dev: None, lambda: False, lambda: [0], delay=0.01)
+    r.retire(r.adopt(Resource([]), "k", lambda res: parked.set()), 0)
+    assert parked.wait(5)
+    deadline = time.monotonic() + 5
+    while r._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r._thread is None and r.recycled == 1 and r.pending == 0

@@ -1,0 +1,136 @@
+"""CPU tests of DevicePool reusing the CUDA pools of a drained plain pool (no device
+sync, so no capture broken: see ``_retire.py``), against a fake cuda.core."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+
+import cupy_poolmem as cpm
+from cupy_poolmem import _pools, _retire
+
+pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
+
+
+class FakeMR(SimpleNamespace):
+    """A cuda.core DeviceMemoryResource: a handle and its options."""
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def made(monkeypatch, fake_retirer):
+    """DevicePool on a fake GPU 0 (16 GiB): the CUDA pools created, in order; the
+    driver attribute calls and parks in ``made.log``."""
+    handles = itertools.count(0x100)
+    out = SimpleNamespace(mrs=[], log=[], retirer=fake_retirer)
+
+    def mr(dev, opts):
+        m = FakeMR(
+            handle=next(handles),
+            ipc=opts.ipc_enabled,
+            closed=False,
+            is_ipc_enabled=opts.ipc_enabled,
+            uuid="u",
+            allocation_handle=3,
+        )
+        out.mrs.append(m)
+        return m
+
+    class Device:
+        mem_info = (0, 1 << 34)
+
+        def __init__(self, dev):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(_pools.cc, "DeviceMemoryResource", mr)
+    monkeypatch.setattr(_pools, "check_device", lambda d: 0)
+    monkeypatch.setattr(_pools.cupy.cuda, "Device", Device)
+    monkeypatch.setattr(_pools, "device_count", lambda: 1)
+    monkeypatch.setattr(
+        _pools, "_set_attr", lambda m, attr, v: out.log.append(("attr", m.handle, attr.name, v))
+    )
+    monkeypatch.setattr(_pools, "_park", lambda res: out.log.append(("park", res)))
+    return out
+
+
+def _handles(pool):
+    return [m.handle for m in pool._mrs]
+
+
+def test_a_drained_plain_pool_leaves_its_cuda_pools_to_the_next_one(made):
+    p = cpm.DevicePool(peer_access=None)
+    first = _handles(p)
+    assert len(first) == 2 and len(made.mrs) == 2  # the pool and its small-block pool
+    p.close()
+    assert made.retirer.drain()
+    assert [e[0] for e in made.log].count("park") == 1
+    assert made.retirer.log.events == []  # no sync, nothing closed
+    assert not any(m.closed for m in made.mrs)
+    n = len(made.log)
+    q = cpm.DevicePool(peer_access=None)
+    assert _handles(q) == first and len(made.mrs) == 2  # reused, none created
+    assert ("attr", first[0], "CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH", 0) in made.log[n:]
+    assert ("attr", first[1], "CU_MEMPOOL_ATTR_USED_MEM_HIGH", 0) in made.log[n:]
+    q.close()
+
+
+def test_only_a_pool_of_the_same_shape_takes_them(made):
+    p = cpm.DevicePool(peer_access=None)
+    first = _handles(p)
+    p.close()
+    made.retirer.drain()
+    for other in (
+        cpm.DevicePool(peer_access=None, small_pool=None),
+        cpm.DevicePool(peer_access=None, max_size="1GiB"),
+    ):
+        assert not set(_handles(other)) & set(first)
+    assert _handles(cpm.DevicePool(peer_access=None)) == first
+
+
+def test_a_shareable_pool_is_destroyed_after_a_sync_never_reused(made):
+    p = cpm.DevicePool(ipc=True, peer_access=None)
+    first = _handles(p)
+    p.close()
+    assert made.retirer.drain()
+    assert made.retirer.log.events[0] == ("sync", 0) and all(m.closed for m in made.mrs)
+    assert made.retirer.recycled == 0
+    q = cpm.DevicePool(ipc=True, peer_access=None)
+    assert not set(_handles(q)) & set(first)
+
+
+def test_a_pool_with_live_blocks_is_parked_only_once_drained(made, monkeypatch):
+    p = cpm.DevicePool(peer_access=None, reuse_cache=0)
+    p.n_allocs += 1  # a live block (the fake hot path allocates nothing)
+    p.close()
+    made.retirer.drain()
+    assert made.retirer.recycled == 0 and made.retirer.pending == 0
+    assert _retire.retirer() is made.retirer and made.retirer.held == 1
+    p.n_frees += 1  # freed: the hot path calls _drained() for a closed pool's last block
+    p._drained()
+    assert made.retirer.drain() and made.retirer.recycled == 1
+
+
+def test_a_retired_pool_no_longer_touches_the_cuda_pools_it_gave_up(made):
+    """Once retired, the old object's trim, thresholds and peaks act on nothing: its
+    CUDA pools may be the next pool's."""
+    p = cpm.DevicePool(peer_access=None)
+    p.close()
+    made.retirer.drain()
+    q = cpm.DevicePool(peer_access=None)
+    n = len(made.log)
+    p.set_release_threshold(0)
+    p.reset_peak()
+    assert p.trim(sync=False) == 0 and made.log[n:] == []
+    st = p.stats()
+    assert st.reserved_bytes == 0 and st.peak_reserved_bytes == 0
+    assert q._mrs and all(not m.closed for m in q._mrs)
