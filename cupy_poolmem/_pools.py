@@ -666,12 +666,12 @@ class Pool(_hp.PoolCore):
     def _retire_now(self, leftovers: Any = ()) -> None:
         """Hand the CUDA pool to the retirer (C fields only: see :meth:`_drained`).
 
-        From then on this object reads and sets nothing of it: the retirer destroys
-        it, or a new pool owns it (a plain DevicePool's, reused).
+        CUDA pools parked for reuse (a plain DevicePool's) may be another pool's soon:
+        from then on this object reads and sets nothing of them.
         """
-        _retire.retirer().retire(self._retire_token, self._retire_device(), leftovers)
-        with contextlib.suppress(Exception):
-            self._mrs = ()  # statistics read zero; trim, peaks and thresholds touch none
+        if _retire.retirer().retire(self._retire_token, self._retire_device(), leftovers):
+            with contextlib.suppress(Exception):
+                self._mrs = ()  # statistics read zero; trim, peaks and thresholds touch none
 
     def _retire_device(self) -> int:
         """The device the retirer synchronises for this pool's frees."""

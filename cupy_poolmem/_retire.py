@@ -115,7 +115,8 @@ class Retirer:
     ...         closed.append(self)
     >>> r = Retirer(sync=print, capture_underway=lambda: False,
     ...             active_devices=lambda: [0], background=False)
-    >>> r.retire(r.adopt(Resource()), 1)
+    >>> r.retire(r.adopt(Resource()), 1)  # destroyed after a sync, not parked
+    False
     >>> len(closed), r.pending
     (0, 1)
     >>> r.drain()
@@ -125,6 +126,7 @@ class Retirer:
     (1, 0)
     >>> parked = []
     >>> r.retire(r.adopt(Resource(), recycle_key="k", park=parked.append), 0)
+    True
     >>> r.drain(), len(closed), len(parked)  # no sync, not closed: kept for reuse
     (True, 1, 1)
     >>> r.take_recycled("k") is parked[0], r.take_recycled("k")
@@ -211,13 +213,15 @@ class Retirer:
         with self._lock:
             return sum(len(v) for v in self._bins.values())
 
-    def retire(self, token: int, device: int, leftovers: Iterable[int] = ()) -> None:
+    def retire(self, token: int, device: int, leftovers: Iterable[int] = ()) -> bool:
         """The pool ``token`` is drained (its frees are queued): destroy it once done.
 
         ``leftovers``: blocks of it nobody freed (a finalized pool's reuse cache); they
         are freed after the sync, on the legacy stream, and synchronised again.
         Retiring a pool twice retires it once (the leftovers of the second call are
-        handled as :meth:`add_leftovers` does).
+        handled as :meth:`add_leftovers` does).  True when the resource is to be
+        parked for reuse (adopted with a ``recycle_key``): it may be another pool's
+        soon, so the pool must not touch it any more.
         """
         leftovers = tuple(leftovers)
         with self._lock:
@@ -226,10 +230,10 @@ class Retirer:
             if resource is None:  # retired already
                 if leftovers and not self._forked:
                     self._add_late(token, device, leftovers, False)
-                return
+                return False
             if self._forked:  # the parent's or the child's: CUDA is unusable here
                 self._kept.append(resource)
-                return
+                return False
             # Not with leftovers (given now, or due already): they go after a sync.
             if recycle is not None and not leftovers and not self._has_leftovers(token):
                 key, park = recycle
@@ -239,9 +243,10 @@ class Retirer:
                 if waiting < self.max_recycled:
                     self._parking.append((key, resource, park, device, token))
                     self._start()
-                    return
+                    return True
             self._due.append(_Due(resource, device, leftovers, True, token=token))
         self._start()
+        return False
 
     def _has_leftovers(self, token: int) -> bool:
         """Under the lock: whether leftovers of the pool ``token`` wait for a drain."""

@@ -134,3 +134,13 @@ def test_a_retired_pool_no_longer_touches_the_cuda_pools_it_gave_up(made):
     st = p.stats()
     assert st.reserved_bytes == 0 and st.peak_reserved_bytes == 0
     assert q._mrs and all(not m.closed for m in q._mrs)
+
+
+def test_a_pool_destroyed_rather_than_parked_keeps_reading_its_cuda_pools(made):
+    """A shareable pool is destroyed after a sync, later: until then its statistics
+    still read its own CUDA pools (a test of the guard reads the used bytes of a closed
+    pool whose quarantine waits for the retirer)."""
+    p = cpm.DevicePool(ipc=True, peer_access=None)
+    mrs = p._mrs
+    p.close()
+    assert p._mrs == mrs and made.retirer.pending == 1
