@@ -854,6 +854,14 @@ def test_pools_closed_with_frees_pending_are_never_destroyed_before_those_frees_
     _wait_retired(r)
     fds = _device_fds()
     keep = cpm.DevicePool(small_pool=None)  # the reads' results (a pool of another shape)
+    with cpm.using(keep), b:
+        # Every kernel below loaded first: loading a module synchronises the context,
+        # which would end the spins early (seen in a process that had not run them).
+        w = cupy.full(4, 1, dtype=cupy.int32)
+        assert int((w * 2).sum()) == 8
+        spin(1, b)
+        b.synchronize()
+        del w
     reads, handles = [], []
     p = cpm.DevicePool(reuse_cache=0, ipc=ipc)
     for i in range(12):
