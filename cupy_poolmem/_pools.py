@@ -178,6 +178,7 @@ class Pool(_hp.PoolCore):
     _forked = False  # set in a child forked after CUDA started: the pool refuses to work
     guard: Any = None  # a _guard.Guard when the pool was created with guard=... (device pools)
     _ipc_pools: tuple = ()  # (handle, uuid, resource) per shareable CUDA pool (see _setup)
+    _parked = False  # its CUDA pools went to another pool (see _retire_now)
 
     def _setup(
         self,
@@ -495,11 +496,15 @@ class Pool(_hp.PoolCore):
     @property
     def memory_resource(self) -> Any:
         """The cuda.core memory resource that owns this pool's CUDA memory pool."""
+        if self._parked:
+            self._raise_closed()
         return self._mr
 
     @property
     def handle(self) -> int:
         """The ``CUmemoryPool`` handle, as an int."""
+        if self._parked:
+            self._raise_closed()
         return int(self._mr.handle)
 
     @property
@@ -671,7 +676,10 @@ class Pool(_hp.PoolCore):
         """
         if _retire.retirer().retire(self._retire_token, self._retire_device(), leftovers):
             with contextlib.suppress(Exception):
-                self._mrs = ()  # statistics read zero; trim, peaks and thresholds touch none
+                # Statistics read zero; trim, peaks and thresholds touch nothing;
+                # handle, memory_resource and peer_access raise PoolClosedError.
+                self._mrs = ()
+                self._parked = True
 
     def _retire_device(self) -> int:
         """The device the retirer synchronises for this pool's frees."""
@@ -949,9 +957,11 @@ class DevicePool(Pool):
             parse_bytes(release_threshold, name="release_threshold", allow_none=True)
             small_max = _small_pool_size(small_pool, max_b)
             # A plain pool's CUDA pools are reused by the next plain pool of the same
-            # shape once it is drained (never destroyed, so never a device sync); a
-            # shareable one's are destroyed (other processes know their handles).
-            key = None if ipc else ("device", dev, max_b, small_max)
+            # shape once it is drained (not destroyed, so no device sync); a shareable
+            # one's are destroyed (other processes know their handles).
+            # Not with max_size: the driver counts the last owner's pending frees
+            # against it until they complete.
+            key = None if ipc or max_b else ("device", dev, max_b, small_max)
             mrs = _recycled_mrs(key) if key is not None else []
             recycled = bool(mrs)
             try:
@@ -982,9 +992,10 @@ class DevicePool(Pool):
                         _revoke_stale(m, dev)
                         self._peers_set = _set_peers(m, dev, peers) or self._peers_set
                 except BaseException:
-                    if recycled:  # frees of the last owner may be pending: never close here
+                    if recycled:  # frees of the last owner may be pending: parked again
+                        r = _retire.retirer()
                         owner = mrs[0] if len(mrs) == 1 else _Resources(tuple(mrs))
-                        _retire.retirer().retire_resource(owner, dev)
+                        r.retire(r.adopt(owner, key, _park), dev)
                     else:
                         for m in mrs:
                             m.close()
@@ -1032,6 +1043,8 @@ class DevicePool(Pool):
         >>> pool.peer_access  # doctest: +SKIP
         (1,)
         """
+        if self._parked:
+            return ()
         try:
             return _granted_peers(self._mr)
         except Exception as exc:
@@ -1055,7 +1068,11 @@ class DevicePool(Pool):
         self._peers_set = granted or getattr(self, "_peers_set", False)
 
     def _retire_now(self, leftovers: Any = ()) -> None:
-        if getattr(self, "_peers_set", False):  # (False once a collector cleared __dict__)
+        r = _retire.retirer()
+        # A pool parked for reuse keeps its grants (the next owner revokes stale ones):
+        # no driver call here, where a capture may be under way.
+        parks = not leftovers and r.will_park(self._retire_token)
+        if getattr(self, "_peers_set", False) and not parks:  # (False once __dict__ cleared)
             # Revoke before the pool is destroyed: the driver may hand its handle to the
             # next pool created with the grants still set (nvbug 5698116), which
             # cuda.core 1.2 does not undo (a new pool revokes stale grants too).

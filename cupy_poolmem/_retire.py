@@ -157,6 +157,9 @@ class Retirer:
         self._parking: list[tuple[Hashable, Any, Callable[[Any], None], int, int]] = []
         self._bins: dict[Hashable, list[Any]] = {}  # key -> parked resources
         self.max_recycled = 4  # parked resources per key; one more is destroyed
+        self.max_recycled_total = 16  # over every key
+        self._parking_now: list[Hashable] = []  # keys of the parks a drain is doing
+        self._draining_leftovers: set[int] = set()  # tokens whose leftovers a drain frees
         self.n_parked = 0
         self.n_park_errors = 0
         self._kept: list[Any] = []  # never closed: a fork child's, or ones no sync reached
@@ -235,22 +238,38 @@ class Retirer:
                 self._kept.append(resource)
                 return False
             # Not with leftovers (given now, or due already): they go after a sync.
-            if recycle is not None and not leftovers and not self._has_leftovers(token):
+            if recycle is not None and not leftovers and self._room_to_park(recycle[0], token):
                 key, park = recycle
-                waiting = len(self._bins.get(key, ())) + sum(
-                    1 for e in self._parking if e[0] == key
-                )
-                if waiting < self.max_recycled:
-                    self._parking.append((key, resource, park, device, token))
-                    self._start()
-                    return True
+                self._parking.append((key, resource, park, device, token))
+                self._start()
+                return True
             self._due.append(_Due(resource, device, leftovers, True, token=token))
         self._start()
         return False
 
-    def _has_leftovers(self, token: int) -> bool:
-        """Under the lock: whether leftovers of the pool ``token`` wait for a drain."""
-        return token in self._late or any(e.token == token and e.leftovers for e in self._due)
+    def _room_to_park(self, key: Hashable, token: int) -> bool:
+        """Under the lock: whether the pool ``token`` (of ``key``) may be parked: none
+        of its leftovers waits for a drain or is being freed by one, and fewer than
+        ``max_recycled`` of its key (``max_recycled_total`` in all) are parked, being
+        parked or waiting to be."""
+        if token in self._late or token in self._draining_leftovers:
+            return False
+        if any(e.token == token and e.leftovers for e in self._due):
+            return False
+        keys = [
+            *(k for k, v in self._bins.items() for _ in v),
+            *(e[0] for e in self._parking),
+            *self._parking_now,
+        ]
+        return keys.count(key) < self.max_recycled and len(keys) < self.max_recycled_total
+
+    def will_park(self, token: int) -> bool:
+        """Whether retiring the pool ``token`` now (without leftovers) would park it."""
+        with self._lock:
+            recycle = self._recycle.get(token)
+            return (
+                recycle is not None and not self._forked and self._room_to_park(recycle[0], token)
+            )
 
     def add_leftovers(
         self, token: int, device: int, ptrs: Iterable[int], everywhere: bool = False
@@ -290,7 +309,10 @@ class Retirer:
             late = _Due(resource, device, ptrs, False, everywhere, token)
             self._late.setdefault(token, []).append(late)
             return
-        self.n_leftovers_lost += len(ptrs)  # closed (or kept): freeing now would be wrong
+        # Closed (or kept): freeing now would be wrong.  Or parked for reuse (leftovers
+        # are handed over before a pool is drained, so only a race gets here): the
+        # blocks stay allocated in the reused CUDA pool, a leak, never a wrong free.
+        self.n_leftovers_lost += len(ptrs)
 
     def _settle(self, tokens: list[int]) -> None:
         """Under the lock, after a drain's batch: leftovers that came for its pools
@@ -330,7 +352,12 @@ class Retirer:
     def pending(self) -> int:
         """Resources retired but not destroyed or parked yet (due, or in a drain under way)."""
         with self._lock:
-            return sum(1 for e in self._due if e.close) + len(self._inflight) + len(self._parking)
+            return (
+                sum(1 for e in self._due if e.close)
+                + len(self._inflight)
+                + len(self._parking)
+                + len(self._parking_now)
+            )
 
     @property
     def waiting(self) -> int:
@@ -369,6 +396,8 @@ class Retirer:
             for e in due:
                 if e.close:
                     self._inflight[e.token] = e.resource
+            # A pool whose leftovers this drain frees is not parked meanwhile.
+            self._draining_leftovers = {e.token for e in due if e.leftovers}
         try:
             done = self._retire_batch(due)
         except BaseException:
@@ -381,6 +410,7 @@ class Retirer:
         finally:
             with self._lock:
                 self._settle(tokens)
+                self._draining_leftovers = set()
         with self._lock:
             return done and not self._waiting
 
@@ -389,24 +419,31 @@ class Retirer:
         the usual way (after a sync) instead."""
         with self._lock:
             parking, self._parking = self._parking, []
-        for i, (key, resource, park, device, token) in enumerate(parking):
-            try:
-                with self._relaxed():
-                    park(resource)
-            except Exception:
-                self.n_park_errors += 1
-                self._trouble = True
+            self._parking_now = [e[0] for e in parking]  # still counted (pending, caps)
+        try:
+            for i, (key, resource, park, device, token) in enumerate(parking):
+                try:
+                    with self._relaxed():
+                        park(resource)
+                except Exception:
+                    self.n_park_errors += 1
+                    self._trouble = True
+                    with self._lock:
+                        self._due.append(_Due(resource, device, (), True, token=token))
+                        self._parking_now.remove(key)
+                    continue
+                except BaseException:  # nothing lost: this one destroyed, the rest parked later
+                    with self._lock:
+                        self._due.append(_Due(resource, device, (), True, token=token))
+                        self._parking[:0] = parking[i + 1 :]
+                    raise
                 with self._lock:
-                    self._due.append(_Due(resource, device, (), True, token=token))
-                continue
-            except BaseException:  # nothing lost: this one destroyed, the rest parked later
-                with self._lock:
-                    self._due.append(_Due(resource, device, (), True, token=token))
-                    self._parking[:0] = parking[i + 1 :]
-                raise
+                    self._bins.setdefault(key, []).append(resource)
+                    self._parking_now.remove(key)
+                    self.n_parked += 1
+        finally:
             with self._lock:
-                self._bins.setdefault(key, []).append(resource)
-                self.n_parked += 1
+                self._parking_now = []
 
     def _poll_waiting(self) -> None:
         with self._lock:
@@ -608,6 +645,8 @@ class Retirer:
         self._held = {}
         self._recycle = {}
         self._parking = []
+        self._parking_now = []
+        self._draining_leftovers = set()
         self._bins = {}
         self._due = []
         self._waiting = []

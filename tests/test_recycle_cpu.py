@@ -144,3 +144,83 @@ def test_a_pool_destroyed_rather_than_parked_keeps_reading_its_cuda_pools(made):
     mrs = p._mrs
     p.close()
     assert p._mrs == mrs and made.retirer.pending == 1
+
+
+def test_a_parked_pools_handle_and_resource_are_no_longer_given_out(made):
+    p = cpm.DevicePool(peer_access=None)
+    p.close()
+    made.retirer.drain()
+    q = cpm.DevicePool(peer_access=None)
+    with pytest.raises(cpm.PoolClosedError, match="closed"):
+        p.handle  # noqa: B018
+    with pytest.raises(cpm.PoolClosedError, match="closed"):
+        p.memory_resource  # noqa: B018
+    assert p.peer_access == () and q.handle == q._mrs[0].handle
+
+
+def test_a_pool_with_max_size_is_not_reused(made):
+    """The driver counts the last owner's pending frees against ``max_size``."""
+    p = cpm.DevicePool(peer_access=None, max_size="1GiB")
+    first = _handles(p)
+    p.close()
+    made.retirer.drain()
+    assert made.retirer.recycled == 0 and made.retirer.log.events[0] == ("sync", 0)
+    assert not set(_handles(cpm.DevicePool(peer_access=None, max_size="1GiB"))) & set(first)
+
+
+@pytest.fixture
+def two_gpus(made, monkeypatch):
+    """A fake second GPU: peer grants written to ``made.log``."""
+    monkeypatch.setattr(_pools, "device_count", lambda: 2)
+    monkeypatch.setattr(
+        _pools, "_revoke_stale", lambda m, dev: made.log.append(("revoke", m.handle))
+    )
+
+    def set_peers(m, dev, peers):
+        made.log.append(("grant", m.handle, tuple(peers)))
+        return bool(peers)
+
+    monkeypatch.setattr(_pools, "_set_peers", set_peers)
+    monkeypatch.setattr(_pools, "resolve_peer_access", lambda v, dev: (1,) if v == "all" else ())
+    FakeMR.peer_accessible_by = property(
+        lambda self: (), lambda self, v: made.log.append(("revoked", self.handle, tuple(v)))
+    )
+    yield made
+    del FakeMR.peer_accessible_by
+
+
+def test_closing_a_pool_that_is_parked_makes_no_peer_call(two_gpus):
+    """No driver call in the closing thread, where a capture may be under way: the
+    next owner revokes stale grants."""
+    p = cpm.DevicePool()
+    first = _handles(p)
+    n = len(two_gpus.log)
+    p.close()
+    assert [e for e in two_gpus.log[n:] if e[0] == "revoked"] == []
+    two_gpus.retirer.drain()
+    cpm.DevicePool(peer_access=None)
+    assert [("revoke", h) for h in first] == [e for e in two_gpus.log if e[0] == "revoke"][-2:]
+
+
+def test_a_pool_destroyed_rather_than_parked_revokes_its_grants_first(two_gpus):
+    p = cpm.DevicePool(ipc=True)
+    p.close()
+    assert [e[0] for e in two_gpus.log].count("revoked") == 2
+
+
+def test_a_recycled_pool_whose_peer_grant_fails_is_parked_again(two_gpus, monkeypatch):
+    p = cpm.DevicePool()
+    first = _handles(p)
+    p.close()
+    two_gpus.retirer.drain()
+
+    def broken(m, dev, peers):
+        raise RuntimeError("cuMemPoolSetAccess failed: CUDA_ERROR_INVALID_DEVICE")
+
+    monkeypatch.setattr(_pools, "_set_peers", broken)
+    with pytest.raises(RuntimeError, match="CUDA_ERROR_INVALID_DEVICE"):
+        cpm.DevicePool()
+    assert two_gpus.retirer.drain()
+    assert two_gpus.retirer.recycled == 1 and two_gpus.retirer.log.events == []  # no sync
+    monkeypatch.setattr(_pools, "_set_peers", lambda m, dev, peers: False)
+    assert _handles(cpm.DevicePool(peer_access=None)) == first

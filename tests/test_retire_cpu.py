@@ -1366,3 +1366,52 @@ def test_the_background_thread_parks_and_then_stops():
     while r._thread is not None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert r._thread is None and r.recycled == 1 and r.pending == 0
+
+
+def test_a_pool_retired_while_a_drain_frees_its_leftovers_is_not_parked(fake_retirer):
+    """Its last free lands while the drain that frees its leftovers syncs: parking it
+    then could hand it to a new pool with its last owner's blocks not freed yet."""
+    log = fake_retirer.log.events
+    parked: list = []
+    token = fake_retirer.adopt(Resource(log, "r"), "k", parked.append)
+    fake_retirer.add_leftovers(token, 0, [0xA])
+    sync = fake_retirer._sync
+
+    def sync_then_last_free(dev):
+        sync(dev)
+        if log.count(("sync", 0)) == 1:  # another thread's last free, meanwhile
+            assert fake_retirer.retire(token, 0) is False
+
+    fake_retirer._sync = sync_then_last_free
+    fake_retirer.drain()
+    fake_retirer.drain()
+    assert parked == [] and fake_retirer.recycled == 0
+    assert log == [("sync", 0), ("free", 0xA, 0), ("sync", 0), ("sync", 0), ("close", "r")]
+
+
+def test_parked_resources_are_capped_over_every_key(fake_retirer):
+    log = fake_retirer.log.events
+    fake_retirer.max_recycled_total = 3
+    for i in range(5):
+        fake_retirer.retire(fake_retirer.adopt(Resource(log, f"r{i}"), ("k", i), lambda r: None), 0)
+    assert fake_retirer.drain()
+    assert fake_retirer.recycled == 3 and log == [("sync", 0), ("close", "r3"), ("close", "r4")]
+
+
+def test_a_park_under_way_counts_as_pending_and_against_the_cap(fake_retirer):
+    seen = []
+    log = fake_retirer.log.events
+    fake_retirer.max_recycled = 1
+    later = fake_retirer.adopt(Resource(log, "later"), "k", lambda r: None)
+
+    def park(res):
+        seen.append(fake_retirer.pending)
+        # another pool of the key retired while this one is being parked: no room
+        seen.append(fake_retirer.will_park(later))
+        seen.append(fake_retirer.retire(later, 0))
+
+    fake_retirer.retire(fake_retirer.adopt(Resource([], "first"), "k", park), 0)
+    fake_retirer.drain()
+    assert seen == [1, False, False] and fake_retirer.recycled == 1
+    # "later" was destroyed the usual way, after a sync, in the same drain
+    assert fake_retirer.pending == 0 and log == [("sync", 0), ("close", "later")]
