@@ -23,7 +23,8 @@ upper bound of the peak of their sum).
 A second table replays the trace straight on CUDA pools with the levers a pool built
 on them has (a second pool for small blocks, trims after frees; see
 ``_churn_variants``): what the driver's own placement allows, against the same
-MemoryPool peak.
+MemoryPool peak.  Its last two rows map the blocks above 8 MiB at 2 MiB with virtual
+memory management instead (``_page_mapper``): sketches of the backend the goal needs.
 
 ``python -m cupy_poolmem bench churn [--quick]``
 """
