@@ -202,9 +202,7 @@ class Pool(_hp.PoolCore):
         # With a ``recycle_key`` the CUDA pools are parked for the next pool of that
         # key once this one is drained, instead of destroyed (no device sync: see
         # _retire.py).
-        owner = mr if mr is not None else self._backend
-        if len(self._mrs) > 1:
-            owner = _Resources(self._mrs)
+        owner = _Resources.owner(self._mrs) if self._mrs else self._backend
         park = _park if recycle_key is not None else None
         self._retire_token = (
             _retire.retirer().adopt(owner, recycle_key, park) if owner is not None else 0
@@ -810,7 +808,7 @@ def _park(resource: Any) -> None:
     """A drained pool's CUDA pools, parked for the next pool of their kind: they keep
     no memory (release threshold 0, so what their pending frees give back goes to the
     device at the next synchronising call; a trim now for what is free already)."""
-    for mr in getattr(resource, "mrs", (resource,)):
+    for mr in _Resources.members(resource):
         _set_attr(mr, _A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, 0)
         check_driver(_drv.cuMemPoolTrimTo(_pool_handle(mr), 0), "cuMemPoolTrimTo")
 
@@ -818,9 +816,7 @@ def _park(resource: Any) -> None:
 def _recycled_mrs(key: Any) -> list[Any]:
     """The CUDA pools a drained pool of ``key`` left parked, or [] (create new ones)."""
     res = _retire.retirer().take_recycled(key)
-    if res is None:
-        return []
-    return list(getattr(res, "mrs", (res,)))
+    return [] if res is None else list(_Resources.members(res))
 
 
 class _Resources:
@@ -828,6 +824,16 @@ class _Resources:
 
     def __init__(self, mrs: tuple[Any, ...]) -> None:
         self.mrs = mrs
+
+    @staticmethod
+    def owner(mrs: Any) -> Any:
+        """What the retirer holds for the CUDA pools ``mrs``: the one, or all together."""
+        return mrs[0] if len(mrs) == 1 else _Resources(tuple(mrs))
+
+    @staticmethod
+    def members(resource: Any) -> tuple[Any, ...]:
+        """The CUDA pools of a resource :meth:`owner` made."""
+        return resource.mrs if isinstance(resource, _Resources) else (resource,)
 
     def close(self) -> None:
         errors = []
@@ -994,8 +1000,7 @@ class DevicePool(Pool):
                 except BaseException:
                     if recycled:  # frees of the last owner may be pending: parked again
                         r = _retire.retirer()
-                        owner = mrs[0] if len(mrs) == 1 else _Resources(tuple(mrs))
-                        r.retire(r.adopt(owner, key, _park), dev)
+                        r.retire(r.adopt(_Resources.owner(mrs), key, _park), dev)
                     else:
                         for m in mrs:
                             m.close()

@@ -207,3 +207,26 @@ def bare_core(hp: Any, cache: int, with_streams: bool = False, fail_free: Any = 
     c.freed = []
     c.drained = 0
     return c
+
+
+class _FakeDevice:
+    """``cupy.cuda.Device`` of a 16 GiB GPU: ``mem_info`` and a context manager."""
+
+    mem_info = (0, 1 << 34)
+
+    def __init__(self, dev: Any) -> None:
+        pass
+
+    def __enter__(self) -> _FakeDevice:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def fake_device_pools(monkeypatch: Any, make_mr: Any) -> None:
+    """``DevicePool(...)`` on a fake 16 GiB GPU 0 whose CUDA pools ``make_mr(dev,
+    options)`` makes (in place of cuda.core's ``DeviceMemoryResource``)."""
+    monkeypatch.setattr(_pools.cc, "DeviceMemoryResource", make_mr)
+    monkeypatch.setattr(_pools, "check_device", lambda d: 0)
+    monkeypatch.setattr(_pools.cupy.cuda, "Device", _FakeDevice)

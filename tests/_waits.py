@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -25,6 +26,27 @@ def wait_for(pred, timeout: float = 20.0) -> bool:
             return True
         time.sleep(0.02)
     return pred()
+
+
+def fd_kinds() -> dict[str, int]:
+    """Open descriptors by kind: "anon_inode:[pidfd]", "socket", "pipe", a device file..."""
+    kinds: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(("socket:", "pipe:")):
+            target = target.split(":")[0]
+        elif target.startswith("/tmp/#"):
+            target = "/tmp/#N"  # a driver's unlinked file
+        kinds[target] = kinds.get(target, 0) + 1
+    return kinds
+
+
+def grown(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Kinds of descriptors whose count changed from ``before`` to ``after``, by how much."""
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
 
 
 _SPIN = r"""

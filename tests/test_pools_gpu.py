@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import time
 import warnings
 
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 cupyx = pytest.importorskip("cupyx")
 
-from _waits import wait_for  # noqa: E402
+from _waits import fd_kinds, grown, wait_for  # noqa: E402
 
 SIZES = [0, 1, 7, 256, 4096, (1 << 20) + 3, 64 << 20]
 
@@ -818,19 +817,6 @@ def _wait_retired(r, deadline_s: float = 30.0) -> None:
     assert r.pending == 0 and r.waiting == 0
 
 
-def _device_fds() -> dict[str, int]:
-    """Open descriptors of device files (``/dev/nvidia*``) by path."""
-    out: dict[str, int] = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/dev/"):
-            out[target] = out.get(target, 0) + 1
-    return out
-
-
 @pytest.mark.parametrize("ipc", [False, True])
 def test_pools_closed_with_frees_pending_are_never_destroyed_before_those_frees_ran(ipc):
     """Driver 580 crashes (SIGFPE or SIGSEGV in a later pool's first allocation) when
@@ -852,7 +838,7 @@ def test_pools_closed_with_frees_pending_are_never_destroyed_before_those_frees_
         cupy.ones(4).sum()
     warm.close()
     _wait_retired(r)
-    fds = _device_fds()
+    fds = fd_kinds()
     keep = cpm.DevicePool(small_pool=None)  # the reads' results (a pool of another shape)
     with cpm.using(keep), b:
         # Every kernel below loaded first: loading a module synchronises the context,
@@ -896,8 +882,7 @@ def test_pools_closed_with_frees_pending_are_never_destroyed_before_those_frees_
     del reads, y
     keep.close()
     _wait_retired(r)
-    after = _device_fds()
-    assert {k: n - fds.get(k, 0) for k, n in after.items() if n != fds.get(k, 0)} == {}
+    assert {k: n for k, n in grown(fds, fd_kinds()).items() if k.startswith("/dev/")} == {}
     q = cpm.DevicePool()
     with cpm.using(q):
         for n, seed in ((1 << 10, 1), (3 << 20, 2), (40 << 20, 3)):

@@ -7,6 +7,7 @@ import itertools
 from types import SimpleNamespace
 
 import pytest
+from _hotpath_fakes import fake_device_pools
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _pools, _retire
@@ -40,21 +41,7 @@ def made(monkeypatch, fake_retirer):
         out.mrs.append(m)
         return m
 
-    class Device:
-        mem_info = (0, 1 << 34)
-
-        def __init__(self, dev):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-    monkeypatch.setattr(_pools.cc, "DeviceMemoryResource", mr)
-    monkeypatch.setattr(_pools, "check_device", lambda d: 0)
-    monkeypatch.setattr(_pools.cupy.cuda, "Device", Device)
+    fake_device_pools(monkeypatch, mr)
     monkeypatch.setattr(_pools, "device_count", lambda: 1)
     monkeypatch.setattr(
         _pools, "_set_attr", lambda m, attr, v: out.log.append(("attr", m.handle, attr.name, v))

@@ -25,7 +25,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("ipc_allocator")]
 cupy = pytest.importorskip("cupy")
 
 import _mp_lifecycle as L  # noqa: E402
-from _waits import ipc_allocator  # noqa: E402, F401 - the module fixture
+from _waits import (  # noqa: E402
+    fd_kinds,
+    grown,
+    ipc_allocator,  # noqa: E402, F401 - the module fixture
+)
 from _waits import join as _join  # noqa: E402
 from _waits import wait_for as _wait_for  # noqa: E402
 
@@ -275,26 +279,6 @@ def test_receiver_killed_while_its_kernel_writes_cannot_touch_reused_memory():
             p.kill()
 
 
-def _fd_kinds():
-    """Open descriptors by kind: "anon_inode:[pidfd]", "socket", "pipe", a device file..."""
-    kinds = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(("socket:", "pipe:")):
-            target = target.split(":")[0]
-        elif target.startswith("/tmp/#"):
-            target = "/tmp/#N"  # a driver's unlinked file
-        kinds[target] = kinds.get(target, 0) + 1
-    return kinds
-
-
-def _grown(before, after):
-    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
-
-
 def test_24_short_lived_exporters_leave_nothing_behind():
     """A long-lived receiver fed by short-lived producers: nothing grows per producer.
 
@@ -333,14 +317,14 @@ def test_24_short_lived_exporters_leave_nothing_behind():
 
     batch(0, 8)  # first imports start what the driver keeps per process
     assert _wait_for(clean, 30.0), dict(cpm.sharing.stats())
-    kinds = [_fd_kinds()]
+    kinds = [fd_kinds()]
     for b in range(1, 4):
         batch(8 * b, 8)
         assert _wait_for(clean, 30.0), dict(cpm.sharing.stats())
-        _wait_for(lambda: sum(_fd_kinds().values()) <= sum(kinds[0].values()), 3.0)
-        kinds.append(_fd_kinds())
-    per_batch = [_grown(a, b) for a, b in zip(kinds, kinds[1:])]
-    total = _grown(kinds[0], kinds[-1])
+        _wait_for(lambda: sum(fd_kinds().values()) <= sum(kinds[0].values()), 3.0)
+        kinds.append(fd_kinds())
+    per_batch = [grown(a, b) for a, b in zip(kinds, kinds[1:])]
+    total = grown(kinds[0], kinds[-1])
     ours = {k: n for k, n in total.items() if k.startswith(("anon_inode", "socket", "pipe"))}
     # 24 producers came and went: a leak per producer adds 24 descriptors, 8 a batch.
     assert not ours and sum(total.values()) < 4, (

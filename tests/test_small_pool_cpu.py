@@ -197,25 +197,12 @@ def test_a_bad_small_pool_value_raises_a_typed_error(bad):
 
 
 def test_device_pool_checks_small_pool_before_creating_a_cuda_pool(monkeypatch):
+    from _hotpath_fakes import fake_device_pools
+
     def no_pool(*a, **k):
         raise AssertionError("a CUDA pool was created before the option was checked")
 
-    monkeypatch.setattr(_pools.cc, "DeviceMemoryResource", no_pool)
-    monkeypatch.setattr(_pools, "check_device", lambda d: 0)
-
-    class Device:  # a 16 GiB GPU
-        mem_info = (0, 1 << 34)
-
-        def __init__(self, dev):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-    monkeypatch.setattr(_pools.cupy.cuda, "Device", Device)
+    fake_device_pools(monkeypatch, no_pool)
     with pytest.raises(cpm.InvalidOptionError, match="small_pool"):
         cpm.DevicePool(max_size="1GiB", small_pool="1MiB", peer_access=None)
     with pytest.raises(cpm.OptionTypeError, match="small_pool"):
