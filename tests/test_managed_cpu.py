@@ -16,7 +16,7 @@ from cuda.bindings import driver as real
 from cupy.cuda.memory import MemoryPointer, UnownedMemory
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _device, _managed_alloc, _pools, managed
+from cupy_poolmem import _block_cache, _device, _managed_alloc, _pools, managed
 from cupy_poolmem import _hotpath_py as twin
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
@@ -82,6 +82,7 @@ class ManagedDriver:
 def drv(monkeypatch):
     d = ManagedDriver()
     monkeypatch.setattr(_managed_alloc, "_drv", lambda: d)
+    monkeypatch.setattr(_block_cache, "_drv", lambda: d)
 
     @contextlib.contextmanager
     def on_device(dev):
@@ -279,8 +280,8 @@ def test_a_block_freed_by_a_gc_under_the_allocators_lock_is_cached(drv, monkeypa
     _FreedInGc(a, p1, 0x5000)
     a._lock = lock = GcUnderLock(a._lock, collect=False)
     collect = _collect_once()
-    real_deque = _managed_alloc.deque
-    monkeypatch.setattr(_managed_alloc, "deque", lambda *x: (collect(), real_deque(*x))[1])
+    real_deque = _block_cache.deque
+    monkeypatch.setattr(_block_cache, "deque", lambda *x: (collect(), real_deque(*x))[1])
     a.free(p2, 0x5000)
     assert not lock.deadlocked
     assert a.cached == 2 * KB and {e[0] for e in a._free[KB]} == {p1, p2}
