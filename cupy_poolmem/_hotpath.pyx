@@ -119,7 +119,7 @@ KIND_MANAGED = 2
 cdef int _KIND_PINNED = 1  # the C twin of KIND_PINNED (no module lookup and compare)
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 12
+VERSION = 13
 
 # Misses beyond hits (see PoolCore._cache_missed) at which a non-empty reuse cache is flushed.
 FLUSH_AFTER_MISSES = 16
@@ -369,7 +369,9 @@ cdef class PoolCore:
     cdef readonly size_t cached_bytes
     cdef public size_t soft_limit    # 0, or max live bytes (checked before the driver)
     cdef public size_t n_capture_held  # driver frees held until a capture ends
-    cdef public object _backend      # allocator object when there is no CUDA pool
+    cdef public object _backend      # allocator object for blocks no CUDA pool serves
+    cdef public size_t backend_min   # blocks of at least this size come from ``_backend``
+    cdef public object _backend_ptrs  # the backend's blocks (``in``), when it serves some only
     # Plain C fields, so they survive tp_clear of a pool in a garbage cycle (it empties
     # the __dict__ and sets the object fields above to None) for its blocks freed after.
     cdef public unsigned long long _retire_token  # the retirer's name for its pool (0: none)
@@ -382,6 +384,9 @@ cdef class PoolCore:
         self._pool = <CUmemoryPool>pool_handle
         self._small = self._pool
         self.small_max = 0
+        # No CUDA pool: every block from ``_backend``; else none until _attach_backend.
+        self.backend_min = <size_t>-1 if pool_handle else 0
+        self._backend_ptrs = None
         self.device_id = device_id
         self.kind = kind
         self._cache = {}
@@ -391,6 +396,13 @@ cdef class PoolCore:
         """Blocks of 1 to ``small_max`` bytes come from the CUDA pool ``pool_handle``."""
         self._small = <CUmemoryPool>pool_handle
         self.small_max = small_max
+
+    def _attach_backend(self, backend, size_t backend_min, ptrs):
+        """Blocks of ``backend_min`` bytes or more come from ``backend`` (its
+        ``_backend_alloc``); a freed address in ``ptrs`` goes back to it."""
+        self._backend = backend
+        self._backend_ptrs = ptrs
+        self.backend_min = backend_min
 
     def _mark_closed(self):
         self.closed = True
@@ -459,7 +471,7 @@ cdef class PoolCore:
                 sptr = stream.ptr
                 if self.n_capture_held:
                     self._drain_capture_held()
-                if self._pool != NULL:
+                if size < self.backend_min:
                     err = cuMemAllocFromPoolAsync(&dptr, size, self._pool_for(size),
                                                   <CUstream>sptr)
                     if err != 0:
@@ -644,7 +656,7 @@ cdef class PoolCore:
         """One raw attempt: returns ``(CUresult, ptr)``; used by the slow paths."""
         cdef CUdeviceptr dptr = 0
         cdef CUresult err
-        if self._pool == NULL:
+        if size >= self.backend_min:
             return self._backend_try(size, stream_ptr)
         err = cuMemAllocFromPoolAsync(&dptr, size, self._pool_for(size), <CUstream>stream_ptr)
         return int(err), int(dptr)
@@ -660,7 +672,7 @@ cdef class PoolCore:
             if err != 0 or cap != 0:
                 self._hold_free(ptr, stream_ptr, int(err), stream)
                 return
-        if self._pool == NULL:
+        if self._pool == NULL or (self._backend_ptrs is not None and ptr in self._backend_ptrs):
             self._backend_free(ptr, stream_ptr)
             return
         err = cuMemFreeAsync(<CUdeviceptr>ptr, <CUstream>stream_ptr)
@@ -673,7 +685,7 @@ cdef class PoolCore:
 
     def _free_direct(self, uintptr_t ptr, uintptr_t stream_ptr):
         """The driver (or backend) free without the capture check; returns the CUresult."""
-        if self._pool == NULL:
+        if self._pool == NULL or (self._backend_ptrs is not None and ptr in self._backend_ptrs):
             self._backend_free(ptr, stream_ptr)
             return 0
         return int(cuMemFreeAsync(<CUdeviceptr>ptr, <CUstream>stream_ptr))

@@ -28,7 +28,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 12
+VERSION = 13
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
@@ -240,7 +240,9 @@ class PoolCore:
     cached_bytes = 0
     soft_limit = 0
     n_capture_held = 0
-    _backend: Any = None
+    _backend: Any = None  # allocator object for blocks no CUDA pool serves
+    backend_min = 0  # blocks of at least this size come from ``_backend``
+    _backend_ptrs: Any = None  # the backend's blocks (``in``), when it serves some only
     _retire_token = 0
     finalized = False
     cache_misses = 0  # the cache's misses less its hits (see _cache_missed)
@@ -253,6 +255,9 @@ class PoolCore:
         self._pool = _drv.CUmemoryPool(pool_handle) if pool_handle else None
         self._small = self._pool
         self.small_max = 0
+        # No CUDA pool: every block from ``_backend``; else none until _attach_backend.
+        self.backend_min = _SIZE_MAX if pool_handle else 0
+        self._backend_ptrs = None
         self.device_id = device_id
         self.kind = kind
         self._cache: dict[tuple[int, int], _Bin] = {}
@@ -262,6 +267,13 @@ class PoolCore:
         """Blocks of 1 to ``small_max`` bytes come from the CUDA pool ``pool_handle``."""
         self._small = _drv.CUmemoryPool(pool_handle)
         self.small_max = small_max
+
+    def _attach_backend(self, backend: Any, backend_min: int, ptrs: Any) -> None:
+        """Blocks of ``backend_min`` bytes or more come from ``backend`` (its
+        ``_backend_alloc``); a freed address in ``ptrs`` goes back to it."""
+        self._backend = backend
+        self._backend_ptrs = ptrs
+        self.backend_min = _as_size(backend_min)
 
     def _mark_closed(self) -> None:
         self.closed = True
@@ -461,7 +473,7 @@ class PoolCore:
             if not dptr:
                 if self.n_capture_held:
                     self._drain_capture_held()
-                if self._pool is not None:
+                if size < self.backend_min:
                     err, p = _alloc(size, self._pool_for(size), sptr)
                     dptr = int(p) if not err else self._alloc_failed(int(err), size, stream)
                 else:
@@ -490,7 +502,7 @@ class PoolCore:
 
     def _try_alloc(self, size: int, stream_ptr: int) -> tuple[int, int]:
         """One raw attempt: returns ``(CUresult, ptr)``; used by the slow paths."""
-        if self._pool is None:
+        if size >= self.backend_min:
             return self._backend_try(size, stream_ptr)
         err, p = _alloc(size, self._pool_for(size), stream_ptr)
         return int(err), (int(p) if not err else 0)
@@ -503,7 +515,7 @@ class PoolCore:
             if err or cap:
                 self._hold_free(ptr, stream_ptr, int(err), stream)
                 return
-        if self._pool is None:
+        if self._pool is None or (self._backend_ptrs is not None and ptr in self._backend_ptrs):
             self._backend_free(ptr, stream_ptr)
             return
         (err,) = _free(ptr, stream_ptr)
@@ -512,7 +524,7 @@ class PoolCore:
 
     def _free_direct(self, ptr: int, stream_ptr: int) -> int:
         """The driver (or backend) free without the capture check; returns the CUresult."""
-        if self._pool is None:
+        if self._pool is None or (self._backend_ptrs is not None and ptr in self._backend_ptrs):
             self._backend_free(ptr, stream_ptr)
             return 0
         (err,) = _free(ptr, stream_ptr)

@@ -1,0 +1,481 @@
+"""``DevicePool(large_blocks="mapped")`` on a CPU: the block cache's reuse and release
+rules, the mapping calls and their unwinding, which blocks go where in both hot paths,
+and the options.  A GPU checks the data (tests/test_pools_mapped_gpu.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from types import SimpleNamespace
+
+import pytest
+from _hotpath_fakes import compiled_hotpath, fake_device_pools
+from cuda.bindings import driver as real
+
+import cupy_poolmem as cpm
+from cupy_poolmem import _block_cache, _device, _mapped, _pools
+from cupy_poolmem import _hotpath_py as twin
+
+pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
+
+MiB = 1 << 20
+OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
+
+
+class VmmDriver:
+    """Virtual memory management and events, played on the host; every call logged."""
+
+    def __init__(self) -> None:
+        self.vas = itertools.count(0x7F00_0000_0000, 0x1_0000_0000)
+        self.handles = itertools.count(1)
+        self.evs = itertools.count(1)
+        self.done: set = set()  # events that have completed
+        self.log: list = []
+        self.fail: dict[str, int] = {}  # call name -> CUresult it returns once
+        self.mapped: dict[int, int] = {}  # va -> bytes, mapped now
+        self.reserved_va: set = set()
+        self.handles_alive: set = set()
+        self.access: dict[int, list] = {}  # va -> [(device, flags name), ...] last set
+
+    def __getattr__(self, name):
+        return getattr(real, name)
+
+    def _failing(self, name: str) -> int:
+        return self.fail.pop(name, 0)
+
+    def cuMemGetAllocationGranularity(self, prop, flag):  # noqa: N802
+        return 0, 2 * MiB
+
+    def cuMemCreate(self, size, prop, flags):  # noqa: N802
+        if err := self._failing("cuMemCreate"):
+            return err, None
+        h = next(self.handles)
+        self.handles_alive.add(h)
+        self.log.append(("create", h, size))
+        return 0, h
+
+    def cuMemRelease(self, h):  # noqa: N802
+        self.handles_alive.discard(h)
+        self.log.append(("release", h))
+        return (0,)
+
+    def cuMemAddressReserve(self, size, align, hint, flags):  # noqa: N802
+        if err := self._failing("cuMemAddressReserve"):
+            return err, 0
+        va = next(self.vas)
+        self.reserved_va.add(va)
+        self.log.append(("reserve", va, size))
+        return 0, va
+
+    def cuMemAddressFree(self, va, size):  # noqa: N802
+        self.reserved_va.discard(va)
+        self.log.append(("unreserve", va, size))
+        return (0,)
+
+    def cuMemMap(self, va, size, offset, h, flags):  # noqa: N802
+        if err := self._failing("cuMemMap"):
+            return (err,)
+        self.mapped[va] = size
+        self.log.append(("map", va, size, h))
+        return (0,)
+
+    def cuMemUnmap(self, va, size):  # noqa: N802
+        if err := self._failing("cuMemUnmap"):
+            return (err,)
+        assert self.mapped.pop(va) == size
+        self.log.append(("unmap", va, size))
+        return (0,)
+
+    def cuMemSetAccess(self, va, size, descs, n):  # noqa: N802
+        if err := self._failing("cuMemSetAccess"):
+            return (err,)
+        assert n == len(descs)
+        self.access[va] = [(d.location.id, d.flags.name.rsplit("_", 1)[1]) for d in descs]
+        self.log.append(("access", va, size, tuple(self.access[va])))
+        return (0,)
+
+    def cuEventCreate(self, flags):  # noqa: N802
+        return 0, f"ev{next(self.evs)}"
+
+    def cuEventRecord(self, ev, s):  # noqa: N802
+        self.done.discard(ev)  # a reused event: pending again until this record runs
+        self.log.append(("record", ev, s))
+        return (0,)
+
+    def cuEventQuery(self, ev):  # noqa: N802
+        return (0 if ev in self.done else 600,)  # CUDA_ERROR_NOT_READY
+
+    def cuEventSynchronize(self, ev):  # noqa: N802
+        self.log.append(("sync", ev))
+        self.done.add(ev)
+        return (0,)
+
+    def cuEventDestroy(self, ev):  # noqa: N802
+        return (0,)
+
+    def last_event(self) -> str:
+        return next(e[1] for e in reversed(self.log) if e[0] == "record")
+
+
+@pytest.fixture
+def drv(monkeypatch):
+    d = VmmDriver()
+    monkeypatch.setattr(_block_cache, "_drv", lambda: d)
+    monkeypatch.setattr(_device, "on_device", lambda dev: contextlib.nullcontext())
+    return d
+
+
+def blocks(drv, **kw):
+    """MappedBlocks on the fake driver, keeping every freed block unless told."""
+    b = _mapped.MappedBlocks(0, driver=drv, **kw)
+    b.release_threshold = 1 << 40
+    return b
+
+
+# -- the block cache ------------------------------------------------------------------
+def test_a_block_is_mapped_on_memory_of_its_own_and_unmapping_gives_it_back(drv):
+    b = blocks(drv)
+    err, va = b.alloc(9 * MiB + 1, 0x5000)
+    assert err == 0 and b.reserved == 10 * MiB  # rounded to the 2 MiB granularity
+    names = [e[0] for e in drv.log]
+    assert names == ["create", "reserve", "map", "access", "release"]
+    assert drv.mapped == {va: 10 * MiB} and not drv.handles_alive  # the mapping holds it
+    assert drv.access[va] == [(0, "READWRITE")]
+    b.free(va, 0x5000)
+    assert drv.mapped and b.cached == 10 * MiB  # cached, still mapped
+    assert b.release(0) == 10 * MiB
+    assert drv.mapped == {} and drv.reserved_va == set() and b.reserved == 0
+
+
+@pytest.mark.parametrize(
+    "step", ["cuMemCreate", "cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"]
+)
+def test_a_mapping_step_that_fails_undoes_the_ones_before(drv, step):
+    b = blocks(drv)
+    drv.fail[step] = OOM if step == "cuMemCreate" else 1  # CUDA_ERROR_INVALID_VALUE
+    err, va = b.alloc(16 * MiB, 0x5000)
+    assert err == (OOM if step == "cuMemCreate" else 1) and va == 0
+    assert drv.mapped == {} and drv.reserved_va == set() and not drv.handles_alive
+    assert b.reserved == 0 and not b.owns(va)
+    assert b.alloc(16 * MiB, 0x5000)[0] == 0  # and the next one works
+
+
+def test_a_freed_block_serves_its_stream_at_once_and_others_once_its_event_completed(drv):
+    b = blocks(drv)
+    va = b.alloc(32 * MiB, 0x5000)[1]
+    b.free(va, 0x5000)
+    assert b.alloc(32 * MiB, 0x6000)[1] != va  # its free may not have run yet
+    assert b.alloc(32 * MiB, 0x5000)[1] == va  # stream order covers its own stream
+    b.free(va, 0x5000)
+    drv.done.add(drv.last_event())
+    assert b.alloc(32 * MiB, 0x7000)[1] == va  # completed: any stream
+    assert b.n_driver_allocs == 2 and b.n_hits == 2
+
+
+def test_a_block_serves_requests_down_to_its_fit_and_the_smallest_that_fits_first(drv):
+    b = blocks(drv, fit=0.25)
+    vas = {n: b.alloc(n * MiB, 0x5000)[1] for n in (20, 24, 40)}
+    for va in vas.values():
+        b.free(va, 0x5000)
+    assert b.alloc(42 * MiB, 0x5000)[1] not in vas.values()  # larger than all: new
+    assert b.alloc(19 * MiB, 0x5000)[1] == vas[20]  # 20 MiB: 20 and 24 fit (<= 25)
+    assert b.alloc(17 * MiB, 0x5000)[1] not in vas.values()  # 18 MiB: 24 > 22.5
+    assert b.alloc(20 * MiB, 0x5000)[1] == vas[24]
+    assert b.alloc(30 * MiB, 0x5000)[1] not in vas.values()  # 40 > 1.25 x 30
+    assert b.cached == 40 * MiB
+
+
+def test_beyond_the_threshold_the_oldest_done_blocks_are_unmapped_pending_ones_stay(drv):
+    b = blocks(drv)
+    b.release_threshold = 20 * MiB
+    vas = [b.alloc(10 * MiB, 0x5000 + i)[1] for i in range(4)]
+    events = []
+    for va in vas[:2]:
+        b.free(va, 0x5000)
+        events.append(drv.last_event())
+    assert b.cached == 20 * MiB and len(drv.mapped) == 4
+    drv.done.add(events[1])  # the second is done, the first not yet
+    b.free(vas[2], 0x5000)  # 30 MiB cached: the oldest done block goes
+    assert set(drv.mapped) == {vas[0], vas[2], vas[3]} and b.cached == 20 * MiB
+    b.free(vas[3], 0x5000)  # 30 MiB again; nothing done: none unmapped
+    assert b.cached == 30 * MiB and b.reserved == 30 * MiB
+    assert b.release(0, wait=True) == 30 * MiB  # waits for each
+    assert drv.mapped == {} and [e for e in drv.log if e[0] == "sync"]
+
+
+def test_without_a_threshold_it_keeps_an_eighth_of_the_live_mapped_bytes(drv):
+    b = _mapped.MappedBlocks(0, driver=drv)
+    assert b.release_threshold is None and b._keep() == _mapped.MAPPED_KEEP
+    vas = [b.alloc(64 * MiB, 0x5000)[1] for _ in range(16)]  # 1 GiB live
+    assert b._keep() == 128 * MiB
+    for va in vas[:4]:  # 256 MiB freed: live 768 MiB, so 96 MiB stay
+        b.free(va, 0x5000)
+        drv.done.add(drv.last_event())
+    assert b.cached == 64 * MiB  # one block kept: two (128 MiB) would be over 96
+    assert b.reserved == 13 * 64 * MiB
+
+
+def test_out_of_memory_gives_back_done_blocks_first(drv):
+    b = blocks(drv)
+    va = b.alloc(32 * MiB, 0x5000)[1]
+    b.free(va, 0x5000)
+    drv.done.add(drv.last_event())
+    drv.fail["cuMemCreate"] = OOM
+    err, va2 = b.alloc(40 * MiB, 0x5000)  # no fit: create fails, the cache goes, retry
+    assert err == 0 and va not in drv.mapped and b.cached == 0 and b.reserved == 40 * MiB
+
+
+def test_a_failed_unmap_is_counted_and_raised_and_the_others_still_go(drv):
+    b = blocks(drv)
+    vas = [b.alloc(10 * MiB, 0x5000)[1] for _ in range(2)]
+    for va in vas:
+        b.free(va, 0x5000)
+    drv.fail["cuMemUnmap"] = 1
+    with pytest.raises(cpm.CUDADriverError, match="cuMemUnmap"):
+        b.release(0)
+    assert b.n_errors == 1 and vas[1] not in drv.mapped and b.reserved == 0
+
+
+def test_peers_are_granted_on_every_block_and_revoked_ones_set_to_none(drv):
+    b = blocks(drv, peers=(1,))
+    live = b.alloc(10 * MiB, 0x5000)[1]
+    cached = b.alloc(10 * MiB, 0x5000)[1]
+    b.free(cached, 0x5000)
+    assert drv.access[live] == [(0, "READWRITE"), (1, "READWRITE")]
+    b.set_peers([2])
+    for va in (live, cached):
+        assert drv.access[va] == [(0, "READWRITE"), (2, "READWRITE"), (1, "NONE")]
+    new = b.alloc(30 * MiB, 0x5000)[1]
+    assert drv.access[new] == [(0, "READWRITE"), (2, "READWRITE")] and b.peers == (2,)
+
+
+def test_a_leftover_is_freed_on_the_legacy_stream_and_given_back_at_close(drv):
+    b = blocks(drv)
+    va = b.alloc(10 * MiB, 0x5000)[1]
+    b.free_leftover(va)
+    assert ("record", drv.last_event(), 0) in drv.log
+    b.close()
+    assert drv.mapped == {} and b.reserved == 0
+
+
+# -- the hot paths: which blocks the backend serves -----------------------------------
+class FakeBackend:
+    """The backend as the hot path sees it: alloc/free and the addresses it owns."""
+
+    def __init__(self) -> None:
+        self.ptrs: dict[int, int] = {}
+        self.next = itertools.count(0x7F00_0000_0000, 0x1000_0000)
+        self.log: list = []
+
+    def alloc(self, size, sptr):
+        p = next(self.next)
+        self.ptrs[p] = size
+        self.log.append(("alloc", p, size, sptr))
+        return 0, p
+
+    def free(self, ptr, sptr):
+        self.ptrs.pop(ptr)
+        self.log.append(("free", ptr, sptr))
+
+
+@pytest.fixture
+def world(fake_retirer, twin_world):
+    twin_world.retirer = fake_retirer
+    return twin_world
+
+
+def _mapped_twin(world, reuse_cache=0):
+    p = world.pool(reuse_cache=reuse_cache)
+    be = FakeBackend()
+    p._backend = be
+    p._attach_backend(be, 8 * MiB + 1, be.ptrs)
+    p.cache_max_block = min(p.cache_max_block, 8 * MiB)
+    return p, be
+
+
+def test_twin_blocks_above_the_threshold_come_from_the_backend_and_go_back_to_it(world):
+    p, be = _mapped_twin(world)
+    small, large = p.malloc(8 * MiB), p.malloc(8 * MiB + 1)
+    assert world.alloc_pools == [0xABC]  # only the small one from the CUDA pool
+    assert be.log == [("alloc", large.ptr, 8 * MiB + 1, 0x5000)]
+    lp, sp = large.ptr, small.ptr
+    del large, small
+    assert be.log[-1] == ("free", lp, 0x5000)
+    assert ("free", sp, 0x5000) in world.log and ("free", lp, 0x5000) not in world.log
+    assert p._try_alloc(64 * MiB, 0x6000)[1] in be.ptrs  # the out-of-memory retry too
+    assert p._free_direct(next(iter(be.ptrs)), 0x6000) == 0 and be.ptrs == {}
+
+
+def test_twin_large_blocks_skip_the_reuse_cache(world):
+    p, be = _mapped_twin(world, reuse_cache=1 << 30)
+    m = p.malloc(16 * MiB)
+    del m
+    assert p.cached_bytes == 0 and be.log[-1][0] == "free"  # the backend's cache decides
+
+
+def test_twin_a_capture_takes_large_blocks_from_the_cuda_pool(world):
+    p, be = _mapped_twin(world)
+    world.status[0x5000] = (1, 7)  # capturing
+    m = p.malloc(32 * MiB)
+    assert be.log == [] and world.log[-1][0] == "pool_alloc"  # graph memory
+    world.status[0x5000] = (0, 0)
+    del m
+    assert be.log == []
+
+
+def test_twin_a_large_free_on_a_capturing_stream_waits_for_the_capture(world):
+    p, be = _mapped_twin(world)
+    m = p.malloc(32 * MiB)
+    ptr = m.ptr
+    world.status[0x5000] = (1, 7)
+    del m
+    assert be.ptrs == {ptr: 32 * MiB} and p.n_capture_held == 1
+    world.status[0x5000] = (0, 0)
+    p._drain_capture_held()
+    assert be.ptrs == {} and be.log[-1] == ("free", ptr, 0x5000)
+
+
+def test_compiled_routes_as_the_twin_does():
+    hp = compiled_hotpath()
+    if hp is None:
+        pytest.skip("needs the compiled hot path (python setup.py build_ext --inplace)")
+
+    class Core(hp.PoolCore):
+        def _backend_alloc(self, size, stream):
+            return self._backend.alloc(size, 0)[1]
+
+        def _backend_try(self, size, stream_ptr):
+            return self._backend.alloc(size, stream_ptr)
+
+        def _backend_free(self, ptr, stream_ptr):
+            self._backend.free(ptr, stream_ptr)
+
+    c = Core()
+    c._attach(0xABC, 0, hp.KIND_DEVICE)
+    assert c.backend_min == 2**64 - 1  # a CUDA pool and no backend: none from one
+    be = FakeBackend()
+    c._attach_backend(be, 8 * MiB + 1, be.ptrs)
+    assert c.backend_min == 8 * MiB + 1
+    err, ptr = c._try_alloc(8 * MiB + 1, 0x6000)
+    assert err == 0 and be.ptrs == {ptr: 8 * MiB + 1}
+    assert c._free_direct(ptr, 0x6000) == 0 and be.ptrs == {}
+    ptr = c._try_alloc(64 * MiB, 0)[1]
+    c._free_now(ptr, 0)  # the legacy stream: no capture query
+    assert be.log[-1] == ("free", ptr, 0)
+    bare = Core()
+    bare._attach(0, 0, hp.KIND_MANAGED)
+    assert bare.backend_min == 0  # no CUDA pool: every block from the backend
+
+
+# -- the option -----------------------------------------------------------------------
+@pytest.fixture
+def made(monkeypatch, fake_retirer, drv):
+    handles = itertools.count(0x100)
+    out = SimpleNamespace(mrs=[], retirer=fake_retirer, drv=drv)
+
+    def mr(dev, opts):
+        m = SimpleNamespace(
+            handle=next(handles),
+            closed=False,
+            is_ipc_enabled=opts.ipc_enabled,
+            max_size=opts.max_size,
+            attributes=SimpleNamespace(
+                reserved_mem_current=0, reserved_mem_high=0, used_mem_current=0
+            ),
+        )
+        m.close = lambda: setattr(m, "closed", True)
+        out.mrs.append(m)
+        return m
+
+    fake_device_pools(monkeypatch, mr)
+    monkeypatch.setattr(_pools, "device_count", lambda: 1)
+    monkeypatch.setattr(_pools, "_set_attr", lambda *a: None)
+    monkeypatch.setattr(
+        _pools,
+        "_new_mapped_blocks",
+        lambda dev, peers: _mapped.MappedBlocks(dev, peers, driver=drv),
+    )
+    return out
+
+
+def test_a_mapped_pool_has_one_cuda_pool_and_maps_above_the_small_pool_size(made):
+    p = cpm.DevicePool(large_blocks="mapped", reuse_cache="1GiB")
+    assert p.large_blocks == "mapped" and len(made.mrs) == 1 and p._mrs == (made.mrs[0],)
+    assert p.small_pool == 8 * MiB and p.backend_min == 8 * MiB + 1
+    assert p.cache_max_block == 8 * MiB
+    assert p._backend.release_threshold is None  # keeps an eighth of its live bytes
+    q = cpm.DevicePool(large_blocks="mapped", small_pool="2MiB", release_threshold="32MiB")
+    assert q.small_pool == 2 * MiB and q._backend.release_threshold == 32 * MiB
+    assert cpm.DevicePool().large_blocks == "pool"
+
+
+def test_a_mapped_pools_statistics_trim_and_peak_count_its_mapped_blocks(made, monkeypatch):
+    monkeypatch.setattr(_pools._drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
+    p = cpm.DevicePool(large_blocks="mapped")
+    b = p._backend
+    vas = [b.alloc(20 * MiB, 0x5000)[1] for _ in range(3)]
+    b.free(vas[0], 0x5000)
+    s = p.stats()
+    assert s.reserved_bytes == 60 * MiB and s.peak_reserved_bytes == 60 * MiB
+    assert p._safe_used() == 40 * MiB
+    p._synchronize = lambda: None
+    made.drv.done.add(made.drv.last_event())
+    assert p.trim() == 20 * MiB and p.stats().reserved_bytes == 40 * MiB
+    p.reset_peak()
+    assert p.stats().peak_reserved_bytes == 40 * MiB
+
+
+def test_a_mapped_pool_gives_its_blocks_back_when_retired(made):
+    p = cpm.DevicePool(large_blocks="mapped")
+    b = p._backend
+    va = b.alloc(20 * MiB, 0x5000)[1]
+    b.free(va, 0x5000)
+    p.close()
+    made.retirer.drain()
+    assert made.drv.mapped == {} and made.mrs[0].closed
+    assert made.retirer.log.events[0][0] == "sync"  # after a sync, not parked
+
+
+def test_a_mapped_pools_leftover_goes_to_whichever_holds_it(made, monkeypatch):
+    p = cpm.DevicePool(large_blocks="mapped")
+    owner = _pools._Resources.owner(p._mrs, p._backend, 0)
+    va = p._backend.alloc(20 * MiB, 0x5000)[1]
+    owner.free_leftover(va)
+    assert ("record", made.drv.last_event(), 0) in made.drv.log and p._backend.cached
+    freed = []
+    monkeypatch.setattr(
+        _pools._retire, "_free_on_legacy_stream", lambda ptr, dev: freed.append((ptr, dev))
+    )
+    owner.free_leftover(0x1234)  # not a mapped block: the CUDA pool's free
+    assert freed == [(0x1234, 0)]
+
+
+@pytest.mark.parametrize(
+    ("opts", "exc", "words"),
+    [
+        ({"large_blocks": "vmm"}, cpm.InvalidOptionError, "'pool'"),
+        ({"large_blocks": True}, cpm.OptionTypeError, "bool"),
+        ({"large_blocks": "mapped", "ipc": True}, cpm.InvalidOptionError, "ipc=True"),
+        ({"large_blocks": "mapped", "small_pool": None}, cpm.InvalidOptionError, "small_pool"),
+    ],
+)
+def test_bad_large_blocks_options_say_what_to_pass(made, opts, exc, words):
+    with pytest.raises(exc, match=words):
+        cpm.DevicePool(**opts)
+    assert made.mrs == []  # checked before any CUDA pool is made
+
+
+def test_a_gpu_without_virtual_memory_management_is_refused(monkeypatch):
+    monkeypatch.setattr(
+        _pools._drv, "cuDeviceGetAttribute", lambda attr, dev: (0, 0), raising=False
+    )
+    with pytest.raises(cpm.UnsupportedError, match="virtual memory management"):
+        _pools._new_mapped_blocks(0, ())
+
+
+def test_twin_and_compiled_agree_on_the_backend_interface():
+    assert "_attach_backend" in dir(twin.PoolCore)
+    hp = compiled_hotpath()
+    if hp is not None:
+        assert "_attach_backend" in dir(hp.PoolCore) and "backend_min" in dir(hp.PoolCore)

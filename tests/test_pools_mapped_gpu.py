@@ -1,0 +1,209 @@
+"""GPU tests of ``DevicePool(large_blocks="mapped")``: large blocks mapped one by one.
+
+Every test checks data.  The ones that try to break the reuse rule free a block behind
+a running kernel that writes it last, and check that no other stream got the block and
+that it stayed mapped until the kernel ran (an early unmap faults the kernel).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import numpy as np
+import pytest
+
+import cupy_poolmem as cpm
+from cupy_poolmem import _retire
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy")
+
+from _waits import spin  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _mapped_pool(**kw):
+    return cpm.DevicePool(large_blocks="mapped", **kw)
+
+
+def _warm_up() -> None:
+    """Load the kernels used below once: a module load synchronises the context."""
+    s = cupy.cuda.Stream(non_blocking=True)
+    spin(0.01, s)
+    with s:
+        x = cupy.empty(16, dtype=cupy.int32)
+        x.fill(1)
+        int(x.sum())
+    s.synchronize()
+
+
+def test_large_blocks_are_mapped_hold_their_data_and_go_back_to_the_device():
+    free0 = cupy.cuda.runtime.memGetInfo()[0]
+    pool = _mapped_pool()
+    with cpm.using(pool):
+        sizes = (9, 17, 40, 100)
+        xs = [cupy.arange(n * MiB // 4, dtype=cupy.int32) for n in sizes]
+        small = cupy.arange(1024, dtype=cupy.int32)
+        assert all(pool._backend.owns(x.data.ptr) for x in xs)
+        assert not pool._backend.owns(small.data.ptr)
+        for x in xs:
+            assert (
+                int(x[-1]) == x.size - 1
+                and int(x.sum(dtype=cupy.int64)) == x.size * (x.size - 1) // 2
+            )
+        s = pool.stats()
+        assert s.used_bytes == sum(x.nbytes for x in xs) + small.nbytes
+        mapped = sum(-(-n // 2) * 2 for n in sizes) * MiB  # at the 2 MiB granularity
+        assert s.reserved_bytes >= mapped and pool._backend.reserved == mapped
+        del xs, x
+        pool.trim()
+        assert pool._backend.reserved == 0 and pool._backend.cached == 0
+        y = cupy.full(33 * MiB // 4, 5, dtype=cupy.int32)  # a new mapping after the trim
+        assert int(y.sum(dtype=cupy.int64)) == 5 * y.size
+    pool.close()
+    del y, small
+    gc.collect()
+    _retire.retirer().drain()
+    assert pool._backend.reserved == 0
+    cupy.cuda.runtime.deviceSynchronize()
+    assert cupy.cuda.runtime.memGetInfo()[0] >= free0 - 64 * MiB  # nothing mapped stays
+
+
+def test_a_block_freed_behind_a_running_kernel_is_neither_given_to_another_stream_nor_unmapped():
+    _warm_up()
+    pool = _mapped_pool(release_threshold=0)  # unmap every freed block as soon as it may
+    s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    n = 48 * MiB // 4
+    with cpm.using(pool):
+        with s1:
+            z = cupy.zeros(n, dtype=cupy.int32)
+        s1.synchronize()
+        zp = z.data.ptr
+        spin(300, s1)
+        with s1:
+            z.fill(7)  # runs after the spin: the last write to the block
+        del z  # freed on s1 while the spin runs
+        assert pool._backend.owns(zp)  # not unmapped: its free has not run
+        pool.trim(sync=False)
+        assert pool._backend.owns(zp)
+        with s2:
+            w = cupy.empty(n, dtype=cupy.int32)
+            w.fill(1)
+        assert w.data.ptr != zp  # another stream: not the block still in use
+        s2.synchronize()
+        s1.synchronize()  # an unmap under the kernel would fault here
+        assert int((w == 1).sum()) == n  # z's last write never landed in w
+        with s1:
+            v = cupy.empty(n, dtype=cupy.int32)  # its own stream, its free done: reusable
+            assert v.data.ptr == zp or not pool._backend.owns(zp)
+            v.fill(3)
+        s1.synchronize()
+        assert int((v == 3).sum()) == n
+        del v, w
+    pool.trim()
+    assert pool._backend.reserved == 0
+    pool.close()
+
+
+def test_a_freed_block_is_reused_at_once_on_its_own_stream_in_stream_order():
+    _warm_up()
+    pool = _mapped_pool()
+    s1 = cupy.cuda.Stream(non_blocking=True)
+    n = 24 * MiB // 4
+    with cpm.using(pool), s1:
+        a = cupy.zeros(n, dtype=cupy.int32)
+        ap = a.data.ptr
+        spin(200, s1)
+        a.fill(9)
+        del a
+        b = cupy.empty(n - 1024, dtype=cupy.int32)  # within the fit: the same block
+        assert b.data.ptr == ap and pool._backend.n_hits >= 1
+        b.fill(4)  # ordered after the fill of 9 on the same stream
+        s1.synchronize()
+        assert int((b == 4).sum()) == b.size
+        del b
+    pool.close()
+
+
+def test_a_capture_takes_graph_memory_and_its_replays_write_it():
+    pool = _mapped_pool()
+    g = cupy.cuda.Stream(non_blocking=True)
+    with cpm.using(pool), g:
+        base = cupy.arange(20 * MiB // 4, dtype=cupy.int32)
+        g.synchronize()
+        g.begin_capture()
+        a = cupy.empty_like(base)
+        a[...] = base * 2
+        graph = g.end_capture()
+        assert not pool._backend.owns(a.data.ptr)  # graph memory, not a mapped block
+        for _ in range(2):
+            graph.launch(g)
+        g.synchronize()
+        assert int((a == base * 2).sum()) == a.size
+        del a, graph
+    pool.close()
+
+
+def test_out_of_memory_names_the_size_and_the_pool_keeps_working():
+    pool = _mapped_pool()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    with cpm.using(pool):
+        # More than is free, less than the device has: the mapping itself fails.
+        with pytest.raises(cpm.OutOfPoolMemoryError, match="DevicePool"):
+            cupy.empty(free + (total - free) // 2, dtype=cupy.uint8)
+        assert pool._backend.reserved == 0
+        x = cupy.full(16 * MiB, 2, dtype=cupy.uint8)
+        assert int(x.sum(dtype=cupy.int64)) == 32 * MiB
+        del x
+    pool.close()
+
+
+def test_on_a_churn_what_is_reserved_follows_what_is_live():
+    """Sizes 9-64 MiB freed out of order: a CUDA pool's 32 MiB chunks would pin far more."""
+    rng = random.Random(3)
+    pool = _mapped_pool()
+    live: list = []
+    held = peak_live = 0
+    with cpm.using(pool):
+        for step in range(400):
+            size = rng.randrange(9 * MiB, 64 * MiB, 4096)
+            while live and held + size > 512 * MiB:
+                i = rng.randrange(len(live))
+                held -= live[i][0].nbytes
+                live[i] = live[-1]
+                live.pop()
+            a = cupy.full(size // 4, step, dtype=cupy.int32)
+            live.append((a, step))
+            held += a.nbytes
+            peak_live = max(peak_live, held)
+        for a, step in live:
+            assert int((a == step).sum()) == a.size  # no block served two arrays
+        peak = pool._backend.peak_reserved
+        # Each block rounded to 2 MiB, up to a quarter larger when reused, and freed
+        # blocks kept up to an eighth of what is live (at least 64 MiB).
+        assert peak <= peak_live * 1.25 + max(64 * MiB, peak_live // 8) + 64 * 2 * MiB
+        assert pool._backend.n_hits > 0
+        del live, a
+    pool.close()
+
+
+@pytest.mark.multigpu
+def test_a_later_peer_grant_covers_mapped_blocks_already_there():
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs 2 GPUs; this machine has 1")
+    with _mapped_pool(device=0, peer_access=None) as p0, cpm.DevicePool(1) as p1:
+        with cupy.cuda.Device(0), cpm.using(p0):
+            a = cupy.arange(12 * MiB // 4, dtype=cupy.int32)
+        assert p0._backend.owns(a.data.ptr)
+        cupy.cuda.Device(0).synchronize()
+        p0.peer_access = [1]
+        with cupy.cuda.Device(1), cpm.using(p1):
+            b = a * 2
+            a[...] = -1
+        cupy.cuda.Device(1).synchronize()
+        assert (b.get() == np.arange(a.size, dtype=np.int32) * 2).all()
+        assert (a.get() == -1).all()
+        del a, b
