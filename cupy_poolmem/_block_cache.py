@@ -31,6 +31,7 @@ from collections import deque
 from threading import get_ident
 from typing import Any
 
+from . import _device
 from ._errors import check_driver
 
 __all__ = ["BlockCache"]
@@ -40,10 +41,15 @@ _OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
 _IDLE_EVENTS = 64  # events of given-back blocks kept for the next frees
 
 
-def _drv() -> Any:
-    from cuda.bindings import driver
+_DRIVER: list[Any] = []
 
-    return driver
+
+def _drv() -> Any:
+    if not _DRIVER:  # imported on first use, then kept (frees call this)
+        from cuda.bindings import driver
+
+        _DRIVER.append(driver)
+    return _DRIVER[0]
 
 
 class BlockCache:
@@ -90,6 +96,7 @@ class BlockCache:
         self._idle_events: list[Any] = []
         self.reserved = 0  # bytes from the driver held now (live + cached)
         self.peak_reserved = 0
+        self.live_high = 0  # the most bytes live in blocks at once (high-water mark)
         self.cached = 0
         self.release_threshold = self.default_keep
         self.n_driver_allocs = 0
@@ -108,6 +115,9 @@ class BlockCache:
     def _keep(self) -> int:
         """Cached bytes beyond which a free gives the oldest done blocks back."""
         return self.release_threshold
+
+    def _make_room(self, r: int) -> None:
+        """Before a new block of ``r`` bytes is made (a subclass may give some back)."""
 
     def _round(self, size: int) -> int:
         g = self.granule
@@ -173,9 +183,7 @@ class BlockCache:
         )
 
     def _record(self, ev: Any, stream_ptr: int) -> None:
-        from ._device import on_device
-
-        with on_device(self.device):
+        with _device.on_device(self.device):
             check_driver(_drv().cuEventRecord(ev, stream_ptr), "cuEventRecord")
 
     @staticmethod
@@ -210,9 +218,11 @@ class BlockCache:
                 ptr = self._take(r, stream_ptr)
                 if ptr:
                     self.n_hits += 1
+                    self.live_high = max(self.live_high, self.reserved - self.cached)
                     return 0, ptr
             finally:
                 self._unlock()
+        self._make_room(r)
         err, ptr = self._create(r)
         if err == _OUT_OF_MEMORY and self.cached:
             # Freed blocks whose streams are past their frees go back first.
@@ -225,6 +235,7 @@ class BlockCache:
             self._sizes[ptr] = r
             self.reserved += r
             self.peak_reserved = max(self.peak_reserved, self.reserved)
+            self.live_high = max(self.live_high, self.reserved - self.cached)
             self.n_driver_allocs += 1
         finally:
             if locked:
@@ -260,8 +271,6 @@ class BlockCache:
         Blocks whose events have not completed stay unless ``wait``.  Returns the
         bytes given back.
         """
-        from ._device import on_device
-
         freed = 0
         victims: list = []
         if not self._acquire():  # from a collection under the lock: the cache is in use
@@ -282,7 +291,7 @@ class BlockCache:
             return 0
         drv = _drv()
         error: BaseException | None = None
-        with on_device(self.device):
+        with _device.on_device(self.device):
             for r, (ptr, _sptr, ev) in victims:
                 try:
                     if wait:
@@ -310,11 +319,10 @@ class BlockCache:
 
     def reset_peak(self) -> None:
         self.peak_reserved = self.reserved
+        self.live_high = self.reserved - self.cached
 
     def close(self) -> None:
         """Give every cached block back and drop the idle events (the pool is drained)."""
-        from ._device import on_device
-
         self.release(0, wait=True)
         locked = self._acquire()
         try:
@@ -323,6 +331,6 @@ class BlockCache:
             if locked:
                 self._unlock()
         if events:
-            with on_device(self.device):
+            with _device.on_device(self.device):
                 for ev in events:
                     _drv().cuEventDestroy(ev)

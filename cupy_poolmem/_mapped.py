@@ -9,13 +9,17 @@ management (``cuMemCreate``, ``cuMemAddressReserve``, ``cuMemMap``,
 the cache of freed blocks (:class:`~cupy_poolmem._block_cache.BlockCache`): what the
 pool reserves follows what is live.
 
-The driver work, about 60 us to map a block and 50 us to unmap it (H100), is paid on a
-cache miss only: a freed block serves the next request of its size, or up to a
-quarter smaller (``fit``), on its own stream at once and on another once the event
-recorded at its free has completed.  Beyond ``release_threshold`` cached bytes, the
-oldest freed blocks whose streams are past their frees are unmapped; with no
-threshold set, the cache keeps up to an eighth of the live mapped bytes (at least
-64 MiB).
+The driver work, about 60-120 us to map a block and 30-100 us to unmap it (H100, more
+for larger blocks), is paid on a cache miss only: a freed block serves the next
+request of its size, or of at least three quarters of it (``fit``), on its own stream
+at once and on another once the event recorded at its free has completed.  Beyond
+``release_threshold`` cached bytes, the oldest freed blocks whose streams are past their frees are unmapped.  With no
+threshold set, freed blocks stay mapped while the blocks reserve no more than the
+most bytes ever live in them plus a sixteenth (at least 64 MiB): a new block that
+would reserve more unmaps the oldest freed blocks first.  So the reserved peak stays
+within that margin of the live peak (once the frees have run), and a working set
+that shrinks keeps its freed blocks for when it grows again (``trim`` gives them
+back).
 
 cuda.core 1.2's ``VirtualMemoryResource`` would do the mapping, but it keeps every
 block's physical memory until the process exits (NVIDIA/cuda-python#2882, fixed
@@ -31,11 +35,14 @@ from typing import Any
 from ._block_cache import BlockCache
 from ._errors import check_driver
 
-__all__ = ["MappedBlocks", "MAPPED_FIT", "MAPPED_KEEP", "MAPPED_KEEP_SHARE"]
+__all__ = ["MappedBlocks", "MAPPED_FIT", "MAPPED_MARGIN", "MAPPED_MARGIN_SHARE"]
 
-MAPPED_FIT = 0.25  # a freed block serves a request down to 1/1.25 its size
-MAPPED_KEEP = 64 << 20  # freed bytes kept mapped at least, unless release_threshold says
-MAPPED_KEEP_SHARE = 8  # ... and up to this fraction of the live mapped bytes
+MAPPED_FIT = 1 / 3  # a freed block serves requests of at least three quarters its size
+MAPPED_MARGIN = 64 << 20  # reserved may pass the most ever live by this much at least,
+MAPPED_MARGIN_SHARE = 16  # or by this fraction of it (unless release_threshold says)
+
+
+_NO_LIMIT = 2**64 - 1
 
 
 def _drv() -> Any:
@@ -47,9 +54,10 @@ def _drv() -> Any:
 class MappedBlocks(BlockCache):
     """Device memory blocks mapped one by one with virtual memory management.
 
-    Freed blocks stay mapped for reuse up to ``release_threshold`` bytes; when the
-    pool sets none (``None``), up to an eighth of the bytes live in mapped blocks, at
-    least :data:`MAPPED_KEEP`.
+    Freed blocks stay mapped for reuse up to ``release_threshold`` bytes.  When the
+    pool sets none (``None``), they stay while the blocks reserve no more than the
+    most bytes ever live in them plus a sixteenth (64 MiB at least, :meth:`budget`):
+    a new block that would reserve more unmaps the oldest freed blocks first.
 
     Parameters
     ----------
@@ -97,9 +105,24 @@ class MappedBlocks(BlockCache):
 
     def _keep(self) -> int:
         t = self.release_threshold
-        if t is None:
-            return max(MAPPED_KEEP, (self.reserved - self.cached) // MAPPED_KEEP_SHARE)
-        return int(t)
+        return _NO_LIMIT if t is None else int(t)  # None: see _make_room
+
+    def budget(self) -> int:
+        """Bytes the blocks may reserve before a new one unmaps freed ones first (with
+        no ``release_threshold``): the most ever live, plus a sixteenth (64 MiB at
+        least)."""
+        high = self.live_high
+        return high + max(MAPPED_MARGIN, high // MAPPED_MARGIN_SHARE)
+
+    def _make_room(self, r: int) -> None:
+        """With no ``release_threshold``: unmap the oldest freed blocks whose frees have
+        run until a new block of ``r`` bytes fits in :meth:`budget`."""
+        if self.release_threshold is not None or not self.cached:
+            return
+        live = self.reserved - self.cached
+        over = live + self.cached + r - max(self.budget(), live + r)
+        if over > 0:
+            self.release(keep=max(0, self.cached - over), wait=False)
 
     def _descriptors(self, grant: Iterable[int], revoke: Iterable[int]) -> list[Any]:
         d = self._d

@@ -984,11 +984,13 @@ class DevicePool(Pool):
 
     With ``large_blocks="mapped"`` a block above ``small_pool`` (8 MiB) is mapped on
     memory of its own (``cuMemCreate``, ``cuMemMap``) at the device's 2 MiB
-    granularity.  A freed one serves the next request of its size, or up to a quarter
-    smaller, at once on its own stream and on another once an event recorded at its
-    free has completed.  Freed blocks are kept up to ``release_threshold`` bytes (by
-    default an eighth of the live mapped bytes, at least 64 MiB); beyond, the oldest
-    whose frees have run are unmapped and their memory goes back to the device.  On the
+    granularity.  A freed one serves the next request of its size, or of at least three
+    quarters of it, at once on its own stream and on another once an event recorded at its
+    free has completed.  Freed blocks stay mapped while the mapped blocks reserve at
+    most the most bytes ever live in them plus a sixteenth (64 MiB at least); a new
+    block that would reserve more first unmaps the oldest freed blocks whose frees
+    have run, and their memory goes back to the device.  A ``release_threshold``
+    instead caps the freed bytes kept; :meth:`~Pool.trim` gives them all back.  On the
     churn benchmark this reserves 0.73x CuPy's ``MemoryPool`` at about its speed
     (a CUDA pool: 0.95x at a third of its time); a miss costs about 60 us of driver
     calls and an unmap about 30 us, so steady workloads of few sizes are faster on the

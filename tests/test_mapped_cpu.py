@@ -204,16 +204,32 @@ def test_beyond_the_threshold_the_oldest_done_blocks_are_unmapped_pending_ones_s
     assert drv.mapped == {} and [e for e in drv.log if e[0] == "sync"]
 
 
-def test_without_a_threshold_it_keeps_an_eighth_of_the_live_mapped_bytes(drv):
+def test_without_a_threshold_freed_blocks_stay_until_a_new_block_would_pass_the_budget(drv):
     b = _mapped.MappedBlocks(0, driver=drv)
-    assert b.release_threshold is None and b._keep() == _mapped.MAPPED_KEEP
-    vas = [b.alloc(64 * MiB, 0x5000)[1] for _ in range(16)]  # 1 GiB live
-    assert b._keep() == 128 * MiB
-    for va in vas[:4]:  # 256 MiB freed: live 768 MiB, so 96 MiB stay
+    assert b.release_threshold is None
+    vas = [b.alloc(64 * MiB, 0x5000)[1] for _ in range(16)]  # 1 GiB live at most
+    assert b.budget() == 1024 * MiB + 64 * MiB  # a sixteenth: 64 MiB
+    for va in vas[:8]:
         b.free(va, 0x5000)
         drv.done.add(drv.last_event())
-    assert b.cached == 64 * MiB  # one block kept: two (128 MiB) would be over 96
-    assert b.reserved == 13 * 64 * MiB
+    assert b.cached == 512 * MiB  # a free gives nothing back
+    assert b.alloc(64 * MiB, 0x6000)[1] == vas[0]  # a hit: nothing to make room for
+    b.free(vas[0], 0x6000)  # its event pending from here on
+    big = b.alloc(100 * MiB, 0x5000)[1]  # no fit: 512 + 512 + 100 > 1088 MiB
+    assert big not in vas and b.reserved <= b.budget()
+    assert vas[0] in drv.mapped  # the pending one stays; the oldest done went instead
+    assert vas[1] not in drv.mapped and b.cached == 448 * MiB
+    b.free(big, 0x5000)
+    for va in vas[8:]:
+        b.free(va, 0x5000)
+    drv.done.update(e[1] for e in drv.log if e[0] == "record")
+    b.alloc(900 * MiB, 0x5000)  # the oldest done blocks go, as many as it takes
+    assert b.reserved == 1028 * MiB <= b.budget() and b.cached == 128 * MiB
+    b.alloc(1100 * MiB, 0x5000)  # more than the budget alone: every done block goes
+    assert b.cached == 0 and b.reserved == 2000 * MiB
+    bigger = _mapped.MappedBlocks(0, driver=drv)
+    bigger.live_high = 4096 * MiB
+    assert bigger.budget() == 4096 * MiB + 256 * MiB
 
 
 def test_out_of_memory_gives_back_done_blocks_first(drv):
