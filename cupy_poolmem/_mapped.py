@@ -13,8 +13,8 @@ The driver work, about 60-120 us to map a block and 30-100 us to unmap it (H100,
 for larger blocks), is paid on a cache miss only: a freed block serves the next
 request of its size, or of at least three quarters of it (``fit``), on its own stream
 at once and on another once the event recorded at its free has completed.  Beyond
-``release_threshold`` cached bytes, the oldest freed blocks whose streams are past their frees are unmapped.  With no
-threshold set, freed blocks stay mapped while the blocks reserve no more than the
+``release_threshold`` cached bytes, the oldest freed blocks whose streams are past
+their frees are unmapped.  With no threshold set, freed blocks stay mapped while the blocks reserve no more than the
 most bytes ever live in them plus a sixteenth (at least 64 MiB): a new block that
 would reserve more unmaps the oldest freed blocks first.  So the reserved peak stays
 within that margin of the live peak (once the frees have run), and a working set

@@ -960,6 +960,11 @@ class DevicePool(Pool):
         (fills, checks that synchronise the block's stream) and disables the reuse
         cache; the pool's statistics count each block with its red zone.
 
+    Attributes
+    ----------
+    large_blocks : str
+        ``"pool"`` or ``"mapped"``: where blocks above :attr:`small_pool` come from.
+
     Notes
     -----
     ``malloc(size)`` allocates on CuPy's *current stream* and returns a

@@ -15,6 +15,7 @@ MODULES = {
     "cupy_poolmem._guard": 5,
     "cupy_poolmem._device": 1,
     "cupy_poolmem._retire": 10,
+    "cupy_poolmem._block_cache": 6,
     "cupy_poolmem.report": 6,
     "cupy_poolmem.stats": 12,
     "cupy_poolmem._poolstats": 2,

@@ -13,8 +13,10 @@ pools: ``reserved_mem_high``; torch: ``max_memory_reserved``); CuPy's ``MemoryPo
 and RMM's pool keep none, so for them a second replay, untimed, samples what they hold
 after every step.
 
-Goal (cupy_poolmem's default DevicePool): a reserved peak at most 0.8x MemoryPool's,
-at equal speed (at most 1.05x its time per step).  The default DevicePool takes blocks
+Goal: a reserved peak at most 0.8x MemoryPool's, at equal speed (at most 1.05x its
+time per step), for the DevicePool that maps its large blocks
+(``large_blocks="mapped"``, each block above 8 MiB on memory of its own); the goal
+line says the default pool's ratios too.  The default DevicePool takes blocks
 up to 8 MiB from a CUDA pool of their own (``small_pool``); the ``ipc=True`` row is the
 pool ``set_allocator()`` makes (shareable, both CUDA pools IPC-enabled), the
 ``small_pool=None`` row the same pool with one CUDA pool.  Its peak is the sum of both CUDA pools' peaks (an
@@ -24,7 +26,8 @@ A second table replays the trace straight on CUDA pools with the levers a pool b
 on them has (a second pool for small blocks, trims after frees; see
 ``_churn_variants``): what the driver's own placement allows, against the same
 MemoryPool peak.  Its last two rows map the blocks above 8 MiB at 2 MiB with virtual
-memory management instead (``_page_mapper``): sketches of the backend the goal needs.
+memory management instead (``_page_mapper``): the sketches that preceded
+``large_blocks="mapped"`` (no cache of freed blocks, no events: one stream only).
 
 ``python -m cupy_poolmem bench churn [--quick]``
 """
