@@ -7,8 +7,9 @@ The pools' backends that are not a CUDA memory pool (``ManagedPool``'s
 back to the driver:
 
 - a freed block waits behind an event recorded on the stream that freed it;
-- it serves the next allocation at once on that stream (stream order covers it),
-  and on another stream once its event has completed;
+- it serves the next allocation at once on that stream (stream order covers it;
+  not the per-thread default stream, a different stream in each thread), and on
+  another stream once its event has completed;
 - it serves a request of its size class, or (``fit``) one up to that fraction
   smaller;
 - beyond ``release_threshold`` cached bytes, the oldest freed blocks whose events
@@ -39,6 +40,7 @@ __all__ = ["BlockCache"]
 _UINT64_MAX = 2**64 - 1
 _OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
 _IDLE_EVENTS = 64  # events of given-back blocks kept for the next frees
+_PER_THREAD = 2  # CU_STREAM_PER_THREAD
 
 
 _DRIVER: list[Any] = []
@@ -102,6 +104,7 @@ class BlockCache:
         self.n_driver_allocs = 0
         self.n_hits = 0
         self.n_errors = 0  # blocks the driver refused to take back (leaked, never reused)
+        self.leaked = 0  # their bytes
 
     # -- what a subclass provides --------------------------------------------------
     def _create(self, r: int) -> tuple[int, int]:
@@ -203,7 +206,9 @@ class BlockCache:
             c = classes[i]
             entries = self._free[c]
             for entry in entries:
-                if entry[1] == stream_ptr or self._done(entry[2]):
+                # The same stream orders the reuse, but not the per-thread default
+                # stream: its handle (2) names another stream in each thread.
+                if (entry[1] == stream_ptr and stream_ptr != _PER_THREAD) or self._done(entry[2]):
                     self._uncache(c, entries, entry)
                     self._idle_events.append(entry[2])
                     return entry[0]
@@ -226,7 +231,7 @@ class BlockCache:
         err, ptr = self._create(r)
         if err == _OUT_OF_MEMORY and self.cached:
             # Freed blocks whose streams are past their frees go back first.
-            self.release(0, wait=False)
+            self._release_quietly(0)
             err, ptr = self._create(r)
         if err:
             return err, 0
@@ -258,18 +263,21 @@ class BlockCache:
             self._unlock()
         keep = self._keep()
         if self.cached > keep:
-            self.release(keep=keep, wait=False)
+            self._release_quietly(keep)
 
     def free_leftover(self, ptr: int) -> None:
         """Free a block its pool's finalizer left to the retirer (its stream may be gone):
         on the legacy stream, which the retirer's device sync has already drained."""
         self.free(ptr, 0)
 
-    def release(self, keep: int = 0, wait: bool = True) -> int:
-        """Destroy cached blocks, oldest first, until at most ``keep`` bytes stay cached.
+    def release(self, keep: int = 0, wait: bool = True, at_least: bool = False) -> int:
+        """Destroy cached blocks, oldest first, until at most ``keep`` bytes stay cached
+        (``at_least``: only blocks whose going leaves at least ``keep`` cached).
 
         Blocks whose events have not completed stay unless ``wait``.  Returns the
-        bytes given back.
+        bytes given back.  A block the driver refuses to take back is forgotten and
+        counted (``n_errors``, ``leaked``), the others go back, then the first error is
+        raised.
         """
         freed = 0
         victims: list = []
@@ -279,10 +287,16 @@ class BlockCache:
             for ptr, r in list(self._order.items()):
                 if self.cached <= keep:
                     break
+                if at_least and self.cached - r < keep:
+                    continue  # this one would take the cache below ``keep``
                 entries = self._free[r]
                 entry = next(e for e in entries if e[0] == ptr)
                 if wait or self._done(entry[2]):
                     self._uncache(r, entries, entry)
+                    # Forgotten before it is destroyed: the driver may hand its
+                    # address to another thread's new block at once.
+                    del self._sizes[ptr]
+                    self.reserved -= r
                     victims.append((r, entry))
                     freed += r
         finally:
@@ -299,12 +313,11 @@ class BlockCache:
                     self._destroy(ptr, r)
                 except BaseException as exc:  # the others go back still; this one leaks
                     self.n_errors += 1
+                    self.leaked += r
                     error = error or exc
                 finally:
                     locked = self._acquire()
                     try:
-                        self._sizes.pop(ptr, None)
-                        self.reserved -= r
                         if locked and len(self._idle_events) < _IDLE_EVENTS:
                             self._idle_events.append(ev)  # for the next free
                             ev = None
@@ -317,9 +330,19 @@ class BlockCache:
             raise error
         return freed
 
+    def _release_quietly(self, keep: int) -> None:
+        """:meth:`release` without waiting, from a free or an allocation: a block the
+        driver refuses to take back is counted (``n_errors``, ``leaked``), never raised
+        into the unrelated allocation or free that made room."""
+        try:
+            self.release(keep=keep, wait=False)
+        except Exception:
+            pass
+
     def reset_peak(self) -> None:
+        """The reserved peak starts again from now (``live_high``, which a subclass's
+        policy may read, is the most ever live and stays)."""
         self.peak_reserved = self.reserved
-        self.live_high = self.reserved - self.cached
 
     def close(self) -> None:
         """Give every cached block back and drop the idle events (the pool is drained)."""

@@ -29,6 +29,7 @@ cuda.bindings.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -99,6 +100,8 @@ class MappedBlocks(BlockCache):
             d.cuMemGetAllocationGranularity(prop, flag), "cuMemGetAllocationGranularity"
         )
         super().__init__(device, int(granule), fit)
+        self._map_lock = threading.RLock()
+        self.failed_call = ""  # the mapping call that failed last (for the error)
         self.peers: tuple[int, ...] = ()
         self._access = self._descriptors((device, *peers), ())
         self.peers = tuple(peers)
@@ -122,7 +125,13 @@ class MappedBlocks(BlockCache):
         live = self.reserved - self.cached
         over = live + self.cached + r - max(self.budget(), live + r)
         if over > 0:
-            self.release(keep=max(0, self.cached - over), wait=False)
+            self._release_quietly(max(0, self.cached - over))
+
+    def alloc(self, size: int, stream_ptr: int) -> tuple[int, int]:
+        # Under the mapping lock: set_peers waits, so a block is mapped with the access
+        # list in force when it is registered (and then re-granted with the rest).
+        with self._map_lock:
+            return super().alloc(size, stream_ptr)
 
     def _descriptors(self, grant: Iterable[int], revoke: Iterable[int]) -> list[Any]:
         d = self._d
@@ -142,24 +151,29 @@ class MappedBlocks(BlockCache):
         gives the memory back.  Each step that fails undoes the ones before.
         """
         d = self._d
+        self.failed_call = "cuMemCreate"
         err, handle = d.cuMemCreate(r, self._prop, 0)
         if int(err):
             return int(err), 0
         va = 0
         try:
+            self.failed_call = "cuMemAddressReserve"
             err, va = d.cuMemAddressReserve(r, self.granule, 0, 0)
             if int(err):
                 return int(err), 0
             va = int(va)
+            self.failed_call = "cuMemMap"
             (err,) = d.cuMemMap(va, r, 0, handle, 0)
             if int(err):
                 d.cuMemAddressFree(va, r)
                 return int(err), 0
+            self.failed_call = "cuMemSetAccess"
             (err,) = d.cuMemSetAccess(va, r, self._access, len(self._access))
             if int(err):
                 d.cuMemUnmap(va, r)
                 d.cuMemAddressFree(va, r)
                 return int(err), 0
+            self.failed_call = ""
             return 0, va
         finally:
             d.cuMemRelease(handle)
@@ -170,17 +184,30 @@ class MappedBlocks(BlockCache):
         check_driver(d.cuMemAddressFree(ptr, r), "cuMemAddressFree")
 
     def set_peers(self, peers: Iterable[int]) -> None:
-        """Give exactly ``peers`` (other GPUs) access to every block, now and later."""
+        """Give exactly ``peers`` (other GPUs) access to every block, now and later.
+
+        No block is mapped meanwhile.  A block the driver refuses does not stop the
+        others; the first error is raised after.
+        """
         peers = tuple(int(p) for p in peers)
         revoke = [p for p in self.peers if p not in peers]
         grant = self._descriptors((self.device, *peers), revoke)
-        locked = self._acquire()
-        try:
-            blocks = list(self._sizes.items())
-        finally:
-            if locked:
-                self._unlock()
-        for ptr, r in blocks:
-            check_driver(self._d.cuMemSetAccess(ptr, r, grant, len(grant)), "cuMemSetAccess")
-        self._access = self._descriptors((self.device, *peers), ())
-        self.peers = peers
+        with self._map_lock:
+            self._access = self._descriptors((self.device, *peers), ())
+            self.peers = peers
+            locked = self._acquire()
+            try:
+                blocks = list(self._sizes.items())
+            finally:
+                if locked:
+                    self._unlock()
+            error = None
+            for ptr, r in blocks:
+                try:
+                    check_driver(
+                        self._d.cuMemSetAccess(ptr, r, grant, len(grant)), "cuMemSetAccess"
+                    )
+                except Exception as exc:
+                    error = error or exc
+            if error is not None:
+                raise error

@@ -75,6 +75,7 @@ _CACHE_MAX_BLOCK = 64 << 20  # blocks above this size always go back to the CUDA
 #: DevicePool(small_pool="auto"): blocks up to this size come from a CUDA pool of their
 #: own, when the pool has no max_size (see DevicePool's Notes).
 SMALL_POOL_AUTO = 8 << 20
+_MAP_ABOVE_MIN = 2 << 20  # large_blocks="mapped": blocks up to this size stay pooled
 _CUDA_ERROR_OUT_OF_MEMORY = 2
 _CUDA_ERROR_NOT_SUPPORTED = 801
 _A = _drv.CUmemPool_attribute
@@ -326,6 +327,9 @@ class Pool(_hp.PoolCore):
     def _backend_alloc(self, size: int, stream: Any) -> int:
         err, ptr = self._backend.alloc(size, int(stream.ptr))
         if err:
+            if err != _CUDA_ERROR_OUT_OF_MEMORY:  # the backend's own call, by name
+                call = getattr(self._backend, "failed_call", "") or self._alloc_call
+                check_driver((_drv.CUresult(err),), call)
             ptr = self._alloc_failed(err, size, stream)
         return ptr
 
@@ -624,7 +628,7 @@ class Pool(_hp.PoolCore):
         released = max(0, before - sum(cur))
         if b is not None:  # its live blocks stay: it keeps freed ones up to what is left
             live = int(b.reserved) - int(b.cached)
-            released += b.release(max(0, keep_b - sum(cur) - live), wait=sync)
+            released += b.release(max(0, keep_b - sum(cur) - live), wait=sync, at_least=True)
         return released
 
     def outstanding(self, limit: int = 20) -> list:
@@ -942,8 +946,10 @@ class DevicePool(Pool):
         each block above ``small_pool`` is device memory of its own, mapped with
         virtual memory management and unmapped once freed (beyond a cache of freed
         blocks), so the memory reserved follows the memory live where sizes vary
-        and frees come out of order (see Notes).  Not with ``ipc=True``
-        (:class:`~cupy_poolmem.InvalidOptionError`): mapped blocks cannot be shared.
+        and frees come out of order (see Notes).  Not with ``ipc=True`` (mapped
+        blocks cannot be shared) nor ``max_size`` (the cap is a CUDA pool's):
+        :class:`~cupy_poolmem.InvalidOptionError`; ``small_pool`` must then be at
+        least 2 MiB.
     peer_access : "all", None or list of int
         Other GPUs that may read and write this pool's memory (kernels and copies
         there).  ``"all"`` (default): every GPU that ``cudaDeviceCanAccessPeer`` allows,
@@ -1053,6 +1059,12 @@ class DevicePool(Pool):
             if mapped:
                 # Blocks up to the small-block size from one CUDA pool, larger ones
                 # mapped one by one (see _mapped.py).
+                if max_b:
+                    raise InvalidOptionError(
+                        f"max_size={max_size!r} cannot be used with large_blocks='mapped': "
+                        "the cap is a CUDA pool's, and mapped blocks are not in one. Use "
+                        "large_blocks='pool' for a capped pool"
+                    )
                 map_above = _mapped_threshold(small_pool)
                 small_max = 0
                 backend: Any = _new_mapped_blocks(dev, peers)
@@ -1257,10 +1269,11 @@ def _mapped_threshold(small_pool: Any) -> int:
     if isinstance(small_pool, str) and small_pool == "auto":
         return SMALL_POOL_AUTO
     size = parse_bytes(small_pool, name="small_pool", allow_none=True) or 0
-    if not size:
+    if size < _MAP_ABOVE_MIN:
         raise InvalidOptionError(
-            f"small_pool={small_pool!r} leaves no size to map above with "
-            "large_blocks='mapped'; pass small_pool='auto' (8 MiB) or a size"
+            f"small_pool={small_pool!r} is below {format_bytes(_MAP_ABOVE_MIN)}, the "
+            "smallest size large_blocks='mapped' maps above (each mapped block takes a "
+            "2 MiB granule at least); pass small_pool='auto' (8 MiB) or a larger size"
         )
     return size
 

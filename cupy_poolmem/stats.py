@@ -845,8 +845,8 @@ def _live_bytes(core: Any) -> int | None:
 def _query(core: Any, attr: str, stats_field: str) -> int | None:
     """A memory-pool attribute from the driver (through cuda.core), else ``core.stats()``."""
     try:
-        if getattr(core, "_mrs", None):  # every CUDA pool of it (see Pool._sum_attr)
-            return int(core._sum_attr(attr))
+        if getattr(core, "_mrs", None) and getattr(core, "_backend", None) is None:
+            return int(core._sum_attr(attr))  # every CUDA pool of it (see Pool._sum_attr)
         return int(getattr(core.stats(), stats_field))
     except Exception:
         return None
