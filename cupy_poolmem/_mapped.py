@@ -52,6 +52,20 @@ def _drv() -> Any:
     return driver
 
 
+def device_allocation(d: Any, device: int) -> tuple[Any, int]:
+    """``(CUmemAllocationProp, granularity)`` of plain device memory on ``device`` for
+    ``cuMemCreate`` (``d``: cuda.bindings' driver module, or a fake)."""
+    prop = d.CUmemAllocationProp()
+    prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    flag = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    granule = check_driver(
+        d.cuMemGetAllocationGranularity(prop, flag), "cuMemGetAllocationGranularity"
+    )
+    return prop, int(granule)
+
+
 class MappedBlocks(BlockCache):
     """Device memory blocks mapped one by one with virtual memory management.
 
@@ -90,16 +104,8 @@ class MappedBlocks(BlockCache):
         driver: Any = None,
     ) -> None:
         d = self._d = driver if driver is not None else _drv()
-        prop = d.CUmemAllocationProp()
-        prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = device
-        self._prop = prop
-        flag = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        granule = check_driver(
-            d.cuMemGetAllocationGranularity(prop, flag), "cuMemGetAllocationGranularity"
-        )
-        super().__init__(device, int(granule), fit)
+        self._prop, granule = device_allocation(d, device)
+        super().__init__(device, granule, fit)
         self._map_lock = threading.RLock()
         self.failed_call = ""  # the mapping call that failed last (for the error)
         self.peers: tuple[int, ...] = ()

@@ -858,13 +858,10 @@ def _recycled_mrs(key: Any) -> list[Any]:
 
 
 class _Resources:
-    """The retirer's resource for a pool made of several CUDA pools and maybe a
-    backend for its large blocks: closed together, the backend first."""
+    """The retirer's resource for a pool made of several CUDA pools: closed together."""
 
-    def __init__(self, mrs: tuple[Any, ...], backend: Any = None, device: int = 0) -> None:
+    def __init__(self, mrs: tuple[Any, ...]) -> None:
         self.mrs = mrs
-        self.backend = backend
-        self.device = device
 
     @staticmethod
     def owner(mrs: Any, backend: Any = None, device: int = 0) -> Any:
@@ -885,10 +882,9 @@ class _Resources:
 
     def close(self) -> None:
         errors = []
-        for res in (self.backend, *self.mrs):
+        for mr in self.mrs:
             try:
-                if res is not None:
-                    res.close()
+                mr.close()
             except Exception as exc:
                 errors.append(exc)
         if errors:
@@ -896,7 +892,19 @@ class _Resources:
 
 
 class _WithBackend(_Resources):
-    """CUDA pools and a backend: a leftover block goes back to whichever holds it."""
+    """CUDA pools and a backend for the large blocks: closed together, the backend
+    first; a leftover block goes back to whichever holds it."""
+
+    def __init__(self, mrs: tuple[Any, ...], backend: Any, device: int) -> None:
+        super().__init__(mrs)
+        self.backend = backend
+        self.device = device
+
+    def close(self) -> None:
+        try:
+            self.backend.close()
+        finally:
+            super().close()
 
     def free_leftover(self, ptr: int) -> None:
         if self.backend.owns(ptr):
@@ -1005,7 +1013,8 @@ class DevicePool(Pool):
     churn benchmark this reserves 0.76-0.78x CuPy's ``MemoryPool``'s peak at
     0.54-1.03x its time (a CUDA pool: 0.95-0.98x at a fifth to a third of it); a miss
     costs about 60-120 us of driver calls and an unmap 30-100 us, so steady workloads
-    of few sizes are faster on the default.  Blocks allocated during a graph capture are graph memory as usual.
+    of few sizes are faster on the default.  Blocks allocated during a graph capture
+    are graph memory as usual.
 
     Pool memory is mapped only on the GPUs the pool grants (``cuMemPoolSetAccess``);
     ``cudaDeviceEnablePeerAccess``, which CuPy calls, does not cover it.  A kernel on
@@ -1027,7 +1036,6 @@ class DevicePool(Pool):
 
     _kind_name = "device"
     large_blocks = "pool"
-    _map_above = 0  # mapped pools: blocks above this size are mapped (see _mapped.py)
 
     def __init__(
         self,
@@ -1120,7 +1128,6 @@ class DevicePool(Pool):
             self._backend = backend
             self._setup(mrs[0], dev, _hp.KIND_DEVICE, release_threshold, max_b, cache, small, key)
             if mapped:
-                self._map_above = map_above
                 self._attach_backend(backend, map_above + 1, backend._sizes)
                 # Large blocks skip the reuse cache: the mapped blocks' own serves them
                 # across sizes, and gives back what it does not keep.
@@ -1147,7 +1154,9 @@ class DevicePool(Pool):
         >>> cupy_poolmem.DevicePool(small_pool="1MiB").small_pool  # doctest: +SKIP
         1048576
         """
-        return int(self._map_above or self.small_max)
+        if self.large_blocks == "mapped":
+            return int(self.backend_min) - 1
+        return int(self.small_max)
 
     @property
     def peer_access(self) -> tuple[int, ...]:

@@ -842,19 +842,14 @@ def _live_bytes(core: Any) -> int | None:
         return None
 
 
-def _query(core: Any, attr: str, stats_field: str) -> int | None:
-    """A memory-pool attribute from the driver (through cuda.core), else ``core.stats()``."""
+def _reserved(core: Any) -> int | None:
+    """What the recorder calls to re-read a pool's reserved bytes: the pool's own count
+    (its CUDA pools and backend, see ``Pool._reserved``), else ``core.stats()``."""
     try:
-        if getattr(core, "_mrs", None) and getattr(core, "_backend", None) is None:
-            return int(core._sum_attr(attr))  # every CUDA pool of it (see Pool._sum_attr)
-        return int(getattr(core.stats(), stats_field))
+        own = getattr(core, "_reserved", None)
+        return int(own()[0]) if own is not None else int(core.stats().reserved_bytes)
     except Exception:
         return None
-
-
-def _reserved(core: Any) -> int | None:
-    """What the recorder calls to re-read a pool's reserved bytes."""
-    return _query(core, "reserved_mem_current", "reserved_bytes")
 
 
 def _package_dir(name: str) -> str | None:

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from _event_fakes import FakeEvents
 from _hotpath_fakes import compiled_hotpath, fake_device_pools
 from cuda.bindings import driver as real
 
@@ -24,14 +25,13 @@ MiB = 1 << 20
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
 
 
-class VmmDriver:
+class VmmDriver(FakeEvents):
     """Virtual memory management and events, played on the host; every call logged."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.vas = itertools.count(0x7F00_0000_0000, 0x1_0000_0000)
         self.handles = itertools.count(1)
-        self.evs = itertools.count(1)
-        self.done: set = set()  # events that have completed
         self.log: list = []
         self.fail: dict[str, int] = {}  # call name -> CUresult it returns once
         self.mapped: dict[int, int] = {}  # va -> bytes, mapped now
@@ -94,25 +94,6 @@ class VmmDriver:
         assert n == len(descs)
         self.access[va] = [(d.location.id, d.flags.name.rsplit("_", 1)[1]) for d in descs]
         self.log.append(("access", va, size, tuple(self.access[va])))
-        return (0,)
-
-    def cuEventCreate(self, flags):  # noqa: N802
-        return 0, f"ev{next(self.evs)}"
-
-    def cuEventRecord(self, ev, s):  # noqa: N802
-        self.done.discard(ev)  # a reused event: pending again until this record runs
-        self.log.append(("record", ev, s))
-        return (0,)
-
-    def cuEventQuery(self, ev):  # noqa: N802
-        return (0 if ev in self.done else 600,)  # CUDA_ERROR_NOT_READY
-
-    def cuEventSynchronize(self, ev):  # noqa: N802
-        self.log.append(("sync", ev))
-        self.done.add(ev)
-        return (0,)
-
-    def cuEventDestroy(self, ev):  # noqa: N802
         return (0,)
 
     def last_event(self) -> str:

@@ -164,16 +164,12 @@ class DriverPages:
     def __init__(self, device: int) -> None:
         from cuda.bindings import driver as drv
 
+        from .._mapped import device_allocation
+
         self._d = drv
-        prop = drv.CUmemAllocationProp()
-        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = device
-        self._prop = prop
-        flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-        self.page = int(self._check(drv.cuMemGetAllocationGranularity(prop, flag), "granularity"))
+        self._prop, self.page = device_allocation(drv, device)
         desc = drv.CUmemAccessDesc()
-        desc.location = prop.location
+        desc.location = self._prop.location
         desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._desc = [desc]
 

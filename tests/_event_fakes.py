@@ -1,0 +1,39 @@
+"""CUDA events played on the host, for fakes of the driver (``done``: completed ones)."""
+
+from __future__ import annotations
+
+import itertools
+
+
+class FakeEvents:
+    """cuEventCreate/Record/Query/Synchronize/Destroy; a subclass sets ``log`` (a list).
+
+    ``repend_on_record``: recording an event again makes it pending until that record
+    runs, as the driver does (a cache that reuses events needs it).
+    """
+
+    repend_on_record = True
+
+    def __init__(self) -> None:
+        self.evs = itertools.count(1)
+        self.done: set = set()
+
+    def cuEventCreate(self, flags):  # noqa: N802
+        return 0, f"ev{next(self.evs)}"
+
+    def cuEventRecord(self, ev, s):  # noqa: N802
+        if self.repend_on_record:
+            self.done.discard(ev)
+        self.log.append(("record", ev, s))
+        return (0,)
+
+    def cuEventQuery(self, ev):  # noqa: N802
+        return (0 if ev in self.done else 600,)  # CUDA_ERROR_NOT_READY
+
+    def cuEventSynchronize(self, ev):  # noqa: N802
+        self.log.append(("sync", ev))
+        self.done.add(ev)
+        return (0,)
+
+    def cuEventDestroy(self, ev):  # noqa: N802
+        return (0,)
