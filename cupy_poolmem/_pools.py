@@ -1011,7 +1011,7 @@ class DevicePool(Pool):
     have run, and their memory goes back to the device.  A ``release_threshold``
     instead caps the freed bytes kept; :meth:`~Pool.trim` gives them all back.  On the
     churn benchmark this reserves 0.76-0.78x CuPy's ``MemoryPool``'s peak at
-    0.54-1.03x its time (a CUDA pool: 0.95-0.98x at a fifth to a third of it); a miss
+    0.54-1.15x its time (a CUDA pool: 0.95-0.98x at a fifth to a third of it); a miss
     costs about 60-120 us of driver calls and an unmap 30-100 us, so steady workloads
     of few sizes are faster on the default.  Blocks allocated during a graph capture
     are graph memory as usual.
