@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cupy_poolmem.benchmarks import churn
+from cupy_poolmem.benchmarks._paired import PairedRatio
 
 MiB = 1 << 20
 
@@ -43,10 +44,64 @@ def test_replay_runs_the_same_arrays_for_any_maker_and_drops_them():
 
 
 def test_the_goal_line_says_missed_when_slower_or_bigger():
-    base = ("cupy MemoryPool (baseline)", 2e-6, 1000)
+    base = (churn.BASE_LABEL, 2e-6, 1000)
     assert "missed" in churn.goal_line([base, ("cupy_poolmem DevicePool (default)", 3e-6, 100)])
     assert "missed" in churn.goal_line([base, ("cupy_poolmem DevicePool (default)", 2e-6, 900)])
     assert "met" in churn.goal_line([base, ("cupy_poolmem DevicePool (default)", 2e-6, 800)])
+
+
+def test_the_goal_line_takes_the_paired_time_ratio_over_the_medians():
+    """The rows' medians say equal speed, the paired replays say 1.3x: missed."""
+    base = (churn.BASE_LABEL, 2e-6, 1000)
+    rows = [base, (churn.MAPPED_LABEL, 2e-6, 700)]
+    assert "met (0.70x, 1.00x)" in churn.goal_line(rows)
+    paired = {churn.MAPPED_LABEL: PairedRatio(1.3, 1.2, 1.4, 8)}
+    assert "missed (0.70x, 1.30x paired)" in churn.goal_line(rows, paired)
+    paired = {churn.MAPPED_LABEL: PairedRatio(0.9, 0.8, 1.0, 8)}
+    assert "met (0.70x, 0.90x paired)" in churn.goal_line(rows, paired)
+
+
+class _Clock:
+    """A host whose speed halves after a while: the first allocator timed in a process
+    also pays a first-use cost ten times its replay."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.first = True
+
+    def run(self, label: str, cost: float, log: list[str]) -> churn.Run:
+        def run() -> tuple[float, int]:
+            slow = 2.0 if self.t > 1.0 else 1.0
+            dt = cost * slow * (10.0 if self.first else 1.0)
+            self.first = False
+            self.t += dt
+            log.append(label)
+            return dt, 100
+
+        return run
+
+
+def test_timed_rounds_warm_every_allocator_up_and_rotate_the_order():
+    clock, log = _Clock(), []
+    runs = {"base": clock.run("base", 0.1, log), "ours": clock.run("ours", 0.1, log)}
+    out = churn.timed_rounds(runs, rounds=4)
+    # The warm-up round is untimed: the first-use cost charged to "base" is not counted.
+    assert log[:2] == ["base", "ours"]
+    assert log[2:] == ["base", "ours", "ours", "base", "base", "ours", "ours", "base"]
+    assert out["base"][0] == pytest.approx(out["ours"][0])
+    assert out["base"][1] == 100
+
+
+def test_the_paired_speed_holds_when_the_host_slows_between_allocators():
+    """Timed one after the other, a host that halves its speed midway would make equal
+    allocators look 2x apart; paired replays see the same speed in each pair."""
+    clock, log = _Clock(), []
+    clock.first = False
+    base, ours = clock.run("base", 0.05, log), clock.run("ours", 0.05 * 1.2, log)
+    ratio = churn.paired_speed(base, ours, pairs=12)
+    assert ratio.median == pytest.approx(1.2, rel=0.01)
+    assert ratio.pairs == 12
+    assert log[:4] == ["base", "ours", "ours", "base"]  # ABBA
 
 
 class _FakePools:

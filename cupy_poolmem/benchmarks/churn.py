@@ -8,9 +8,18 @@ The table gives microseconds per step and the peak memory each allocator reserve
 the device while replaying it (its high-water mark: what other processes and libraries
 could not use), each with its ratio to CuPy's ``MemoryPool``.
 
+Every allocator is timed warm, on a fresh instance per replay: a first round, untimed,
+warms each one up (a process's first device allocations pay the driver's first-use
+costs, about ten times a later replay's on an H100: the allocator measured first would
+be charged them), then each of three rounds replays the trace once on every allocator
+in turn, starting one further along the list each round.  The table gives the median.
+The goal's time ratios are paired (:mod:`._paired`): MemoryPool and the pool replayed
+back to back, ABBA, the median of the per-pair ratios, so a host whose CPU speed
+drifts does not move them.
+
 The peak comes from the allocator's own high-water mark where it keeps one (CUDA
 pools: ``reserved_mem_high``; torch: ``max_memory_reserved``); CuPy's ``MemoryPool``
-and RMM's pool keep none, so for them a second replay, untimed, samples what they hold
+and RMM's pool keep none, so for them a further replay, untimed, samples what they hold
 after every step.
 
 Goal: a reserved peak at most 0.8x MemoryPool's, at equal speed (at most 1.05x its
@@ -35,6 +44,7 @@ memory management instead (``_page_mapper``): the sketches that preceded
 from __future__ import annotations
 
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -46,9 +56,11 @@ import cupy_poolmem
 
 from ._churn_variants import measure_variants
 from ._common import header, require_gpu, table
+from ._paired import Burst, PairedRatio, paired_ratio
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 GOAL_RESERVED, GOAL_SPEED = 0.8, 1.05
+BASE_LABEL = "cupy MemoryPool (baseline)"
 DEFAULT_LABEL = "cupy_poolmem DevicePool (default)"
 MAPPED_LABEL = "cupy_poolmem DevicePool large_blocks='mapped'"
 
@@ -110,6 +122,10 @@ def _cupy_make(size: int) -> Any:
     return cupy.empty(size, dtype=cupy.uint8)
 
 
+def _sync() -> None:
+    cupy.cuda.runtime.deviceSynchronize()
+
+
 def _default_mempool_high(reset: bool = False) -> int:
     """The device's default CUDA pool (CuPy's MemoryAsyncPool): its reserved high-water."""
     from cuda.bindings import driver as drv
@@ -124,43 +140,114 @@ def _default_mempool_high(reset: bool = False) -> int:
     return int(value)
 
 
-def measure(steps: list[tuple[int, list[int]]]) -> list[tuple[str, float, int]]:
-    """(allocator, seconds per step, peak reserved bytes) for each allocator."""
-    sync = cupy.cuda.runtime.deviceSynchronize
-    rows: list[tuple[str, float, int]] = []
+#: ``run() -> (seconds per step, reserved peak or 0)``: one replay of the trace on a
+#: fresh allocator, which is given back after.
+Run = Callable[[], tuple[float, int]]
 
-    def sampled(make_pool: Callable[[], Any], held: Callable[[Any], int]) -> tuple[float, int]:
+
+def on_cupy_allocator(
+    steps: list[tuple[int, list[int]]],
+    make_pool: Callable[[], Any],
+    peak: Callable[[Any], int] | None = None,
+    close: Callable[[Any], None] | None = None,
+) -> Run:
+    """A :data:`Run` of the trace on a fresh ``make_pool()`` set as CuPy's allocator;
+    ``peak(pool)`` after the replay gives its reserved peak (0 without it), ``close``
+    gives it back (default: ``free_all_blocks``)."""
+
+    def run() -> tuple[float, int]:
         pool = make_pool()
-        with cupy.cuda.using_allocator(pool.malloc):
-            dt = replay(steps, _cupy_make)
-        sync()
-        getattr(pool, "free_all_blocks", lambda: None)()
-        pool = make_pool()
-        peak = [0]
+        try:
+            with cupy.cuda.using_allocator(pool.malloc):
+                dt = replay(steps, _cupy_make)
+            _sync()
+            return dt, peak(pool) if peak is not None else 0
+        finally:
+            (close or (lambda p: p.free_all_blocks()))(pool)
 
-        def sample() -> None:
-            peak[0] = max(peak[0], held(pool))
+    return run
 
-        with cupy.cuda.using_allocator(pool.malloc):
-            replay(steps, _cupy_make, sample)
-        sync()
-        getattr(pool, "free_all_blocks", lambda: None)()
-        return dt, peak[0]
 
-    def mempool() -> Any:
-        return cupy.cuda.MemoryPool()
+def sampled_peak(
+    steps: list[tuple[int, list[int]]], make_pool: Callable[[], Any], held: Callable[[Any], int]
+) -> int:
+    """The most ``held(pool)`` ever says over an untimed replay on a fresh ``make_pool()``
+    (for allocators that keep no high-water mark of their own)."""
+    pool = make_pool()
+    peak = [0]
 
-    dt, peak = sampled(mempool, lambda p: p.total_bytes())
-    rows.append(("cupy MemoryPool (baseline)", dt, peak))
+    def sample() -> None:
+        peak[0] = max(peak[0], held(pool))
 
-    ap = cupy.cuda.MemoryAsyncPool()
-    sync()
-    _default_mempool_high(reset=True)
-    with cupy.cuda.using_allocator(ap.malloc):
-        dt = replay(steps, _cupy_make)
-    sync()
-    rows.append(("cupy MemoryAsyncPool", dt, _default_mempool_high()))
+    with cupy.cuda.using_allocator(pool.malloc):
+        replay(steps, _cupy_make, sample)
+    _sync()
+    getattr(pool, "free_all_blocks", lambda: None)()
+    return peak[0]
 
+
+def timed_rounds(runs: dict[str, Run], rounds: int) -> dict[str, tuple[float, int]]:
+    """``{label: (median seconds per step, peak)}`` over ``rounds`` timed rounds.
+
+    A first round warms every allocator up untimed: the process's first device
+    allocations pay the driver's first-use costs (about ten times a later replay's on
+    an H100), and whoever went first would be charged them.  Each round then replays
+    the trace once on each allocator, in turn, each on a fresh instance, starting one
+    further along the list every round, so a host whose speed drifts slows every
+    allocator alike.  The peak is the last replay's.
+
+    Examples
+    --------
+    >>> calls = []
+    >>> def fake(label, t):
+    ...     def run():
+    ...         calls.append(label)
+    ...         return t, 7
+    ...     return run
+    >>> timed_rounds({"a": fake("a", 2e-6), "b": fake("b", 1e-6)}, rounds=2)
+    {'a': (2e-06, 7), 'b': (1e-06, 7)}
+    >>> calls  # the warm-up round, then a-b, then b-a
+    ['a', 'b', 'a', 'b', 'b', 'a']
+    """
+    labels = list(runs)
+    for label in labels:  # warm-up, untimed
+        runs[label]()
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    peaks: dict[str, int] = {}
+    for k in range(rounds):
+        for j in range(len(labels)):
+            label = labels[(j + k) % len(labels)]
+            dt, peaks[label] = runs[label]()
+            times[label].append(dt)
+    return {label: (statistics.median(times[label]), peaks[label]) for label in labels}
+
+
+def paired_speed(base: Run, ours: Run, pairs: int) -> PairedRatio:
+    """``ours``' time per step over ``base``'s: the median of per-pair ratios, each pair
+    one replay of each on fresh instances, back to back, ABBA (:mod:`._paired`)."""
+
+    def burst(run: Run) -> Burst:
+        return lambda n: statistics.fmean(run()[0] for _ in range(n))
+
+    return paired_ratio(burst(base), burst(ours), pairs=pairs, calls=1, warmup=0)
+
+
+def contenders(steps: list[tuple[int, list[int]]]) -> tuple[dict[str, Run], dict[str, int]]:
+    """The allocators replayed: ``({label: Run}, {label: peak from a sampled replay}``
+    for those that keep no high-water mark)."""
+    runs: dict[str, Run] = {}
+    sampled: dict[str, int] = {}
+    runs[BASE_LABEL] = on_cupy_allocator(steps, cupy.cuda.MemoryPool)
+    sampled[BASE_LABEL] = sampled_peak(steps, cupy.cuda.MemoryPool, lambda p: p.total_bytes())
+
+    def async_pool() -> Any:
+        _sync()
+        _default_mempool_high(reset=True)
+        return cupy.cuda.MemoryAsyncPool()
+
+    runs["cupy MemoryAsyncPool"] = on_cupy_allocator(
+        steps, async_pool, peak=lambda p: _default_mempool_high()
+    )
     try:
         import rmm
         import rmm.mr
@@ -174,8 +261,11 @@ def measure(steps: list[tuple[int, list[int]]]) -> list[tuple[str, float, int]]:
                 mem = cupy.cuda.UnownedMemory(buf.ptr, size, buf)
                 return cupy.cuda.MemoryPointer(mem, 0)
 
-        dt, peak = sampled(_Rmm, lambda p: p.mr.pool_size())
-        rows.append(("rmm PoolMemoryResource", dt, peak))
+            def free_all_blocks(self) -> None:
+                self.mr = None
+
+        runs["rmm PoolMemoryResource"] = on_cupy_allocator(steps, _Rmm)
+        sampled["rmm PoolMemoryResource"] = sampled_peak(steps, _Rmm, lambda p: p.mr.pool_size())
     except Exception as exc:
         print(f"(rmm not measured: {type(exc).__name__}: {exc})")
 
@@ -186,50 +276,78 @@ def measure(steps: list[tuple[int, list[int]]]) -> list[tuple[str, float, int]]:
         ("cupy_poolmem DevicePool reuse_cache=0", {"reuse_cache": 0}),
         (MAPPED_LABEL, {"large_blocks": "mapped"}),
     ):
-        pool = cupy_poolmem.DevicePool(**opts)
-        pool.reset_peak()
-        with cupy.cuda.using_allocator(pool.malloc):
-            dt = replay(steps, _cupy_make)
-        sync()
-        rows.append((label, dt, pool.stats().peak_reserved_bytes))
-        pool.close()
-
+        runs[label] = on_cupy_allocator(
+            steps,
+            lambda opts=opts: cupy_poolmem.DevicePool(**opts),
+            peak=lambda p: p.stats().peak_reserved_bytes,
+            close=lambda p: p.close(),
+        )
     try:
         import torch
 
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        dt = replay(steps, lambda n: torch.empty(n, dtype=torch.uint8, device="cuda"))
-        torch.cuda.synchronize()
-        rows.append(("torch caching allocator", dt, int(torch.cuda.max_memory_reserved())))
-        torch.cuda.empty_cache()
+        def torch_run() -> tuple[float, int]:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            dt = replay(steps, lambda n: torch.empty(n, dtype=torch.uint8, device="cuda"))
+            torch.cuda.synchronize()
+            peak = int(torch.cuda.max_memory_reserved())
+            torch.cuda.empty_cache()
+            return dt, peak
+
+        runs["torch caching allocator"] = torch_run
     except Exception as exc:
         print(f"(torch not measured: {type(exc).__name__}: {exc})")
-    return rows
+    return runs, sampled
 
 
-def goal_line(rows: list[tuple[str, float, int]]) -> str:
+def measure(
+    steps: list[tuple[int, list[int]]], rounds: int = 3, pairs: int = 8
+) -> tuple[list[tuple[str, float, int]], dict[str, PairedRatio]]:
+    """``(rows, paired)``: (allocator, median seconds per step, peak reserved bytes) for
+    each allocator (:func:`timed_rounds`), and the goal's pools' time over MemoryPool's
+    as paired ratios (:func:`paired_speed`)."""
+    runs, sampled = contenders(steps)
+    timed = timed_rounds(runs, rounds)
+    rows = [(label, dt, sampled.get(label, peak)) for label, (dt, peak) in timed.items()]
+    paired = {
+        label: paired_speed(runs[BASE_LABEL], runs[label], pairs)
+        for label in (MAPPED_LABEL, DEFAULT_LABEL)
+        if label in runs
+    }
+    return rows, paired
+
+
+def goal_line(
+    rows: list[tuple[str, float, int]], paired: dict[str, PairedRatio] | None = None
+) -> str:
     """Whether the DevicePool with mapped large blocks (the goal's) and the default one
-    met the goal against MemoryPool in ``rows``.
+    met the goal against MemoryPool in ``rows``; the time ratio is the paired one
+    where ``paired`` has it, else the ratio of the rows' times.
 
     Examples
     --------
-    >>> rows = [("cupy MemoryPool (baseline)", 2e-6, 1000),
+    >>> rows = [(BASE_LABEL, 2e-6, 1000),
     ...         ("cupy_poolmem DevicePool (default)", 1e-6, 980),
     ...         (MAPPED_LABEL, 2e-6, 700)]
     >>> print(goal_line(rows))
     goal (reserved <= 0.8x MemoryPool, time <= 1.05x): large_blocks='mapped' met (0.70x, 1.00x); default missed (0.98x, 0.50x)
+    >>> paired = {MAPPED_LABEL: PairedRatio(1.30, 1.2, 1.4, 8)}
+    >>> print(goal_line(rows, paired).split("; ")[0])
+    goal (reserved <= 0.8x MemoryPool, time <= 1.05x): large_blocks='mapped' missed (0.70x, 1.30x paired)
     """
-    base = next(r for r in rows if r[0].startswith("cupy MemoryPool"))
+    base = next(r for r in rows if r[0] == BASE_LABEL)
+    paired = paired or {}
     parts = []
     for label, short in ((MAPPED_LABEL, "large_blocks='mapped'"), (DEFAULT_LABEL, "default")):
         ours = next((r for r in rows if r[0] == label), None)
         if ours is None:
             continue
-        res, speed = ours[2] / base[2], ours[1] / base[1]
+        res = ours[2] / base[2]
+        speed = paired[label].median if label in paired else ours[1] / base[1]
         met = res <= GOAL_RESERVED and speed <= GOAL_SPEED
-        parts.append(f"{short} {'met' if met else 'missed'} ({res:.2f}x, {speed:.2f}x)")
+        how = " paired" if label in paired else ""
+        parts.append(f"{short} {'met' if met else 'missed'} ({res:.2f}x, {speed:.2f}x{how})")
     return f"goal (reserved <= {GOAL_RESERVED}x MemoryPool, time <= {GOAL_SPEED}x): " + "; ".join(
         parts
     )
@@ -243,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(header("churn trace: microseconds per step and reserved peak (ratio to MemoryPool)"))
     steps = trace(n_steps, live)
     print(f"trace: {n_steps} steps, sizes 1 KiB-64 MiB, at most {live >> 20} MiB live")
-    rows = measure(steps)
+    rows, paired = measure(steps, rounds=3, pairs=8 if quick else 6)
     base = rows[0]
     out = [
         [
@@ -253,8 +371,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         ]
         for name, dt, peak in rows
     ]
-    print(table(["allocator", "time per step", "reserved peak"], out))
-    print(goal_line(rows))
+    print(table(["allocator", "time per step (median)", "reserved peak"], out))
+    for label, ratio in paired.items():
+        print(f"time over MemoryPool's, paired replays: {label}: {ratio}")
+    print(goal_line(rows, paired))
     print()
     print("the same trace straight on CUDA pools (no CuPy arrays; times include the binding calls)")
     print(variants_table(measure_variants(steps), base[2]))
