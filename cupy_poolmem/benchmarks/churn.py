@@ -269,16 +269,20 @@ def contenders(steps: list[tuple[int, list[int]]]) -> tuple[dict[str, Run], dict
     except Exception as exc:
         print(f"(rmm not measured: {type(exc).__name__}: {exc})")
 
-    for label, opts in (
+    def device_pool(opts: dict[str, Any]) -> Callable[[], Any]:
+        return lambda: cupy_poolmem.DevicePool(**opts)
+
+    pools: tuple[tuple[str, dict[str, Any]], ...] = (
         (DEFAULT_LABEL, {}),
         ("cupy_poolmem DevicePool ipc=True (set_allocator's)", {"ipc": True}),
         ("cupy_poolmem DevicePool small_pool=None", {"small_pool": None}),
         ("cupy_poolmem DevicePool reuse_cache=0", {"reuse_cache": 0}),
         (MAPPED_LABEL, {"large_blocks": "mapped"}),
-    ):
+    )
+    for label, opts in pools:
         runs[label] = on_cupy_allocator(
             steps,
-            lambda opts=opts: cupy_poolmem.DevicePool(**opts),
+            device_pool(opts),
             peak=lambda p: p.stats().peak_reserved_bytes,
             close=lambda p: p.close(),
         )
