@@ -14,11 +14,6 @@ array, no reuse cache) with the two levers a pool built on them has:
 The peak is each variant's ``reserved_mem_high`` (summed over its pools).  Times per
 step include the Python binding calls, so compare them with each other, not with the
 CuPy rows of the main table.
-
-The last two rows are not CUDA pools: blocks above 8 MiB mapped at 2 MiB with virtual
-memory management (``_page_mapper.py``, sketches of the backend the goal needs), on
-pages kept for the next block or on memory of their own released at free; the small
-ones from a CUDA pool.  Their peak adds that pool's to the mapped memory's.
 """
 
 from __future__ import annotations
@@ -140,82 +135,9 @@ class _DriverOps:
             mr.close()
 
 
-PAGED_LABEL = "split at 8 MiB, blocks above on 2 MiB pages (VMM sketch)"
-BLOCK_LABEL = "split at 8 MiB, blocks above mapped each alone (VMM sketch)"
-PAGED_SPLIT = 8 << 20
-
-
-class PagedOps:
-    """Blocks up to ``split`` from a CUDA pool (``small``: alloc/free/trim/peak of pool 0),
-    larger ones from a :class:`~._page_mapper.PageMapper` (pool index 1).
-
-    Examples
-    --------
-    >>> from cupy_poolmem.benchmarks._page_mapper import PageMapper
-    >>> class Small:
-    ...     def alloc(self, i, size): return 7
-    ...     def free(self, ptr): pass
-    ...     def trim(self, i): pass
-    ...     def peak_reserved(self): return 32 << 20
-    >>> class Pages:
-    ...     def create(self, n): return "h"
-    ...     def reserve(self, n): return 1 << 40
-    ...     def __getattr__(self, name): return lambda *a: None
-    >>> ops = PagedOps(Small(), PageMapper(Pages(), 2 << 20))
-    >>> ops.alloc(0, 4096), ops.alloc(1, 9 << 20) == 1 << 40
-    (7, True)
-    >>> ops.peak_reserved() >> 20  # 32 MiB of the pool + 5 pages of 2 MiB
-    42
-    """
-
-    def __init__(self, small: Any, mapper: Any) -> None:
-        self.small, self.mapper = small, mapper
-
-    def alloc(self, i: int, size: int) -> Any:
-        return self.mapper.alloc(size) if i else self.small.alloc(0, size)
-
-    def free(self, ptr: Any) -> None:
-        if isinstance(ptr, int) and ptr in self.mapper.blocks:
-            self.mapper.free(ptr)
-        else:
-            self.small.free(ptr)
-
-    def trim(self, i: int) -> None:
-        if not i:
-            self.small.trim(0)
-
-    def peak_reserved(self) -> int:
-        return int(self.small.peak_reserved()) + self.mapper.peak_bytes
-
-    def close(self) -> None:
-        self.mapper.close()
-        self.small.close()
-
-
-def _check_pages(mapper: Any) -> None:
-    """A 10 MiB block of pages holds what is written to it (the sketch maps real memory)."""
-    import cupy
-
-    n = 10 << 20
-    va = mapper.alloc(n)
-    try:
-        mem = cupy.cuda.UnownedMemory(va, n, None)
-        x = cupy.ndarray(n // 4, cupy.int32, cupy.cuda.MemoryPointer(mem, 0))
-        x[...] = cupy.arange(n // 4, dtype=cupy.int32)
-        want = (n // 4) * (n // 4 - 1) // 2
-        if int(x.sum(dtype=cupy.int64)) != want:
-            raise RuntimeError("a block on mapped pages did not hold its data")
-        cupy.cuda.runtime.deviceSynchronize()
-    finally:
-        mapper.free(va)
-
-
 def measure_variants(steps: list[tuple[int, list[int]]]) -> list[VariantResult]:
-    """Replay ``steps`` on each of :data:`VARIANTS`, then on :class:`PagedOps` (needs a
-    GPU)."""
+    """Replay ``steps`` on each of :data:`VARIANTS` (needs a GPU)."""
     import cupy
-
-    from ._page_mapper import BlockMapper, DriverPages, PageMapper
 
     out = []
     for label, split, trim in VARIANTS:
@@ -226,19 +148,4 @@ def measure_variants(steps: list[tuple[int, list[int]]]) -> list[VariantResult]:
         dt = (time.perf_counter() - t0) / len(steps)
         out.append(VariantResult(label, dt, ops.peak_reserved(), trims))
         ops.close()
-    pages = DriverPages(cupy.cuda.runtime.getDevice())
-    for label, mapper in (
-        (PAGED_LABEL, PageMapper(pages, pages.page)),
-        (BLOCK_LABEL, BlockMapper(pages, pages.page)),
-    ):
-        paged = PagedOps(_DriverOps(1), mapper)
-        try:
-            _check_pages(paged.mapper)
-            t0 = time.perf_counter()
-            replay_on(steps, paged, PAGED_SPLIT, False)
-            cupy.cuda.runtime.deviceSynchronize()
-            dt = (time.perf_counter() - t0) / len(steps)
-            out.append(VariantResult(label, dt, paged.peak_reserved(), 0))
-        finally:
-            paged.close()
     return out

@@ -34,9 +34,7 @@ upper bound of the peak of their sum).
 A second table replays the trace straight on CUDA pools with the levers a pool built
 on them has (a second pool for small blocks, trims after frees; see
 ``_churn_variants``): what the driver's own placement allows, against the same
-MemoryPool peak.  Its last two rows map the blocks above 8 MiB at 2 MiB with virtual
-memory management instead (``_page_mapper``): the sketches that preceded
-``large_blocks="mapped"`` (no cache of freed blocks, no events: one stream only).
+MemoryPool peak.
 
 ``python -m cupy_poolmem bench churn [--quick]``
 """
