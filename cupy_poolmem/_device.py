@@ -509,8 +509,11 @@ def check_access(array: Any, device: Any = None) -> None:
 
     Notes
     -----
-    Managed memory passes (every GPU can use it).  Device memory that is not from a
-    pool passes when the two GPUs are peer capable: CuPy enables peer access for it.
+    Managed memory passes (every GPU can use it).  A mapped block of a
+    ``DevicePool(large_blocks="mapped")`` carries its own grants, which the driver is
+    asked for.  Other device memory that is not from a pool passes when the two GPUs
+    are peer capable: CuPy enables peer access for it (memory another library mapped
+    with virtual memory management is not told apart from it).
 
     Examples
     --------
@@ -532,10 +535,23 @@ def check_access(array: Any, device: Any = None) -> None:
     what = f"memory of a {type(array).__module__.split('.')[0]}.{type(array).__name__}"
     if owner >= 0:  # CuPy's own record of the array's GPU comes first
         owner = int(getattr(getattr(array, "data", None), "device_id", owner))
-    if pool == 0:  # cudaMalloc or registered memory: device-level peer access applies
+    if pool == 0:  # cudaMalloc, registered or mapped memory
+        from ._mapped import mapped_block_of
+
+        mapped = mapped_block_of(array)
+        if mapped is not None:
+            owner = mapped[0].device
         if owner >= 0 and owner != dev and not can_access_peer(dev, owner):
             raise _cannot_access(dev, owner, f" ({what})")
-        return
+        if mapped is not None and not mapped[0].has_access(mapped[1], dev):
+            # Each mapped block carries its own grants, like a pool's: peer access between
+            # the GPUs (which CuPy enables) does not open it.
+            raise WrongDeviceError(
+                f"{what} (a mapped block of a DevicePool with large_blocks='mapped') on GPU "
+                f"{owner} is not accessible from GPU {dev}: its pool grants that GPU no "
+                f"access. Grant it with pool.peer_access = [{dev}] or 'all'."
+            )
+        return  # not from a pool: device-level peer access applies
     if owner == dev and not has_access(pool, dev):
         # A pool's own GPU always has access, so the driver named the wrong GPU (seen:
         # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL said 0 for pool memory on GPU 1, driver 580).

@@ -393,3 +393,13 @@ class GuardWarning(RuntimeWarning):
     into errors for one run with ``python -W error::cupy_poolmem.GuardWarning``, or
     filter them with the ``warnings`` module.
     """
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, also on Python 3.10 (which keeps ``__notes__`` but does
+    not print them)."""
+    adder = getattr(exc, "add_note", None)
+    if adder is not None:
+        adder(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", ()), note]  # type: ignore[attr-defined]

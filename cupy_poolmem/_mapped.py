@@ -34,9 +34,15 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._block_cache import BlockCache
-from ._errors import check_driver
+from ._errors import add_note, check_driver
 
-__all__ = ["MappedBlocks", "MAPPED_FIT", "MAPPED_MARGIN", "MAPPED_MARGIN_SHARE"]
+__all__ = [
+    "MappedBlocks",
+    "MAPPED_FIT",
+    "MAPPED_MARGIN",
+    "MAPPED_MARGIN_SHARE",
+    "mapped_block_of",
+]
 
 MAPPED_FIT = 1 / 3  # a freed block serves requests of at least three quarters its size
 MAPPED_MARGIN = 64 << 20  # reserved may pass the most ever live by this much at least,
@@ -192,28 +198,76 @@ class MappedBlocks(BlockCache):
     def set_peers(self, peers: Iterable[int]) -> None:
         """Give exactly ``peers`` (other GPUs) access to every block, now and later.
 
-        No block is mapped meanwhile.  A block the driver refuses does not stop the
-        others; the first error is raised after.
+        All or nothing: no block is mapped meanwhile, and when the driver refuses one
+        block the blocks already changed get their previous access back and the error
+        is raised (the peers stay as they were).  Should that undoing fail too, the
+        error says which blocks may hold mixed access.
         """
         peers = tuple(int(p) for p in peers)
-        revoke = [p for p in self.peers if p not in peers]
-        grant = self._descriptors((self.device, *peers), revoke)
+        old = self.peers
+        grant = self._descriptors((self.device, *peers), [p for p in old if p not in peers])
+        undo = self._descriptors((self.device, *old), [p for p in peers if p not in old])
         with self._map_lock:
+            before = self._access
             self._access = self._descriptors((self.device, *peers), ())
-            self.peers = peers
-            locked = self._acquire()
-            try:
-                blocks = list(self._sizes.items())
-            finally:
-                if locked:
-                    self._unlock()
-            error = None
-            for ptr, r in blocks:
+            for ptr, r in self._blocks():
                 try:
                     check_driver(
                         self._d.cuMemSetAccess(ptr, r, grant, len(grant)), "cuMemSetAccess"
                     )
                 except Exception as exc:
-                    error = error or exc
-            if error is not None:
-                raise error
+                    self._access = before
+                    self._undo_peers(self._blocks(), undo, exc)
+                    raise
+            self.peers = peers
+
+    def _blocks(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of every block, live or cached, now."""
+        locked = self._acquire()
+        try:
+            return list(self._sizes.items())
+        finally:
+            if locked:
+                self._unlock()
+
+    def _undo_peers(self, blocks: list[tuple[int, int]], undo: list[Any], exc: Exception) -> None:
+        """Set ``undo`` (the previous access) on ``blocks`` after ``exc`` failed a change
+        (on all of them: setting an access a block has already changes nothing); blocks
+        the driver refuses again are named in a note on ``exc``."""
+        mixed = []
+        for ptr, r in blocks:
+            err = self._d.cuMemSetAccess(ptr, r, undo, len(undo))[0]
+            if int(err):
+                mixed.append(f"{ptr:#x}")
+        if mixed:
+            add_note(
+                exc,
+                "the previous peer access could not be restored on mapped block(s) "
+                f"{', '.join(mixed)}: their access is mixed until peer_access is set again",
+            )
+
+    def has_access(self, ptr: int, device: int) -> bool:
+        """Whether GPU ``device`` may read and write the block at ``ptr`` (the driver's
+        word: ``cuMemGetAccess``); the blocks' own GPU always may."""
+        if device == self.device:
+            return True
+        rw = self._d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return int(self._access_flags(ptr, device)) == int(rw)
+
+    def _access_flags(self, ptr: int, device: int) -> Any:
+        """The driver's ``CUmemAccess_flags`` of GPU ``device`` on the block at ``ptr``."""
+        d = self._d
+        where = d.CUmemLocation()
+        where.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        where.id = int(device)
+        return check_driver(d.cuMemGetAccess(where, ptr), "cuMemGetAccess")
+
+
+def mapped_block_of(array: Any) -> tuple[MappedBlocks, int] | None:
+    """``(blocks, block address)`` when ``array`` (a ``cupy.ndarray``) lives on a mapped
+    block of a ``DevicePool(large_blocks="mapped")``, else None."""
+    owner = getattr(getattr(getattr(array, "data", None), "mem", None), "_owner", None)
+    backend = getattr(getattr(owner, "core", None), "_backend", None)
+    if isinstance(backend, MappedBlocks) and owner is not None and backend.owns(owner.ptr):
+        return backend, int(owner.ptr)
+    return None

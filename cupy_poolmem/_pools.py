@@ -42,6 +42,7 @@ from ._errors import (
     SharingError,
     UnsupportedError,
     WrongDeviceError,
+    add_note,
     check_driver,
 )
 from ._poolstats import PoolStats
@@ -1197,12 +1198,18 @@ class DevicePool(Pool):
             except Exception as exc:
                 raise _wrap(exc, f"waiting for GPU {dev} before revoking its access") from exc
         granted = False
+        before = self.peer_access
         for mr in self._mrs:
             granted = _set_peers(mr, self.device_id, peers) or granted
         if self._backend is not None:  # mapped blocks: each block's own access
             try:
-                self._backend.set_peers(peers)
+                self._backend.set_peers(peers)  # all or nothing
             except Exception as exc:
+                for mr in self._mrs:  # the CUDA pools go back to what they granted
+                    try:
+                        _set_peers(mr, self.device_id, before)
+                    except Exception as undo:
+                        add_note(exc, f"the CUDA pool's previous peer access stays unset: {undo}")
                 raise _wrap(exc, "setting the peer access of mapped blocks") from exc
         self._peers_set = granted or getattr(self, "_peers_set", False)
 

@@ -38,6 +38,7 @@ class VmmDriver(FakeEvents):
         self.reserved_va: set = set()
         self.handles_alive: set = set()
         self.access: dict[int, list] = {}  # va -> [(device, flags name), ...] last set
+        self.grants: dict[int, dict[int, str]] = {}  # va -> device -> flags name, merged
 
     def __getattr__(self, name):
         return getattr(real, name)
@@ -85,6 +86,7 @@ class VmmDriver(FakeEvents):
         if err := self._failing("cuMemUnmap"):
             return (err,)
         assert self.mapped.pop(va) == size
+        self.grants.pop(va, None)
         self.log.append(("unmap", va, size))
         return (0,)
 
@@ -93,8 +95,14 @@ class VmmDriver(FakeEvents):
             return (err,)
         assert n == len(descs)
         self.access[va] = [(d.location.id, d.flags.name.rsplit("_", 1)[1]) for d in descs]
+        self.grants.setdefault(va, {}).update(self.access[va])
         self.log.append(("access", va, size, tuple(self.access[va])))
         return (0,)
+
+    def cuMemGetAccess(self, where, va):  # noqa: N802
+        assert where.type == real.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        flags = self.grants.get(va, {}).get(where.id, "NONE")
+        return 0, getattr(real.CUmemAccess_flags, f"CU_MEM_ACCESS_FLAGS_PROT_{flags}")
 
     def last_event(self) -> str:
         return next(e[1] for e in reversed(self.log) if e[0] == "record")
@@ -611,3 +619,103 @@ def test_a_mapped_pool_refuses_a_cap_and_tiny_thresholds(made, opts, words):
     with pytest.raises(cpm.InvalidOptionError, match=words):
         cpm.DevicePool(large_blocks="mapped", **opts)
     assert made.mrs == []
+
+
+def test_set_peers_is_all_or_nothing_when_the_driver_refuses_a_block(drv):
+    """The third block's grant fails: the two changed before it get the old access back,
+    the peers stay, and a block mapped after keeps the old access too."""
+    b = blocks(drv, peers=(1,))
+    vas = [b.alloc((10 + 2 * i) * MiB, 0x5000)[1] for i in range(4)]
+    calls = [0]
+    real_set = drv.cuMemSetAccess
+
+    def set_access(va, size, descs, n):
+        calls[0] += 1
+        if calls[0] == 3:
+            return (real.CUresult.CUDA_ERROR_INVALID_VALUE,)
+        return real_set(va, size, descs, n)
+
+    drv.cuMemSetAccess = set_access
+    with pytest.raises(cpm.CUDADriverError, match="CUDA_ERROR_INVALID_VALUE"):
+        b.set_peers([2])
+    drv.cuMemSetAccess = real_set
+    assert b.peers == (1,)
+    for va in vas:
+        assert drv.grants[va].get(1) == "READWRITE" and drv.grants[va].get(2, "NONE") == "NONE"
+        assert b.has_access(va, 1) and not b.has_access(va, 2)
+    new = b.alloc(40 * MiB, 0x5000)[1]
+    assert drv.access[new] == [(0, "READWRITE"), (1, "READWRITE")]
+
+
+def test_a_failed_undo_of_set_peers_names_the_blocks_left_mixed(drv):
+    b = blocks(drv, peers=())
+    first, second = (b.alloc(n * MiB, 0x5000)[1] for n in (10, 12))
+    real_set = drv.cuMemSetAccess
+
+    def set_access(va, size, descs, n):
+        if va == second:  # refuses the grant and the undo
+            return (real.CUresult.CUDA_ERROR_INVALID_VALUE,)
+        return real_set(va, size, descs, n)
+
+    drv.cuMemSetAccess = set_access
+    with pytest.raises(cpm.CUDADriverError) as ei:
+        b.set_peers([1])
+    notes = " ".join(getattr(ei.value, "__notes__", []))
+    assert f"{second:#x}" in notes and "mixed" in notes and f"{first:#x}" not in notes
+    assert not b.has_access(first, 1) and b.peers == ()
+
+
+def test_has_access_asks_the_driver_and_the_own_gpu_always_has_it(drv):
+    b = blocks(drv, peers=(1,))
+    va = b.alloc(10 * MiB, 0x5000)[1]
+    assert b.has_access(va, 0) and b.has_access(va, 1) and not b.has_access(va, 2)
+    b.set_peers([2])
+    assert not b.has_access(va, 1) and b.has_access(va, 2)
+
+
+def _array_on(b, va: int, offset: int = 0) -> Any:
+    """A cupy.ndarray as check_access sees one: data.ptr, and the pool Block behind it."""
+    block = SimpleNamespace(ptr=va, core=SimpleNamespace(_backend=b))
+    return SimpleNamespace(data=SimpleNamespace(ptr=va + offset, mem=SimpleNamespace(_owner=block)))
+
+
+def test_check_access_asks_a_mapped_blocks_own_grants(drv, monkeypatch):
+    """Before: memory with no CUDA pool passed when the two GPUs were peer capable, and a
+    kernel on an ungranted GPU would have faulted (cudaErrorIllegalAddress)."""
+    b = blocks(drv, peers=())
+    va = b.alloc(10 * MiB, 0x5000)[1]
+    # The driver reports no pool for mapped memory, and (driver 580) may name GPU 0.
+    monkeypatch.setattr(_device, "_pointer_info", lambda ptr: (1, 0, False))
+    monkeypatch.setattr(_device, "check_device", lambda d, name="device": d)
+    monkeypatch.setattr(_device, "can_access_peer", lambda a, c: {a, c} <= {0, 1})
+    x = _array_on(b, va, offset=4096)
+    with pytest.raises(cpm.WrongDeviceError, match="mapped block .* on GPU 0 is not accessible"):
+        cpm.check_access(x, device=1)
+    cpm.check_access(x, device=0)
+    with pytest.raises(cpm.UnsupportedError, match="GPU 2 cannot access memory of GPU 0"):
+        cpm.check_access(x, device=2)
+    b.set_peers([1])
+    cpm.check_access(x, device=1)
+    other = SimpleNamespace(data=SimpleNamespace(ptr=0x1234, mem=None))  # cudaMalloc memory
+    cpm.check_access(other, device=1)  # device-level peer access, as before
+
+
+def test_peer_access_stays_as_it_was_when_the_mapped_blocks_refuse(made, monkeypatch):
+    """The CUDA pool is granted first; the mapped blocks then refuse: the CUDA pool goes
+    back to what it granted, so the pool's peers are not half set."""
+    for mod in (_device, _pools):
+        monkeypatch.setattr(mod, "device_count", lambda: 2)
+    monkeypatch.setattr(_device, "can_access_peer", lambda a, b: True)
+    monkeypatch.setattr(_pools, "_revoke_stale", lambda mr, dev: None)
+    monkeypatch.setattr(_pools, "sync_device", lambda dev: None)
+    p = cpm.DevicePool(large_blocks="mapped", peer_access=None)
+    mr = made.mrs[0]
+    mr.peer_accessible_by = ()
+    va = p._backend.alloc(20 * MiB, 0x5000)[1]
+    made.drv.fail["cuMemSetAccess"] = int(real.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
+    with pytest.raises(cpm.CUDADriverError, match="CUDA_ERROR_OUT_OF_MEMORY"):
+        p.peer_access = [1]
+    assert p.peer_access == () and mr.peer_accessible_by == ()
+    assert not p._backend.has_access(va, 1) and p._backend.peers == ()
+    p.peer_access = [1]  # the driver agrees now: both the CUDA pool and the blocks
+    assert p.peer_access == (1,) and p._backend.has_access(va, 1)

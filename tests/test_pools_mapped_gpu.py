@@ -200,7 +200,10 @@ def test_a_later_peer_grant_covers_mapped_blocks_already_there():
             a = cupy.arange(12 * MiB // 4, dtype=cupy.int32)
         assert p0._backend.owns(a.data.ptr)
         cupy.cuda.Device(0).synchronize()
+        with pytest.raises(cpm.WrongDeviceError, match="mapped block"):
+            cpm.check_access(a[1:], device=1)  # CuPy's peer access does not open it
         p0.peer_access = [1]
+        cpm.check_access(a[1:], device=1)
         with cupy.cuda.Device(1), cpm.using(p1):
             b = a * 2
             a[...] = -1
@@ -208,3 +211,26 @@ def test_a_later_peer_grant_covers_mapped_blocks_already_there():
         assert (b.get() == np.arange(a.size, dtype=np.int32) * 2).all()
         assert (a.get() == -1).all()
         del a, b
+
+
+def test_check_access_reads_a_mapped_blocks_grants_from_the_driver():
+    """The driver's own word on a mapped block (cuMemGetAccess): read-write for its GPU."""
+    with _mapped_pool() as p, cpm.using(p):
+        a = cupy.arange(10 * MiB // 4, dtype=cupy.int32)
+        view = a[1000:]
+        blocks, block = _mapped_mod().mapped_block_of(view)
+        assert blocks is p._backend and block == a.data.ptr
+        rw = blocks._d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        assert int(blocks._access_flags(block, 0)) == int(rw)
+        cpm.check_access(view, device=0)
+        small = cupy.arange(1000, dtype=cupy.int32)  # from the CUDA pool: not a mapped block
+        assert _mapped_mod().mapped_block_of(small) is None
+        cpm.check_access(small, device=0)
+        assert int(view[0]) == 1000 and int(small[-1]) == 999
+        del a, view, small
+
+
+def _mapped_mod():
+    from cupy_poolmem import _mapped
+
+    return _mapped
