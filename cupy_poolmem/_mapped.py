@@ -9,8 +9,9 @@ management (``cuMemCreate``, ``cuMemAddressReserve``, ``cuMemMap``,
 the cache of freed blocks (:class:`~cupy_poolmem._block_cache.BlockCache`): what the
 pool reserves follows what is live.
 
-The driver work, about 60-120 us to map a block and 30-100 us to unmap it (H100, more
-for larger blocks), is paid on a cache miss only: a freed block serves the next
+The driver work, about 80 us to map a block and 85 us to unmap it (H100, 32-64 MiB;
+``cuMemSetAccess`` and the unmap that frees the memory are most of it), is paid on a
+cache miss only: a freed block serves the next
 request of its size, or of at least three quarters of it (``fit``), on its own stream
 at once and on another once the event recorded at its free has completed.  Beyond
 ``release_threshold`` cached bytes, the oldest freed blocks whose streams are past
@@ -248,7 +249,9 @@ class MappedBlocks(BlockCache):
 
     def has_access(self, ptr: int, device: int) -> bool:
         """Whether GPU ``device`` may read and write the block at ``ptr`` (the driver's
-        word: ``cuMemGetAccess``); the blocks' own GPU always may."""
+        word: ``cuMemGetAccess``); the blocks' own GPU always may.  Only for blocks of
+        this cache: on ``cudaMalloc`` memory the driver answers success with no access
+        (H100, driver 580), even for the memory's own GPU."""
         if device == self.device:
             return True
         rw = self._d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE

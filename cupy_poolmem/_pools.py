@@ -1011,10 +1011,10 @@ class DevicePool(Pool):
     block that would reserve more first unmaps the oldest freed blocks whose frees
     have run, and their memory goes back to the device.  A ``release_threshold``
     instead caps the freed bytes kept; :meth:`~Pool.trim` gives them all back.  On the
-    churn benchmark this reserves 0.76-0.78x CuPy's ``MemoryPool``'s peak at
-    0.54-1.15x its time (a CUDA pool: 0.95-0.98x at a fifth to a third of it); a miss
-    costs about 60-120 us of driver calls and an unmap 30-100 us, so steady workloads
-    of few sizes are faster on the default.  Blocks allocated during a graph capture
+    churn benchmark this reserves 0.78x CuPy's ``MemoryPool``'s peak at about 4x its
+    time per step (a CUDA pool: 0.98x at 1.5x); a block mapped and later unmapped
+    costs about 165 us of driver calls, paid on a miss, so allocation-heavy loops are
+    faster on the default.  Blocks allocated during a graph capture
     are graph memory as usual.
 
     Pool memory is mapped only on the GPUs the pool grants (``cuMemPoolSetAccess``);
