@@ -511,9 +511,10 @@ def check_access(array: Any, device: Any = None) -> None:
     -----
     Managed memory passes (every GPU can use it).  A mapped block of a
     ``DevicePool(large_blocks="mapped")`` carries its own grants, which the driver is
-    asked for.  Other device memory that is not from a pool passes when the two GPUs
-    are peer capable: CuPy enables peer access for it (memory another library mapped
-    with virtual memory management is not told apart from it).
+    asked for, whatever the array type (a ``cupy.ndarray``, or any view of the memory
+    through ``__cuda_array_interface__``).  Other device memory that is not from a pool
+    passes when the two GPUs are peer capable: CuPy enables peer access for it (memory
+    another library mapped with virtual memory management is not told apart from it).
 
     Examples
     --------
@@ -537,8 +538,9 @@ def check_access(array: Any, device: Any = None) -> None:
         owner = int(getattr(getattr(array, "data", None), "device_id", owner))
     if pool == 0:  # cudaMalloc, registered or mapped memory
         from ._mapped import mapped_block_of
+        from ._pools import all_pools
 
-        mapped = mapped_block_of(array)
+        mapped = mapped_block_of(array, ptr, all_pools())
         if mapped is not None:
             owner = mapped[0].device
         if owner >= 0 and owner != dev and not can_access_peer(dev, owner):

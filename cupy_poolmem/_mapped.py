@@ -116,6 +116,7 @@ class MappedBlocks(BlockCache):
         self._map_lock = threading.RLock()
         self.failed_call = ""  # the mapping call that failed last (for the error)
         self.peers: tuple[int, ...] = ()
+        self._stray: set[int] = set()  # peers a failed undo may have left granted
         self._access = self._descriptors((device, *peers), ())
         self.peers = tuple(peers)
 
@@ -202,13 +203,17 @@ class MappedBlocks(BlockCache):
         All or nothing: no block is mapped meanwhile, and when the driver refuses one
         block the blocks already changed get their previous access back and the error
         is raised (the peers stay as they were).  Should that undoing fail too, the
-        error says which blocks may hold mixed access.
+        error says which blocks may hold mixed access, and the next call revokes the
+        peers they may hold.  Every block is set, even when ``peers`` is unchanged
+        (one ``cuMemSetAccess`` each): that is what repairs mixed blocks.
         """
         peers = tuple(int(p) for p in peers)
-        old = self.peers
-        grant = self._descriptors((self.device, *peers), [p for p in old if p not in peers])
-        undo = self._descriptors((self.device, *old), [p for p in peers if p not in old])
-        with self._map_lock:
+        with self._map_lock:  # one change at a time, and no block mapped meanwhile
+            old = self.peers
+            # Peers an undo failed on may still hold a grant somewhere: revoked too.
+            stale = sorted((set(old) | self._stray) - set(peers))
+            grant = self._descriptors((self.device, *peers), stale)
+            undo = self._descriptors((self.device, *old), [p for p in peers if p not in old])
             before = self._access
             self._access = self._descriptors((self.device, *peers), ())
             for ptr, r in self._blocks():
@@ -217,10 +222,14 @@ class MappedBlocks(BlockCache):
                         self._d.cuMemSetAccess(ptr, r, grant, len(grant)), "cuMemSetAccess"
                     )
                 except Exception as exc:
+                    if not self.owns(ptr):
+                        continue  # unmapped meanwhile (a trim, a free past the threshold)
                     self._access = before
-                    self._undo_peers(self._blocks(), undo, exc)
+                    if self._undo_peers(self._blocks(), undo, exc):
+                        self._stray.update(p for p in peers if p not in old)
                     raise
             self.peers = peers
+            self._stray.clear()
 
     def _blocks(self) -> list[tuple[int, int]]:
         """``(address, bytes)`` of every block, live or cached, now."""
@@ -231,14 +240,14 @@ class MappedBlocks(BlockCache):
             if locked:
                 self._unlock()
 
-    def _undo_peers(self, blocks: list[tuple[int, int]], undo: list[Any], exc: Exception) -> None:
+    def _undo_peers(self, blocks: list[tuple[int, int]], undo: list[Any], exc: Exception) -> bool:
         """Set ``undo`` (the previous access) on ``blocks`` after ``exc`` failed a change
         (on all of them: setting an access a block has already changes nothing); blocks
-        the driver refuses again are named in a note on ``exc``."""
+        the driver refuses again are named in a note on ``exc``; True if there are any."""
         mixed = []
         for ptr, r in blocks:
             err = self._d.cuMemSetAccess(ptr, r, undo, len(undo))[0]
-            if int(err):
+            if int(err) and self.owns(ptr):
                 mixed.append(f"{ptr:#x}")
         if mixed:
             add_note(
@@ -246,6 +255,14 @@ class MappedBlocks(BlockCache):
                 "the previous peer access could not be restored on mapped block(s) "
                 f"{', '.join(mixed)}: their access is mixed until peer_access is set again",
             )
+        return bool(mixed)
+
+    def block_at(self, ptr: int) -> int | None:
+        """The address of the block (live or cached) that holds address ``ptr``, or None."""
+        for va, r in self._blocks():
+            if va <= ptr < va + r:
+                return va
+        return None
 
     def has_access(self, ptr: int, device: int) -> bool:
         """Whether GPU ``device`` may read and write the block at ``ptr`` (the driver's
@@ -266,11 +283,25 @@ class MappedBlocks(BlockCache):
         return check_driver(d.cuMemGetAccess(where, ptr), "cuMemGetAccess")
 
 
-def mapped_block_of(array: Any) -> tuple[MappedBlocks, int] | None:
-    """``(blocks, block address)`` when ``array`` (a ``cupy.ndarray``) lives on a mapped
-    block of a ``DevicePool(large_blocks="mapped")``, else None."""
+def mapped_block_of(
+    array: Any, ptr: int | None = None, pools: Iterable[Any] = ()
+) -> tuple[MappedBlocks, int] | None:
+    """``(blocks, block address)`` when ``array`` lives on a mapped block of a
+    ``DevicePool(large_blocks="mapped")``, else None.
+
+    A ``cupy.ndarray`` from such a pool leads to its block; any other view of the
+    memory (``__cuda_array_interface__``, DLPack, a Numba or torch array) is looked
+    up by its address ``ptr`` among the mapped blocks of ``pools``.
+    """
     owner = getattr(getattr(getattr(array, "data", None), "mem", None), "_owner", None)
     backend = getattr(getattr(owner, "core", None), "_backend", None)
     if isinstance(backend, MappedBlocks) and owner is not None and backend.owns(owner.ptr):
         return backend, int(owner.ptr)
+    if ptr is not None:
+        for pool in pools:
+            backend = getattr(pool, "_backend", None)
+            if isinstance(backend, MappedBlocks):
+                block = backend.block_at(ptr)
+                if block is not None:
+                    return backend, block
     return None

@@ -1106,6 +1106,7 @@ class DevicePool(Pool):
                     m.close()
                 raise _wrap(exc, "creating a device pool") from exc
             self._peers_set = False
+            self._peers_lock = threading.Lock()  # one peer_access change at a time
             if peers or device_count() > 1:
                 # Always set on a multi-GPU machine: a new pool can come back with the
                 # handle of a destroyed one, and with its peer access (nvbug 5698116).
@@ -1192,6 +1193,14 @@ class DevicePool(Pool):
         peers = resolve_peer_access(value, self.device_id)
         if self.closed and self.n_allocs == self.n_frees:
             self._raise_closed()
+        # (setdefault: a pool built without __init__, as tests do, gets one here)
+        with self.__dict__.setdefault("_peers_lock", threading.Lock()):
+            self._change_peers(peers)
+
+    def _change_peers(self, peers: tuple[int, ...]) -> None:
+        """:attr:`peer_access`'s setter under its lock: wait for revoked GPUs, grant the
+        CUDA pools, then the mapped blocks; all or nothing (when one refuses, the CUDA
+        pools go back to their grants, and the mapped blocks undo their own)."""
         for dev in sorted(set(self.peer_access) - set(peers)):
             try:  # its queued kernels may read this pool's memory: let them finish first
                 sync_device(dev)
@@ -1199,18 +1208,22 @@ class DevicePool(Pool):
                 raise _wrap(exc, f"waiting for GPU {dev} before revoking its access") from exc
         granted = False
         before = self.peer_access
-        for mr in self._mrs:
-            granted = _set_peers(mr, self.device_id, peers) or granted
-        if self._backend is not None:  # mapped blocks: each block's own access
-            try:
-                self._backend.set_peers(peers)  # all or nothing
-            except Exception as exc:
-                for mr in self._mrs:  # the CUDA pools go back to what they granted
-                    try:
-                        _set_peers(mr, self.device_id, before)
-                    except Exception as undo:
-                        add_note(exc, f"the CUDA pool's previous peer access stays unset: {undo}")
-                raise _wrap(exc, "setting the peer access of mapped blocks") from exc
+        try:
+            for mr in self._mrs:
+                granted = _set_peers(mr, self.device_id, peers) or granted
+            if self._backend is not None:  # mapped blocks: each block's own access
+                try:
+                    self._backend.set_peers(peers)  # all or nothing
+                except Exception as exc:
+                    raise _wrap(exc, "setting the peer access of mapped blocks") from exc
+        except Exception as exc:
+            for mr in self._mrs:  # the CUDA pools go back to what they granted
+                try:
+                    _set_peers(mr, self.device_id, before)
+                except Exception as undo:
+                    self._peers_set = True  # a grant may stay: revoked at retirement
+                    add_note(exc, f"the CUDA pool's previous peer access stays unset: {undo}")
+            raise
         self._peers_set = granted or getattr(self, "_peers_set", False)
 
     def _retire_now(self, leftovers: Any = ()) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -719,3 +720,181 @@ def test_peer_access_stays_as_it_was_when_the_mapped_blocks_refuse(made, monkeyp
     assert not p._backend.has_access(va, 1) and p._backend.peers == ()
     p.peer_access = [1]  # the driver agrees now: both the CUDA pool and the blocks
     assert p.peer_access == (1,) and p._backend.has_access(va, 1)
+
+
+# -- review: peer access under concurrency and failure -----------------------------
+_INVALID = real.CUresult.CUDA_ERROR_INVALID_VALUE
+
+
+class StrictVmm(VmmDriver):
+    """cuMemSetAccess on an address that is not mapped fails, as on the real driver."""
+
+    def cuMemSetAccess(self, va, size, descs, n):  # noqa: N802
+        if va not in self.mapped:
+            return (_INVALID,)
+        return super().cuMemSetAccess(va, size, descs, n)
+
+
+# 1 -------------------------------------------------------------------------------------
+def test_a_block_unmapped_by_a_concurrent_trim_does_not_fail_set_peers(drv, monkeypatch):
+    """set_peers lists the blocks under the cache lock, then sets each under _map_lock
+    only: a release (a trim, a free past the threshold) in another thread may unmap a
+    listed block, and the driver then refuses it.  Nothing is wrong: set_peers skips it
+    (it used to undo every grant and raise)."""
+    d = StrictVmm()
+    monkeypatch.setattr(_block_cache, "_drv", lambda: d)
+    b = blocks(d, peers=())
+    v1 = b.alloc(10 * MiB, 0x5000)[1]
+    v2 = b.alloc(12 * MiB, 0x5000)[1]
+    b.free(v2, 0x5000)  # cached, still mapped
+    real_set = d.cuMemSetAccess
+    todo = [True]
+
+    def set_access(va, size, descs, n):
+        if todo and todo.pop():  # another thread trims while set_peers runs
+            t = threading.Thread(target=b.release, args=(0,))
+            t.start()
+            t.join(timeout=5)
+            assert not t.is_alive(), "release waited for set_peers (it would be fixed)"
+        return real_set(va, size, descs, n)
+
+    d.cuMemSetAccess = set_access
+    b.set_peers([1])  # the block unmapped meanwhile is skipped, not undone
+    assert b.peers == (1,) and b.has_access(v1, 1)
+
+
+# 2 -------------------------------------------------------------------------------------
+def test_a_block_left_mixed_is_fixed_by_setting_the_peers_again(drv):
+    """The note says 'their access is mixed until peer_access is set again': the next
+    set_peers also revokes the peers a failed undo may have left granted."""
+    b = blocks(drv, peers=(1,))
+    v1 = b.alloc(10 * MiB, 0x5000)[1]
+    b.alloc(12 * MiB, 0x5000)
+    real_set = drv.cuMemSetAccess
+    calls = [0]
+
+    def set_access(va, size, descs, n):
+        calls[0] += 1
+        # call 1: grant on v1 ok; call 2: grant on v2 refused; call 3: undo on v1 refused
+        if calls[0] in (2, 3):
+            return (_INVALID,)
+        return real_set(va, size, descs, n)
+
+    drv.cuMemSetAccess = set_access
+    with pytest.raises(cpm.CUDADriverError) as ei:
+        b.set_peers([2])
+    assert f"{v1:#x}" in " ".join(ei.value.__notes__)  # v1 named as mixed
+    assert b.has_access(v1, 2) and b.peers == (1,)  # v1: 2 granted, 1 revoked
+    drv.cuMemSetAccess = real_set  # the driver agrees again
+    b.set_peers([1])  # "set again"
+    assert b.has_access(v1, 1)
+    assert not b.has_access(v1, 2), "GPU 2 keeps access to a block after peers=(1,)"
+
+
+def test_a_block_left_mixed_is_fixed_by_revoking_all_peers(drv):
+    b = blocks(drv, peers=(1,))
+    v1 = b.alloc(10 * MiB, 0x5000)[1]
+    b.alloc(12 * MiB, 0x5000)
+    real_set = drv.cuMemSetAccess
+    calls = [0]
+
+    def set_access(va, size, descs, n):
+        calls[0] += 1
+        if calls[0] in (2, 3):
+            return (_INVALID,)
+        return real_set(va, size, descs, n)
+
+    drv.cuMemSetAccess = set_access
+    with pytest.raises(cpm.CUDADriverError):
+        b.set_peers([2])
+    drv.cuMemSetAccess = real_set
+    b.set_peers([])
+    assert b.peers == ()
+    assert not b.has_access(v1, 2), "GPU 2 keeps access after peers=()"
+
+
+# 3 -------------------------------------------------------------------------------------
+class _PausingLock:
+    """_map_lock that lets the test decide when a thread's set_peers enters it."""
+
+    def __init__(self, inner, pause_in, arrived, go):
+        self.inner, self.pause_in, self.arrived, self.go = inner, pause_in, arrived, go
+
+    def __enter__(self):
+        if threading.current_thread().name == self.pause_in:
+            self.arrived.set()
+            assert self.go.wait(5)
+        return self.inner.__enter__()
+
+    def __exit__(self, *a):
+        return self.inner.__exit__(*a)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_concurrent_set_peers_leave_the_blocks_as_the_peers_say(drv):
+    """Thread B (peers -> ()) waits for the lock while thread A grants GPU 1: B reads
+    the peers to revoke under the lock, so it revokes GPU 1 (it read them before)."""
+    b = blocks(drv, peers=())
+    va = b.alloc(10 * MiB, 0x5000)[1]
+    arrived, go = threading.Event(), threading.Event()
+    b._map_lock = _PausingLock(b._map_lock, "B", arrived, go)
+    tb = threading.Thread(target=b.set_peers, args=([],), name="B")
+    tb.start()
+    assert arrived.wait(5)  # B has computed its lists from old=()
+    b.set_peers([1])  # A, in this thread, runs to the end
+    go.set()
+    tb.join(5)
+    assert b.peers == ()
+    assert not b.has_access(va, 1), "peers == () but GPU 1 still has access"
+
+
+def test_check_access_finds_a_mapped_block_behind_any_array_type(made, monkeypatch):
+    """A torch or Numba array, or cupy.asarray of one, reaches a mapped block through
+    __cuda_array_interface__ (no pool Block behind it): found by its address among the
+    pools' mapped blocks."""
+    p = cpm.DevicePool(large_blocks="mapped", peer_access=None)
+    va = p._backend.alloc(10 * MiB, 0x5000)[1]
+    monkeypatch.setattr(_device, "_pointer_info", lambda ptr: (0, 0, False))
+    monkeypatch.setattr(_device, "check_device", lambda d, name="device": d)
+    monkeypatch.setattr(_device, "can_access_peer", lambda a, c: True)
+    cai = SimpleNamespace(
+        __cuda_array_interface__={"data": (va + 4096, False), "shape": (4,), "version": 3}
+    )
+    with pytest.raises(cpm.WrongDeviceError, match="mapped block"):
+        cpm.check_access(cai, device=1)
+    elsewhere = SimpleNamespace(__cuda_array_interface__={"data": (va + 10 * MiB, False)})
+    cpm.check_access(elsewhere, device=1)  # past the block's end: not a mapped block
+    p._backend.set_peers([1])
+    cpm.check_access(cai, device=1)
+
+
+def test_a_failed_undo_of_the_cuda_pools_grant_is_still_revoked_at_retire(made, monkeypatch):
+    """The blocks refuse, then putting the CUDA pool back fails too: the CUDA pool keeps
+    GPU 1's grant, so the pool revokes its grants at retirement (nvbug 5698116)."""
+    for mod in (_device, _pools):
+        monkeypatch.setattr(mod, "device_count", lambda: 2)
+    monkeypatch.setattr(_device, "can_access_peer", lambda a, b: True)
+    monkeypatch.setattr(_pools, "_revoke_stale", lambda mr, dev: None)
+    monkeypatch.setattr(_pools, "sync_device", lambda dev: None)
+    p = cpm.DevicePool(large_blocks="mapped", peer_access=None)
+    mr = made.mrs[0]
+    mr.peer_accessible_by = ()
+    p._backend.alloc(20 * MiB, 0x5000)
+    real_set_peers = _pools._set_peers
+    calls = [0]
+
+    def set_peers(m, owner, peers):
+        calls[0] += 1
+        if calls[0] == 2:  # the undo
+            raise cpm.UnsupportedError("refused")
+        return real_set_peers(m, owner, peers)
+
+    monkeypatch.setattr(_pools, "_set_peers", set_peers)
+    made.drv.fail["cuMemSetAccess"] = int(real.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
+    with pytest.raises(cpm.CUDADriverError) as ei:
+        p.peer_access = [1]
+    assert "stays unset" in " ".join(ei.value.__notes__)
+    assert tuple(mr.peer_accessible_by) == (1,)  # the CUDA pool still grants GPU 1
+    assert p._peers_set, "a grant left on the CUDA pool is not revoked at retire"

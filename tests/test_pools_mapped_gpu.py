@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -202,6 +203,9 @@ def test_a_later_peer_grant_covers_mapped_blocks_already_there():
         cupy.cuda.Device(0).synchronize()
         with pytest.raises(cpm.WrongDeviceError, match="mapped block"):
             cpm.check_access(a[1:], device=1)  # CuPy's peer access does not open it
+        foreign = SimpleNamespace(__cuda_array_interface__=a[5:].__cuda_array_interface__)
+        with pytest.raises(cpm.WrongDeviceError, match="mapped block"):
+            cpm.check_access(foreign, device=1)  # a torch or Numba view of it alike
         p0.peer_access = [1]
         cpm.check_access(a[1:], device=1)
         with cupy.cuda.Device(1), cpm.using(p1):
@@ -223,6 +227,12 @@ def test_check_access_reads_a_mapped_blocks_grants_from_the_driver():
         rw = blocks._d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         assert int(blocks._access_flags(block, 0)) == int(rw)
         cpm.check_access(view, device=0)
+        from cupy_poolmem._pools import all_pools
+
+        foreign = SimpleNamespace(__cuda_array_interface__=view.__cuda_array_interface__)
+        found = _mapped_mod().mapped_block_of(foreign, view.data.ptr, all_pools())
+        assert found == (blocks, block)
+        cpm.check_access(foreign, device=0)
         small = cupy.arange(1000, dtype=cupy.int32)  # from the CUDA pool: not a mapped block
         assert _mapped_mod().mapped_block_of(small) is None
         cpm.check_access(small, device=0)
