@@ -9,7 +9,11 @@ back to the driver:
 - a freed block waits behind an event recorded on the stream that freed it;
 - it serves the next allocation at once on that stream (stream order covers it;
   not the per-thread default stream, a different stream in each thread), and on
-  another stream once its event has completed;
+  another stream once its event has completed.  Streams are known by handle only,
+  and a destroyed stream's handle can name the next stream created while the old
+  one's work still runs: a block whose event has not completed goes to a stream of
+  the same handle behind a wait on that event (``cuStreamWaitEvent``), which costs
+  nothing where the stream is the same one;
 - it serves a request of its size class, or (``fit``) one up to that fraction
   smaller;
 - beyond ``release_threshold`` cached bytes, the oldest freed blocks whose events
@@ -194,6 +198,24 @@ class BlockCache:
         # NOT_READY, or a query refused during someone's global-mode capture: not yet.
         return int(_drv().cuEventQuery(event)[0]) == 0
 
+    @staticmethod
+    def _wait(stream_ptr: int, event: Any) -> bool:
+        """Order ``stream_ptr``'s next work after ``event``; False when the driver
+        refuses (the stream is not usable: the block waits for its event instead)."""
+        return int(_drv().cuStreamWaitEvent(stream_ptr, event, 0)[0]) == 0
+
+    def _may_serve(self, entry: tuple, stream_ptr: int) -> bool:
+        """Under the lock: whether a freed block (``entry``) may serve an allocation on
+        ``stream_ptr`` now.  Its own stream: at once, behind a wait on its event when
+        that has not completed and the handle is not the legacy stream's (0, 1: never
+        destroyed); the per-thread default stream (2) is another stream in each
+        thread.  Any other stream: once the event has completed."""
+        if entry[1] != stream_ptr or stream_ptr == _PER_THREAD:
+            return self._done(entry[2])
+        if stream_ptr <= 1 or self._done(entry[2]):
+            return True
+        return self._wait(stream_ptr, entry[2])
+
     # -- allocation --------------------------------------------------------------------
     def _take(self, r: int, stream_ptr: int) -> int:
         """Under the lock: a cached block that may serve ``r`` bytes on the stream, or 0.
@@ -206,9 +228,7 @@ class BlockCache:
             c = classes[i]
             entries = self._free[c]
             for entry in entries:
-                # The same stream orders the reuse, but not the per-thread default
-                # stream: its handle (2) names another stream in each thread.
-                if (entry[1] == stream_ptr and stream_ptr != _PER_THREAD) or self._done(entry[2]):
+                if self._may_serve(entry, stream_ptr):
                     self._uncache(c, entries, entry)
                     self._idle_events.append(entry[2])
                     return entry[0]

@@ -37,3 +37,10 @@ class FakeEvents:
 
     def cuEventDestroy(self, ev):  # noqa: N802
         return (0,)
+
+    #: what cuStreamWaitEvent returns (a test sets an error: a stream not usable)
+    wait_result = 0
+
+    def cuStreamWaitEvent(self, s, ev, flags):  # noqa: N802
+        self.log.append(("wait", s, ev))
+        return (self.wait_result,)

@@ -129,6 +129,46 @@ def test_a_freed_block_is_reused_at_once_on_its_own_stream_in_stream_order():
     pool.close()
 
 
+def test_a_destroyed_streams_handle_on_a_new_stream_gets_the_block_after_the_old_work():
+    """The cache knows streams by handle.  A stream destroyed with its work still
+    running, whose handle the driver gives the next stream: a block freed on the old
+    one serves the new one at once, but its writes land after the old one's."""
+    _warm_up()
+    pool = _mapped_pool(reuse_cache=0)  # frees straight to the mapped blocks' cache
+    n = 24 * MiB // 4
+    old = cupy.cuda.Stream(non_blocking=True)
+    with cpm.using(pool):
+        with old:
+            z = cupy.zeros(n, dtype=cupy.int32)
+        old.synchronize()
+        zp, handle = z.data.ptr, old.ptr
+        spin(300, old)
+        with old:
+            z.fill(7)  # the old stream's last write, after the spin
+        del z  # freed on the old stream while the spin runs
+        del old
+        gc.collect()  # destroyed: its work still runs
+        new, kept = None, []
+        for _ in range(256):
+            s = cupy.cuda.Stream(non_blocking=True)
+            if s.ptr == handle:
+                new = s
+                break
+            kept.append(s)
+        if new is None:
+            pool.close()
+            pytest.skip("needs a driver that gives a new stream a destroyed one's handle")
+        with new:
+            w = cupy.empty(n, dtype=cupy.int32)
+            assert w.data.ptr == zp  # the same handle: served at once...
+            w.fill(1)  # ...but after the old stream's fill of 7
+        new.synchronize()
+        cupy.cuda.runtime.deviceSynchronize()
+        assert int((w == 1).sum()) == n
+        del w
+    pool.close()
+
+
 def test_a_capture_takes_graph_memory_and_its_launch_writes_it():
     pool = _mapped_pool()
     g = cupy.cuda.Stream(non_blocking=True)
