@@ -171,3 +171,63 @@ def test_a_device_pool_replay_finishes_its_retirement_before_the_next_replay(mon
     pool = type("Pool", (), {"close": lambda self: closed.append(1)})()
     churn.close_device_pool(pool)
     assert closed == [1] and drained == [2, 1] and retirer.pending == 0
+
+
+class _FakeTorch:
+    """torch.cuda's allocator calls played on the host: settings, peak, emptying."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.log: list = []
+        self.expandable = False
+        self.fail_at = fail_at
+        self.n = 0
+        self.uint8 = "uint8"
+        fake = self
+
+        class Memory:
+            @staticmethod
+            def _set_allocator_settings(text: str) -> None:
+                fake.log.append(text)
+                fake.expandable = text.endswith("True")
+
+        class Cuda:
+            memory = Memory
+
+            synchronize = staticmethod(lambda: None)
+            reset_peak_memory_stats = staticmethod(lambda: fake.log.append("reset"))
+            empty_cache = staticmethod(lambda: fake.log.append("empty"))
+            max_memory_reserved = staticmethod(lambda: 123 if fake.expandable else 456)
+
+        self.cuda = Cuda
+
+    def empty(self, n, dtype, device):
+        self.n += 1
+        if self.n == self.fail_at:
+            raise MemoryError("out of memory")
+        return bytearray(1)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_torch_expandable_segments_are_on_for_their_own_replay_only(expandable):
+    steps = churn.trace(50, 8 * MiB)
+    t = _FakeTorch()
+    dt, peak = churn.torch_run(steps, t, expandable=expandable)()
+    assert t.n == 50 and dt > 0
+    if expandable:  # emptied first, on for the replay (its peak), off after
+        assert t.log == [
+            "empty",
+            "expandable_segments:True",
+            "reset",
+            "empty",
+            "expandable_segments:False",
+        ]
+        assert peak == 123 and not t.expandable
+    else:
+        assert "expandable_segments:True" not in t.log and peak == 456
+
+
+def test_torch_expandable_segments_go_off_when_the_replay_fails():
+    t = _FakeTorch(fail_at=10)
+    with pytest.raises(MemoryError):
+        churn.torch_run(churn.trace(50, 8 * MiB), t, expandable=True)()
+    assert t.log[-1] == "expandable_segments:False" and not t.expandable

@@ -28,8 +28,11 @@ time per step), for the DevicePool that maps its large blocks
 line says the default pool's ratios too.  The default DevicePool takes blocks
 up to 8 MiB from a CUDA pool of their own (``small_pool``); the ``ipc=True`` row is the
 pool ``set_allocator()`` makes (shareable, both CUDA pools IPC-enabled), the
-``small_pool=None`` row the same pool with one CUDA pool.  Its peak is the sum of both CUDA pools' peaks (an
-upper bound of the peak of their sum).
+``small_pool=None`` row the same pool with one CUDA pool.  Its peak is the sum of both
+CUDA pools' peaks (an upper bound of the peak of their sum).  torch is replayed twice:
+its caching allocator as it comes, and with ``expandable_segments`` (segments that
+grow by mapping 2 MiB pages, switched on for that replay only), the peer that maps
+memory as ``large_blocks="mapped"`` does.
 
 A second table replays the trace straight on CUDA pools with the levers a pool built
 on them has (a second pool for small blocks, trims after frees; see
@@ -62,6 +65,7 @@ GOAL_RESERVED, GOAL_SPEED = 0.8, 1.05
 BASE_LABEL = "cupy MemoryPool (baseline)"
 DEFAULT_LABEL = "cupy_poolmem DevicePool (default)"
 MAPPED_LABEL = "cupy_poolmem DevicePool large_blocks='mapped'"
+TORCH_EXPANDABLE_LABEL = "torch caching allocator, expandable_segments"
 
 
 def trace(steps: int, live: int, seed: int = 7) -> list[tuple[int, list[int]]]:
@@ -303,20 +307,38 @@ def contenders(steps: list[tuple[int, list[int]]]) -> tuple[dict[str, Run], dict
     try:
         import torch
 
-        def torch_run() -> tuple[float, int]:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        runs["torch caching allocator"] = torch_run(steps, torch, expandable=False)
+        if hasattr(torch.cuda.memory, "_set_allocator_settings"):
+            runs[TORCH_EXPANDABLE_LABEL] = torch_run(steps, torch, expandable=True)
+    except Exception as exc:
+        print(f"(torch not measured: {type(exc).__name__}: {exc})")
+    return runs, sampled
+
+
+def torch_run(steps: list[tuple[int, list[int]]], torch: Any, expandable: bool) -> Run:
+    """A :data:`Run` of the trace on torch's caching allocator, emptied before and after;
+    ``expandable``: with ``expandable_segments`` (segments that grow by mapping 2 MiB
+    pages, torch's virtual memory management), switched on for this replay only."""
+
+    def settings(on: bool) -> None:
+        if expandable:
+            torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
+
+    def run() -> tuple[float, int]:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        settings(True)
+        try:
             torch.cuda.reset_peak_memory_stats()
             dt = replay(steps, lambda n: torch.empty(n, dtype=torch.uint8, device="cuda"))
             torch.cuda.synchronize()
             peak = int(torch.cuda.max_memory_reserved())
             torch.cuda.empty_cache()
-            return dt, peak
+        finally:
+            settings(False)
+        return dt, peak
 
-        runs["torch caching allocator"] = torch_run
-    except Exception as exc:
-        print(f"(torch not measured: {type(exc).__name__}: {exc})")
-    return runs, sampled
+    return run
 
 
 def measure(
