@@ -26,12 +26,18 @@ MiB = 1 << 20
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
 
 
+#: Address ranges for every fake driver of the session: as on the real one, no two live
+#: blocks share an address, even blocks of pools that earlier tests left open (where
+#: ``check_access`` looks among all the pools' blocks).
+_VAS = itertools.count(0x7F00_0000_0000, 0x1_0000_0000)
+
+
 class VmmDriver(FakeEvents):
     """Virtual memory management and events, played on the host; every call logged."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.vas = itertools.count(0x7F00_0000_0000, 0x1_0000_0000)
+        self.vas = _VAS
         self.handles = itertools.count(1)
         self.log: list = []
         self.fail: dict[str, int] = {}  # call name -> CUresult it returns once
