@@ -21,6 +21,7 @@ from ._errors import (
     UnsupportedError,
     WrongDeviceError,
     check_driver,
+    error_name,
 )
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "has_access",
     "require_access",
     "check_access",
+    "require_attribute",
     "AccessGrants",
     "ensure_access",
     "ensure_peer_access",
@@ -91,6 +93,20 @@ def require_gpu(what: str = "cupy_poolmem") -> int:
             f"{what} needs an NVIDIA GPU, but CUDA sees no device (is CUDA_VISIBLE_DEVICES empty?)"
         )
     return n
+
+
+def require_attribute(device: int, attribute: str, needs: str) -> None:
+    """Raise :class:`UnsupportedError` unless ``device``'s ``CU_DEVICE_ATTRIBUTE_``
+    ``attribute`` is set; ``needs`` says what needs it and what to use instead.
+
+    A failed query counts as unset: the error says which attribute was asked.
+    """
+    drv = _drv()
+    name = f"CU_DEVICE_ATTRIBUTE_{attribute}"
+    err, value = drv.cuDeviceGetAttribute(getattr(drv.CUdevice_attribute, name), device)
+    if int(err) or not int(value):
+        why = "is 0" if not int(err) else f"could not be read: {error_name(err)}"
+        raise UnsupportedError(f"device {device} does not support {needs} ({name} {why})")
 
 
 def check_device(device: Any, name: str = "device") -> int:

@@ -191,6 +191,22 @@ class PinnedOutOfMemoryError(PoolmemError, _CUDARuntimeError):
         return self.args[0]
 
 
+def error_name(code: Any) -> str:
+    """The CUDA error name of a ``CUresult`` (its number where the driver has no name).
+
+    Examples
+    --------
+    >>> error_name(2), error_name(123456)
+    ('CUDA_ERROR_OUT_OF_MEMORY', 'CUresult 123456')
+    """
+    from cuda.bindings import driver
+
+    try:
+        return driver.CUresult(int(code)).name
+    except ValueError:
+        return f"CUresult {int(code)}"
+
+
 def check_driver(result: Any, call: str) -> Any:
     """Unpack a ``cuda.bindings.driver`` result tuple; raise :class:`CUDADriverError` on failure.
 
@@ -208,10 +224,7 @@ def check_driver(result: Any, call: str) -> Any:
     if code != 0:
         from cuda.bindings import driver
 
-        try:
-            name = driver.CUresult(code).name
-        except ValueError:
-            name = f"CUresult {code}"
+        name = error_name(code)
         try:
             _, desc = driver.cuGetErrorString(driver.CUresult(code))
             desc = desc.decode() if isinstance(desc, bytes) else ""

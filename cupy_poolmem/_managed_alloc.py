@@ -21,8 +21,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from . import _device
 from ._block_cache import BlockCache
-from ._errors import UnsupportedError, check_driver
+from ._errors import check_driver, error_name
 
 __all__ = ["ManagedAllocator", "probe_pool_advice", "recorded_choice", "record_choice"]
 
@@ -70,13 +71,6 @@ def mem_advise(ptr: int, size: int, advice: Any, device: int) -> int:
     return int(res)
 
 
-def _error_name(code: int) -> str:
-    try:
-        return _drv().CUresult(code).name
-    except ValueError:
-        return f"CUresult {code}"
-
-
 def probe_pool_advice(pool_handle: int, device: int) -> tuple[bool, str]:
     """Whether the driver takes placement advice on memory from the managed pool.
 
@@ -87,7 +81,7 @@ def probe_pool_advice(pool_handle: int, device: int) -> tuple[bool, str]:
     A = drv.CUmem_advise
     err, ptr = drv.cuMemAllocFromPoolAsync(_GRANULE, drv.CUmemoryPool(pool_handle), 0)
     if int(err):
-        return False, f"probe allocation failed ({_error_name(int(err))})"
+        return False, f"probe allocation failed ({error_name(int(err))})"
     try:
         check_driver(drv.cuStreamSynchronize(0), "cuStreamSynchronize")
         for advice in (
@@ -99,7 +93,7 @@ def probe_pool_advice(pool_handle: int, device: int) -> tuple[bool, str]:
             if res:
                 return False, (
                     f"this driver refuses advice on managed-pool memory: cuMemAdvise "
-                    f"({advice.name}) returned {_error_name(res)}"
+                    f"({advice.name}) returned {error_name(res)}"
                 )
         return True, "this driver takes advice on managed-pool memory"
     finally:
@@ -108,15 +102,9 @@ def probe_pool_advice(pool_handle: int, device: int) -> tuple[bool, str]:
 
 
 def require_managed_memory(device: int) -> None:
-    drv = _drv()
-    err, ok = drv.cuDeviceGetAttribute(
-        drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY, device
+    _device.require_attribute(
+        device, "MANAGED_MEMORY", "managed memory, which ManagedPool needs; use DevicePool"
     )
-    if int(err) or not int(ok):
-        raise UnsupportedError(
-            f"device {device} does not support managed memory (CU_DEVICE_ATTRIBUTE_MANAGED_"
-            "MEMORY is 0); ManagedPool needs it. Use DevicePool instead."
-        )
 
 
 class ManagedAllocator(BlockCache):

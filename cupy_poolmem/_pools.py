@@ -27,6 +27,7 @@ from ._device import (
     grant_access,
     nearest_numa_node,
     on_device,
+    require_attribute,
     require_gpu,
     resolve_peer_access,
     sync_device,
@@ -1311,15 +1312,11 @@ def _new_mapped_blocks(device: int, peers: tuple[int, ...]) -> Any:
     """The mapped-blocks backend of a DevicePool on ``device`` (VMM checked first)."""
     from ._mapped import MappedBlocks
 
-    err, ok = _drv.cuDeviceGetAttribute(
-        _drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device
+    require_attribute(
+        device,
+        "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
+        "virtual memory management, which large_blocks='mapped' needs; use large_blocks='pool'",
     )
-    if int(err) or not int(ok):
-        raise UnsupportedError(
-            f"device {device} does not support virtual memory management "
-            "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0), which "
-            "large_blocks='mapped' needs; use large_blocks='pool'"
-        )
     try:
         return MappedBlocks(device, peers)
     except Exception as exc:

@@ -17,7 +17,7 @@ from _hotpath_fakes import compiled_hotpath, fake_device_pools
 from cuda.bindings import driver as real
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _block_cache, _device, _mapped, _pools
+from cupy_poolmem import _block_cache, _device, _managed_alloc, _mapped, _pools
 from cupy_poolmem import _hotpath_py as twin
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
@@ -480,11 +480,32 @@ def test_bad_large_blocks_options_say_what_to_pass(made, opts, exc, words):
 
 
 def test_a_gpu_without_virtual_memory_management_is_refused(monkeypatch):
+    asked = []
+
+    def get(attr, dev):
+        asked.append((attr, dev))
+        return 0, 0
+
+    monkeypatch.setattr(_pools._drv, "cuDeviceGetAttribute", get, raising=False)
+    with pytest.raises(cpm.UnsupportedError, match="virtual memory management") as e:
+        _pools._new_mapped_blocks(3, ())
+    vmm = _pools._drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+    assert asked == [(vmm, 3)]
+    assert "device 3" in str(e.value) and "SUPPORTED is 0" in str(e.value)
+    assert "use large_blocks='pool'" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "answer,words",
+    [((0, 0), "MANAGED_MEMORY is 0"), ((101, 0), "could not be read: CUDA_ERROR_INVALID_DEVICE")],
+)
+def test_a_gpu_without_managed_memory_is_refused_naming_the_attribute(monkeypatch, answer, words):
     monkeypatch.setattr(
-        _pools._drv, "cuDeviceGetAttribute", lambda attr, dev: (0, 0), raising=False
+        _pools._drv, "cuDeviceGetAttribute", lambda attr, dev: answer, raising=False
     )
-    with pytest.raises(cpm.UnsupportedError, match="virtual memory management"):
-        _pools._new_mapped_blocks(0, ())
+    with pytest.raises(cpm.UnsupportedError, match=words) as e:
+        _managed_alloc.require_managed_memory(1)
+    assert "ManagedPool needs" in str(e.value) and "use DevicePool" in str(e.value)
 
 
 def test_twin_and_compiled_agree_on_the_backend_interface():
