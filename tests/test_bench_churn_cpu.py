@@ -199,6 +199,7 @@ class _FakeTorch:
             max_memory_reserved = staticmethod(lambda: 123 if fake.expandable else 456)
 
         self.cuda = Cuda
+        self._C = type("C", (), {})()  # a torch before 2.11: the setter in torch.cuda.memory
 
     def empty(self, n, dtype, device):
         self.n += 1
@@ -231,3 +232,12 @@ def test_torch_expandable_segments_go_off_when_the_replay_fails():
     with pytest.raises(MemoryError):
         churn.torch_run(churn.trace(50, 8 * MiB), t, expandable=True)()
     assert t.log[-1] == "expandable_segments:False" and not t.expandable
+
+
+def test_torch_2_11s_setter_is_preferred_when_there():
+    t = _FakeTorch()
+    calls = []
+    t._C._accelerator_setAllocatorSettings = calls.append
+    churn.torch_run(churn.trace(20, 8 * MiB), t, expandable=True)()
+    assert calls == ["expandable_segments:True", "expandable_segments:False"]
+    assert "expandable_segments:True" not in t.log  # the deprecated one is not called

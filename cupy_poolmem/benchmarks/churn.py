@@ -308,7 +308,9 @@ def contenders(steps: list[tuple[int, list[int]]]) -> tuple[dict[str, Run], dict
         import torch
 
         runs["torch caching allocator"] = torch_run(steps, torch, expandable=False)
-        if hasattr(torch.cuda.memory, "_set_allocator_settings"):
+        if hasattr(torch._C, "_accelerator_setAllocatorSettings") or hasattr(
+            torch.cuda.memory, "_set_allocator_settings"
+        ):
             runs[TORCH_EXPANDABLE_LABEL] = torch_run(steps, torch, expandable=True)
     except Exception as exc:
         print(f"(torch not measured: {type(exc).__name__}: {exc})")
@@ -320,9 +322,14 @@ def torch_run(steps: list[tuple[int, list[int]]], torch: Any, expandable: bool) 
     ``expandable``: with ``expandable_segments`` (segments that grow by mapping 2 MiB
     pages, torch's virtual memory management), switched on for this replay only."""
 
+    # torch 2.11 moved the setter (the old one warns that it is deprecated).
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or (
+        torch.cuda.memory._set_allocator_settings
+    )
+
     def settings(on: bool) -> None:
         if expandable:
-            torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
+            setter(f"expandable_segments:{on}")
 
     def run() -> tuple[float, int]:
         torch.cuda.synchronize()
