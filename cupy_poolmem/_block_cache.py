@@ -185,13 +185,31 @@ class BlockCache:
             finally:
                 self._unlock()
         drv = _drv()
-        return check_driver(
-            drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"
-        )
+        # An event belongs to the context current at its creation: the cache's device's.
+        with _device.on_device(self.device):
+            return check_driver(
+                drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"
+            )
 
     def _record(self, ev: Any, stream_ptr: int) -> None:
+        # Events and the stream are the cache's device's, whatever the freeing thread
+        # has current (another GPU, or no context at all).
         with _device.on_device(self.device):
             check_driver(_drv().cuEventRecord(ev, stream_ptr), "cuEventRecord")
+
+    def _idle_event(self, ev: Any) -> None:
+        """An event no block waits behind any more: kept for the next free (up to
+        ``_IDLE_EVENTS``), else destroyed."""
+        locked = self._acquire()
+        try:
+            if locked and len(self._idle_events) < _IDLE_EVENTS:
+                self._idle_events.append(ev)  # for the next free
+                return
+        finally:
+            if locked:
+                self._unlock()
+        with _device.on_device(self.device):
+            _drv().cuEventDestroy(ev)
 
     @staticmethod
     def _done(event: Any) -> bool:
@@ -273,7 +291,13 @@ class BlockCache:
         if r is None:
             return
         ev = self._event()
-        self._record(ev, stream_ptr)
+        try:
+            self._record(ev, stream_ptr)
+        except BaseException:
+            # (the legacy stream during another thread's capture, say): the block stays
+            # live, and the caller may free it again later.
+            self._idle_event(ev)
+            raise
         if not self._acquire():  # from a collection under the lock: its holder adds it
             self._queued.append((r, ptr, stream_ptr, ev))
             return
@@ -336,16 +360,7 @@ class BlockCache:
                     self.leaked += r
                     error = error or exc
                 finally:
-                    locked = self._acquire()
-                    try:
-                        if locked and len(self._idle_events) < _IDLE_EVENTS:
-                            self._idle_events.append(ev)  # for the next free
-                            ev = None
-                    finally:
-                        if locked:
-                            self._unlock()
-                    if ev is not None:
-                        drv.cuEventDestroy(ev)
+                    self._idle_event(ev)
         if error is not None:
             raise error
         return freed
@@ -365,8 +380,14 @@ class BlockCache:
         self.peak_reserved = self.reserved
 
     def close(self) -> None:
-        """Give every cached block back and drop the idle events (the pool is drained)."""
-        self.release(0, wait=True)
+        """Give every cached block back and drop the idle events (the pool is drained);
+        the events go even when a block's give-back fails (raised after)."""
+        try:
+            self.release(0, wait=True)
+        finally:
+            self._drop_idle_events()
+
+    def _drop_idle_events(self) -> None:
         locked = self._acquire()
         try:
             events, self._idle_events = self._idle_events, []

@@ -554,9 +554,8 @@ def check_access(array: Any, device: Any = None) -> None:
         owner = int(getattr(getattr(array, "data", None), "device_id", owner))
     if pool == 0:  # cudaMalloc, registered or mapped memory
         from ._mapped import mapped_block_of
-        from ._pools import all_pools
 
-        mapped = mapped_block_of(array, ptr, all_pools())
+        mapped = mapped_block_of(array, ptr)
         if mapped is not None:
             owner = mapped[0].device
         if owner >= 0 and owner != dev and not can_access_peer(dev, owner):

@@ -31,8 +31,9 @@ cuda.bindings.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 from ._block_cache import BlockCache
 from ._errors import add_note, check_driver
@@ -102,6 +103,9 @@ class MappedBlocks(BlockCache):
     """
 
     default_keep: Any = None  # the pool's release_threshold=None: see _keep
+    #: Every MappedBlocks alive, open pool or closed: a closed pool's live arrays keep
+    #: their blocks mapped, and ``check_access`` must still find them by address.
+    _alive: ClassVar[weakref.WeakSet] = weakref.WeakSet()
 
     def __init__(
         self,
@@ -114,11 +118,26 @@ class MappedBlocks(BlockCache):
         self._prop, granule = device_allocation(d, device)
         super().__init__(device, granule, fit)
         self._map_lock = threading.RLock()
-        self.failed_call = ""  # the mapping call that failed last (for the error)
+        self._failed = threading.local()  # .call: the mapping call that failed last
         self.peers: tuple[int, ...] = ()
         self._stray: set[int] = set()  # peers a failed undo may have left granted
         self._access = self._descriptors((device, *peers), ())
         self.peers = tuple(peers)
+        MappedBlocks._alive.add(self)
+
+    @classmethod
+    def alive(cls) -> list[MappedBlocks]:
+        """Every mapped-blocks cache not yet collected (open or closed pools')."""
+        return list(cls._alive)
+
+    @property
+    def failed_call(self) -> str:
+        """The mapping call that failed this thread's last allocation ("" if none)."""
+        return getattr(self._failed, "call", "")
+
+    @failed_call.setter
+    def failed_call(self, call: str) -> None:
+        self._failed.call = call
 
     def _keep(self) -> int:
         t = self.release_threshold
@@ -194,8 +213,12 @@ class MappedBlocks(BlockCache):
 
     def _destroy(self, ptr: int, r: int) -> None:
         d = self._d
-        check_driver(d.cuMemUnmap(ptr, r), "cuMemUnmap")
-        check_driver(d.cuMemAddressFree(ptr, r), "cuMemAddressFree")
+        # Under the mapping lock: set_peers, which may have listed this block, is done
+        # with it first.  Once the range is free the driver hands it to the next
+        # mapping, any pool's, whose access set_peers would otherwise change.
+        with self._map_lock:
+            check_driver(d.cuMemUnmap(ptr, r), "cuMemUnmap")
+            check_driver(d.cuMemAddressFree(ptr, r), "cuMemAddressFree")
 
     def set_peers(self, peers: Iterable[int]) -> None:
         """Give exactly ``peers`` (other GPUs) access to every block, now and later.
@@ -283,25 +306,22 @@ class MappedBlocks(BlockCache):
         return check_driver(d.cuMemGetAccess(where, ptr), "cuMemGetAccess")
 
 
-def mapped_block_of(
-    array: Any, ptr: int | None = None, pools: Iterable[Any] = ()
-) -> tuple[MappedBlocks, int] | None:
+def mapped_block_of(array: Any, ptr: int | None = None) -> tuple[MappedBlocks, int] | None:
     """``(blocks, block address)`` when ``array`` lives on a mapped block of a
     ``DevicePool(large_blocks="mapped")``, else None.
 
     A ``cupy.ndarray`` from such a pool leads to its block; any other view of the
     memory (``__cuda_array_interface__``, DLPack, a Numba or torch array) is looked
-    up by its address ``ptr`` among the mapped blocks of ``pools``.
+    up by its address ``ptr`` among every pool's mapped blocks, closed pools'
+    included (their live arrays keep their blocks).
     """
     owner = getattr(getattr(getattr(array, "data", None), "mem", None), "_owner", None)
     backend = getattr(getattr(owner, "core", None), "_backend", None)
     if isinstance(backend, MappedBlocks) and owner is not None and backend.owns(owner.ptr):
         return backend, int(owner.ptr)
     if ptr is not None:
-        for pool in pools:
-            backend = getattr(pool, "_backend", None)
-            if isinstance(backend, MappedBlocks):
-                block = backend.block_at(ptr)
-                if block is not None:
-                    return backend, block
+        for blocks in MappedBlocks.alive():
+            block = blocks.block_at(ptr)
+            if block is not None:
+                return blocks, block
     return None

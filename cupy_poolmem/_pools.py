@@ -304,7 +304,7 @@ class Pool(_hp.PoolCore):
         if err == 0:
             return ptr
         if err != _CUDA_ERROR_OUT_OF_MEMORY:
-            check_driver((_drv.CUresult(err),), self._alloc_call)
+            check_driver((_drv.CUresult(err),), self._call_for(size))
         raise self._oom_error(size)
 
     def _reclaim(self) -> None:
@@ -327,20 +327,35 @@ class Pool(_hp.PoolCore):
 
     # -- blocks from a backend (ManagedPool's "managed", DevicePool's mapped blocks) -
     def _backend_alloc(self, size: int, stream: Any) -> int:
-        err, ptr = self._backend.alloc(size, int(stream.ptr))
+        err, ptr = self._backend_try(size, int(stream.ptr))
         if err:
             if err != _CUDA_ERROR_OUT_OF_MEMORY:  # the backend's own call, by name
-                call = getattr(self._backend, "failed_call", "") or self._alloc_call
-                check_driver((_drv.CUresult(err),), call)
+                check_driver((_drv.CUresult(err),), self._call_for(size))
             ptr = self._alloc_failed(err, size, stream)
         return ptr
 
     def _backend_try(self, size: int, stream_ptr: int) -> tuple[int, int]:
+        if self._capacity and size > self._capacity:
+            # Out of memory before the backend makes room for a block that can never
+            # fit (giving back every freed block) or rounds past size_t.
+            return _CUDA_ERROR_OUT_OF_MEMORY, 0
         return self._backend.alloc(size, stream_ptr)
+
+    def _call_for(self, size: int) -> str:
+        """The driver call that failed an allocation of ``size`` bytes: the backend's own
+        (its ``failed_call`` in this thread) for the blocks it serves."""
+        if self._backend is not None and size >= self.backend_min:
+            return getattr(self._backend, "failed_call", "") or self._alloc_call
+        return self._alloc_call
 
     def _backend_free(self, ptr: int, stream_ptr: int) -> None:
         try:
             self._backend.free(ptr, stream_ptr)
+        except CUDADriverError as exc:
+            if exc.code in _streams.CAPTURE_ERRORS:  # the legacy stream during a capture
+                self._hold_free(ptr, stream_ptr, exc.code)
+            else:
+                self.n_free_errors += 1
         except Exception:
             self.n_free_errors += 1
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from _event_fakes import FakeEvents
 from _hotpath_fakes import compiled_hotpath, fake_device_pools
+from _waits import wait_for
 from cuda.bindings import driver as real
 
 import cupy_poolmem as cpm
@@ -763,11 +764,12 @@ class StrictVmm(VmmDriver):
 
 
 # 1 -------------------------------------------------------------------------------------
-def test_a_block_unmapped_by_a_concurrent_trim_does_not_fail_set_peers(drv, monkeypatch):
-    """set_peers lists the blocks under the cache lock, then sets each under _map_lock
-    only: a release (a trim, a free past the threshold) in another thread may unmap a
-    listed block, and the driver then refuses it.  Nothing is wrong: set_peers skips it
-    (it used to undo every grant and raise)."""
+def test_a_concurrent_release_unmaps_a_listed_block_only_after_set_peers(drv, monkeypatch):
+    """set_peers lists the blocks, then sets each under _map_lock.  A release (a trim,
+    a free past the threshold) in another thread forgets a listed block at once, but
+    unmaps it and frees its address range (which the driver hands to the next mapping,
+    any pool's) only once set_peers is done with it: set_peers never sets the access
+    of a range that is no longer this pool's block."""
     d = StrictVmm()
     monkeypatch.setattr(_block_cache, "_drv", lambda: d)
     b = blocks(d, peers=())
@@ -776,17 +778,22 @@ def test_a_block_unmapped_by_a_concurrent_trim_does_not_fail_set_peers(drv, monk
     b.free(v2, 0x5000)  # cached, still mapped
     real_set = d.cuMemSetAccess
     todo = [True]
+    threads: list[threading.Thread] = []
 
     def set_access(va, size, descs, n):
         if todo and todo.pop():  # another thread trims while set_peers runs
             t = threading.Thread(target=b.release, args=(0,))
+            threads.append(t)
             t.start()
-            t.join(timeout=5)
-            assert not t.is_alive(), "release waited for set_peers (it would be fixed)"
+            assert wait_for(lambda: not b.owns(v2), 5)  # forgotten at once...
+            t.join(0.05)
+            assert t.is_alive() and v2 in d.mapped  # ...its unmap waits for set_peers
         return real_set(va, size, descs, n)
 
     d.cuMemSetAccess = set_access
-    b.set_peers([1])  # the block unmapped meanwhile is skipped, not undone
+    b.set_peers([1])
+    threads[0].join(5)
+    assert not threads[0].is_alive() and v2 not in d.mapped and b.reserved == 10 * MiB
     assert b.peers == (1,) and b.has_access(v1, 1)
 
 

@@ -267,10 +267,8 @@ def test_check_access_reads_a_mapped_blocks_grants_from_the_driver():
         rw = blocks._d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         assert int(blocks._access_flags(block, 0)) == int(rw)
         cpm.check_access(view, device=0)
-        from cupy_poolmem._pools import all_pools
-
         foreign = SimpleNamespace(__cuda_array_interface__=view.__cuda_array_interface__)
-        found = _mapped_mod().mapped_block_of(foreign, view.data.ptr, all_pools())
+        found = _mapped_mod().mapped_block_of(foreign, view.data.ptr)
         assert found == (blocks, block)
         cpm.check_access(foreign, device=0)
         small = cupy.arange(1000, dtype=cupy.int32)  # from the CUDA pool: not a mapped block
