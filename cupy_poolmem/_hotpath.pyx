@@ -119,7 +119,7 @@ KIND_MANAGED = 2
 cdef int _KIND_PINNED = 1  # the C twin of KIND_PINNED (no module lookup and compare)
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 13
+VERSION = 14
 
 # Misses beyond hits (see PoolCore._cache_missed) at which a non-empty reuse cache is flushed.
 FLUSH_AFTER_MISSES = 16
@@ -546,17 +546,23 @@ cdef class PoolCore:
         return b
 
     cdef _release(self, uintptr_t ptr, size_t size, uintptr_t stream_ptr, object stream):
+        cdef _Bin b
         if (size <= self.cache_max_block and self.cached_bytes + size <= self.cache_limit
                 and not self.closed):
-            self._bin(stream_ptr, size, True).push(ptr, stream)
-            self.cached_bytes += size
-            return
+            b = self._bin(stream_ptr, size, True)
+            # A collection in _bin (it allocates) may have closed the pool: its cache
+            # is flushed and takes nothing more.  From here to the push no allocation.
+            if not self.closed:
+                b.push(ptr, stream)
+                self.cached_bytes += size
+                return
         self._free(ptr, stream_ptr, stream)
 
     def _cache_shared(self, uintptr_t ptr, size_t size, uintptr_t stream_ptr, stream, share):
         """Keep an exported block with its sharing record ``share`` (any size within
         ``cache_limit``: ``cache_max_block`` is for blocks never exported); False when
         the cache cannot take it (full, off, or the pool is closed or finalized)."""
+        cdef _Bin b
         if self.closed or self.finalized or self.cached_bytes + size > self.cache_limit:
             return False
         # First: a block is never cached without its record.  The map is never swapped
@@ -564,7 +570,11 @@ cdef class PoolCore:
         # blocks it takes, so this one stays for the block pushed next.
         self._shares[ptr] = share
         try:
-            self._bin(stream_ptr, size, True).push(ptr, stream)
+            b = self._bin(stream_ptr, size, True)
+            if self.closed or self.finalized:  # closed by a collection in _bin
+                self._shares.pop(ptr, None)
+                return False
+            b.push(ptr, stream)
         except BaseException:
             self._shares.pop(ptr, None)
             raise

@@ -28,7 +28,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 13
+VERSION = 14
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
@@ -351,6 +351,9 @@ class PoolCore:
             b: Any = self._bin(stream_ptr, size, True)
             while not b.live:  # taken by another thread's flush (see _release)
                 b = self._bin(stream_ptr, size, True)
+            if self.closed or self.finalized:  # closed by a collection in _bin
+                self._shares.pop(ptr, None)
+                return False
             self.cached_bytes += size
             counted = True
             b.items.append(item)

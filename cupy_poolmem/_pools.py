@@ -335,9 +335,10 @@ class Pool(_hp.PoolCore):
         return ptr
 
     def _backend_try(self, size: int, stream_ptr: int) -> tuple[int, int]:
-        if self._capacity and size > self._capacity:
+        if (self._capacity and size > self._capacity) or self._backend is None:
             # Out of memory before the backend makes room for a block that can never
-            # fit (giving back every freed block) or rounds past size_t.
+            # fit (giving back every freed block) or rounds past size_t; and for the
+            # largest size_t, which is not below backend_min of a pool with no backend.
             return _CUDA_ERROR_OUT_OF_MEMORY, 0
         return self._backend.alloc(size, stream_ptr)
 
@@ -670,7 +671,18 @@ class Pool(_hp.PoolCore):
         """
         if self.closed:
             return
-        self._mark_closed()
+        try:
+            self._mark_closed()
+        except BaseException:
+            # A free in the cache flush raised (an interrupt in a driver free, say): the
+            # flush freed the rest, and the pool still retires.
+            self._finish_close()
+            raise
+        self._finish_close()
+
+    def _finish_close(self) -> None:
+        """:meth:`close` after the pool is marked closed: the guard's quarantine, the
+        pool list, then the retirer once no block is live."""
         if self.guard is not None:
             # The quarantine is checked and freed on its blocks' streams before the
             # pool goes; what cannot be now (a capture under way) goes to the retirer.
@@ -719,13 +731,15 @@ class Pool(_hp.PoolCore):
         self._drained()
         return True
 
-    def _retire_now(self, leftovers: Any = ()) -> None:
-        """Hand the CUDA pool to the retirer (C fields only: see :meth:`_drained`).
+    def _retire_now(self, leftovers: Any = (), before_destroy: Any = None) -> None:
+        """Hand the CUDA pool to the retirer (C fields only: see :meth:`_drained`);
+        ``before_destroy`` runs if it is to be destroyed rather than parked.
 
         CUDA pools parked for reuse (a plain DevicePool's) may be another pool's soon:
         from then on this object reads and sets nothing of them.
         """
-        if _retire.retirer().retire(self._retire_token, self._retire_device(), leftovers):
+        r = _retire.retirer()
+        if r.retire(self._retire_token, self._retire_device(), leftovers, before_destroy):
             with contextlib.suppress(Exception):
                 # Statistics read zero; trim, peaks and thresholds touch nothing;
                 # handle, memory_resource and peer_access raise PoolClosedError.
@@ -872,6 +886,18 @@ def _recycled_mrs(key: Any) -> list[Any]:
     """The CUDA pools a drained pool of ``key`` left parked, or [] (create new ones)."""
     res = _retire.retirer().take_recycled(key)
     return [] if res is None else list(_Resources.members(res))
+
+
+class _Revoke:
+    """Revoke every peer grant of the CUDA pools ``mrs`` (a pool about to be destroyed)."""
+
+    def __init__(self, mrs: tuple[Any, ...]) -> None:
+        self.mrs = mrs
+
+    def __call__(self) -> None:
+        for mr in self.mrs:
+            with contextlib.suppress(Exception):
+                mr.peer_accessible_by = ()
 
 
 class _Resources:
@@ -1122,7 +1148,7 @@ class DevicePool(Pool):
                     m.close()
                 raise _wrap(exc, "creating a device pool") from exc
             self._peers_set = False
-            self._peers_lock = threading.Lock()  # one peer_access change at a time
+            self._peers_lock = threading.RLock()  # one peer_access change at a time
             if peers or device_count() > 1:
                 # Always set on a multi-GPU machine: a new pool can come back with the
                 # handle of a destroyed one, and with its peer access (nvbug 5698116).
@@ -1210,7 +1236,7 @@ class DevicePool(Pool):
         if self.closed and self.n_allocs == self.n_frees:
             self._raise_closed()
         # (setdefault: a pool built without __init__, as tests do, gets one here)
-        with self.__dict__.setdefault("_peers_lock", threading.Lock()):
+        with self.__dict__.setdefault("_peers_lock", threading.RLock()):
             self._change_peers(peers)
 
     def _change_peers(self, peers: tuple[int, ...]) -> None:
@@ -1226,6 +1252,8 @@ class DevicePool(Pool):
         before = self.peer_access
         try:
             for mr in self._mrs:
+                if self._parked:  # retired by a collection in this thread meanwhile
+                    self._raise_closed()
                 granted = _set_peers(mr, self.device_id, peers) or granted
             if self._backend is not None:  # mapped blocks: each block's own access
                 try:
@@ -1242,19 +1270,22 @@ class DevicePool(Pool):
             raise
         self._peers_set = granted or getattr(self, "_peers_set", False)
 
-    def _retire_now(self, leftovers: Any = ()) -> None:
-        r = _retire.retirer()
-        # A pool parked for reuse keeps its grants (the next owner revokes stale ones):
-        # no driver call here, where a capture may be under way.
-        parks = not leftovers and r.will_park(self._retire_token)
-        if getattr(self, "_peers_set", False) and not parks:  # (False once __dict__ cleared)
-            # Revoke before the pool is destroyed: the driver may hand its handle to the
-            # next pool created with the grants still set (nvbug 5698116), which
-            # cuda.core 1.2 does not undo (a new pool revokes stale grants too).
-            for mr in self._mrs:
-                with contextlib.suppress(Exception):
-                    mr.peer_accessible_by = ()
-        super()._retire_now(leftovers)
+    def _retire_now(self, leftovers: Any = (), before_destroy: Any = None) -> None:
+        """Retire; revoke the peer grants first if the pool is to be destroyed.
+
+        A pool parked for reuse keeps its grants (the next owner revokes stale ones): no
+        driver call, where a capture may be under way.  One destroyed must not: the
+        driver may hand its handle to the next pool created with the grants still set
+        (nvbug 5698116), which cuda.core 1.2 does not undo.  The retirer decides, and
+        runs the revoke before any drain may destroy the pool.  Not while peer_access
+        is being set in another thread (a change in this one, which a collection
+        interrupted here, stops at the pool parked).
+        """
+        lock = self.__dict__.get("_peers_lock")  # (None once __dict__ is cleared)
+        with lock if lock is not None else contextlib.nullcontext():
+            if getattr(self, "_peers_set", False):  # (False once __dict__ is cleared)
+                before_destroy = _Revoke(self._mrs)
+            super()._retire_now(leftovers, before_destroy)
 
 
 def _small_pool_size(value: Any, max_size: int) -> int:
@@ -1536,8 +1567,8 @@ class PinnedPool(Pool):
             pending, self._pending = self._pending, deque()
         return [ptr for _, ptr, _ in pending]
 
-    def _retire_now(self, leftovers: Any = ()) -> None:
-        super()._retire_now([*leftovers, *self._take_pending()])
+    def _retire_now(self, leftovers: Any = (), before_destroy: Any = None) -> None:
+        super()._retire_now([*leftovers, *self._take_pending()], before_destroy)
 
     def _finalize_leftovers(self) -> list[int]:
         left = super()._finalize_leftovers()  # "pinned" held frees: no deferral now

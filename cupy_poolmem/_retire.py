@@ -160,6 +160,7 @@ class Retirer:
         self.max_recycled_total = 16  # over every key
         self._parking_now: list[Hashable] = []  # keys of the parks a drain is doing
         self._draining_leftovers: set[int] = set()  # tokens whose leftovers a drain frees
+        self._deciding: dict[int, Any] = {}  # token -> resource whose before_destroy runs
         self.n_parked = 0
         self.n_park_errors = 0
         self._kept: list[Any] = []  # never closed: a fork child's, or ones no sync reached
@@ -216,7 +217,13 @@ class Retirer:
         with self._lock:
             return sum(len(v) for v in self._bins.values())
 
-    def retire(self, token: int, device: int, leftovers: Iterable[int] = ()) -> bool:
+    def retire(
+        self,
+        token: int,
+        device: int,
+        leftovers: Iterable[int] = (),
+        before_destroy: Callable[[], None] | None = None,
+    ) -> bool:
         """The pool ``token`` is drained (its frees are queued): destroy it once done.
 
         ``leftovers``: blocks of it nobody freed (a finalized pool's reuse cache); they
@@ -224,27 +231,51 @@ class Retirer:
         Retiring a pool twice retires it once (the leftovers of the second call are
         handled as :meth:`add_leftovers` does).  True when the resource is to be
         parked for reuse (adopted with a ``recycle_key``): it may be another pool's
-        soon, so the pool must not touch it any more.
+        soon, so the pool must not touch it any more.  ``before_destroy`` runs, in
+        this thread, when the resource is to be destroyed instead, before the retirer
+        may destroy it (a pool revokes its peer grants there); errors are ignored.
         """
         leftovers = tuple(leftovers)
+        hold = before_destroy is not None
         with self._lock:
-            resource = self._held.pop(token, None)
-            recycle = self._recycle.pop(token, None)
-            if resource is None:  # retired already
-                if leftovers and not self._forked:
-                    self._add_late(token, device, leftovers, False)
-                return False
-            if self._forked:  # the parent's or the child's: CUDA is unusable here
-                self._kept.append(resource)
-                return False
-            # Not with leftovers (given now, or due already): they go after a sync.
-            if recycle is not None and not leftovers and self._room_to_park(recycle[0], token):
-                key, park = recycle
-                self._parking.append((key, resource, park, device, token))
-                self._start()
-                return True
-            self._due.append(_Due(resource, device, leftovers, True, token=token))
+            parked = self._decide(token, device, leftovers, hold)
+        if parked is None:  # held for before_destroy: no drain can destroy it meanwhile
+            try:
+                with contextlib.suppress(Exception):
+                    before_destroy()  # type: ignore[misc]
+            finally:
+                with self._lock:
+                    resource = self._deciding.pop(token)
+                    self._due.append(_Due(resource, device, leftovers, True, token=token))
+            parked = False
         self._start()
+        return parked
+
+    def _decide(
+        self, token: int, device: int, leftovers: tuple[int, ...], hold: bool
+    ) -> bool | None:
+        """Under the lock: the pool ``token`` parked (True) or queued to be destroyed
+        (False; with ``hold``, kept in ``_deciding`` instead and None, for
+        :meth:`retire` to queue); False too when it was retired already, or in a fork
+        child."""
+        resource = self._held.pop(token, None)
+        recycle = self._recycle.pop(token, None)
+        if resource is None:  # retired already
+            if leftovers and not self._forked:
+                self._add_late(token, device, leftovers, False)
+            return False
+        if self._forked:  # the parent's or the child's: CUDA is unusable here
+            self._kept.append(resource)
+            return False
+        # Not with leftovers (given now, or due already): they go after a sync.
+        if recycle is not None and not leftovers and self._room_to_park(recycle[0], token):
+            key, park = recycle
+            self._parking.append((key, resource, park, device, token))
+            return True
+        if hold:
+            self._deciding[token] = resource
+            return None
+        self._due.append(_Due(resource, device, leftovers, True, token=token))
         return False
 
     def _room_to_park(self, key: Hashable, token: int) -> bool:
@@ -357,6 +388,7 @@ class Retirer:
                 + len(self._inflight)
                 + len(self._parking)
                 + len(self._parking_now)
+                + len(self._deciding)
             )
 
     @property
@@ -396,8 +428,10 @@ class Retirer:
             for e in due:
                 if e.close:
                     self._inflight[e.token] = e.resource
-            # A pool whose leftovers this drain frees is not parked meanwhile.
-            self._draining_leftovers = {e.token for e in due if e.leftovers}
+            # A pool whose leftovers this drain frees is not parked meanwhile (another
+            # thread's drain may run too: each adds and takes back its own).
+            mine = {e.token for e in due if e.leftovers}
+            self._draining_leftovers |= mine
         try:
             done = self._retire_batch(due)
         except BaseException:
@@ -410,7 +444,7 @@ class Retirer:
         finally:
             with self._lock:
                 self._settle(tokens)
-                self._draining_leftovers = set()
+                self._draining_leftovers -= mine
         with self._lock:
             return done and not self._waiting
 
@@ -419,7 +453,15 @@ class Retirer:
         the usual way (after a sync) instead."""
         with self._lock:
             parking, self._parking = self._parking, []
-            self._parking_now = [e[0] for e in parking]  # still counted (pending, caps)
+            # Still counted (pending, caps) while parked; another thread's drain may be
+            # parking too: each adds its own keys and takes back only those.
+            left = [e[0] for e in parking]
+            self._parking_now.extend(left)
+
+        def done(key: Hashable) -> None:  # under the lock
+            self._parking_now.remove(key)
+            left.remove(key)
+
         try:
             for i, (key, resource, park, device, token) in enumerate(parking):
                 try:
@@ -430,7 +472,7 @@ class Retirer:
                     self._trouble = True
                     with self._lock:
                         self._due.append(_Due(resource, device, (), True, token=token))
-                        self._parking_now.remove(key)
+                        done(key)
                     continue
                 except BaseException:  # nothing lost: this one destroyed, the rest parked later
                     with self._lock:
@@ -439,11 +481,12 @@ class Retirer:
                     raise
                 with self._lock:
                     self._bins.setdefault(key, []).append(resource)
-                    self._parking_now.remove(key)
+                    done(key)
                     self.n_parked += 1
         finally:
             with self._lock:
-                self._parking_now = []
+                for key in list(left):
+                    done(key)
 
     def _poll_waiting(self) -> None:
         with self._lock:
@@ -641,12 +684,14 @@ class Retirer:
             *(e.resource for e in self._due),
             *(w.fn for w in self._waiting),  # their pools hold streams: kept alive
             *self._inflight.values(),  # the parent's drain was retiring them
+            *self._deciding.values(),
         ]
         self._held = {}
         self._recycle = {}
         self._parking = []
         self._parking_now = []
         self._draining_leftovers = set()
+        self._deciding = {}
         self._bins = {}
         self._due = []
         self._waiting = []

@@ -369,7 +369,13 @@ def test_the_compiled_allocation_path_uses_the_cache_as_the_twin_does():
     py = Path(twin.__file__).read_text()
     assert "hit = self._bin(sptr, size, False)" in pyx
     assert "stream = hit.take(&dptr)  # and the stream object that freed it" in pyx
-    assert "self._bin(stream_ptr, size, True).push(ptr, stream)" in pyx
+    # A collection in _bin (it allocates) may close the pool: tested again, then pushed.
+    release = pyx[pyx.index("    cdef _release(") : pyx.index("    def _cache_shared(")]
+    assert (
+        release.index("b = self._bin(stream_ptr, size, True)")
+        < release.index("if not self.closed:")
+        < release.index("b.push(ptr, stream)")
+    )
     assert "if hit is None or size != self._last_size or sptr != self._last_sptr:" in py
     assert "dptr, freer = hit.items.pop()" in py
     assert "if b is None or size != self._last_size or stream_ptr != self._last_sptr:" in py
@@ -387,6 +393,10 @@ def test_the_compiled_allocation_path_uses_the_cache_as_the_twin_does():
         shared = src[src.index("def _cache_shared") :]
         push = ".push(ptr, stream)" if src is pyx else ".items.append(item)"
         assert shared.index("self._shares[ptr] = share") < shared.index(push)
+        # ...and the pool tested again after _bin, before the push (B3).
+        again = "if self.closed or self.finalized:  # closed by a collection in _bin"
+        assert shared.index("self._bin(stream_ptr, size, True)") < shared.index(again)
+        assert shared.index(again) < shared.index(push)
     # The compiled bin never shrinks its list of streams, and clears a taken slot.
     take = pyx[pyx.index("    cdef object take(") : pyx.index("    def entries(")]
     assert "self.streams[self.n] = None" in take
