@@ -294,7 +294,7 @@ class Pool(_hp.PoolCore):
                 "check the size (a unit or shape mistake?) or split the allocation",
             )
         if err != _CUDA_ERROR_OUT_OF_MEMORY:
-            check_driver((_drv.CUresult(err),), self._alloc_call)
+            check_driver((_drv.CUresult(err),), self._call_for(size))
         self.n_oom += 1
         self._reclaim()
         if self.soft_limit and self.live_bytes + size > self.soft_limit:
@@ -328,11 +328,7 @@ class Pool(_hp.PoolCore):
     # -- blocks from a backend (ManagedPool's "managed", DevicePool's mapped blocks) -
     def _backend_alloc(self, size: int, stream: Any) -> int:
         err, ptr = self._backend_try(size, int(stream.ptr))
-        if err:
-            if err != _CUDA_ERROR_OUT_OF_MEMORY:  # the backend's own call, by name
-                check_driver((_drv.CUresult(err),), self._call_for(size))
-            ptr = self._alloc_failed(err, size, stream)
-        return ptr
+        return self._alloc_failed(err, size, stream) if err else ptr
 
     def _backend_try(self, size: int, stream_ptr: int) -> tuple[int, int]:
         if (self._capacity and size > self._capacity) or self._backend is None:

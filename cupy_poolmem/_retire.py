@@ -236,13 +236,13 @@ class Retirer:
         may destroy it (a pool revokes its peer grants there); errors are ignored.
         """
         leftovers = tuple(leftovers)
-        hold = before_destroy is not None
         with self._lock:
-            parked = self._decide(token, device, leftovers, hold)
-        if parked is None:  # held for before_destroy: no drain can destroy it meanwhile
+            parked = self._decide(token, device, leftovers)
+        if parked is None:  # to destroy: held, so that no drain destroys it meanwhile
             try:
-                with contextlib.suppress(Exception):
-                    before_destroy()  # type: ignore[misc]
+                if before_destroy is not None:
+                    with contextlib.suppress(Exception):
+                        before_destroy()
             finally:
                 with self._lock:
                     resource = self._deciding.pop(token)
@@ -251,13 +251,10 @@ class Retirer:
         self._start()
         return parked
 
-    def _decide(
-        self, token: int, device: int, leftovers: tuple[int, ...], hold: bool
-    ) -> bool | None:
-        """Under the lock: the pool ``token`` parked (True) or queued to be destroyed
-        (False; with ``hold``, kept in ``_deciding`` instead and None, for
-        :meth:`retire` to queue); False too when it was retired already, or in a fork
-        child."""
+    def _decide(self, token: int, device: int, leftovers: tuple[int, ...]) -> bool | None:
+        """Under the lock: the pool ``token`` parked (True), or to be destroyed (None:
+        held in ``_deciding`` for :meth:`retire` to queue); False when it was retired
+        already, or in a fork child."""
         resource = self._held.pop(token, None)
         recycle = self._recycle.pop(token, None)
         if resource is None:  # retired already
@@ -272,11 +269,8 @@ class Retirer:
             key, park = recycle
             self._parking.append((key, resource, park, device, token))
             return True
-        if hold:
-            self._deciding[token] = resource
-            return None
-        self._due.append(_Due(resource, device, leftovers, True, token=token))
-        return False
+        self._deciding[token] = resource
+        return None
 
     def _room_to_park(self, key: Hashable, token: int) -> bool:
         """Under the lock: whether the pool ``token`` (of ``key``) may be parked: none

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 
@@ -44,3 +45,14 @@ class FakeEvents:
     def cuStreamWaitEvent(self, s, ev, flags):  # noqa: N802
         self.log.append(("wait", s, ev))
         return (self.wait_result,)
+
+
+def use_driver(monkeypatch, d, *modules):
+    """Make ``d`` the driver the block cache (and each of ``modules``, by its ``_drv``)
+    calls, with no device switching (``_device.on_device`` does nothing); returns ``d``."""
+    from cupy_poolmem import _block_cache, _device
+
+    for mod in (_block_cache, *modules):
+        monkeypatch.setattr(mod, "_drv", lambda: d)
+    monkeypatch.setattr(_device, "on_device", lambda dev: contextlib.nullcontext())
+    return d

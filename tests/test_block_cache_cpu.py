@@ -7,14 +7,13 @@ freed block must not serve that new stream before its free's event has completed
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import pytest
-from _event_fakes import FakeEvents
+from _event_fakes import FakeEvents, use_driver
 from cuda.bindings import driver as real
 
-from cupy_poolmem import _block_cache, _device
+from cupy_poolmem import _block_cache
 
 S = 0x5000  # a stream handle (destroyed and handed again, or the same stream)
 
@@ -44,15 +43,7 @@ class Blocks(_block_cache.BlockCache):
 
 @pytest.fixture
 def drv(monkeypatch):
-    d = Driver()
-    monkeypatch.setattr(_block_cache, "_drv", lambda: d)
-
-    @contextlib.contextmanager
-    def on_device(dev):
-        yield
-
-    monkeypatch.setattr(_device, "on_device", on_device)
-    return d
+    return use_driver(monkeypatch, Driver())
 
 
 def _freed_behind_pending_work(drv):

@@ -3,21 +3,20 @@ prefetch/advise over collections, against a fake driver."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 
 import cupy
 import numpy as np
 import pytest
-from _event_fakes import FakeEvents
+from _event_fakes import FakeEvents, use_driver
 from _gc_locks import GcUnderLock
 from _hotpath_fakes import World, twin_pools
 from cuda.bindings import driver as real
 from cupy.cuda.memory import MemoryPointer, UnownedMemory
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _block_cache, _device, _managed_alloc, _pools, managed
+from cupy_poolmem import _block_cache, _managed_alloc, _pools, managed
 from cupy_poolmem import _hotpath_py as twin
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
@@ -66,16 +65,7 @@ class ManagedDriver(FakeEvents):
 
 @pytest.fixture
 def drv(monkeypatch):
-    d = ManagedDriver()
-    monkeypatch.setattr(_managed_alloc, "_drv", lambda: d)
-    monkeypatch.setattr(_block_cache, "_drv", lambda: d)
-
-    @contextlib.contextmanager
-    def on_device(dev):
-        yield
-
-    monkeypatch.setattr(_device, "on_device", on_device)
-    return d
+    return use_driver(monkeypatch, ManagedDriver(), _managed_alloc)
 
 
 def test_managed_allocator_reuses_on_the_same_stream_and_after_events(drv):

@@ -5,20 +5,19 @@ and the options.  A GPU checks the data (tests/test_pools_mapped_gpu.py).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from _event_fakes import FakeEvents
+from _event_fakes import FakeEvents, use_driver
 from _hotpath_fakes import compiled_hotpath, fake_device_pools
 from _waits import wait_for
 from cuda.bindings import driver as real
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _block_cache, _device, _managed_alloc, _mapped, _pools
+from cupy_poolmem import _device, _managed_alloc, _mapped, _pools
 from cupy_poolmem import _hotpath_py as twin
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
@@ -118,10 +117,7 @@ class VmmDriver(FakeEvents):
 
 @pytest.fixture
 def drv(monkeypatch):
-    d = VmmDriver()
-    monkeypatch.setattr(_block_cache, "_drv", lambda: d)
-    monkeypatch.setattr(_device, "on_device", lambda dev: contextlib.nullcontext())
-    return d
+    return use_driver(monkeypatch, VmmDriver())
 
 
 def blocks(drv, **kw):
@@ -543,9 +539,7 @@ class ReusingVA(VmmDriver):
 
 
 def test_a_block_made_at_the_address_of_one_being_unmapped_keeps_its_bookkeeping(monkeypatch):
-    d = ReusingVA()
-    monkeypatch.setattr(_block_cache, "_drv", lambda: d)
-    monkeypatch.setattr(_device, "on_device", lambda dev: contextlib.nullcontext())
+    d = use_driver(monkeypatch, ReusingVA())
     b = _mapped.MappedBlocks(0, driver=d)
     va = b.alloc(20 * MiB, 0x5000)[1]
     b.free(va, 0x5000)
@@ -729,14 +723,34 @@ def test_check_access_asks_a_mapped_blocks_own_grants(drv, monkeypatch):
     cpm.check_access(other, device=1)  # device-level peer access, as before
 
 
-def test_peer_access_stays_as_it_was_when_the_mapped_blocks_refuse(made, monkeypatch):
-    """The CUDA pool is granted first; the mapped blocks then refuse: the CUDA pool goes
-    back to what it granted, so the pool's peers are not half set."""
+def _two_peer_gpus(monkeypatch):
+    """Two peer-capable GPUs; no stale grants to revoke, no device to wait for."""
     for mod in (_device, _pools):
         monkeypatch.setattr(mod, "device_count", lambda: 2)
     monkeypatch.setattr(_device, "can_access_peer", lambda a, b: True)
     monkeypatch.setattr(_pools, "_revoke_stale", lambda mr, dev: None)
     monkeypatch.setattr(_pools, "sync_device", lambda dev: None)
+
+
+def a_view_of_a_mapped_block(monkeypatch):
+    """``(pool, block address, view)``: a 10 MiB mapped block of a pool that grants no
+    peer, and a ``__cuda_array_interface__`` view into it (no pool Block behind it, as
+    a torch or Numba array), on memory the driver says is not from a CUDA pool."""
+    p = cpm.DevicePool(large_blocks="mapped", peer_access=None)
+    va = p._backend.alloc(10 * MiB, 0x5000)[1]
+    monkeypatch.setattr(_device, "_pointer_info", lambda ptr: (0, 0, False))
+    monkeypatch.setattr(_device, "check_device", lambda d, name="device": d)
+    monkeypatch.setattr(_device, "can_access_peer", lambda a, c: True)
+    cai = SimpleNamespace(
+        __cuda_array_interface__={"data": (va + 4096, False), "shape": (4,), "version": 3}
+    )
+    return p, va, cai
+
+
+def test_peer_access_stays_as_it_was_when_the_mapped_blocks_refuse(made, monkeypatch):
+    """The CUDA pool is granted first; the mapped blocks then refuse: the CUDA pool goes
+    back to what it granted, so the pool's peers are not half set."""
+    _two_peer_gpus(monkeypatch)
     p = cpm.DevicePool(large_blocks="mapped", peer_access=None)
     mr = made.mrs[0]
     mr.peer_accessible_by = ()
@@ -770,8 +784,7 @@ def test_a_concurrent_release_unmaps_a_listed_block_only_after_set_peers(drv, mo
     unmaps it and frees its address range (which the driver hands to the next mapping,
     any pool's) only once set_peers is done with it: set_peers never sets the access
     of a range that is no longer this pool's block."""
-    d = StrictVmm()
-    monkeypatch.setattr(_block_cache, "_drv", lambda: d)
+    d = use_driver(monkeypatch, StrictVmm())
     b = blocks(d, peers=())
     v1 = b.alloc(10 * MiB, 0x5000)[1]
     v2 = b.alloc(12 * MiB, 0x5000)[1]
@@ -867,14 +880,7 @@ def test_check_access_finds_a_mapped_block_behind_any_array_type(made, monkeypat
     """A torch or Numba array, or cupy.asarray of one, reaches a mapped block through
     __cuda_array_interface__ (no pool Block behind it): found by its address among the
     pools' mapped blocks."""
-    p = cpm.DevicePool(large_blocks="mapped", peer_access=None)
-    va = p._backend.alloc(10 * MiB, 0x5000)[1]
-    monkeypatch.setattr(_device, "_pointer_info", lambda ptr: (0, 0, False))
-    monkeypatch.setattr(_device, "check_device", lambda d, name="device": d)
-    monkeypatch.setattr(_device, "can_access_peer", lambda a, c: True)
-    cai = SimpleNamespace(
-        __cuda_array_interface__={"data": (va + 4096, False), "shape": (4,), "version": 3}
-    )
+    p, va, cai = a_view_of_a_mapped_block(monkeypatch)
     with pytest.raises(cpm.WrongDeviceError, match="mapped block"):
         cpm.check_access(cai, device=1)
     elsewhere = SimpleNamespace(__cuda_array_interface__={"data": (va + 10 * MiB, False)})
@@ -886,11 +892,7 @@ def test_check_access_finds_a_mapped_block_behind_any_array_type(made, monkeypat
 def test_a_failed_undo_of_the_cuda_pools_grant_is_still_revoked_at_retire(made, monkeypatch):
     """The blocks refuse, then putting the CUDA pool back fails too: the CUDA pool keeps
     GPU 1's grant, so the pool revokes its grants at retirement (nvbug 5698116)."""
-    for mod in (_device, _pools):
-        monkeypatch.setattr(mod, "device_count", lambda: 2)
-    monkeypatch.setattr(_device, "can_access_peer", lambda a, b: True)
-    monkeypatch.setattr(_pools, "_revoke_stale", lambda mr, dev: None)
-    monkeypatch.setattr(_pools, "sync_device", lambda dev: None)
+    _two_peer_gpus(monkeypatch)
     p = cpm.DevicePool(large_blocks="mapped", peer_access=None)
     mr = made.mrs[0]
     mr.peer_accessible_by = ()

@@ -7,18 +7,19 @@ the fault each test guards against.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from types import SimpleNamespace
 
 import cupy
 import pytest
+from _event_fakes import use_driver
 from test_mapped_cpu import (  # noqa: F401  (fixtures: drv, made, world)
     OOM,
     MiB,
     ReusingVA,
     VmmDriver,
     _mapped_twin,
+    a_view_of_a_mapped_block,
     drv,
     made,
     world,
@@ -125,9 +126,7 @@ def test_a2_a_mapped_block_freed_on_the_legacy_stream_during_a_capture_is_not_lo
     swallowed by ``_backend_free`` (``n_free_errors``) and the block is gone from every
     list but ``_sizes``: never reused, never unmapped, ``reserved`` forever.  CuPy's
     default current stream is the legacy null stream (handle 0)."""
-    d = CapturingVmm()
-    monkeypatch.setattr(_block_cache, "_drv", lambda: d)
-    monkeypatch.setattr(_device, "on_device", lambda dev: contextlib.nullcontext())
+    d = use_driver(monkeypatch, CapturingVmm())
     p, _ = _mapped_twin(world)
     b = _mapped.MappedBlocks(0, driver=d)
     p._backend = b
@@ -214,14 +213,7 @@ def test_a6_check_access_finds_a_live_mapped_block_of_a_closed_pool(made, monkey
     live arrays stay valid ("Live allocations stay valid and are freed normally").  Such
     an array then passes as plain cudaMalloc memory for GPU 1 (device-level peer access),
     although its block grants GPU 1 nothing: a kernel there faults."""
-    p = cpm.DevicePool(large_blocks="mapped", peer_access=None)
-    va = p._backend.alloc(10 * MiB, 0x5000)[1]
-    monkeypatch.setattr(_device, "_pointer_info", lambda ptr: (0, 0, False))
-    monkeypatch.setattr(_device, "check_device", lambda d, name="device": d)
-    monkeypatch.setattr(_device, "can_access_peer", lambda a, c: True)
-    cai = SimpleNamespace(
-        __cuda_array_interface__={"data": (va + 4096, False), "shape": (4,), "version": 3}
-    )
+    p, va, cai = a_view_of_a_mapped_block(monkeypatch)
     with pytest.raises(cpm.WrongDeviceError, match="mapped block"):
         cpm.check_access(cai, device=1)  # open pool: found
     # A live array keeps the pool from retiring: close() leaves the block mapped.
@@ -248,9 +240,7 @@ def test_a7_set_peers_never_sets_the_access_of_another_allocation_at_a_reused_ad
     Forced switches, inside set_peers' first cuMemSetAccess: thread 2 releases pool A's
     cached block (its range freed), then thread 3 maps a block of pool B, which gets
     that range."""
-    d = ReusingVA()
-    monkeypatch.setattr(_block_cache, "_drv", lambda: d)
-    monkeypatch.setattr(_device, "on_device", lambda dev: contextlib.nullcontext())
+    d = use_driver(monkeypatch, ReusingVA())
     a = _mapped.MappedBlocks(0, peers=(1,), driver=d)
     b = _mapped.MappedBlocks(0, peers=(1,), driver=d)
     a.release_threshold = b.release_threshold = 1 << 40
