@@ -1,4 +1,4 @@
-"""Build the optional Cython hot path (``cupy_poolmem._hotpath``).
+"""Build the optional Cython hot path (``cupy_poolmem._hotpath`` and its ``_arena``).
 
 The extension needs only Cython and a C compiler: it takes its three driver calls from
 cuda.bindings' compiled ``cydriver`` module at import time, so no CUDA header or
@@ -41,9 +41,13 @@ def _extensions():
         return []
     from setuptools import Extension
 
-    ext = Extension("cupy_poolmem._hotpath", ["cupy_poolmem/_hotpath.pyx"])
+    # The arena first: the hot path cimports it (and imports it at run time).
+    exts = [
+        Extension("cupy_poolmem._arena", ["cupy_poolmem/_arena.pyx"]),
+        Extension("cupy_poolmem._hotpath", ["cupy_poolmem/_hotpath.pyx"]),
+    ]
     try:
-        return cythonize([ext], compiler_directives={"language_level": "3"}, quiet=True)
+        return cythonize(exts, compiler_directives={"language_level": "3"}, quiet=True)
     except Exception as exc:  # a compile error must never break the install
         print(
             f"cupy_poolmem: Cython could not compile the hot path ({exc}); "

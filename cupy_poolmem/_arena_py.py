@@ -1,0 +1,174 @@
+"""Best-fit placement in one growing address range: the twin of ``_arena.pyx``.
+
+An :class:`Arena` hands out pieces of ``[base, top)``, an address range whose memory
+is mapped from ``base`` up to ``top`` (by its owner, :mod:`._expandable`), and takes
+them back.  It knows nothing of CUDA: every piece of the range is a span, free or
+live, tiling the range in address order; a request takes the smallest free span that
+fits (the lowest address among equals), split at the request's size rounded up to
+:data:`UNIT`; a freed span merges with its free neighbours.  So a freed block's room
+serves any size, and the free room at the top stays one span, which the owner can
+unmap (:meth:`Arena.cut_tail`) or extend (:meth:`Arena.extend`).
+
+The compiled ``_arena.Arena`` keeps the same spans in C arrays; this twin keeps them
+in lists, with ``bisect``.  Both are tested on the same traces
+(``tests/test_arena_cpu.py``), and the pure-Python hot path uses this one.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+__all__ = ["Arena", "UNIT"]
+
+UNIT = 512  # every span's size and address are multiples of this
+
+
+class Arena:
+    """Free and live spans of one address range, placed best fit.
+
+    Parameters
+    ----------
+    base : int
+        The range's first address (a multiple of :data:`UNIT`).
+    limit : int
+        The most bytes it may grow to (its reserved address range).
+    stream_ptr : int
+        The stream whose blocks it holds (the owner's key).
+    stream : object, optional
+        That stream's object, kept alive while the arena is (so its handle names no
+        other stream meanwhile).
+
+    Examples
+    --------
+    >>> a = Arena(0x10000, limit=1 << 20, stream_ptr=0)
+    >>> a.take(100)  # nothing mapped yet
+    0
+    >>> a.extend(4096)
+    >>> p, q = a.take(100), a.take(1000)
+    >>> hex(p), hex(q), a.free_bytes
+    ('0x10000', '0x10200', 2560)
+    >>> a.give(p), a.give(q), a.free_bytes, a.spans()
+    (512, 1024, 4096, [(65536, 4096, True)])
+    """
+
+    def __init__(self, base: int, limit: int, stream_ptr: int, stream: Any = None) -> None:
+        self.base = self.top = int(base)
+        self.limit = int(limit)
+        self.stream_ptr = int(stream_ptr)
+        self.stream = stream
+        self.free_bytes = 0
+        self.n_live = 0
+        self._addrs: list[int] = []  # span starts, ascending
+        self._sizes: list[int] = []
+        self._free: list[bool] = []
+        self._holes: list[tuple[int, int]] = []  # (size, addr) of the free spans, ascending
+
+    @property
+    def mapped(self) -> int:
+        """Bytes from ``base`` to ``top``: what the owner has mapped."""
+        return self.top - self.base
+
+    @property
+    def live_bytes(self) -> int:
+        return self.mapped - self.free_bytes
+
+    def _at(self, addr: int) -> int:
+        i = bisect.bisect_left(self._addrs, addr)
+        return i if i < len(self._addrs) and self._addrs[i] == addr else -1
+
+    def _unhole(self, i: int) -> None:
+        self._holes.pop(bisect.bisect_left(self._holes, (self._sizes[i], self._addrs[i])))
+
+    def _hole(self, i: int) -> None:
+        bisect.insort(self._holes, (self._sizes[i], self._addrs[i]))
+
+    def take(self, size: int) -> int:
+        """The address of a new live span of ``size`` bytes (rounded up to
+        :data:`UNIT`, at least one unit); 0 when no free span is that large."""
+        if size > self.limit:
+            return 0
+        r = max(UNIT, (size + UNIT - 1) // UNIT * UNIT)
+        h = bisect.bisect_left(self._holes, (r, 0))
+        if h == len(self._holes):
+            return 0
+        hs, ha = self._holes.pop(h)
+        i = self._at(ha)
+        self._sizes[i], self._free[i] = r, False
+        if hs > r:
+            self._addrs.insert(i + 1, ha + r)
+            self._sizes.insert(i + 1, hs - r)
+            self._free.insert(i + 1, True)
+            self._hole(i + 1)
+        self.free_bytes -= r
+        self.n_live += 1
+        return ha
+
+    def give(self, addr: int) -> int:
+        """Free the live span at ``addr``, merged with its free neighbours; returns its
+        size, or 0 when no live span starts there (nothing changes)."""
+        i = self._at(addr)
+        if i < 0 or self._free[i]:
+            return 0
+        size = self._sizes[i]
+        self.free_bytes += size
+        self.n_live -= 1
+        self._free[i] = True
+        if i + 1 < len(self._addrs) and self._free[i + 1]:
+            self._unhole(i + 1)
+            self._sizes[i] += self._sizes[i + 1]
+            self._drop(i + 1)
+        if i > 0 and self._free[i - 1]:
+            self._unhole(i - 1)
+            self._sizes[i - 1] += self._sizes[i]
+            self._drop(i)
+            i -= 1
+        self._hole(i)
+        return size
+
+    def _drop(self, i: int) -> None:
+        del self._addrs[i], self._sizes[i], self._free[i]
+
+    def extend(self, n: int) -> None:
+        """Add the ``n`` bytes above ``top`` (mapped by the owner) as free room."""
+        if n <= 0 or n % UNIT or self.mapped + n > self.limit:
+            raise ValueError(f"cannot extend the arena at {self.base:#x} by {n} bytes")
+        if self._free and self._free[-1]:
+            last = len(self._addrs) - 1
+            self._unhole(last)
+            self._sizes[last] += n
+            self._hole(last)
+        else:
+            self._addrs.append(self.top)
+            self._sizes.append(n)
+            self._free.append(True)
+            self._hole(len(self._addrs) - 1)
+        self.top += n
+        self.free_bytes += n
+
+    @property
+    def tail_free(self) -> int:
+        """Bytes of the free span that ends at ``top`` (0 when the last span is live)."""
+        return self._sizes[-1] if self._free and self._free[-1] else 0
+
+    def cut_tail(self, n: int) -> None:
+        """Take the top ``n`` free bytes out of the arena (before the owner unmaps them)."""
+        if n <= 0 or n > self.tail_free:
+            raise ValueError(f"cannot cut {n} bytes: {self.tail_free} free at the top")
+        last = len(self._addrs) - 1
+        self._unhole(last)
+        self._sizes[last] -= n
+        if self._sizes[last]:
+            self._hole(last)
+        else:
+            self._drop(last)
+        self.top -= n
+        self.free_bytes -= n
+
+    def spans(self) -> list[tuple[int, int, bool]]:
+        """``[(address, bytes, free), ...]`` in address order."""
+        return list(zip(self._addrs, self._sizes, self._free))
+
+    def holes(self) -> list[tuple[int, int]]:
+        """``[(bytes, address), ...]`` of the free spans, smallest first."""
+        return list(self._holes)
