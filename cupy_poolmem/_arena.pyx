@@ -1,10 +1,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""Best-fit placement in one growing address range, in C (``_arena_py.py`` is its twin).
+"""First-fit placement in one growing address range, in C (``_arena_py.py`` is its twin).
 
 The spans tile ``[base, top)`` in address order (``_spans``); the free ones are also
-kept by (size, address) (``_holes``), so a request finds the smallest free span that
-fits with a binary search, and a free finds its block, and its neighbours to merge
-with, with another.  Both arrays are sorted C arrays, moved with ``memmove`` on an
+kept by (size, address) (``_holes``), so a request finds the free spans that fit
+with a binary search and takes the lowest of them (a scan of those: a few dozen),
+and a free finds its block, and its neighbours to merge with, with another.  Both arrays are sorted C arrays, moved with ``memmove`` on an
 insert or a removal: a range holds a few hundred spans, where a move of a few
 kilobytes costs less than a tree's node allocations.  ``take`` and ``give`` raise
 nothing and call nothing: the hot path calls them with the GIL held, so each is one
@@ -22,7 +22,7 @@ cdef size_t _UNIT = 512
 
 
 cdef class Arena:
-    """Free and live spans of one address range, placed best fit (see ``_arena_py.Arena``).
+    """Free and live spans of one address range, placed first fit (see ``_arena_py.Arena``).
 
     Examples
     --------
@@ -109,7 +109,7 @@ cdef class Arena:
         memmove(&self._spans[i], &self._spans[i + 1], (self._n_spans - i) * sizeof(Span))
 
     cdef uintptr_t _take(self, size_t size) noexcept:
-        cdef Py_ssize_t h, i
+        cdef Py_ssize_t h, i, k
         cdef size_t r, hs
         cdef uintptr_t ha
         if size > self.limit or not self._room():
@@ -118,6 +118,9 @@ cdef class Arena:
         h = self._hole_at(r, 0)
         if h == self._n_holes:
             return 0
+        for k in range(h + 1, self._n_holes):  # the lowest address among them
+            if self._holes[k].addr < self._holes[h].addr:
+                h = k
         hs, ha = self._holes[h].size, self._holes[h].addr
         self._n_holes -= 1
         memmove(&self._holes[h], &self._holes[h + 1], (self._n_holes - h) * sizeof(Hole))
@@ -158,7 +161,8 @@ cdef class Arena:
 
     def take(self, size_t size):
         """The address of a new live span of ``size`` bytes (rounded up to ``UNIT``, at
-        least one unit); 0 when no free span is that large."""
+        least one unit) at the start of the lowest free span that fits; 0 when no free
+        span is that large."""
         return self._take(size)
 
     def give(self, uintptr_t addr):

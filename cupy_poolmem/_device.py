@@ -553,9 +553,10 @@ def check_access(array: Any, device: Any = None) -> None:
     if owner >= 0:  # CuPy's own record of the array's GPU comes first
         owner = int(getattr(getattr(array, "data", None), "device_id", owner))
     if pool == 0:  # cudaMalloc, registered or mapped memory
+        from ._expandable import expandable_range_of
         from ._mapped import mapped_block_of
 
-        mapped = mapped_block_of(array, ptr)
+        mapped = mapped_block_of(array, ptr) or expandable_range_of(ptr)
         if mapped is not None:
             owner = mapped[0].device
         if owner >= 0 and owner != dev and not can_access_peer(dev, owner):
@@ -564,7 +565,8 @@ def check_access(array: Any, device: Any = None) -> None:
             # Each mapped block carries its own grants, like a pool's: peer access between
             # the GPUs (which CuPy enables) does not open it.
             raise WrongDeviceError(
-                f"{what} (a mapped block of a DevicePool with large_blocks='mapped') on GPU "
+                f"{what} (a mapped block of a DevicePool with large_blocks="
+                f"'{mapped[0].mode}') on GPU "
                 f"{owner} is not accessible from GPU {dev}: its pool grants that GPU no "
                 f"access. Grant it with pool.peer_access = [{dev}] or 'all'."
             )

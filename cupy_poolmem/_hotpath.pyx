@@ -28,6 +28,8 @@ from libc.stdint cimport intptr_t, uintptr_t
 from libc.stdlib cimport free as _c_free, realloc as _c_realloc
 from libc.string cimport strcmp
 
+from cupy_poolmem._arena cimport Arena
+
 import cupy.cuda.stream as _cupy_stream
 from cupy.cuda.memory import MemoryPointer as _MemoryPointer
 from cupy.cuda.memory import UnownedMemory as _UnownedMemory
@@ -119,7 +121,9 @@ KIND_MANAGED = 2
 cdef int _KIND_PINNED = 1  # the C twin of KIND_PINNED (no module lookup and compare)
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 14
+VERSION = 15
+#: The arena class the hot path takes blocks from (``DevicePool(large_blocks="expandable")``).
+ARENA = Arena
 
 # Misses beyond hits (see PoolCore._cache_missed) at which a non-empty reuse cache is flushed.
 FLUSH_AFTER_MISSES = 16
@@ -379,6 +383,13 @@ cdef class PoolCore:
     cdef public bint _close_done     # close() has handed everything over: may be retired
     cdef readonly unsigned int cache_misses  # the cache's misses less its hits (see _cache_missed)
     cdef object _obs                 # the observer's PoolObs for this pool (its cache)
+    # large_blocks="expandable": stream handle -> (small blocks' Arena, large ones'),
+    # the ExpandableBlocks' own dict; the arenas of _arena_sptr are remembered.
+    cdef readonly dict _arenas
+    cdef uintptr_t _arena_sptr
+    cdef Arena _arena_small          # None: look the stream up in _arenas
+    cdef Arena _arena_large
+    cdef readonly size_t arena_small_max
 
     def _attach(self, uintptr_t pool_handle, int device_id, int kind):
         self._pool = <CUmemoryPool>pool_handle
@@ -403,6 +414,46 @@ cdef class PoolCore:
         self._backend = backend
         self._backend_ptrs = ptrs
         self.backend_min = backend_min
+
+    def _attach_arenas(self, dict arenas, size_t small_max):
+        """Every block from the arenas in ``arenas`` (stream handle -> (arena of blocks
+        up to ``small_max`` bytes, arena of larger ones)) before the backend; a freed
+        block goes back to its stream's arena.  The backend fills and empties the dict."""
+        self._arenas = arenas
+        self.arena_small_max = small_max
+        self._arena_small = self._arena_large = None
+
+    @cython.final
+    cdef inline Arena _arena(self, uintptr_t sptr, size_t size):
+        """The arena of (``sptr``, ``size``), or None when the stream has none yet."""
+        if self._arena_small is None or sptr != self._arena_sptr:
+            pair = self._arenas.get(sptr)
+            if pair is None:
+                return None
+            self._arena_small, self._arena_large = pair
+            self._arena_sptr = sptr
+        return self._arena_small if size <= self.arena_small_max else self._arena_large
+
+    @cython.final
+    cdef inline CUdeviceptr _arena_take(self, size_t size, uintptr_t sptr):
+        """A block from the stream's arena without a driver call; 0 when it has no room
+        (the backend maps more, or makes the arenas)."""
+        cdef Arena a = self._arena(sptr, size)
+        cdef CUdeviceptr p = 0
+        if a is not None:
+            p = a._take(size)
+            if p == 0:
+                self._arena_small = None  # the backend may replace the stream's arenas
+        return p
+
+    @cython.final
+    cdef inline bint _arena_give(self, uintptr_t ptr, size_t size, uintptr_t sptr):
+        """Whether the block at ``ptr`` went back to its stream's arena."""
+        cdef Arena a = self._arena(sptr, size)
+        if a is not None and a._give(ptr):
+            return True
+        self._arena_small = None
+        return False
 
     def _mark_closed(self):
         self.closed = True
@@ -471,7 +522,11 @@ cdef class PoolCore:
                 sptr = stream.ptr
                 if self.n_capture_held:
                     self._drain_capture_held()
-                if size < self.backend_min:
+                if self._arenas is not None:
+                    dptr = self._arena_take(size, sptr)
+                    if dptr == 0:
+                        dptr = self._backend_alloc(size, stream)
+                elif size < self.backend_min:
                     err = cuMemAllocFromPoolAsync(&dptr, size, self._pool_for(size),
                                                   <CUstream>sptr)
                     if err != 0:
@@ -547,6 +602,8 @@ cdef class PoolCore:
 
     cdef _release(self, uintptr_t ptr, size_t size, uintptr_t stream_ptr, object stream):
         cdef _Bin b
+        if self._arenas is not None and self._arena_give(ptr, size, stream_ptr):
+            return  # back in its stream's arena: the next allocation there may take it
         if (size <= self.cache_max_block and self.cached_bytes + size <= self.cache_limit
                 and not self.closed):
             b = self._bin(stream_ptr, size, True)

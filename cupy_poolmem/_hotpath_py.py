@@ -23,12 +23,14 @@ from cupy.cuda.memory import UnownedMemory as _UnownedMemory
 from cupy.cuda.pinned_memory import PinnedMemoryPointer as _PinnedMemoryPointer
 from cupy.cuda.stream import get_current_stream as _get_current_stream
 
+from ._arena_py import Arena as ARENA  # noqa: F401  (the arena class of this hot path)
+
 KIND_DEVICE = 0
 KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 14
+VERSION = 15
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
@@ -250,6 +252,12 @@ class PoolCore:
     _last_bin: Any = None  # the bin of (_last_sptr, _last_size), or None
     _last_sptr = 0
     _last_size = 0
+    # large_blocks="expandable": see _hotpath.pyx's PoolCore._attach_arenas
+    _arenas: Any = None
+    _arena_sptr = 0
+    _arena_small: Any = None
+    _arena_large: Any = None
+    arena_small_max = 0
 
     def _attach(self, pool_handle: int, device_id: int, kind: int) -> None:
         self._pool = _drv.CUmemoryPool(pool_handle) if pool_handle else None
@@ -274,6 +282,39 @@ class PoolCore:
         self._backend = backend
         self._backend_ptrs = ptrs
         self.backend_min = _as_size(backend_min)
+
+    def _attach_arenas(self, arenas: dict, small_max: int) -> None:
+        """Every block from the arenas in ``arenas`` before the backend (see
+        ``_hotpath.pyx``)."""
+        self._arenas = arenas
+        self.arena_small_max = _as_size(small_max)
+        self._arena_small = self._arena_large = None
+
+    def _arena(self, sptr: int, size: int) -> Any:
+        """The arena of (``sptr``, ``size``), or None when the stream has none yet."""
+        if self._arena_small is None or sptr != self._arena_sptr:
+            pair = self._arenas.get(sptr)
+            if pair is None:
+                return None
+            self._arena_small, self._arena_large = pair
+            self._arena_sptr = sptr
+        return self._arena_small if size <= self.arena_small_max else self._arena_large
+
+    def _arena_take(self, size: int, sptr: int) -> int:
+        """A block from the stream's arena without a driver call; 0 when it has no room."""
+        a = self._arena(sptr, size)
+        p = a.take(size) if a is not None else 0
+        if not p:
+            self._arena_small = None  # the backend may replace the stream's arenas
+        return p
+
+    def _arena_give(self, ptr: int, size: int, sptr: int) -> bool:
+        """Whether the block at ``ptr`` went back to its stream's arena."""
+        a = self._arena(sptr, size)
+        if a is not None and a.give(ptr):
+            return True
+        self._arena_small = None
+        return False
 
     def _mark_closed(self) -> None:
         self.closed = True
@@ -317,6 +358,8 @@ class PoolCore:
         return b
 
     def _release(self, ptr: int, size: int, stream_ptr: int, stream: Any) -> None:
+        if self._arenas is not None and self._arena_give(ptr, size, stream_ptr):
+            return  # back in its stream's arena: the next allocation there may take it
         if (
             size <= self.cache_max_block
             and self.cached_bytes + size <= self.cache_limit
@@ -476,7 +519,11 @@ class PoolCore:
             if not dptr:
                 if self.n_capture_held:
                     self._drain_capture_held()
-                if size < self.backend_min:
+                if self._arenas is not None:
+                    dptr = self._arena_take(size, sptr)
+                    if not dptr:
+                        dptr = self._backend_alloc(size, stream)
+                elif size < self.backend_min:
                     err, p = _alloc(size, self._pool_for(size), sptr)
                     dptr = int(p) if not err else self._alloc_failed(int(err), size, stream)
                 else:

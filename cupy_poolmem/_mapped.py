@@ -43,6 +43,8 @@ __all__ = [
     "MAPPED_FIT",
     "MAPPED_MARGIN",
     "MAPPED_MARGIN_SHARE",
+    "access_descriptors",
+    "device_allocation",
     "mapped_block_of",
 ]
 
@@ -74,6 +76,19 @@ def device_allocation(d: Any, device: int) -> tuple[Any, int]:
     return prop, int(granule)
 
 
+def access_descriptors(d: Any, grant: Iterable[int], revoke: Iterable[int]) -> list[Any]:
+    """``CUmemAccessDesc``s for ``cuMemSetAccess``: read-write for the GPUs in ``grant``,
+    none for those in ``revoke`` (``d``: cuda.bindings' driver module, or a fake)."""
+    out = []
+    for dev, flags in [(g, "READWRITE") for g in grant] + [(r, "NONE") for r in revoke]:
+        desc = d.CUmemAccessDesc()
+        desc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = int(dev)
+        desc.flags = getattr(d.CUmemAccess_flags, f"CU_MEM_ACCESS_FLAGS_PROT_{flags}")
+        out.append(desc)
+    return out
+
+
 class MappedBlocks(BlockCache):
     """Device memory blocks mapped one by one with virtual memory management.
 
@@ -103,6 +118,7 @@ class MappedBlocks(BlockCache):
     """
 
     default_keep: Any = None  # the pool's release_threshold=None: see _keep
+    mode = "mapped"  # the pool's large_blocks
     #: Every MappedBlocks alive, open pool or closed: a closed pool's live arrays keep
     #: their blocks mapped, and ``check_access`` must still find them by address.
     _alive: ClassVar[weakref.WeakSet] = weakref.WeakSet()
@@ -167,15 +183,7 @@ class MappedBlocks(BlockCache):
             return super().alloc(size, stream_ptr)
 
     def _descriptors(self, grant: Iterable[int], revoke: Iterable[int]) -> list[Any]:
-        d = self._d
-        out = []
-        for dev, flags in [(g, "READWRITE") for g in grant] + [(r, "NONE") for r in revoke]:
-            desc = d.CUmemAccessDesc()
-            desc.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            desc.location.id = int(dev)
-            desc.flags = getattr(d.CUmemAccess_flags, f"CU_MEM_ACCESS_FLAGS_PROT_{flags}")
-            out.append(desc)
-        return out
+        return access_descriptors(self._d, grant, revoke)
 
     def _create(self, r: int) -> tuple[int, int]:
         """Physical memory of ``r`` bytes, mapped at an address range of its own.

@@ -19,7 +19,7 @@ import cuda.core as cc
 import cupy
 from cuda.bindings import driver as _drv
 
-from . import _guard, _retire, _streams
+from . import _expandable, _guard, _retire, _streams
 from ._device import (
     can_access_peer,
     check_device,
@@ -552,6 +552,8 @@ class Pool(_hp.PoolCore):
         synchronisation, which makes later allocations slow.
         """
         v = _UINT64_MAX if value is None else parse_bytes(value, name="release_threshold")
+        if value is not None and getattr(self, "large_blocks", "pool") == "expandable":
+            _check_expandable("auto", value, None)  # raises: the ranges keep no threshold
         for mr in self._mrs:
             _set_attr(mr, _A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, v)
         if self._backend is not None:  # freed bytes it keeps (see _block_cache.py)
@@ -1090,7 +1092,10 @@ class DevicePool(Pool):
     ) -> None:
         dev = check_device(device)
         ipc = _check_bool(ipc, "ipc")
-        mapped = _large_blocks_mapped(large_blocks, ipc)
+        mode = _large_blocks_mode(large_blocks, ipc)
+        mapped = mode == "mapped"
+        if mode == "expandable":
+            _check_expandable(small_pool, release_threshold, max_size)
         guard_options = _guard.resolve(guard)
         cache = parse_bytes(reuse_cache, name="reuse_cache")
         peers = resolve_peer_access(peer_access, dev)
@@ -1115,6 +1120,11 @@ class DevicePool(Pool):
                 map_above = _mapped_threshold(small_pool)
                 small_max = 0
                 backend: Any = _new_mapped_blocks(dev, peers)
+            elif mode == "expandable":
+                # Every block from the ranges (see _expandable.py); the CUDA pool
+                # serves graph captures only.
+                small_max = 0
+                backend = _new_expandable_blocks(dev, peers, int(total))
             else:
                 small_max = _small_pool_size(small_pool, max_b)
                 backend = None
@@ -1123,7 +1133,7 @@ class DevicePool(Pool):
             # one's are destroyed (other processes know their handles).
             # Not with max_size: the driver counts the last owner's pending frees
             # against it until they complete.  Not with mapped blocks (their own).
-            key = None if ipc or max_b or mapped else ("device", dev, max_b, small_max)
+            key = None if ipc or max_b or mode != "pool" else ("device", dev, max_b, small_max)
             mrs = _recycled_mrs(key) if key is not None else []
             recycled = bool(mrs)
             try:
@@ -1163,7 +1173,7 @@ class DevicePool(Pool):
                             m.close()
                     raise
             self.ipc = ipc
-            self.large_blocks = "mapped" if mapped else "pool"
+            self.large_blocks = mode
             small = (mrs[1], small_max) if small_max else None
             self._backend = backend
             self._setup(mrs[0], dev, _hp.KIND_DEVICE, release_threshold, max_b, cache, small, key)
@@ -1172,6 +1182,12 @@ class DevicePool(Pool):
                 # Large blocks skip the reuse cache: the mapped blocks' own serves them
                 # across sizes, and gives back what it does not keep.
                 self.cache_max_block = min(self.cache_max_block, map_above)
+            elif mode == "expandable":
+                self._attach_backend(backend, 0, backend)  # the slow paths' frees too
+                self._attach_arenas(backend.arenas, _expandable.SMALL_MAX)
+                # No reuse cache: a freed block goes straight back to its arena,
+                # whose room serves every size.
+                self.cache_limit = self.cache_max_block = 0
             if recycled:
                 self.reset_peak()  # the last owner's peaks are not this pool's
             self._capacity = int(total)
@@ -1196,6 +1212,8 @@ class DevicePool(Pool):
         """
         if self.large_blocks == "mapped":
             return int(self.backend_min) - 1
+        if self.large_blocks == "expandable":
+            return int(self.arena_small_max)
         return int(self.small_max)
 
     @property
@@ -1308,24 +1326,49 @@ def _small_pool_size(value: Any, max_size: int) -> int:
     return size
 
 
-def _large_blocks_mapped(value: Any, ipc: bool) -> bool:
-    """Whether ``large_blocks=value`` asks for mapped blocks (checked first)."""
+def _large_blocks_mode(value: Any, ipc: bool) -> str:
+    """``large_blocks=value``, checked first: "pool", "mapped" or "expandable"."""
     if not isinstance(value, str):
         raise OptionTypeError(
-            f"large_blocks must be 'pool' or 'mapped'; got {value!r} of type {type(value).__name__}"
+            "large_blocks must be 'pool', 'mapped' or 'expandable'; got "
+            f"{value!r} of type {type(value).__name__}"
         )
-    if value not in ("pool", "mapped"):
+    if value not in ("pool", "mapped", "expandable"):
         raise InvalidOptionError(
-            f"large_blocks={value!r} is not one of 'pool' (blocks from the CUDA pool) or "
-            "'mapped' (each large block mapped on memory of its own)"
+            f"large_blocks={value!r} is not one of 'pool' (blocks from the CUDA pool), "
+            "'mapped' (each large block mapped on memory of its own) or 'expandable' "
+            "(every block placed in growing mapped ranges, one pair per stream)"
         )
-    if value == "mapped" and ipc:
+    if value != "pool" and ipc:
         raise InvalidOptionError(
-            "large_blocks='mapped' cannot be used with ipc=True: mapped blocks are not "
+            f"large_blocks={value!r} cannot be used with ipc=True: mapped blocks are not "
             "in a CUDA pool that other processes can import. Use large_blocks='pool' for "
             "a pool whose arrays are shared"
         )
-    return value == "mapped"
+    return value
+
+
+def _check_expandable(small_pool: Any, release_threshold: Any, max_size: Any) -> None:
+    """Refuse the options ``large_blocks="expandable"`` has no use for."""
+    for name, value, why in (
+        ("max_size", max_size, "the cap is a CUDA pool's, and the ranges are not in one"),
+        (
+            "release_threshold",
+            release_threshold,
+            "the ranges keep freed memory mapped until trim() or an out-of-memory retry",
+        ),
+    ):
+        if value is not None:
+            raise InvalidOptionError(
+                f"{name}={value!r} cannot be used with large_blocks='expandable': {why}. "
+                f"Leave {name} unset, or use large_blocks='pool'"
+            )
+    if not (isinstance(small_pool, str) and small_pool == "auto"):
+        raise InvalidOptionError(
+            f"small_pool={small_pool!r} cannot be used with large_blocks='expandable': "
+            f"blocks up to {format_bytes(_expandable.SMALL_MAX)} share a range of their "
+            "own per stream. Leave small_pool='auto'"
+        )
 
 
 def _mapped_threshold(small_pool: Any) -> int:
@@ -1348,6 +1391,20 @@ def _mapped_threshold(small_pool: Any) -> int:
             "2 MiB granule at least); pass small_pool='auto' (8 MiB) or a larger size"
         )
     return size
+
+
+def _new_expandable_blocks(device: int, peers: tuple[int, ...], total: int) -> Any:
+    """The expandable ranges of a DevicePool on ``device`` (VMM checked first), each
+    range with address space for all of the device's ``total`` bytes."""
+    require_attribute(
+        device,
+        "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
+        "virtual memory management, which large_blocks='expandable' needs; use large_blocks='pool'",
+    )
+    try:
+        return _expandable.ExpandableBlocks(device, peers, span=total, arena=_hp.ARENA)
+    except Exception as exc:
+        raise _wrap(exc, "setting up expandable ranges") from exc
 
 
 def _new_mapped_blocks(device: int, peers: tuple[int, ...]) -> Any:

@@ -44,15 +44,27 @@ def test_nothing_is_taken_before_the_range_is_mapped(arena):
     assert a.take(1) == 0 and a.mapped == 0
 
 
-def test_the_smallest_free_span_that_fits_is_taken_at_its_start(arena):
+def test_the_lowest_free_span_that_fits_is_taken_at_its_start(arena):
     a = arena()
     a.extend(64 << 10)
     p = [a.take(8 << 10) for _ in range(5)]  # 5 x 8 KiB, then 24 KiB free at the top
     a.give(p[1])  # an 8 KiB hole
     a.give(p[3])  # another
-    assert a.take(4 << 10) == p[1]  # smallest fit, lowest address among equals
+    assert a.take(4 << 10) == p[1]  # the lowest of the three that fit
     assert a.take(8 << 10) == p[3]
     assert a.take(16 << 10) == p[4] + (8 << 10)  # the top's room
+    check(a)
+
+
+def test_first_fit_takes_a_lower_span_over_a_tighter_higher_one(arena):
+    a = arena()
+    a.extend(64 << 10)
+    p = [a.take(n << 10) for n in (16, 4, 8, 4)]  # then 32 KiB free at the top
+    a.give(p[0])  # 16 KiB free, low
+    a.give(p[2])  # 8 KiB free, higher: best fit would take it for 8 KiB
+    assert a.take(8 << 10) == p[0]
+    assert a.take(8 << 10) == p[0] + (8 << 10)
+    assert a.take(8 << 10) == p[2]
     check(a)
 
 

@@ -23,16 +23,17 @@ and RMM's pool keep none, so for them a further replay, untimed, samples what th
 after every step.
 
 Goal: a reserved peak at most 0.8x MemoryPool's, at equal speed (at most 1.05x its
-time per step), for the DevicePool that maps its large blocks
-(``large_blocks="mapped"``, each block above 8 MiB on memory of its own); the goal
-line says the default pool's ratios too.  The default DevicePool takes blocks
+time per step), for the DevicePool that places every block in growing mapped ranges
+(``large_blocks="expandable"``, two per stream, best fit); the goal line says the
+ratios of the pool that maps each large block on memory of its own
+(``large_blocks="mapped"``) and of the default pool too.  The default DevicePool takes blocks
 up to 8 MiB from a CUDA pool of their own (``small_pool``); the ``ipc=True`` row is the
 pool ``set_allocator()`` makes (shareable, both CUDA pools IPC-enabled), the
 ``small_pool=None`` row the same pool with one CUDA pool.  Its peak is the sum of both
 CUDA pools' peaks (an upper bound of the peak of their sum).  torch is replayed twice:
 its caching allocator as it comes, and with ``expandable_segments`` (segments that
-grow by mapping 2 MiB pages, switched on for that replay only), the peer that maps
-memory as ``large_blocks="mapped"`` does.
+grow by mapping pages, switched on for that replay only), the peer that places
+blocks as ``large_blocks="expandable"`` does.
 
 A second table replays the trace straight on CUDA pools with the levers a pool built
 on them has (a second pool for small blocks, trims after frees; see
@@ -65,6 +66,7 @@ GOAL_RESERVED, GOAL_SPEED = 0.8, 1.05
 BASE_LABEL = "cupy MemoryPool (baseline)"
 DEFAULT_LABEL = "cupy_poolmem DevicePool (default)"
 MAPPED_LABEL = "cupy_poolmem DevicePool large_blocks='mapped'"
+EXPANDABLE_LABEL = "cupy_poolmem DevicePool large_blocks='expandable'"
 TORCH_EXPANDABLE_LABEL = "torch caching allocator, expandable_segments"
 
 
@@ -296,6 +298,7 @@ def contenders(steps: list[tuple[int, list[int]]]) -> tuple[dict[str, Run], dict
         ("cupy_poolmem DevicePool small_pool=None", {"small_pool": None}),
         ("cupy_poolmem DevicePool reuse_cache=0", {"reuse_cache": 0}),
         (MAPPED_LABEL, {"large_blocks": "mapped"}),
+        (EXPANDABLE_LABEL, {"large_blocks": "expandable"}),
     )
     for label, opts in pools:
         runs[label] = on_cupy_allocator(
@@ -359,18 +362,26 @@ def measure(
     rows = [(label, dt, sampled.get(label, peak)) for label, (dt, peak) in timed.items()]
     paired = {
         label: paired_speed(runs[BASE_LABEL], runs[label], pairs)
-        for label in (MAPPED_LABEL, DEFAULT_LABEL)
+        for label in GOAL_POOLS
         if label in runs
     }
     return rows, paired
 
 
+#: The pools the goal line judges, and their names there.
+GOAL_POOLS = {
+    EXPANDABLE_LABEL: "large_blocks='expandable'",
+    MAPPED_LABEL: "large_blocks='mapped'",
+    DEFAULT_LABEL: "default",
+}
+
+
 def goal_line(
     rows: list[tuple[str, float, int]], paired: dict[str, PairedRatio] | None = None
 ) -> str:
-    """Whether the DevicePool with mapped large blocks (the goal's) and the default one
-    met the goal against MemoryPool in ``rows``; the time ratio is the paired one
-    where ``paired`` has it, else the ratio of the rows' times.
+    """Whether each of :data:`GOAL_POOLS` (the expandable pool is the goal's) met the
+    goal against MemoryPool in ``rows``; the time ratio is the paired one where
+    ``paired`` has it, else the ratio of the rows' times.
 
     Examples
     --------
@@ -386,7 +397,7 @@ def goal_line(
     base = next(r for r in rows if r[0] == BASE_LABEL)
     paired = paired or {}
     parts = []
-    for label, short in ((MAPPED_LABEL, "large_blocks='mapped'"), (DEFAULT_LABEL, "default")):
+    for label, short in GOAL_POOLS.items():
         ours = next((r for r in rows if r[0] == label), None)
         if ours is None:
             continue

@@ -1,0 +1,409 @@
+"""``DevicePool(large_blocks="expandable")``: every block placed best fit in address
+ranges that grow by mapping device memory, two per stream.
+
+A CUDA pool, and CuPy's ``MemoryPool``, place blocks in chunks of memory of their
+own, and a chunk goes back only once it is empty: blocks of many sizes freed out of
+order leave holes in many chunks that a new block cannot span (the churn benchmark:
+0.98x ``MemoryPool``'s peak at best).  Here each stream's blocks are placed in one
+address range reserved once (``cuMemAddressReserve``, the device's size), mapped
+from its start upward as it fills (``cuMemCreate``, ``cuMemMap``,
+``cuMemSetAccess``: 20 MiB at a time, 2 MiB for the range of blocks up to
+:data:`SMALL_MAX`, which keeps small blocks from splitting the large ones' room).
+An :class:`~cupy_poolmem._arena_py.Arena` places the blocks: the smallest free
+span that fits, split to size; a freed block merges with free neighbours, so its
+room serves any later size.  torch's ``expandable_segments`` works this way.
+
+The hot path takes and gives blocks in the arenas itself (two C calls, no driver
+call: ``_hotpath.pyx``'s ``_arena_take``/``_arena_give``); this module runs when an
+arena has no room: it maps more at the range's top, or makes the range.  A freed
+block goes back to the arena of the stream it was allocated on, where the next
+allocation on that stream may take it at once (stream order, as for CuPy's
+``MemoryPool``); ``record_stream`` orders its other streams' work first.  An arena
+keeps its stream object alive, so the stream's handle names no other stream
+meanwhile.
+
+Nothing is unmapped on a free: :meth:`ExpandableBlocks.release` (the pool's
+``trim``, and before an out-of-memory error) unmaps what is free at the top of each
+range, in the mapped steps it was mapped in, and drops the ranges of streams left
+with nothing mapped.  Memory free inside a range, below a live block, stays mapped.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, ClassVar
+
+from . import _arena_py
+from ._errors import add_note, check_driver
+from ._mapped import access_descriptors, device_allocation
+
+__all__ = ["ExpandableBlocks", "SMALL_MAX", "SMALL_STEP", "LARGE_STEP", "expandable_range_of"]
+
+SMALL_MAX = 1 << 20  # blocks up to this size share a range of their own (per stream)
+SMALL_STEP = 2 << 20  # which maps this much at a time
+LARGE_STEP = 20 << 20  # the other range maps this much at least at a time
+_OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
+_PER_THREAD = 2  # CU_STREAM_PER_THREAD: a different stream in each thread
+
+
+def _drv() -> Any:
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+def _stream_object(stream_ptr: int) -> Any:
+    """CuPy's current stream when it is ``stream_ptr`` (the allocation's), else None."""
+    try:
+        import cupy
+
+        s = cupy.cuda.get_current_stream()
+    except Exception:
+        return None
+    return s if int(s.ptr) == stream_ptr else None
+
+
+class ExpandableBlocks:
+    """Two growing, mapped address ranges per stream, placed by :class:`Arena`\\ s.
+
+    Parameters
+    ----------
+    device : int
+        The GPU whose memory is mapped.
+    peers : iterable of int
+        Other GPUs given read and write access to every range (see :meth:`set_peers`).
+    span : int
+        Bytes of address space each range reserves (the device's memory: a range
+        can grow to all of it).
+    arena : type, optional
+        The arena class: the compiled hot path's, or ``_arena_py.Arena``.
+    driver : module, optional
+        ``cuda.bindings.driver`` (tests give a fake).
+
+    Examples
+    --------
+    >>> blocks = ExpandableBlocks(0, span=80 << 30)  # doctest: +SKIP
+    >>> err, ptr = blocks.alloc(40 << 20, stream_ptr=0)  # doctest: +SKIP
+    >>> blocks.free(ptr, 0)  # doctest: +SKIP
+    >>> blocks.release(0)  # doctest: +SKIP
+    62914560
+    """
+
+    default_keep: Any = None  # no release_threshold: see the pool
+    mode = "expandable"  # the pool's large_blocks
+    release_threshold: Any = None
+    #: Every ExpandableBlocks alive: ``check_access`` finds a block by its address.
+    _alive: ClassVar[weakref.WeakSet] = weakref.WeakSet()
+
+    def __init__(
+        self,
+        device: int,
+        peers: Any = (),
+        span: int = 1 << 40,
+        arena: Any = None,
+        driver: Any = None,
+    ) -> None:
+        d = self._d = driver if driver is not None else _drv()
+        self.device = device
+        self._prop, self.granule = device_allocation(d, device)
+        self.span = _round_up(max(int(span), LARGE_STEP), self.granule)
+        self._arena = arena if arena is not None else _arena_py.Arena
+        self._lock = threading.RLock()  # growing, releasing, peers: one at a time
+        self._failed = threading.local()  # .call: the mapping call that failed last
+        self.peers: tuple[int, ...] = tuple(int(p) for p in peers)
+        self._access = access_descriptors(d, (device, *self.peers), ())
+        #: stream handle -> (small blocks' arena, large blocks' arena): the hot path
+        #: looks arenas up here (a dict it holds too, changed only under the GIL).
+        self.arenas: dict[int, tuple[Any, Any]] = {}
+        self._steps: dict[Any, list[tuple[int, int]]] = {}  # arena -> [(va, bytes) mapped]
+        self.reserved = 0  # bytes mapped
+        self.peak_reserved = 0
+        self.n_errors = 0
+        self.leaked = 0  # bytes a failed unmap left mapped and out of every arena
+        self.closed = False
+        ExpandableBlocks._alive.add(self)
+
+    # -- what the pool reads --------------------------------------------------------
+    @property
+    def failed_call(self) -> str:
+        """The mapping call that failed this thread's last allocation ("" if none)."""
+        return getattr(self._failed, "call", "")
+
+    @failed_call.setter
+    def failed_call(self, call: str) -> None:
+        self._failed.call = call
+
+    @property
+    def cached(self) -> int:
+        """Bytes mapped and free in the ranges (what :meth:`release` may give back, at
+        their tops)."""
+        return sum(a.free_bytes for pair in list(self.arenas.values()) for a in pair)
+
+    def _arena_of(self, ptr: int) -> Any:
+        for pair in list(self.arenas.values()):
+            for a in pair:
+                if a.base <= ptr < a.top:
+                    return a
+        return None
+
+    def owns(self, ptr: int) -> bool:
+        """Whether ``ptr`` lies in a mapped part of one of the ranges."""
+        return self._arena_of(ptr) is not None
+
+    __contains__ = owns
+
+    @classmethod
+    def alive(cls) -> list[ExpandableBlocks]:
+        return list(cls._alive)
+
+    def block_at(self, ptr: int) -> int | None:
+        """The start of the mapped step that holds ``ptr`` (for access checks), or None."""
+        with self._lock:
+            for steps in self._steps.values():
+                for va, n in steps:
+                    if va <= ptr < va + n:
+                        return va
+        return None
+
+    def has_access(self, ptr: int, device: int) -> bool:
+        """Whether GPU ``device`` may read and write the range at ``ptr`` (the driver's
+        word, ``cuMemGetAccess``); the ranges' own GPU always may."""
+        if device == self.device:
+            return True
+        d = self._d
+        where = d.CUmemLocation()
+        where.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        where.id = int(device)
+        flags = check_driver(d.cuMemGetAccess(where, ptr), "cuMemGetAccess")
+        return int(flags) == int(d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+
+    # -- allocation (the hot path's arenas had no room) -------------------------------
+    def alloc(self, size: int, stream_ptr: int) -> tuple[int, int]:
+        """``(CUresult, address)`` of a block of ``size`` bytes on stream ``stream_ptr``:
+        from its arena, after mapping more at the range's top if it has no room."""
+        with self._lock:
+            a, err = self._arena_for(stream_ptr, size)
+            if err:
+                return err, 0
+            ptr = a.take(size)
+            if ptr:
+                return 0, ptr
+            err = self._grow(a, size)
+            if err:
+                return err, 0
+            ptr = a.take(size)
+            return (0, ptr) if ptr else (_OUT_OF_MEMORY, 0)
+
+    def _arena_for(self, stream_ptr: int, size: int) -> tuple[Any, int]:
+        """The arena of ``stream_ptr`` for ``size``, its two ranges reserved if new."""
+        pair = self.arenas.get(stream_ptr)
+        if pair is None:
+            stream = _stream_object(stream_ptr)
+            made: list[Any] = []
+            for _ in range(2):
+                self.failed_call = "cuMemAddressReserve"
+                err, va = self._d.cuMemAddressReserve(self.span, self.granule, 0, 0)
+                if int(err):
+                    for m in made:
+                        self._d.cuMemAddressFree(m.base, self.span)
+                    return None, int(err)
+                made.append(self._arena(int(va), self.span, stream_ptr, stream))
+            self.failed_call = ""
+            pair = (made[0], made[1])
+            for m in made:
+                self._steps[m] = []
+            self.arenas[stream_ptr] = pair
+        return pair[0] if size <= SMALL_MAX else pair[1], 0
+
+    def _grow(self, a: Any, size: int) -> int:
+        """Map enough at the top of ``a`` for a block of ``size``; a CUresult."""
+        need = _round_up(max(size, 1), _arena_py.UNIT) - a.tail_free
+        step = SMALL_STEP if a is self.arenas[a.stream_ptr][0] else LARGE_STEP
+        exact = _round_up(need, self.granule)
+        if exact > a.limit - a.mapped:
+            return _OUT_OF_MEMORY
+        n = min(max(exact, step), a.limit - a.mapped)
+        err = self._map(a.top, n)
+        if err == _OUT_OF_MEMORY and n > exact:
+            n = exact  # near the device's end: only what the block needs
+            err = self._map(a.top, n)
+        if err:
+            return err
+        self._steps[a].append((a.top, n))
+        a.extend(n)
+        self.reserved += n
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return 0
+
+    def _map(self, va: int, n: int) -> int:
+        """Map ``n`` bytes of new memory at ``va`` with the ranges' access; a CUresult.
+        The mapping holds the memory (its handle is released at once), and each step
+        that fails undoes the ones before."""
+        d = self._d
+        self.failed_call = "cuMemCreate"
+        err, handle = d.cuMemCreate(n, self._prop, 0)
+        if int(err):
+            return int(err)
+        try:
+            self.failed_call = "cuMemMap"
+            (err,) = d.cuMemMap(va, n, 0, handle, 0)
+            if int(err):
+                return int(err)
+            self.failed_call = "cuMemSetAccess"
+            (err,) = d.cuMemSetAccess(va, n, self._access, len(self._access))
+            if int(err):
+                d.cuMemUnmap(va, n)
+                return int(err)
+            self.failed_call = ""
+            return 0
+        finally:
+            d.cuMemRelease(handle)
+
+    # -- frees ------------------------------------------------------------------------
+    def free(self, ptr: int, stream_ptr: int) -> None:
+        """Give the block at ``ptr`` back to its arena (the hot path's own way did not:
+        a free held for a capture, a leftover of a finalized pool)."""
+        a = self._arena_of(ptr)
+        if a is None or not a.give(ptr):
+            self.n_errors += 1
+            raise ValueError(f"{ptr:#x} is no live block of the expandable ranges")
+
+    def free_leftover(self, ptr: int) -> None:
+        """A block its pool's finalizer left to the retirer (after its device sync)."""
+        self.free(ptr, 0)
+
+    # -- giving memory back -----------------------------------------------------------
+    def release(self, keep: int = 0, wait: bool = True, at_least: bool = False) -> int:
+        """Unmap free memory at the ranges' tops, a mapped step at a time, until at most
+        ``keep`` bytes stay free (``at_least``: only steps whose going leaves at least
+        ``keep``); ranges left with nothing mapped are dropped.  Returns the bytes
+        unmapped.
+
+        Freed blocks may still be in use on their streams: with ``wait`` the device is
+        synchronised first (the pool's ``trim`` has done it), else only ranges whose
+        stream is idle (``cuStreamQuery``) give memory back.  A step the driver refuses
+        to unmap stays mapped and in its range, and the first error is raised after
+        the others went.
+        """
+        released = 0
+        error: BaseException | None = None
+        with self._lock:
+            free = self.cached
+            for sptr, pair in list(self.arenas.items()):
+                if free <= keep:
+                    break
+                if not wait and not self._idle(sptr):
+                    continue
+                for a in pair:
+                    steps = self._steps[a]
+                    while steps and free > keep:
+                        va, n = steps[-1]
+                        if a.top - a.tail_free > va or (at_least and free - n < keep):
+                            break  # a live block in the top step, or keep says stop
+                        a.cut_tail(n)  # out of the arena first: no one takes it now
+                        try:
+                            self._unmap(va, n)
+                        except BaseException as exc:
+                            a.extend(n)  # still mapped: back in the arena
+                            self.n_errors += 1
+                            error = error or exc
+                            break
+                        steps.pop()
+                        self.reserved -= n
+                        free -= n
+                        released += n
+                if all(a.mapped == 0 for a in pair):
+                    self._drop(sptr, pair)
+        if error is not None:
+            raise error
+        return released
+
+    def _idle(self, stream_ptr: int) -> bool:
+        """Whether the work queued on ``stream_ptr`` is done (no wait)."""
+        if stream_ptr == _PER_THREAD:
+            return False  # another thread's per-thread stream cannot be asked from here
+        try:
+            (err,) = self._d.cuStreamQuery(stream_ptr)
+        except Exception:
+            return False
+        return int(err) == 0
+
+    def _unmap(self, va: int, n: int) -> None:
+        check_driver(self._d.cuMemUnmap(va, n), "cuMemUnmap")
+
+    def _drop(self, stream_ptr: int, pair: tuple[Any, Any]) -> None:
+        """Forget the empty ranges of ``stream_ptr`` and their address space."""
+        if self.arenas.get(stream_ptr) is pair:
+            del self.arenas[stream_ptr]
+        for a in pair:
+            self._steps.pop(a, None)
+            err = self._d.cuMemAddressFree(a.base, a.limit)[0]
+            if int(err):
+                self.n_errors += 1
+
+    def reset_peak(self) -> None:
+        self.peak_reserved = self.reserved
+
+    def close(self) -> None:
+        """Unmap everything (the pool is drained and its device synchronised)."""
+        self.closed = True
+        with self._lock:
+            for sptr, pair in list(self.arenas.items()):
+                for a in pair:
+                    for va, n in reversed(self._steps.get(a, [])):
+                        try:
+                            self._unmap(va, n)
+                            self.reserved -= n
+                        except Exception:
+                            self.n_errors += 1
+                            self.leaked += n
+                    self._steps[a] = []
+                self._drop(sptr, pair)
+
+    # -- peers ------------------------------------------------------------------------
+    def set_peers(self, peers: Any) -> None:
+        """Give exactly ``peers`` (other GPUs) access to every range, now and later.
+
+        All or nothing: when the driver refuses one mapped step, the steps already
+        changed get their previous access back and the error is raised (a step whose
+        undo fails too is named in a note)."""
+        peers = tuple(int(p) for p in peers)
+        d = self._d
+        with self._lock:
+            old = self.peers
+            grant = access_descriptors(d, (self.device, *peers), [p for p in old if p not in peers])
+            undo = access_descriptors(d, (self.device, *old), [p for p in peers if p not in old])
+            steps = [s for pair in self.arenas.values() for a in pair for s in self._steps[a]]
+            for i, (va, n) in enumerate(steps):
+                try:
+                    check_driver(d.cuMemSetAccess(va, n, grant, len(grant)), "cuMemSetAccess")
+                except Exception as exc:
+                    mixed = [
+                        f"{v:#x}"
+                        for v, m in steps[:i]
+                        if int(d.cuMemSetAccess(v, m, undo, len(undo))[0])
+                    ]
+                    if mixed:
+                        add_note(
+                            exc,
+                            "the previous peer access could not be restored on mapped "
+                            f"range(s) at {', '.join(mixed)}",
+                        )
+                    raise
+            self._access = access_descriptors(d, (self.device, *peers), ())
+            self.peers = peers
+
+
+def expandable_range_of(ptr: int) -> tuple[ExpandableBlocks, int] | None:
+    """``(ranges, start of the mapped step)`` holding address ``ptr`` among every
+    expandable pool's ranges (closed pools' too), else None."""
+    for blocks in ExpandableBlocks.alive():
+        step = blocks.block_at(ptr)
+        if step is not None:
+            return blocks, step
+    return None
