@@ -38,7 +38,14 @@ from . import _arena_py
 from ._errors import add_note, check_driver
 from ._mapped import access_descriptors, device_allocation
 
-__all__ = ["ExpandableBlocks", "SMALL_MAX", "SMALL_STEP", "LARGE_STEP", "expandable_range_of"]
+__all__ = [
+    "ExpandableBlocks",
+    "SMALL_MAX",
+    "SMALL_STEP",
+    "LARGE_STEP",
+    "expandable_range_of",
+    "stream_key",
+]
 
 SMALL_MAX = 1 << 20  # blocks up to this size share a range of their own (per stream)
 SMALL_STEP = 2 << 20  # which maps this much at a time
@@ -117,9 +124,11 @@ class ExpandableBlocks:
         self._failed = threading.local()  # .call: the mapping call that failed last
         self.peers: tuple[int, ...] = tuple(int(p) for p in peers)
         self._access = access_descriptors(d, (device, *self.peers), ())
-        #: stream handle -> (small blocks' arena, large blocks' arena): the hot path
-        #: looks arenas up here (a dict it holds too, changed only under the GIL).
+        #: stream key (:func:`stream_key`) -> (small blocks' arena, large blocks'
+        #: arena): the hot path looks arenas up here (a dict it holds too, changed
+        #: only under the GIL).
         self.arenas: dict[int, tuple[Any, Any]] = {}
+        self._small: set = set()  # the small blocks' arenas
         self._steps: dict[Any, list[tuple[int, int]]] = {}  # arena -> [(va, bytes) mapped]
         self.reserved = 0  # bytes mapped
         self.peak_reserved = 0
@@ -201,7 +210,8 @@ class ExpandableBlocks:
 
     def _arena_for(self, stream_ptr: int, size: int) -> tuple[Any, int]:
         """The arena of ``stream_ptr`` for ``size``, its two ranges reserved if new."""
-        pair = self.arenas.get(stream_ptr)
+        key = stream_key(stream_ptr)
+        pair = self.arenas.get(key)
         if pair is None:
             stream = _stream_object(stream_ptr)
             made: list[Any] = []
@@ -217,13 +227,14 @@ class ExpandableBlocks:
             pair = (made[0], made[1])
             for m in made:
                 self._steps[m] = []
-            self.arenas[stream_ptr] = pair
+            self._small.add(made[0])
+            self.arenas[key] = pair
         return pair[0] if size <= SMALL_MAX else pair[1], 0
 
     def _grow(self, a: Any, size: int) -> int:
         """Map enough at the top of ``a`` for a block of ``size``; a CUresult."""
         need = _round_up(max(size, 1), _arena_py.UNIT) - a.tail_free
-        step = SMALL_STEP if a is self.arenas[a.stream_ptr][0] else LARGE_STEP
+        step = SMALL_STEP if a in self._small else LARGE_STEP
         exact = _round_up(need, self.granule)
         if exact > a.limit - a.mapped:
             return _OUT_OF_MEMORY
@@ -294,10 +305,10 @@ class ExpandableBlocks:
         error: BaseException | None = None
         with self._lock:
             free = self.cached
-            for sptr, pair in list(self.arenas.items()):
+            for key, pair in list(self.arenas.items()):
                 if free <= keep:
                     break
-                if not wait and not self._idle(sptr):
+                if not wait and not self._idle(pair[0].stream_ptr):
                     continue
                 for a in pair:
                     steps = self._steps[a]
@@ -318,7 +329,7 @@ class ExpandableBlocks:
                         free -= n
                         released += n
                 if all(a.mapped == 0 for a in pair):
-                    self._drop(sptr, pair)
+                    self._drop(key, pair)
         if error is not None:
             raise error
         return released
@@ -336,12 +347,13 @@ class ExpandableBlocks:
     def _unmap(self, va: int, n: int) -> None:
         check_driver(self._d.cuMemUnmap(va, n), "cuMemUnmap")
 
-    def _drop(self, stream_ptr: int, pair: tuple[Any, Any]) -> None:
-        """Forget the empty ranges of ``stream_ptr`` and their address space."""
-        if self.arenas.get(stream_ptr) is pair:
-            del self.arenas[stream_ptr]
+    def _drop(self, key: int, pair: tuple[Any, Any]) -> None:
+        """Forget the empty ranges of stream ``key`` and their address space."""
+        if self.arenas.get(key) is pair:
+            del self.arenas[key]
         for a in pair:
             self._steps.pop(a, None)
+            self._small.discard(a)
             err = self._d.cuMemAddressFree(a.base, a.limit)[0]
             if int(err):
                 self.n_errors += 1
@@ -353,7 +365,7 @@ class ExpandableBlocks:
         """Unmap everything (the pool is drained and its device synchronised)."""
         self.closed = True
         with self._lock:
-            for sptr, pair in list(self.arenas.items()):
+            for key, pair in list(self.arenas.items()):
                 for a in pair:
                     for va, n in reversed(self._steps.get(a, [])):
                         try:
@@ -363,7 +375,7 @@ class ExpandableBlocks:
                             self.n_errors += 1
                             self.leaked += n
                     self._steps[a] = []
-                self._drop(sptr, pair)
+                self._drop(key, pair)
 
     # -- peers ------------------------------------------------------------------------
     def set_peers(self, peers: Any) -> None:
@@ -397,6 +409,16 @@ class ExpandableBlocks:
                     raise
             self._access = access_descriptors(d, (self.device, *peers), ())
             self.peers = peers
+
+
+def stream_key(stream_ptr: int) -> int:
+    """The key of a stream's arenas: its handle, but for handle 2, the per-thread
+    default stream, which is another stream in each thread: ``ident << 2 | 2`` for the
+    calling thread (no stream's handle, an aligned pointer, looks like that).  The
+    hot path makes the same key."""
+    if stream_ptr == _PER_THREAD:
+        return (threading.get_ident() << 2) | _PER_THREAD
+    return stream_ptr
 
 
 def expandable_range_of(ptr: int) -> tuple[ExpandableBlocks, int] | None:

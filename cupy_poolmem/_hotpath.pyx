@@ -21,6 +21,7 @@ capturing is held by the pool until the capture ends.
 
 cimport cython
 from cpython.pycapsule cimport PyCapsule_GetName, PyCapsule_GetPointer
+from cpython.pythread cimport PyThread_get_thread_ident
 
 cdef extern from "Python.h":
     int PyObject_GC_IsFinalized(object)  # 0 for None and objects the GC does not track
@@ -425,7 +426,12 @@ cdef class PoolCore:
 
     @cython.final
     cdef inline Arena _arena(self, uintptr_t sptr, size_t size):
-        """The arena of (``sptr``, ``size``), or None when the stream has none yet."""
+        """The arena of (``sptr``, ``size``), or None when the stream has none yet.
+
+        Handle 2, the per-thread default stream, is another stream in each thread: its
+        arenas are this thread's (key ``ident << 2 | 2``, no stream's handle)."""
+        if sptr == 2:
+            sptr = (<uintptr_t>PyThread_get_thread_ident() << 2) | 2
         if self._arena_small is None or sptr != self._arena_sptr:
             pair = self._arenas.get(sptr)
             if pair is None:

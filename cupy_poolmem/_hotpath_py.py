@@ -291,7 +291,10 @@ class PoolCore:
         self._arena_small = self._arena_large = None
 
     def _arena(self, sptr: int, size: int) -> Any:
-        """The arena of (``sptr``, ``size``), or None when the stream has none yet."""
+        """The arena of (``sptr``, ``size``), or None when the stream has none yet
+        (handle 2, the per-thread default stream: this thread's arenas)."""
+        if sptr == 2:
+            sptr = (threading.get_ident() << 2) | 2
         if self._arena_small is None or sptr != self._arena_sptr:
             pair = self._arenas.get(sptr)
             if pair is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -94,6 +95,19 @@ def test_each_stream_places_its_blocks_in_ranges_of_its_own(ranges):
     assert b.alloc(8 * MiB, 0x5000)[1] == p  # its own stream's freed room
 
 
+def test_the_per_thread_default_stream_has_ranges_of_its_own_in_each_thread(ranges):
+    b = ranges()
+    p = b.alloc(8 * MiB, 2)[1]
+    b.free(p, 2)
+    got = []
+    t = threading.Thread(target=lambda: got.append(b.alloc(8 * MiB, 2)[1]))
+    t.start()
+    t.join()
+    assert got[0] != p and len(b.arenas) == 2  # another thread: another stream
+    assert b.alloc(8 * MiB, 2)[1] == p  # this thread's own
+    assert _expandable.stream_key(2) != 2 and _expandable.stream_key(0x5000) == 0x5000
+
+
 def test_a_block_larger_than_a_step_maps_what_it_needs_in_one_step(ranges, drv):
     b = ranges()
     b.alloc(45 * MiB + 1, 0x5000)
@@ -139,7 +153,7 @@ def test_without_waiting_only_idle_streams_give_memory_back(ranges, drv):
         b.free(b.alloc(20 * MiB, s)[1], s)
     drv.busy.add(0x5000)
     assert b.release(0, wait=False) == 20 * MiB  # 0x6000's; 2 is another thread's stream
-    assert set(b.arenas) == {0x5000, 2}
+    assert set(b.arenas) == {0x5000, _expandable.stream_key(2)}
     assert b.release(0, wait=True) == 40 * MiB
 
 
@@ -335,6 +349,23 @@ def test_twin_each_stream_takes_from_its_own_arenas(world, drv):
     assert y.ptr != xp and set(b.arenas) == {0x5000, 0x6000}
     del y  # back to 0x6000's arena, whatever stream is current
     world.current = cupy.cuda.ExternalStream(0x5000, 0)
+    assert p.malloc(4 * MiB).ptr == xp
+
+
+def test_twin_the_per_thread_default_stream_is_another_stream_in_each_thread(world, drv):
+    import cupy
+
+    p, b = _expandable_twin(world, drv)
+    world.current = cupy.cuda.ExternalStream(2, 0)
+    x = p.malloc(4 * MiB)
+    xp = x.ptr
+    del x
+    got = []
+    t = threading.Thread(target=lambda: got.append(p.malloc(4 * MiB)))
+    t.start()
+    t.join()
+    assert got[0].ptr != xp  # the other thread's per-thread stream: its own ranges
+    got.clear()
     assert p.malloc(4 * MiB).ptr == xp
 
 
