@@ -3,7 +3,8 @@
 
 The spans tile ``[base, top)`` in address order (``_spans``); the free ones are also
 kept by (size, address) (``_holes``), so a request finds the free spans that fit
-with a binary search and takes the lowest of them (a scan of those: a few dozen),
+with a binary search and takes the lowest of them (a scan of every free span at least
+that large: the fewer, the larger the request),
 and a free finds its block, and its neighbours to merge with, with another.  Both arrays are sorted C arrays, moved with ``memmove`` on an
 insert or a removal: a range holds a few hundred spans, where a move of a few
 kilobytes costs less than a tree's node allocations.  ``take`` and ``give`` raise
@@ -205,11 +206,18 @@ cdef class Arena:
             return self._spans[last].size
         return 0
 
+    def retire(self):
+        """Take nothing more (the owner unmaps the range): every ``take`` answers 0."""
+        self.limit = 0
+
     def cut_tail(self, size_t n):
-        """Take the top ``n`` free bytes out of the arena (before the owner unmaps them)."""
+        """Take the top ``n`` bytes out of the arena if they are free (before the owner
+        unmaps them), in one step: False, and nothing changes, when they are not."""
         cdef Py_ssize_t last = self._n_spans - 1
-        if n == 0 or n > self.tail_free:
-            raise ValueError(f"cannot cut {n} bytes: {self.tail_free} free at the top")
+        if n == 0 or n % _UNIT:
+            raise ValueError(f"cannot cut {n} bytes from the arena at {self.base:#x}")
+        if last < 0 or not self._spans[last].free or self._spans[last].size < n:
+            return False
         self._hole_out(self._spans[last].size, self._spans[last].addr)
         self._spans[last].size -= n
         if self._spans[last].size:
@@ -218,6 +226,7 @@ cdef class Arena:
             self._span_out(last)
         self.top -= n
         self.free_bytes -= n
+        return True
 
     def spans(self):
         """``[(address, bytes, free), ...]`` in address order."""

@@ -14,8 +14,12 @@ unmap (:meth:`Arena.cut_tail`) or extend (:meth:`Arena.extend`).
 The compiled ``_arena.Arena`` keeps the same spans in C arrays; this twin keeps them
 in lists of ints, with ``bisect`` (a free span's key in ``_holes`` is
 ``size << 64 | address``).  The compiled one's calls are single steps under the GIL;
-here a lock makes them so.  Nothing in them allocates an object the garbage
-collector tracks, so no collection (and no free it runs) starts inside one.  Both are tested on the same traces
+here a lock makes them so.  A garbage collection can still start inside one (from
+Python 3.12 at any function call or loop), and a block it frees comes back to
+:meth:`Arena.give` in the same thread: the lock is reentrant, and a give that finds
+a call of its own thread under way (``_busy``, set once the lock is held and before
+any change) is queued; that call does it before it lets go.  A take there answers 0
+(the pool's slow path), and an extend or a cut raises ``RuntimeError``.  Both are tested on the same traces
 (``tests/test_arena_cpu.py``), and the pure-Python hot path uses this one.
 """
 
@@ -70,7 +74,23 @@ class Arena:
         self._sizes: list[int] = []
         self._free: list[bool] = []
         self._holes: list[int] = []  # size << 64 | addr of the free spans, ascending
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._busy = False  # a call is changing the spans (its thread holds the lock)
+        self._queued: list[int] = []  # gives from a collection inside that call
+
+    def _call(self, fn: Any, arg: int) -> Any:
+        """``fn(arg)`` under the lock, then the gives queued meanwhile; the lock held."""
+        self._busy = True
+        try:
+            out = fn(arg)
+            while self._queued:
+                self._give(self._queued.pop())
+        finally:
+            self._busy = False
+        return out
+
+    def _nested(self, what: str) -> None:
+        raise RuntimeError(f"Arena.{what} inside a garbage collection inside another call")
 
     @property
     def mapped(self) -> int:
@@ -99,7 +119,7 @@ class Arena:
             return 0
         r = max(UNIT, (size + UNIT - 1) // UNIT * UNIT)
         with self._lock:
-            return self._take(r)
+            return 0 if self._busy else self._call(self._take, r)
 
     def _take(self, r: int) -> int:
         h = bisect.bisect_left(self._holes, r << 64)
@@ -123,9 +143,13 @@ class Arena:
 
     def give(self, addr: int) -> int:
         """Free the live span at ``addr``, merged with its free neighbours; returns its
-        size, or 0 when no live span starts there (nothing changes)."""
+        size, or 0 when no live span starts there (nothing changes); 1 when it is
+        queued behind a call of this thread under way (a collection inside it)."""
         with self._lock:
-            return self._give(addr)
+            if self._busy:
+                self._queued.append(addr)
+                return 1
+            return self._call(self._give, addr)
 
     def _give(self, addr: int) -> int:
         i = self._at(addr)
@@ -155,7 +179,9 @@ class Arena:
         if n <= 0 or n % UNIT or self.mapped + n > self.limit:
             raise ValueError(f"cannot extend the arena at {self.base:#x} by {n} bytes")
         with self._lock:
-            self._extend(n)
+            if self._busy:
+                self._nested("extend")
+            self._call(self._extend, n)
 
     def _extend(self, n: int) -> None:
         if self._free and self._free[-1]:
@@ -176,14 +202,23 @@ class Arena:
         """Bytes of the free span that ends at ``top`` (0 when the last span is live)."""
         return self._sizes[-1] if self._free and self._free[-1] else 0
 
-    def cut_tail(self, n: int) -> None:
-        """Take the top ``n`` free bytes out of the arena (before the owner unmaps them)."""
-        if n <= 0 or n > self.tail_free:
-            raise ValueError(f"cannot cut {n} bytes: {self.tail_free} free at the top")
+    def cut_tail(self, n: int) -> bool:
+        """Take the top ``n`` bytes out of the arena if they are free (before the owner
+        unmaps them), in one step: False, and nothing changes, when they are not."""
+        if n <= 0 or n % UNIT:
+            raise ValueError(f"cannot cut {n} bytes from the arena at {self.base:#x}")
         with self._lock:
-            self._cut(n)
+            if self._busy:
+                self._nested("cut_tail")
+            return bool(self._call(self._cut, n))
 
-    def _cut(self, n: int) -> None:
+    def retire(self) -> None:
+        """Take nothing more (the owner unmaps the range): every ``take`` answers 0."""
+        self.limit = 0
+
+    def _cut(self, n: int) -> bool:
+        if n > self.tail_free:
+            return False
         last = len(self._addrs) - 1
         self._unhole(last)
         self._sizes[last] -= n
@@ -193,6 +228,7 @@ class Arena:
             self._drop(last)
         self.top -= n
         self.free_bytes -= n
+        return True
 
     def spans(self) -> list[tuple[int, int, bool]]:
         """``[(address, bytes, free), ...]`` in address order."""

@@ -1,4 +1,4 @@
-"""``DevicePool(large_blocks="expandable")``: every block placed best fit in address
+"""``DevicePool(large_blocks="expandable")``: every block placed first fit in address
 ranges that grow by mapping device memory, two per stream.
 
 A CUDA pool, and CuPy's ``MemoryPool``, place blocks in chunks of memory of their
@@ -9,9 +9,10 @@ address range reserved once (``cuMemAddressReserve``, the device's size), mapped
 from its start upward as it fills (``cuMemCreate``, ``cuMemMap``,
 ``cuMemSetAccess``: 20 MiB at a time, 2 MiB for the range of blocks up to
 :data:`SMALL_MAX`, which keeps small blocks from splitting the large ones' room).
-An :class:`~cupy_poolmem._arena_py.Arena` places the blocks: the smallest free
-span that fits, split to size; a freed block merges with free neighbours, so its
-room serves any later size.  torch's ``expandable_segments`` works this way.
+An :class:`~cupy_poolmem._arena_py.Arena` places the blocks: the free span of
+lowest address that fits, split to size; a freed block merges with free neighbours,
+so its room serves any later size.  torch's ``expandable_segments`` works this way
+(with best fit).
 
 The hot path takes and gives blocks in the arenas itself (two C calls, no driver
 call: ``_hotpath.pyx``'s ``_arena_take``/``_arena_give``); this module runs when an
@@ -19,17 +20,22 @@ arena has no room: it maps more at the range's top, or makes the range.  A freed
 block goes back to the arena of the stream it was allocated on, where the next
 allocation on that stream may take it at once (stream order, as for CuPy's
 ``MemoryPool``); ``record_stream`` orders its other streams' work first.  An arena
-keeps its stream object alive, so the stream's handle names no other stream
-meanwhile.
+keeps its stream object alive, so a CuPy stream's handle names no other stream
+meanwhile (an ``ExternalStream``'s owner must not destroy it while the pool has
+blocks or ranges of it).  The per-thread default stream (handle 2) is another
+stream in each thread: its ranges are keyed by a token of the thread, never reused.
 
 Nothing is unmapped on a free: :meth:`ExpandableBlocks.release` (the pool's
-``trim``, and before an out-of-memory error) unmaps what is free at the top of each
-range, in the mapped steps it was mapped in, and drops the ranges of streams left
-with nothing mapped.  Memory free inside a range, below a live block, stays mapped.
+``trim``, and before an out-of-memory error) takes what is free at the top of each
+range out of its arena, then waits for the range's stream (or, without waiting,
+puts it back if the stream is busy or capturing) and unmaps it, in the mapped
+steps it was mapped in; ranges left with nothing mapped are dropped.  Memory free
+inside a range, below a live block, stays mapped.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from typing import Any, ClassVar
@@ -58,6 +64,12 @@ def _drv() -> Any:
     from cuda.bindings import driver
 
     return driver
+
+
+def _device_sync(device: int) -> None:
+    from ._device import sync_device
+
+    sync_device(device)
 
 
 def _round_up(n: int, unit: int) -> int:
@@ -196,17 +208,23 @@ class ExpandableBlocks:
         """``(CUresult, address)`` of a block of ``size`` bytes on stream ``stream_ptr``:
         from its arena, after mapping more at the range's top if it has no room."""
         with self._lock:
+            if self.closed:
+                return _OUT_OF_MEMORY, 0
             a, err = self._arena_for(stream_ptr, size)
             if err:
                 return err, 0
             ptr = a.take(size)
             if ptr:
                 return 0, ptr
-            err = self._grow(a, size)
-            if err:
-                return err, 0
-            ptr = a.take(size)
-            return (0, ptr) if ptr else (_OUT_OF_MEMORY, 0)
+            # Another thread's hot path (no lock) may take the new room first: again.
+            for _ in range(4):
+                err = self._grow(a, size)
+                if err:
+                    return err, 0
+                ptr = a.take(size)
+                if ptr:
+                    return 0, ptr
+            return _OUT_OF_MEMORY, 0
 
     def _arena_for(self, stream_ptr: int, size: int) -> tuple[Any, int]:
         """The arena of ``stream_ptr`` for ``size``, its two ranges reserved if new."""
@@ -245,8 +263,12 @@ class ExpandableBlocks:
             err = self._map(a.top, n)
         if err:
             return err
-        self._steps[a].append((a.top, n))
-        a.extend(n)
+        try:
+            a.extend(n)
+        except BaseException:
+            self._unmap(a.top, n)  # (only from a collection inside an arena call)
+            return _OUT_OF_MEMORY
+        self._steps[a].append((a.top - n, n))
         self.reserved += n
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return 0
@@ -295,51 +317,88 @@ class ExpandableBlocks:
         ``keep``); ranges left with nothing mapped are dropped.  Returns the bytes
         unmapped.
 
-        Freed blocks may still be in use on their streams: with ``wait`` the device is
-        synchronised first (the pool's ``trim`` has done it), else only ranges whose
-        stream is idle (``cuStreamQuery``) give memory back.  A step the driver refuses
-        to unmap stays mapped and in its range, and the first error is raised after
-        the others went.
+        A step is taken out of its arena first (in one step, only if it is all free),
+        so no allocation gets it meanwhile.  Blocks freed there may still be in use on
+        their stream: with ``wait`` the device is synchronised after the cut, else the
+        steps of a stream that is busy or capturing (or that cannot be asked: another
+        thread's per-thread stream) go back to their arena.  A step the driver refuses
+        to unmap goes back too, with those below it, and the first error is raised
+        after the other ranges went.
         """
-        released = 0
         error: BaseException | None = None
         with self._lock:
             free = self.cached
-            for key, pair in list(self.arenas.items()):
-                if free <= keep:
-                    break
-                if not wait and not self._idle(pair[0].stream_ptr):
-                    continue
+            cuts: list[tuple[Any, list[tuple[int, int]]]] = []  # (arena, steps cut)
+            for pair in list(self.arenas.values()):
                 for a in pair:
-                    steps = self._steps[a]
-                    while steps and free > keep:
-                        va, n = steps[-1]
-                        if a.top - a.tail_free > va or (at_least and free - n < keep):
-                            break  # a live block in the top step, or keep says stop
-                        a.cut_tail(n)  # out of the arena first: no one takes it now
-                        try:
-                            self._unmap(va, n)
-                        except BaseException as exc:
-                            a.extend(n)  # still mapped: back in the arena
-                            self.n_errors += 1
-                            error = error or exc
-                            break
-                        steps.pop()
-                        self.reserved -= n
+                    steps = self._steps.get(a, [])
+                    cut: list[tuple[int, int]] = []
+                    while len(cut) < len(steps) and free > keep:
+                        va, n = steps[-1 - len(cut)]
+                        if (at_least and free - n < keep) or not a.cut_tail(n):
+                            break  # keep says stop, or a live block in this step
+                        cut.append((va, n))
                         free -= n
-                        released += n
+                    if cut:
+                        cuts.append((a, cut))
+            if not cuts:
+                return 0
+            if wait:
+                try:
+                    _device_sync(self.device)
+                except BaseException as exc:
+                    for a, cut in cuts:
+                        self._put_back(a, cut)
+                    raise exc from None
+            released = 0
+            for a, cut in cuts:
+                if not wait and not self._idle(a.stream_ptr):
+                    self._put_back(a, cut)
+                    continue
+                steps = self._steps[a]
+                for k, (va, n) in enumerate(cut):  # from the top down
+                    try:
+                        self._unmap(va, n)
+                    except BaseException as exc:
+                        self._put_back(a, cut[k:])  # still mapped: back in the arena
+                        self.n_errors += 1
+                        error = error or exc
+                        break
+                    steps.pop()
+                    self.reserved -= n
+                    released += n
+            for key, pair in list(self.arenas.items()):
                 if all(a.mapped == 0 for a in pair):
                     self._drop(key, pair)
         if error is not None:
             raise error
         return released
 
+    @staticmethod
+    def _put_back(a: Any, cut: list[tuple[int, int]]) -> None:
+        """Give ``a`` back the steps ``cut`` from its top (listed top down): still mapped."""
+        for _va, n in reversed(cut):
+            a.extend(n)
+
     def _idle(self, stream_ptr: int) -> bool:
-        """Whether the work queued on ``stream_ptr`` is done (no wait)."""
+        """Whether the work queued on ``stream_ptr`` is done, asked without waiting and
+        without disturbing a capture: a stream that is capturing, the legacy stream
+        while any capture is under way, and another thread's per-thread stream are
+        not asked (not idle)."""
+        from ._streams import any_capture_underway
+
         if stream_ptr == _PER_THREAD:
-            return False  # another thread's per-thread stream cannot be asked from here
+            return False
+        d = self._d
         try:
-            (err,) = self._d.cuStreamQuery(stream_ptr)
+            if stream_ptr <= 1:
+                if any_capture_underway():
+                    return False
+            else:
+                err, status = d.cuStreamIsCapturing(stream_ptr)
+                if int(err) or int(status):
+                    return False
+            (err,) = d.cuStreamQuery(stream_ptr)
         except Exception:
             return False
         return int(err) == 0
@@ -352,9 +411,10 @@ class ExpandableBlocks:
         if self.arenas.get(key) is pair:
             del self.arenas[key]
         for a in pair:
+            a.retire()
             self._steps.pop(a, None)
             self._small.discard(a)
-            err = self._d.cuMemAddressFree(a.base, a.limit)[0]
+            err = self._d.cuMemAddressFree(a.base, self.span)[0]
             if int(err):
                 self.n_errors += 1
 
@@ -365,6 +425,9 @@ class ExpandableBlocks:
         """Unmap everything (the pool is drained and its device synchronised)."""
         self.closed = True
         with self._lock:
+            for pair in list(self.arenas.values()):
+                for a in pair:
+                    a.retire()  # first: a hot path that remembers it takes nothing more
             for key, pair in list(self.arenas.items()):
                 for a in pair:
                     for va, n in reversed(self._steps.get(a, [])):
@@ -411,13 +474,21 @@ class ExpandableBlocks:
             self.peers = peers
 
 
+_TOKENS = itertools.count(1)
+_THREAD = threading.local()
+
+
 def stream_key(stream_ptr: int) -> int:
     """The key of a stream's arenas: its handle, but for handle 2, the per-thread
-    default stream, which is another stream in each thread: ``ident << 2 | 2`` for the
-    calling thread (no stream's handle, an aligned pointer, looks like that).  The
-    hot path makes the same key."""
+    default stream, which is another stream in each thread: ``token << 2 | 2``, the
+    token the calling thread drew first (never another thread's, even once it ended,
+    whose stream's work may still run; no stream's handle, an aligned pointer, looks
+    like it).  Both hot paths ask this function for it."""
     if stream_ptr == _PER_THREAD:
-        return (threading.get_ident() << 2) | _PER_THREAD
+        token = getattr(_THREAD, "token", 0)
+        if not token:
+            token = _THREAD.token = next(_TOKENS)
+        return (token << 2) | _PER_THREAD
     return stream_ptr
 
 

@@ -21,7 +21,6 @@ capturing is held by the pool until the capture ends.
 
 cimport cython
 from cpython.pycapsule cimport PyCapsule_GetName, PyCapsule_GetPointer
-from cpython.pythread cimport PyThread_get_thread_ident
 
 cdef extern from "Python.h":
     int PyObject_GC_IsFinalized(object)  # 0 for None and objects the GC does not track
@@ -123,6 +122,7 @@ cdef int _KIND_PINNED = 1  # the C twin of KIND_PINNED (no module lookup and com
 IMPLEMENTATION = "cython"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
 VERSION = 15
+from cupy_poolmem._expandable import stream_key as _stream_key
 #: The arena class the hot path takes blocks from (``DevicePool(large_blocks="expandable")``).
 ARENA = Arena
 
@@ -429,9 +429,9 @@ cdef class PoolCore:
         """The arena of (``sptr``, ``size``), or None when the stream has none yet.
 
         Handle 2, the per-thread default stream, is another stream in each thread: its
-        arenas are this thread's (key ``ident << 2 | 2``, no stream's handle)."""
+        arenas are keyed by this thread's token (``_expandable.stream_key``)."""
         if sptr == 2:
-            sptr = (<uintptr_t>PyThread_get_thread_ident() << 2) | 2
+            sptr = _stream_key(2)
         if self._arena_small is None or sptr != self._arena_sptr:
             pair = self._arenas.get(sptr)
             if pair is None:

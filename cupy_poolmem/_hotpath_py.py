@@ -24,6 +24,7 @@ from cupy.cuda.pinned_memory import PinnedMemoryPointer as _PinnedMemoryPointer
 from cupy.cuda.stream import get_current_stream as _get_current_stream
 
 from ._arena_py import Arena as ARENA  # noqa: F401  (the arena class of this hot path)
+from ._expandable import stream_key as _stream_key
 
 KIND_DEVICE = 0
 KIND_PINNED = 1
@@ -294,7 +295,7 @@ class PoolCore:
         """The arena of (``sptr``, ``size``), or None when the stream has none yet
         (handle 2, the per-thread default stream: this thread's arenas)."""
         if sptr == 2:
-            sptr = (threading.get_ident() << 2) | 2
+            sptr = _stream_key(2)
         if self._arena_small is None or sptr != self._arena_sptr:
             pair = self._arenas.get(sptr)
             if pair is None:

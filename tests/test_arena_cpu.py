@@ -1,5 +1,5 @@
-"""The arena's placement (``_arena.pyx`` and its twin ``_arena_py.py``) on a CPU: best
-fit, splits and merges, the range's top, and both twins on the same random traces."""
+"""The arena's placement (``_arena.pyx`` and its twin ``_arena_py.py``) on a CPU: first
+fit by address, splits and merges, the range's top, and both twins on the same random traces."""
 
 from __future__ import annotations
 
@@ -108,10 +108,12 @@ def test_extend_grows_the_free_top_and_cut_tail_takes_it_back(arena):
     assert a.tail_free == 3072 + 8192 and len(a.spans()) == 2
     a.cut_tail(8192)
     assert a.top == BASE + 4096 and a.tail_free == 3072
-    a.cut_tail(3072)
+    assert not a.cut_tail(3584)  # more than is free at the top: nothing changes
+    assert a.cut_tail(3072)
     assert a.spans() == [(p, 1024, False)] and a.tail_free == 0
-    with pytest.raises(ValueError, match="cannot cut 512 bytes: 0 free"):
-        a.cut_tail(512)
+    assert not a.cut_tail(512)
+    with pytest.raises(ValueError, match="cannot cut 100 bytes"):
+        a.cut_tail(100)
     a.extend(1 << 19)  # after a live span: a new free one
     check(a)
 

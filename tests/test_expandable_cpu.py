@@ -38,13 +38,26 @@ class Driver(VmmDriver):
         super().__init__()
         self.busy: set = set()
 
+        self.capturing: set = set()
+
     def cuStreamQuery(self, s):  # noqa: N802
+        self.log.append(("query", s))
         return (600 if s in self.busy else 0,)  # CUDA_ERROR_NOT_READY
+
+    def cuStreamIsCapturing(self, s):  # noqa: N802
+        return 0, int(s in self.capturing)
 
 
 @pytest.fixture
 def drv(monkeypatch):
-    return use_driver(monkeypatch, Driver())
+    d = use_driver(monkeypatch, Driver())
+
+    def sync(dev):
+        d.log.append(("devsync", dev))
+        d.busy.clear()  # every stream's work done
+
+    monkeypatch.setattr(_expandable, "_device_sync", sync)
+    return d
 
 
 @pytest.fixture(params=ARENAS, ids=lambda a: a.__module__.rsplit(".", 1)[1])

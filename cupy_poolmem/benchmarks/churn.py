@@ -24,7 +24,7 @@ after every step.
 
 Goal: a reserved peak at most 0.8x MemoryPool's, at equal speed (at most 1.05x its
 time per step), for the DevicePool that places every block in growing mapped ranges
-(``large_blocks="expandable"``, two per stream, best fit); the goal line says the
+(``large_blocks="expandable"``, two per stream, first fit); the goal line says the
 ratios of the pool that maps each large block on memory of its own
 (``large_blocks="mapped"``) and of the default pool too.  The default DevicePool takes blocks
 up to 8 MiB from a CUDA pool of their own (``small_pool``); the ``ipc=True`` row is the
