@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 from . import _arena_py
 from ._errors import add_note, check_driver
-from ._mapped import access_descriptors, device_allocation
+from ._mapped import access_descriptors, access_flags, device_allocation
 
 __all__ = [
     "ExpandableBlocks",
@@ -196,12 +196,8 @@ class ExpandableBlocks:
         word, ``cuMemGetAccess``); the ranges' own GPU always may."""
         if device == self.device:
             return True
-        d = self._d
-        where = d.CUmemLocation()
-        where.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        where.id = int(device)
-        flags = check_driver(d.cuMemGetAccess(where, ptr), "cuMemGetAccess")
-        return int(flags) == int(d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        rw = self._d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return int(access_flags(self._d, ptr, device)) == int(rw)
 
     # -- allocation (the hot path's arenas had no room) -------------------------------
     def alloc(self, size: int, stream_ptr: int) -> tuple[int, int]:

@@ -44,6 +44,7 @@ __all__ = [
     "MAPPED_MARGIN",
     "MAPPED_MARGIN_SHARE",
     "access_descriptors",
+    "access_flags",
     "device_allocation",
     "mapped_block_of",
 ]
@@ -307,11 +308,16 @@ class MappedBlocks(BlockCache):
 
     def _access_flags(self, ptr: int, device: int) -> Any:
         """The driver's ``CUmemAccess_flags`` of GPU ``device`` on the block at ``ptr``."""
-        d = self._d
-        where = d.CUmemLocation()
-        where.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        where.id = int(device)
-        return check_driver(d.cuMemGetAccess(where, ptr), "cuMemGetAccess")
+        return access_flags(self._d, ptr, device)
+
+
+def access_flags(d: Any, ptr: int, device: int) -> Any:
+    """The driver's ``CUmemAccess_flags`` of GPU ``device`` on mapped memory at ``ptr``
+    (``cuMemGetAccess``; ``d``: cuda.bindings' driver module, or a fake)."""
+    where = d.CUmemLocation()
+    where.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    where.id = int(device)
+    return check_driver(d.cuMemGetAccess(where, ptr), "cuMemGetAccess")
 
 
 def mapped_block_of(array: Any, ptr: int | None = None) -> tuple[MappedBlocks, int] | None:

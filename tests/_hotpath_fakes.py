@@ -224,6 +224,33 @@ class _FakeDevice:
         pass
 
 
+def recorded_device_pools(monkeypatch: Any, **fields: Any) -> SimpleNamespace:
+    """``DevicePool(...)`` on a fake single GPU (:func:`fake_device_pools`) whose CUDA
+    pools are listed in ``mrs`` of the namespace returned (with ``fields``): each a
+    handle, ``closed`` once closed, its options, and zero statistics."""
+    handles = itertools.count(0x100)
+    out = SimpleNamespace(mrs=[], **fields)
+
+    def mr(dev: Any, opts: Any) -> Any:
+        m = SimpleNamespace(
+            handle=next(handles),
+            closed=False,
+            is_ipc_enabled=opts.ipc_enabled,
+            max_size=opts.max_size,
+            attributes=SimpleNamespace(
+                reserved_mem_current=0, reserved_mem_high=0, used_mem_current=0
+            ),
+        )
+        m.close = lambda: setattr(m, "closed", True)
+        out.mrs.append(m)
+        return m
+
+    fake_device_pools(monkeypatch, mr)
+    monkeypatch.setattr(_pools, "device_count", lambda: 1)
+    monkeypatch.setattr(_pools, "_set_attr", lambda *a: None)
+    return out
+
+
 def fake_device_pools(monkeypatch: Any, make_mr: Any) -> None:
     """``DevicePool(...)`` on a fake 16 GiB GPU 0 whose CUDA pools ``make_mr(dev,
     options)`` makes (in place of cuda.core's ``DeviceMemoryResource``)."""

@@ -68,6 +68,20 @@ def spin(ms: float, stream) -> None:
         k((1,), (1,), (np.int64(int(ms * rate)),))
 
 
+def warm_up() -> None:
+    """Load the kernels the stream tests use once: a module load synchronises the
+    context, which would let a spinning kernel finish early."""
+    import cupy
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    spin(0.01, s)
+    with s:
+        x = cupy.empty(16, dtype=cupy.int32)
+        x.fill(1)
+        int(x.sum())
+    s.synchronize()
+
+
 @pytest.fixture(scope="module")
 def ipc_allocator():
     """CuPy on ``cupy_poolmem.set_allocator()`` (IPC pools) for a whole test module."""

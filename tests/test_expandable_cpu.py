@@ -5,15 +5,13 @@ options, and the churn trace's reserved peak.  A GPU checks the data
 
 from __future__ import annotations
 
-import itertools
 import random
 import threading
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from _event_fakes import use_driver
-from _hotpath_fakes import bare_core, compiled_hotpath, fake_device_pools
+from _hotpath_fakes import bare_core, compiled_hotpath, recorded_device_pools
 from test_mapped_cpu import VmmDriver
 
 import cupy_poolmem as cpm
@@ -439,25 +437,7 @@ def test_the_compiled_allocation_path_takes_from_the_arenas_as_the_twin_does():
 # -- the option -----------------------------------------------------------------------
 @pytest.fixture
 def made(monkeypatch, fake_retirer, drv):
-    handles = itertools.count(0x100)
-    out = SimpleNamespace(mrs=[], retirer=fake_retirer, drv=drv)
-
-    def mr(dev, opts):
-        m = SimpleNamespace(
-            handle=next(handles),
-            closed=False,
-            is_ipc_enabled=opts.ipc_enabled,
-            attributes=SimpleNamespace(
-                reserved_mem_current=0, reserved_mem_high=0, used_mem_current=0
-            ),
-        )
-        m.close = lambda: setattr(m, "closed", True)
-        out.mrs.append(m)
-        return m
-
-    fake_device_pools(monkeypatch, mr)
-    monkeypatch.setattr(_pools, "device_count", lambda: 1)
-    monkeypatch.setattr(_pools, "_set_attr", lambda *a: None)
+    out = recorded_device_pools(monkeypatch, retirer=fake_retirer, drv=drv)
     monkeypatch.setattr(
         _pools,
         "_new_expandable_blocks",

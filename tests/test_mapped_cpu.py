@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from _event_fakes import FakeEvents, use_driver
-from _hotpath_fakes import compiled_hotpath, fake_device_pools
+from _hotpath_fakes import compiled_hotpath, recorded_device_pools
 from _waits import wait_for
 from cuda.bindings import driver as real
 
@@ -381,26 +381,7 @@ def test_compiled_routes_as_the_twin_does():
 # -- the option -----------------------------------------------------------------------
 @pytest.fixture
 def made(monkeypatch, fake_retirer, drv):
-    handles = itertools.count(0x100)
-    out = SimpleNamespace(mrs=[], retirer=fake_retirer, drv=drv)
-
-    def mr(dev, opts):
-        m = SimpleNamespace(
-            handle=next(handles),
-            closed=False,
-            is_ipc_enabled=opts.ipc_enabled,
-            max_size=opts.max_size,
-            attributes=SimpleNamespace(
-                reserved_mem_current=0, reserved_mem_high=0, used_mem_current=0
-            ),
-        )
-        m.close = lambda: setattr(m, "closed", True)
-        out.mrs.append(m)
-        return m
-
-    fake_device_pools(monkeypatch, mr)
-    monkeypatch.setattr(_pools, "device_count", lambda: 1)
-    monkeypatch.setattr(_pools, "_set_attr", lambda *a: None)
+    out = recorded_device_pools(monkeypatch, retirer=fake_retirer, drv=drv)
     monkeypatch.setattr(
         _pools,
         "_new_mapped_blocks",

@@ -21,24 +21,13 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 
-from _waits import spin, wait_for  # noqa: E402
+from _waits import spin, wait_for, warm_up  # noqa: E402
 
 MiB = 1 << 20
 
 
 def _pool(**kw):
     return cpm.DevicePool(large_blocks="expandable", **kw)
-
-
-def _warm_up() -> None:
-    """Load the kernels used below once: a module load synchronises the context."""
-    s = cupy.cuda.Stream(non_blocking=True)
-    spin(0.01, s)
-    with s:
-        x = cupy.empty(16, dtype=cupy.int32)
-        x.fill(1)
-        int(x.sum())
-    s.synchronize()
 
 
 def _check(arrays: dict) -> None:
@@ -89,7 +78,7 @@ def test_a_freed_blocks_room_serves_another_size_between_live_neighbours():
 
 
 def test_a_block_freed_behind_a_running_kernel_is_written_in_stream_order():
-    _warm_up()
+    warm_up()
     pool = _pool()
     s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     n = 24 * MiB // 4
@@ -120,7 +109,7 @@ def test_a_block_freed_behind_a_running_kernel_is_written_in_stream_order():
 
 
 def test_record_stream_orders_the_next_block_after_the_other_streams_work():
-    _warm_up()
+    warm_up()
     pool = _pool()
     s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     n = 16 * MiB // 4

@@ -21,24 +21,13 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 
-from _waits import spin, wait_for  # noqa: E402
+from _waits import spin, wait_for, warm_up  # noqa: E402
 
 MiB = 1 << 20
 
 
 def _mapped_pool(**kw):
     return cpm.DevicePool(large_blocks="mapped", **kw)
-
-
-def _warm_up() -> None:
-    """Load the kernels used below once: a module load synchronises the context."""
-    s = cupy.cuda.Stream(non_blocking=True)
-    spin(0.01, s)
-    with s:
-        x = cupy.empty(16, dtype=cupy.int32)
-        x.fill(1)
-        int(x.sum())
-    s.synchronize()
 
 
 def test_large_blocks_are_mapped_hold_their_data_and_go_back_to_the_device():
@@ -74,7 +63,7 @@ def test_large_blocks_are_mapped_hold_their_data_and_go_back_to_the_device():
 
 
 def test_a_block_freed_behind_a_running_kernel_is_neither_given_to_another_stream_nor_unmapped():
-    _warm_up()
+    warm_up()
     pool = _mapped_pool(release_threshold=0)  # unmap every freed block as soon as it may
     s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     n = 48 * MiB // 4
@@ -110,7 +99,7 @@ def test_a_block_freed_behind_a_running_kernel_is_neither_given_to_another_strea
 
 
 def test_a_freed_block_is_reused_at_once_on_its_own_stream_in_stream_order():
-    _warm_up()
+    warm_up()
     pool = _mapped_pool()
     s1 = cupy.cuda.Stream(non_blocking=True)
     n = 24 * MiB // 4
@@ -133,7 +122,7 @@ def test_a_destroyed_streams_handle_on_a_new_stream_gets_the_block_after_the_old
     """The cache knows streams by handle.  A stream destroyed with its work still
     running, whose handle the driver gives the next stream: a block freed on the old
     one serves the new one at once, but its writes land after the old one's."""
-    _warm_up()
+    warm_up()
     pool = _mapped_pool(reuse_cache=0)  # frees straight to the mapped blocks' cache
     n = 24 * MiB // 4
     old = cupy.cuda.Stream(non_blocking=True)
