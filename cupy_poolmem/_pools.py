@@ -1076,7 +1076,7 @@ class DevicePool(Pool):
     out-of-memory retry unmap the free memory at the top of each range (a stream's
     ranges go once nothing is mapped in them); memory free below a live block stays
     mapped.  A range keeps its stream object alive.  On the churn benchmark this
-    reserves 0.78x CuPy's ``MemoryPool``'s peak at 0.93-0.95x its time per step.  It has no
+    reserves 0.78x CuPy's ``MemoryPool``'s peak at 0.88-0.95x its time per step.  It has no
     reuse cache (``reuse_cache`` is ignored: the ranges are the cache).
 
     Pool memory is mapped only on the GPUs the pool grants (``cuMemPoolSetAccess``);
