@@ -303,24 +303,25 @@ def test_on_device_asks_the_driver_for_the_context_once_per_thread(monkeypatch):
 
     from cupy_poolmem import _device
 
-    calls: list[str] = []
+    # (thread, call): threads left running by other tests may call on_device too
+    calls: list[tuple[int, str]] = []
     bound: set[int] = set()  # threads with a current context
 
     class RT:
         def getDevice(self):
-            calls.append("getDevice")
+            calls.append((threading.get_ident(), "getDevice"))
             return 0
 
         def setDevice(self, d):
-            calls.append(f"setDevice({d})")
+            calls.append((threading.get_ident(), f"setDevice({d})"))
 
         def free(self, p):
-            calls.append("free(0)")
+            calls.append((threading.get_ident(), "free(0)"))
             bound.add(threading.get_ident())
 
     class Drv:
         def cuCtxGetCurrent(self):
-            calls.append("cuCtxGetCurrent")
+            calls.append((threading.get_ident(), "cuCtxGetCurrent"))
             return 0, (1 if threading.get_ident() in bound else 0)
 
     monkeypatch.setattr(_device, "_runtime", RT)
@@ -330,7 +331,8 @@ def test_on_device_asks_the_driver_for_the_context_once_per_thread(monkeypatch):
         for _ in range(2):
             with _device.on_device(0):
                 pass
-        out.extend(calls)
+        me = threading.get_ident()
+        out.extend(c for t, c in calls if t == me)
         calls.clear()
 
     first: list[str] = []
@@ -348,4 +350,5 @@ def test_on_device_asks_the_driver_for_the_context_once_per_thread(monkeypatch):
     # another device than the current one: set, and restored after
     with _device.on_device(1):
         pass
-    assert calls[-2:] == ["setDevice(1)", "setDevice(0)"]
+    mine = [c for t, c in calls if t == threading.get_ident()]
+    assert mine[-2:] == ["setDevice(1)", "setDevice(0)"]
