@@ -192,7 +192,7 @@ def revoke_while_a_kernel_will_read(conn):
         pool.peer_access = None  # must wait for the kernel before PROT_NONE
         try:
             with cupy.cuda.Device(1):
-                total = float(out.get())
+                total = float(out.get()[0])
             conn.send(("ok", total, pool.peer_access))
         except Exception as exc:
             conn.send(("fault", f"{type(exc).__name__}: {exc}", ()))
