@@ -303,26 +303,28 @@ def test_on_device_asks_the_driver_for_the_context_once_per_thread(monkeypatch):
 
     from cupy_poolmem import _device
 
-    # (thread, call): threads left running by other tests may call on_device too
-    calls: list[tuple[int, str]] = []
-    bound: set[int] = set()  # threads with a current context
+    # (thread, call): threads left running by other tests (the process's retirer) may
+    # call on_device too; Thread objects, held here, are never another thread's (idents
+    # of ended threads are reused)
+    calls: list[tuple[threading.Thread, str]] = []
+    bound: set[threading.Thread] = set()  # threads with a current context
 
     class RT:
         def getDevice(self):
-            calls.append((threading.get_ident(), "getDevice"))
+            calls.append((threading.current_thread(), "getDevice"))
             return 0
 
         def setDevice(self, d):
-            calls.append((threading.get_ident(), f"setDevice({d})"))
+            calls.append((threading.current_thread(), f"setDevice({d})"))
 
         def free(self, p):
-            calls.append((threading.get_ident(), "free(0)"))
-            bound.add(threading.get_ident())
+            calls.append((threading.current_thread(), "free(0)"))
+            bound.add(threading.current_thread())
 
     class Drv:
         def cuCtxGetCurrent(self):
-            calls.append((threading.get_ident(), "cuCtxGetCurrent"))
-            return 0, (1 if threading.get_ident() in bound else 0)
+            calls.append((threading.current_thread(), "cuCtxGetCurrent"))
+            return 0, (1 if threading.current_thread() in bound else 0)
 
     monkeypatch.setattr(_device, "_runtime", RT)
     monkeypatch.setattr(_device, "_drv", Drv)
@@ -331,8 +333,8 @@ def test_on_device_asks_the_driver_for_the_context_once_per_thread(monkeypatch):
         for _ in range(2):
             with _device.on_device(0):
                 pass
-        me = threading.get_ident()
-        out.extend(c for t, c in calls if t == me)
+        me = threading.current_thread()
+        out.extend(c for t, c in calls if t is me)
         calls.clear()
 
     first: list[str] = []
@@ -342,13 +344,12 @@ def test_on_device_asks_the_driver_for_the_context_once_per_thread(monkeypatch):
     # no context in a fresh thread: bound once, then only the device query
     assert first == ["getDevice", "cuCtxGetCurrent", "setDevice(0)", "free(0)", "getDevice"]
     second: list[str] = []
-    bound.add(-1)  # (the thread ids differ; a new thread asks the driver again)
     t = threading.Thread(target=enter_twice, args=(second,))
     t.start()
     t.join(5)
-    assert second[:2] == ["getDevice", "cuCtxGetCurrent"] and second.count("cuCtxGetCurrent") == 1
+    assert second == first  # a new thread: asked and bound again, once
     # another device than the current one: set, and restored after
     with _device.on_device(1):
         pass
-    mine = [c for t, c in calls if t == threading.get_ident()]
+    mine = [c for t, c in calls if t is threading.current_thread()]
     assert mine[-2:] == ["setDevice(1)", "setDevice(0)"]

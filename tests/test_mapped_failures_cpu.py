@@ -40,12 +40,21 @@ class ContextVmm(VmmDriver):
     refuses an event of another context than the stream's (CUDA_ERROR_INVALID_HANDLE,
     as the driver documents: "hEvent and hStream must be from the same context").
     ``current``: the device whose context is current in the calling thread (None: no
-    context bound, cuEventCreate then fails with CUDA_ERROR_INVALID_CONTEXT)."""
+    context bound, cuEventCreate then fails with CUDA_ERROR_INVALID_CONTEXT); per thread,
+    as CUDA's current context is (threads other tests left running call on_device too)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.current: int | None = 0
+        self._thread = threading.local()
         self.ctx_of: dict = {}
+
+    @property
+    def current(self) -> int | None:
+        return getattr(self._thread, "current", 0)
+
+    @current.setter
+    def current(self, dev: int | None) -> None:
+        self._thread.current = dev
 
     def on_device(self, dev):
         d = self
