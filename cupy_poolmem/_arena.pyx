@@ -195,10 +195,6 @@ cdef class Arena:
         return self.top - self.base
 
     @property
-    def live_bytes(self):
-        return self.top - self.base - self.free_bytes
-
-    @property
     def tail_free(self):
         """Bytes of the free span that ends at ``top`` (0 when the last span is live)."""
         cdef Py_ssize_t last = self._n_spans - 1

@@ -1,4 +1,4 @@
-"""Best-fit placement in one growing address range: the twin of ``_arena.pyx``.
+"""First-fit placement in one growing address range: the twin of ``_arena.pyx``.
 
 An :class:`Arena` hands out pieces of ``[base, top)``, an address range whose memory
 is mapped from ``base`` up to ``top`` (by its owner, :mod:`._expandable`), and takes
@@ -96,10 +96,6 @@ class Arena:
     def mapped(self) -> int:
         """Bytes from ``base`` to ``top``: what the owner has mapped."""
         return self.top - self.base
-
-    @property
-    def live_bytes(self) -> int:
-        return self.mapped - self.free_bytes
 
     def _at(self, addr: int) -> int:
         i = bisect.bisect_left(self._addrs, addr)

@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 from . import _arena_py
 from ._errors import add_note, check_driver
-from ._mapped import access_descriptors, access_flags, device_allocation
+from ._mapped import MappingCalls, access_descriptors, device_allocation, restore_access
 
 __all__ = [
     "ExpandableBlocks",
@@ -87,7 +87,7 @@ def _stream_object(stream_ptr: int) -> Any:
     return s if int(s.ptr) == stream_ptr else None
 
 
-class ExpandableBlocks:
+class ExpandableBlocks(MappingCalls):
     """Two growing, mapped address ranges per stream, placed by :class:`Arena`\\ s.
 
     Parameters
@@ -151,15 +151,6 @@ class ExpandableBlocks:
 
     # -- what the pool reads --------------------------------------------------------
     @property
-    def failed_call(self) -> str:
-        """The mapping call that failed this thread's last allocation ("" if none)."""
-        return getattr(self._failed, "call", "")
-
-    @failed_call.setter
-    def failed_call(self, call: str) -> None:
-        self._failed.call = call
-
-    @property
     def cached(self) -> int:
         """Bytes mapped and free in the ranges (what :meth:`release` may give back, at
         their tops)."""
@@ -190,14 +181,6 @@ class ExpandableBlocks:
                     if va <= ptr < va + n:
                         return va
         return None
-
-    def has_access(self, ptr: int, device: int) -> bool:
-        """Whether GPU ``device`` may read and write the range at ``ptr`` (the driver's
-        word, ``cuMemGetAccess``); the ranges' own GPU always may."""
-        if device == self.device:
-            return True
-        rw = self._d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        return int(access_flags(self._d, ptr, device)) == int(rw)
 
     # -- allocation (the hot path's arenas had no room) -------------------------------
     def alloc(self, size: int, stream_ptr: int) -> tuple[int, int]:
@@ -433,7 +416,6 @@ class ExpandableBlocks:
                         except Exception:
                             self.n_errors += 1
                             self.leaked += n
-                    self._steps[a] = []
                 self._drop(key, pair)
 
     # -- peers ------------------------------------------------------------------------
@@ -454,11 +436,7 @@ class ExpandableBlocks:
                 try:
                     check_driver(d.cuMemSetAccess(va, n, grant, len(grant)), "cuMemSetAccess")
                 except Exception as exc:
-                    mixed = [
-                        f"{v:#x}"
-                        for v, m in steps[:i]
-                        if int(d.cuMemSetAccess(v, m, undo, len(undo))[0])
-                    ]
+                    mixed = restore_access(d, steps[:i], undo)
                     if mixed:
                         add_note(
                             exc,

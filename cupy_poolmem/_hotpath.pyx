@@ -525,7 +525,6 @@ cdef class PoolCore:
                     self._cache_missed()
             if dptr == 0:
                 stream = _get_current_stream()
-                sptr = stream.ptr
                 if self.n_capture_held:
                     self._drain_capture_held()
                 if self._arenas is not None:

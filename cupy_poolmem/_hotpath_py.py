@@ -307,9 +307,11 @@ class PoolCore:
     def _arena_take(self, size: int, sptr: int) -> int:
         """A block from the stream's arena without a driver call; 0 when it has no room."""
         a = self._arena(sptr, size)
-        p = a.take(size) if a is not None else 0
-        if not p:
-            self._arena_small = None  # the backend may replace the stream's arenas
+        p = 0
+        if a is not None:
+            p = a.take(size)
+            if not p:
+                self._arena_small = None  # the backend may replace the stream's arenas
         return p
 
     def _arena_give(self, ptr: int, size: int, sptr: int) -> bool:

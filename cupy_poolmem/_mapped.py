@@ -90,7 +90,53 @@ def access_descriptors(d: Any, grant: Iterable[int], revoke: Iterable[int]) -> l
     return out
 
 
-class MappedBlocks(BlockCache):
+class MappingCalls:
+    """What the mapped backends share: the mapping call that failed the calling
+    thread's last allocation, and a GPU's access read back from the driver.  The
+    backend sets ``_d`` (the driver), ``device`` and ``_failed`` (a ``threading.local``)."""
+
+    _d: Any
+    device: int
+    _failed: threading.local
+
+    @property
+    def failed_call(self) -> str:
+        """The mapping call that failed this thread's last allocation ("" if none)."""
+        return getattr(self._failed, "call", "")
+
+    @failed_call.setter
+    def failed_call(self, call: str) -> None:
+        self._failed.call = call
+
+    def has_access(self, ptr: int, device: int) -> bool:
+        """Whether GPU ``device`` may read and write the memory at ``ptr`` (the driver's
+        word: ``cuMemGetAccess``); the memory's own GPU always may.  Only for memory of
+        this backend: on ``cudaMalloc`` memory the driver answers success with no access
+        (H100, driver 580), even for the memory's own GPU."""
+        if device == self.device:
+            return True
+        rw = self._d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        return int(self._access_flags(ptr, device)) == int(rw)
+
+    def _access_flags(self, ptr: int, device: int) -> Any:
+        """The driver's ``CUmemAccess_flags`` of GPU ``device`` on the memory at ``ptr``."""
+        return access_flags(self._d, ptr, device)
+
+
+def restore_access(
+    d: Any, blocks: Iterable[tuple[int, int]], undo: list[Any], owns: Any = None
+) -> list[str]:
+    """Set ``undo`` (the access before a change that failed) on ``blocks``, ``(address,
+    bytes)`` each; the addresses (hex) the driver refused again, of those ``owns`` (when
+    given) says are still mapped."""
+    return [
+        f"{ptr:#x}"
+        for ptr, r in blocks
+        if int(d.cuMemSetAccess(ptr, r, undo, len(undo))[0]) and (owns is None or owns(ptr))
+    ]
+
+
+class MappedBlocks(BlockCache, MappingCalls):
     """Device memory blocks mapped one by one with virtual memory management.
 
     Freed blocks stay mapped for reuse up to ``release_threshold`` bytes.  When the
@@ -146,15 +192,6 @@ class MappedBlocks(BlockCache):
     def alive(cls) -> list[MappedBlocks]:
         """Every mapped-blocks cache not yet collected (open or closed pools')."""
         return list(cls._alive)
-
-    @property
-    def failed_call(self) -> str:
-        """The mapping call that failed this thread's last allocation ("" if none)."""
-        return getattr(self._failed, "call", "")
-
-    @failed_call.setter
-    def failed_call(self, call: str) -> None:
-        self._failed.call = call
 
     def _keep(self) -> int:
         t = self.release_threshold
@@ -276,11 +313,7 @@ class MappedBlocks(BlockCache):
         """Set ``undo`` (the previous access) on ``blocks`` after ``exc`` failed a change
         (on all of them: setting an access a block has already changes nothing); blocks
         the driver refuses again are named in a note on ``exc``; True if there are any."""
-        mixed = []
-        for ptr, r in blocks:
-            err = self._d.cuMemSetAccess(ptr, r, undo, len(undo))[0]
-            if int(err) and self.owns(ptr):
-                mixed.append(f"{ptr:#x}")
+        mixed = restore_access(self._d, blocks, undo, self.owns)
         if mixed:
             add_note(
                 exc,
@@ -295,20 +328,6 @@ class MappedBlocks(BlockCache):
             if va <= ptr < va + r:
                 return va
         return None
-
-    def has_access(self, ptr: int, device: int) -> bool:
-        """Whether GPU ``device`` may read and write the block at ``ptr`` (the driver's
-        word: ``cuMemGetAccess``); the blocks' own GPU always may.  Only for blocks of
-        this cache: on ``cudaMalloc`` memory the driver answers success with no access
-        (H100, driver 580), even for the memory's own GPU."""
-        if device == self.device:
-            return True
-        rw = self._d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        return int(self._access_flags(ptr, device)) == int(rw)
-
-    def _access_flags(self, ptr: int, device: int) -> Any:
-        """The driver's ``CUmemAccess_flags`` of GPU ``device`` on the block at ``ptr``."""
-        return access_flags(self._d, ptr, device)
 
 
 def access_flags(d: Any, ptr: int, device: int) -> Any:

@@ -82,6 +82,23 @@ def warm_up() -> None:
     s.synchronize()
 
 
+def freed_behind_a_spin(n: int, stream) -> int:
+    """A block of ``n`` int32 from the pool in use, on ``stream``: zeroed, then, behind a
+    0.3 s spin, filled with 7 (the block's last write), and freed while the spin runs.
+    Its address."""
+    import cupy
+
+    with stream:
+        z = cupy.zeros(n, dtype=cupy.int32)
+    stream.synchronize()
+    zp = z.data.ptr
+    spin(300, stream)
+    with stream:
+        z.fill(7)  # runs after the spin: the last write to the block
+    del z  # freed on the stream while the spin runs
+    return zp
+
+
 @pytest.fixture(scope="module")
 def ipc_allocator():
     """CuPy on ``cupy_poolmem.set_allocator()`` (IPC pools) for a whole test module."""

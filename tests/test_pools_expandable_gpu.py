@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 
-from _waits import spin, wait_for, warm_up  # noqa: E402
+from _waits import freed_behind_a_spin, spin, wait_for, warm_up  # noqa: E402
 
 MiB = 1 << 20
 
@@ -83,14 +83,7 @@ def test_a_block_freed_behind_a_running_kernel_is_written_in_stream_order():
     s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     n = 24 * MiB // 4
     with cpm.using(pool):
-        with s1:
-            z = cupy.zeros(n, dtype=cupy.int32)
-        s1.synchronize()
-        zp = z.data.ptr
-        spin(300, s1)
-        with s1:
-            z.fill(7)  # runs after the spin: the last write to the block
-        del z  # freed on s1 while the spin runs
+        zp = freed_behind_a_spin(n, s1)
         with s2:
             w = cupy.empty(n, dtype=cupy.int32)
             w.fill(1)

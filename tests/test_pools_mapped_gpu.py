@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 
-from _waits import spin, wait_for, warm_up  # noqa: E402
+from _waits import freed_behind_a_spin, spin, wait_for, warm_up  # noqa: E402
 
 MiB = 1 << 20
 
@@ -68,14 +68,7 @@ def test_a_block_freed_behind_a_running_kernel_is_neither_given_to_another_strea
     s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     n = 48 * MiB // 4
     with cpm.using(pool):
-        with s1:
-            z = cupy.zeros(n, dtype=cupy.int32)
-        s1.synchronize()
-        zp = z.data.ptr
-        spin(300, s1)
-        with s1:
-            z.fill(7)  # runs after the spin: the last write to the block
-        del z  # freed on s1 while the spin runs
+        zp = freed_behind_a_spin(n, s1)
         assert pool._backend.owns(zp)  # not unmapped: its free has not run
         pool.trim(sync=False)
         assert pool._backend.owns(zp)
