@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 import re
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from typing import Literal, overload
 
 from ._errors import InvalidOptionError, OptionTypeError
@@ -30,6 +32,12 @@ for _i, _p in enumerate("kmgtp", start=1):
 _NUMBER = r"[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?"
 _SIZE_RE = re.compile(rf"^({_NUMBER})([a-zA-Z]*)$")
 _PERCENT_RE = re.compile(rf"^({_NUMBER})%$")
+
+#: The largest size: what fits in ``size_t`` (16 EiB).
+_MAX_BYTES = 2**64 - 1
+# A number whose decimal exponent is above this is far beyond _MAX_BYTES whatever its
+# unit (PiB is 2**50 < 10**16): refused before it is turned into an exact fraction.
+_MAX_EXPONENT = 40
 
 _FORMS = (
     "use an int number of bytes (1048576), a string with a unit ('40GB', '512MiB'), "
@@ -116,7 +124,7 @@ def parse_bytes(
     if isinstance(value, int):
         if value < 0:
             raise InvalidOptionError(f"{name} must be >= 0 bytes; got {value}")
-        return value
+        return _check_max(value, value, name)
     if isinstance(value, float):
         if not (math.isfinite(value) and 0 < value <= 1):
             raise InvalidOptionError(
@@ -128,21 +136,49 @@ def parse_bytes(
     text = value.replace(" ", "").replace("_", "")
     m = _PERCENT_RE.match(text)
     if m:
-        pct = float(m.group(1))
+        pct = Decimal(m.group(1))  # exact compare, whatever its exponent
         if not 0 < pct <= 100:
             raise InvalidOptionError(f"{name}={value!r}: a percentage must be in (0%, 100%]")
-        return _fraction(pct / 100, value, name, total)
+        return _fraction(float(pct) / 100, value, name, total)
     m = _SIZE_RE.match(text)
     if not m or m.group(2).lower() not in _UNITS:
         raise InvalidOptionError(f"{name}={value!r} is not a size; {_FORMS}")
-    number, unit = float(m.group(1)), m.group(2).lower()
-    if unit in ("", "b") and number != int(number):
+    number, unit = _exact(m.group(1), value, name), m.group(2).lower()
+    if unit in ("", "b") and number.denominator != 1:
         raise InvalidOptionError(
             f"{name}={value!r} is not a whole number of bytes (a string without a unit "
             f"is bytes); for a fraction of the device's memory write "
-            f"'{number * 100:g}%' or the float {number!r}"
+            f"'{float(number) * 100:g}%' or the float {float(number)!r}"
         )
-    return int(number * _UNITS[unit])
+    return _check_max(int(number * _UNITS[unit]), value, name)
+
+
+def _exact(digits: str, value: object, name: str) -> Fraction:
+    """The exact value of a decimal number (``"12345678901234567891"``, ``"1.5"``,
+    ``"1e9"``): a float would round integers above 2**53 to another number."""
+    try:
+        d = Decimal(digits)
+    except InvalidOperation:  # an exponent beyond what Decimal holds
+        raise InvalidOptionError(f"{name}={value!r} is not a size; {_FORMS}") from None
+    if d and d.adjusted() > _MAX_EXPONENT:
+        raise _too_large(value, name)
+    if d and d.adjusted() < -_MAX_EXPONENT:  # "1e-999999999": not whole, 0 of any unit
+        return Fraction(1, 10 ** (_MAX_EXPONENT + 1))
+    return Fraction(d)
+
+
+def _check_max(n: int, value: object, name: str) -> int:
+    if n > _MAX_BYTES:
+        raise _too_large(value, name)
+    return n
+
+
+def _too_large(value: object, name: str) -> InvalidOptionError:
+    text = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return InvalidOptionError(
+        f"{name}={text} is too large: a size is at most 2**64 - 1 bytes (16 EiB); "
+        "give a byte count such as '40GB'"
+    )
 
 
 def _fraction(frac: float, value: object, name: str, total: int | None) -> int:

@@ -12,6 +12,7 @@ __all__ = ["SharingSettings"]
 
 _FALLBACKS = ("device-copy", "host", "error")
 _ORDERS = ("sync", "stream")
+_FOREVER = 1e15  # seconds (30 million years): beyond it a timeout is a mistake
 
 
 def _seconds(name: str, value: Any, allow_none: bool) -> float | None:
@@ -22,8 +23,11 @@ def _seconds(name: str, value: Any, allow_none: bool) -> float | None:
             f"sharing.{name}={value!r}; give a number of seconds"
             + (" or None" if allow_none else "")
         )
-    if value < 0:
-        raise InvalidOptionError(f"sharing.{name}={value!r}; give a number of seconds >= 0")
+    if not 0 <= value < _FOREVER:  # also nan, inf and ints no float holds
+        raise InvalidOptionError(
+            f"sharing.{name}={value!r}; give a finite number of seconds >= 0"
+            + (" (None: no limit)" if allow_none else "")
+        )
     return float(value)
 
 
@@ -35,8 +39,8 @@ def _env_seconds(name: str, default: float) -> float:
         v = float(raw)
     except ValueError:
         raise InvalidOptionError(f"{name}={raw!r}; give a number of seconds") from None
-    if v < 0:
-        raise InvalidOptionError(f"{name}={raw!r}; give a number of seconds >= 0")
+    if not 0 <= v < _FOREVER:
+        raise InvalidOptionError(f"{name}={raw!r}; give a finite number of seconds >= 0")
     return v
 
 
