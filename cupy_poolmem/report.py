@@ -15,18 +15,28 @@ the log started.
 from __future__ import annotations
 
 import argparse
-import csv
+import errno
 import heapq
 import json
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from ._errors import InvalidOptionError, LogFormatError, MissingDependencyError, OptionTypeError
+from ._report_read import (
+    BadRows,
+    LogEvent,
+    LogSource,
+    _tag_key,
+    expand,
+    iter_events,
+    printable,
+)
+from ._report_series import sample_series
 from ._sizes import format_bytes
-from .stats import LOG_COLUMNS
+from .stats import LOG_COLUMNS  # noqa: F401  (the examples write logs with it)
 
 __all__ = [
     "LogEvent",
@@ -63,37 +73,15 @@ BEFORE_LOG = "(allocated before the log)"
 OTHER_TAGS = "(other tags)"
 
 
-class LogEvent(NamedTuple):
-    """One line of an allocation log (see :data:`cupy_poolmem.stats.LOG_COLUMNS`)."""
-
-    time: float
-    pid: int
-    thread: str
-    device: int
-    stream: int
-    op: str
-    ptr: int
-    size: int
-    tag: str
-    callsite: str
-    used: int | None
-    reserved: int | None
-
-
 # ----------------------------------------------------------------------------------------
 # Reading
 # ----------------------------------------------------------------------------------------
-def _opt_int(s: str) -> int | None:
-    s = s.strip()
-    return int(s) if s else None
-
-
 def read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
     """Parse one log file.
 
-    Lines that cannot be parsed (a line cut short by a crash, for example) are skipped
-    and counted; repeated header lines (several processes appending to one file) are
-    ignored.
+    Rows with an invalid value (a line cut short by a crash, a negative size, a time
+    that is not finite...) are skipped and counted; repeated header lines (several
+    processes appending to one file) are ignored.  A UTF-8 byte order mark is allowed.
 
     Parameters
     ----------
@@ -105,7 +93,7 @@ def read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
     events : list of LogEvent
         In file order.
     n_bad : int
-        Lines skipped because they could not be parsed.
+        Rows skipped because a value in them is invalid.
 
     Raises
     ------
@@ -126,133 +114,53 @@ def read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
     >>> events[0].op, events[0].size, events[0].tag, n_bad
     ('alloc', 4096, 'step', 0)
     """
-    name = os.fspath(path)
-    try:
-        return _read_log(path)
-    except UnicodeDecodeError as exc:
-        raise LogFormatError(
-            str(name),
-            f"not a text file (byte 0x{exc.object[exc.start]:02x} at offset {exc.start} is "
-            "not UTF-8): an allocation log is the CSV file start_log() writes",
-        ) from None
-    except csv.Error as exc:
-        raise LogFormatError(str(name), f"not a CSV allocation log ({exc})") from None
-
-
-def _read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
-    events: list[LogEvent] = []
-    n_bad = 0
     name = str(os.fspath(path))
-    if os.path.isdir(path):
-        raise LogFormatError(name, "is a directory (give the directory itself to load())")
-    with open(path, "rb") as fb:
-        head = fb.read(8192)
-    if not head:
-        raise LogFormatError(
-            name, "empty file: an allocation log starts with a header line (see start_log)"
-        )
-    if b"\x00" in head:
-        raise LogFormatError(name, "binary file, not an allocation log (CSV text)")
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.reader(f)
-        header = next(reader, None) or []
-        missing = [c for c in LOG_COLUMNS if c not in header]
-        if missing:
-            raise LogFormatError(
-                name,
-                f"not a cupy_poolmem allocation log: its first line "
-                f"{','.join(header)[:120]!r} lacks column(s) {', '.join(missing)} "
-                f"(expected {','.join(LOG_COLUMNS)})",
-            )
-        idx = [header.index(c) for c in LOG_COLUMNS]
-        ncol = len(header)
-        for row in reader:
-            if len(row) != ncol:
-                if row:
-                    n_bad += 1
-                continue
-            if row == header:
-                continue
-            try:
-                (t, pid, thread, dev, stream, op, ptr, size, tag, site, used, res) = (
-                    row[i] for i in idx
-                )
-                if op not in ("alloc", "free") and not op.startswith("guard:"):
-                    raise ValueError(op)
-                events.append(
-                    LogEvent(
-                        float(t),
-                        int(pid),
-                        thread,
-                        int(dev),
-                        int(stream, 0),
-                        op,
-                        int(ptr, 0),
-                        int(size),
-                        tag,
-                        site,
-                        _opt_int(used),
-                        _opt_int(res),
-                    )
-                )
-            except ValueError:
-                n_bad += 1
-    return events, n_bad
-
-
-def _expand(paths: Iterable[str | os.PathLike]) -> list[str]:
-    out: list[str] = []
-    for p in paths:
-        name = str(os.fspath(p))
-        if os.path.isdir(name):
-            found = sorted(os.path.join(name, n) for n in os.listdir(name) if n.endswith(".csv"))
-            if not found:
-                raise LogFormatError(name, "directory holds no *.csv allocation logs")
-            out.extend(found)
-        else:
-            out.append(name)
-    if not out:
-        raise InvalidOptionError("no log files given")
-    return out
+    bad = BadRows()
+    events = list(iter_events(LogSource(name, name), bad))
+    return events, bad.n
 
 
 @dataclass
 class _Loaded:
+    """The logs to read, and what reading them found wrong.  :meth:`events` reads them
+    again at each call, one row at a time."""
+
     files: list[str]
-    events: list[LogEvent]
-    n_bad: int
+    sources: list[LogSource]
+    skipped: list[tuple[str, str]]
+    bad: BadRows = field(default_factory=BadRows)
+
+    @property
+    def n_bad(self) -> int:
+        return self.bad.n
+
+    def events(self) -> Iterator[LogEvent]:
+        """All events, merged by time (each file's own order kept)."""
+        self.bad = BadRows()
+        its = [iter_events(s, self.bad) for s in self.sources]
+        return heapq.merge(*its, key=lambda e: e.time) if len(its) > 1 else its[0]
 
 
 def load(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> _Loaded:
-    """Read several logs (files or directories of ``*.csv``) and merge them by time.
+    """The logs ``paths`` name (files, directories of ``*.csv``, globs, ``-``), checked.
 
-    Each file's own order is kept (a k-way merge on ``time``), so events of one process
-    never swap places even when their timestamps are equal.
+    Each file's header is checked now; its rows are read, merged by time, each time
+    :meth:`_Loaded.events` is iterated.  Each file's own order is kept (a k-way merge
+    on ``time``), so events of one process never swap places even when their
+    timestamps are equal.  In a directory or a glob's matches, files that are not
+    logs are skipped and listed in ``skipped``.
 
     Raises
     ------
     LogFormatError
-        A file is not an allocation log, or a directory holds none.
+        A file named explicitly is not an allocation log, or a directory holds none.
     OSError
-        A file cannot be read.
+        A file named explicitly cannot be read.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    files = _expand(paths)
-    per_file = []
-    n_bad = 0
-    for p in files:
-        ev, bad = read_log(p)
-        per_file.append(ev)
-        n_bad += bad
-    events = list(heapq.merge(*per_file, key=lambda e: e.time))
-    return _Loaded(files, events, n_bad)
-
-
-def _tag_key(tag: str, depth: int | None) -> str:
-    if depth is not None and tag:
-        tag = "/".join(tag.split("/")[:depth])
-    return tag
+    sources, skipped = expand(paths)
+    return _Loaded([s.name for s in sources], sources, skipped)
 
 
 # ----------------------------------------------------------------------------------------
@@ -338,7 +246,12 @@ class Summary:
     n_unmatched_frees, unmatched_free_bytes : int
         Frees of memory allocated before the log started.
     n_bad_lines : int
-        Lines that could not be parsed (skipped).
+        Rows skipped because a value in them is invalid (see :doc:`observability`).
+    first_bad_line : str or None
+        Where the first of them is and what is wrong with it
+        (``"alloc.csv line 17: size '-5' is negative"``).
+    skipped_files : list of str
+        Files in directories (or matching globs) that were skipped: ``"FILE: reason"``.
     start_time, end_time : float
         ``time.time()`` of the first and last events.
     pids : list of int
@@ -362,6 +275,8 @@ class Summary:
     n_unmatched_frees: int = 0
     unmatched_free_bytes: int = 0
     n_bad_lines: int = 0
+    first_bad_line: str | None = None
+    skipped_files: list[str] = field(default_factory=list)
     start_time: float = 0.0
     end_time: float = 0.0
     pids: list[int] = field(default_factory=list)
@@ -392,7 +307,7 @@ class Summary:
         return sum(lk.size for lk in self.leaks)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly ``dict``."""
+        """JSON-friendly ``dict``: every number in it is an int or a finite float."""
         d = asdict(self)
         d["duration"] = self.duration
         d["leaked_bytes"] = self.leaked_bytes
@@ -400,18 +315,27 @@ class Summary:
 
     def format(self, top: int = 10) -> str:
         """The text report that ``python -m cupy_poolmem report`` prints."""
+        p = printable
         out = [
             f"cupy_poolmem allocation log: {len(self.files)} file(s), {self.n_events} "
             f"events, {len(self.pids)} process(es), {self.duration:.3f} s",
             f"  allocations {self.n_allocs}, frees {self.n_frees}",
         ]
+        if self.skipped_files:
+            out.append(
+                f"  {len(self.skipped_files)} file(s) skipped (not allocation logs): "
+                + "; ".join(p(f) for f in self.skipped_files[:3])
+                + (" ..." if len(self.skipped_files) > 3 else "")
+            )
         if self.n_unmatched_frees:
             out.append(
                 f"  {self.n_unmatched_frees} frees ({format_bytes(self.unmatched_free_bytes)})"
                 " of memory allocated before the log started"
             )
         if self.n_bad_lines:
-            out.append(f"  {self.n_bad_lines} unreadable line(s) skipped")
+            out.append(
+                f"  skipped {self.n_bad_lines} invalid row(s) (first: {p(self.first_bad_line or '')})"
+            )
         if self.guard_reports:
             kinds: dict[str, int] = {}
             for g in self.guard_reports:
@@ -426,7 +350,7 @@ class Summary:
                 dev = "pinned" if g.device < 0 else f"device {g.device}"
                 out.append(
                     f"  {g.kind:<17} at {g.time:.3f} s  pid {g.pid} {dev}  0x{g.ptr:x} "
-                    f"({format_bytes(g.size)})  {g.tag or UNTAGGED}  {g.callsite or '-'}"
+                    f"({format_bytes(g.size)})  {p(g.tag or UNTAGGED)}  {p(g.callsite or '-')}"
                 )
             if len(self.guard_reports) > top:
                 out.append(f"  ... {len(self.guard_reports) - top} more")
@@ -450,23 +374,25 @@ class Summary:
                 parts = sorted(s.at_peak.items(), key=lambda kv: -kv[1])
                 out.append(
                     "           at the peak: "
-                    + ", ".join(f"{k or UNTAGGED} {format_bytes(v)}" for k, v in parts[:6])
+                    + ", ".join(f"{p(k or UNTAGGED)} {format_bytes(v)}" for k, v in parts[:6])
                 )
         out += [
             "",
             "Bytes by tag",
-            f"  {'tag':<32} {'allocs':>9} {'total':>12} {'peak live':>12} {'leaked':>12}",
+            f"  {'allocs':>9} {'total':>12} {'peak live':>12} {'leaked':>12}  tag",
         ]
-        for t in self.tags:
+        for t in self.tags:  # the tag last and whole: long tags never print alike
             out.append(
-                f"  {(t.tag or UNTAGGED)[:32]:<32} {t.n_allocs:>9} "
-                f"{format_bytes(t.total_bytes):>12} {format_bytes(t.peak_live_bytes):>12} "
-                f"{format_bytes(t.leaked_bytes):>12}"
+                f"  {t.n_allocs:>9} {format_bytes(t.total_bytes):>12} "
+                f"{format_bytes(t.peak_live_bytes):>12} {format_bytes(t.leaked_bytes):>12}  "
+                f"{p(t.tag or UNTAGGED)}"
             )
         out += ["", "Top call sites by bytes allocated"]
         if self.top_callsites:
             for c in self.top_callsites[:top]:
-                out.append(f"  {format_bytes(c.total_bytes):>12} {c.n_allocs:>8} x  {c.callsite}")
+                out.append(
+                    f"  {format_bytes(c.total_bytes):>12} {c.n_allocs:>8} x  {p(c.callsite)}"
+                )
         else:
             out.append(
                 "  (no call sites: log written without tracking; use "
@@ -481,7 +407,7 @@ class Summary:
             dev = "pinned" if lk.device < 0 else f"device {lk.device}"
             out.append(
                 f"  {format_bytes(lk.size):>12}  pid {lk.pid} {dev}  "
-                f"{lk.tag or UNTAGGED}  {lk.callsite or '-'}  at {lk.time:.3f} s  "
+                f"{p(lk.tag or UNTAGGED)}  {p(lk.callsite or '-')}  at {lk.time:.3f} s  "
                 f"0x{lk.ptr:x}"
             )
         if len(self.leaks) > top:
@@ -490,12 +416,9 @@ class Summary:
 
 
 def _summarize(loaded: _Loaded, top: int, tag_depth: int | None) -> Summary:
-    events = loaded.events
-    summ = Summary(files=list(loaded.files), n_events=len(events), n_bad_lines=loaded.n_bad)
-    if not events:
-        return summ
-    t0 = summ.start_time = events[0].time
-    summ.end_time = events[-1].time
+    summ = Summary(files=list(loaded.files))
+    summ.skipped_files = [f"{name}: {why}" for name, why in loaded.skipped]
+    t0: float | None = None
     live: dict[tuple[int, int, int], tuple[int, str, str, float]] = {}
     series: dict[tuple[int, int], SeriesSummary] = {}
     s_matched: dict[tuple[int, int], int] = {}  # live bytes of matched allocs
@@ -503,7 +426,11 @@ def _summarize(loaded: _Loaded, top: int, tag_depth: int | None) -> Summary:
     tags: dict[str, TagSummary] = {}
     sites: dict[str, CallsiteSummary] = {}
     pids = set()
-    for e in events:
+    for e in loaded.events():
+        if t0 is None:
+            t0 = summ.start_time = e.time
+        summ.end_time = e.time
+        summ.n_events += 1
         if e.op.startswith("guard:"):
             summ.guard_reports.append(
                 GuardReport(
@@ -568,8 +495,9 @@ def _summarize(loaded: _Loaded, top: int, tag_depth: int | None) -> Summary:
             s.peak_reserved_bytes is None or e.reserved > s.peak_reserved_bytes
         ):
             s.peak_reserved_bytes = e.reserved
+    summ.n_bad_lines, summ.first_bad_line = loaded.bad.n, loaded.bad.first
     for (pid, dev, ptr), (size, tg, site, t) in live.items():
-        summ.leaks.append(Leak(pid, dev, ptr, size, tg, site, t - t0))
+        summ.leaks.append(Leak(pid, dev, ptr, size, tg, site, t - (t0 or 0.0)))
         ts = tags[tg]
         ts.leaked_bytes += size
         ts.n_leaks += 1
@@ -696,79 +624,6 @@ def _need_matplotlib() -> Any:
     return Figure
 
 
-def _series_arrays(events: list[LogEvent], tag_depth: int | None) -> dict[tuple[int, int], dict]:
-    """Per (pid, device): times, used, reserved and per-tag deltas of matched allocations."""
-    import numpy as np
-
-    raw: dict[tuple[int, int], dict[str, list]] = {}
-    live: dict[tuple[int, int, int], tuple[int, str]] = {}
-    for e in events:
-        if e.op.startswith("guard:"):
-            continue  # reports, not memory events
-        key = (e.pid, e.device)
-        r = raw.get(key)
-        if r is None:
-            r = raw[key] = {"t": [], "used": [], "res": [], "delta": [], "tag": []}
-        lkey = (e.pid, e.device, e.ptr)
-        if e.op == "alloc":
-            tg = _tag_key(e.tag, tag_depth)
-            if e.ptr and e.size:
-                prev = live.pop(lkey, None)
-                if prev is not None:  # an unlogged free: take it out of its tag now
-                    r["t"].append(e.time)
-                    r["used"].append(np.nan)
-                    r["res"].append(np.nan)
-                    r["delta"].append(-prev[0])
-                    r["tag"].append(prev[1])
-                live[lkey] = (e.size, tg)
-            delta = e.size
-        else:
-            prev = live.pop(lkey, None)
-            tg, delta = (prev[1], -prev[0]) if prev is not None else ("", 0)
-        r["t"].append(e.time)
-        r["used"].append(np.nan if e.used is None else e.used)
-        r["res"].append(np.nan if e.reserved is None else e.reserved)
-        r["delta"].append(delta)
-        r["tag"].append(tg)
-    out = {}
-    for key, r in raw.items():
-        out[key] = {
-            "t": np.asarray(r["t"], dtype=float),
-            "used": np.asarray(r["used"], float),
-            "res": np.asarray(r["res"], float),
-            "delta": np.asarray(r["delta"], float),
-            "tag": r["tag"],
-        }
-    return out
-
-
-def _ffill(a: Any) -> Any:
-    import numpy as np
-
-    ok = ~np.isnan(a)
-    if not ok.any():
-        return a
-    idx = np.where(ok, np.arange(len(a)), 0)
-    np.maximum.accumulate(idx, out=idx)
-    filled = a[idx]
-    filled[: int(np.argmax(ok))] = np.nan
-    return filled
-
-
-def _pick(used: Any, max_points: int) -> Any:
-    """Indices to draw: everything, or per bin the point of highest use (peaks survive)."""
-    import numpy as np
-
-    n = len(used)
-    if n <= max_points:
-        return np.arange(n)
-    edges = np.linspace(0, n, max_points // 2 + 1).astype(int)
-    keep = [a + int(np.argmax(used[a:b])) for a, b in zip(edges[:-1], edges[1:]) if b > a]
-    keep += list(edges[:-1])
-    keep.append(n - 1)
-    return np.unique(np.asarray(keep))
-
-
 def plot(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
     out: str | os.PathLike,
@@ -793,12 +648,13 @@ def plot(
         Log files or directories, as for :func:`summarize`.
     out : path
         Picture to write; its suffix picks the format (``.png``, ``.pdf``, ``.svg``,
-        see :data:`PLOT_FORMATS`).  Missing directories are created.
+        see :data:`PLOT_FORMATS`).  Its directory must exist (none is created).
     tag_depth : int, optional
         Group nested tags by their first components, as in :func:`summarize`.
     max_tags, max_panels, max_points : int
         Limits that keep the picture readable and quick to draw; long logs are thinned
-        to ``max_points`` points per panel, keeping each stretch's highest point.
+        to ``max_points`` points per panel (time buckets, keeping each one's highest
+        and last moments), so memory does not grow with the log.
     title : str, optional
         Figure title.
 
@@ -851,43 +707,40 @@ def _plot(
     max_panels: int = 8,
     max_points: int = 20000,
     title: str | None = None,
+    summ: Summary | None = None,
 ) -> str:
     fmt = plot_format(out_path)
     Figure = _need_matplotlib()
+    path = str(os.fspath(out_path))
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):  # never create directories the user did not ask for
+        raise FileNotFoundError(
+            errno.ENOENT, "no such directory (create it first, or pick another file)", folder
+        )
     import numpy as np
 
-    if not loaded.events:
+    summ = summ if summ is not None else _summarize(loaded, 0, tag_depth)
+    if not summ.n_events or not summ.series:
         raise LogFormatError(", ".join(loaded.files), "no events to plot")
-    t0 = loaded.events[0].time
-    arrays = _series_arrays(loaded.events, tag_depth)
-
-    # Live bytes per tag per series, and each tag's biggest peak anywhere.
-    tag_peak: dict[str, float] = {}
-    for a in arrays.values():
-        tags = np.asarray(a["tag"], dtype=object)
-        a["by_tag"] = {}
-        for tg in set(a["tag"]):
-            d = np.where(tags == tg, a["delta"], 0.0)
-            if not d.any():
-                continue
-            cum = np.cumsum(d)
-            a["by_tag"][tg] = cum
-            tag_peak[tg] = max(tag_peak.get(tg, 0.0), float(cum.max()))
-        matched = sum(a["by_tag"].values()) if a["by_tag"] else np.zeros(len(a["t"]))
-        a["matched"] = matched
-        used = _ffill(a["used"])  # blank used column: the matched allocations
-        a["used_f"] = np.where(np.isnan(used), matched, used)
-        a["res_f"] = _ffill(a["res"])
-    shown = [tg for tg, _ in sorted(tag_peak.items(), key=lambda kv: -kv[1])][:max_tags]
-    has_other = len(tag_peak) > len(shown)
-
-    order = sorted(arrays, key=lambda k: -float(np.max(arrays[k]["used_f"])))
-    hidden = max(0, len(order) - max_panels)
-    order = sorted(order[:max_panels])  # the biggest peaks, shown by (pid, device)
-    t_end = loaded.events[-1].time
-    peak_all = max(
-        float(np.nanmax(np.concatenate([arrays[k]["used_f"], arrays[k]["res_f"]]))) for k in order
+    t0, t_end = summ.start_time, summ.end_time
+    by_peak = sorted(summ.tags, key=lambda t: (-t.peak_live_bytes, t.tag))
+    shown = [t.tag for t in by_peak if t.peak_live_bytes > 0][:max_tags]
+    has_other = sum(1 for t in summ.tags if t.peak_live_bytes > 0) > len(shown)
+    hidden = max(0, len(summ.series) - max_panels)
+    order = sorted((s.pid, s.device) for s in summ.series[:max_panels])
+    panels = sample_series(
+        loaded.events(),
+        order,
+        shown,
+        t0,
+        t_end,
+        n_buckets=max(1, max_points // 2),
+        tag_depth=tag_depth,
     )
+    peak_all = 0.0
+    for ps in panels:
+        for _, used, reserved, _bands in ps.moments:
+            peak_all = max(peak_all, float(used), float(reserved or 0))
     unit, scale = next(
         ((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if peak_all >= s),
         ("B", 1),
@@ -899,60 +752,45 @@ def _plot(
     small = len(shown) <= 9
     cmap = colormaps["tab10" if small else "tab20"]
     palette = [cmap(i) for i in range(cmap.N) if i not in ((7,) if small else (14, 15))]
-    colors = {tg: palette[i % len(palette)] for i, tg in enumerate(shown)}
-    colors[OTHER_TAGS] = (0.55, 0.55, 0.55, 1.0)
-    colors[BEFORE_LOG] = (0.82, 0.82, 0.82, 1.0)
+    colors = [palette[i % len(palette)] for i in range(len(shown))]
+    labels_all = [_label(tg or UNTAGGED) for tg in shown] + [OTHER_TAGS, BEFORE_LOG]
+    colors += [(0.55, 0.55, 0.55, 1.0), (0.82, 0.82, 0.82, 1.0)]
 
-    fig = Figure(figsize=(11, 1.2 + 2.8 * len(order)), layout="constrained")
-    axes = fig.subplots(len(order), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, key in zip(axes, order):
-        a = arrays[key]
-        idx = _pick(a["used_f"], max_points)
+    fig = Figure(figsize=(11, 1.2 + 2.8 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, ps in zip(axes, panels):
+        m = ps.moments
         # Hold each series' last state until the end of all logs (step plots draw
         # nothing after their last point).
-        idx = np.append(idx, idx[-1])
-        x = np.append(a["t"][idx[:-1]], t_end) - t0
-        layers, labels = [], []
-        for tg in shown:
-            if tg in a["by_tag"]:
-                layers.append(a["by_tag"][tg][idx])
-                labels.append(tg or UNTAGGED)
-        if has_other:
-            other = sum(
-                (c for tg, c in a["by_tag"].items() if tg not in shown), np.zeros(len(a["t"]))
-            )
-            if other.any():
-                layers.append(other[idx])
-                labels.append(OTHER_TAGS)
-        before = np.clip(a["used_f"] - a["matched"], 0, None)
-        if before.any():
-            layers.append(before[idx])
-            labels.append(BEFORE_LOG)
-        if layers:
+        m = [*m, (t_end, *m[-1][1:])]
+        x = np.array([mo[0] for mo in m], dtype=float) - t0
+        used_a = np.array([mo[1] for mo in m], dtype=float)
+        res = np.array([np.nan if mo[2] is None else mo[2] for mo in m], dtype=float)
+        bands = np.array([mo[3] for mo in m], dtype=float).reshape(len(m), len(shown) + 2)
+        keep = [i for i in range(len(shown) + 2) if bands[:, i].any()]
+        if not has_other and len(shown) in keep:
+            keep.remove(len(shown))
+        if keep:
             ax.stackplot(
                 x,
-                *[np.clip(y, 0, None) / scale for y in layers],
-                labels=labels,
-                colors=[
-                    colors.get(lb if lb != UNTAGGED else "", colors[OTHER_TAGS]) for lb in labels
-                ],
+                *[np.clip(bands[:, i], 0, None) / scale for i in keep],
+                labels=[labels_all[i] for i in keep],
+                colors=[colors[i] for i in keep],
                 step="post",
                 linewidth=0,
             )
-        ax.step(
-            x, a["used_f"][idx] / scale, where="post", color="black", linewidth=0.8, label="used"
-        )
-        if not np.isnan(a["res_f"]).all():
+        ax.step(x, used_a / scale, where="post", color="black", linewidth=0.8, label="used")
+        if not np.isnan(res).all():
             ax.step(
                 x,
-                a["res_f"][idx] / scale,
+                res / scale,
                 where="post",
                 color="black",
                 linewidth=1.2,
                 linestyle="--",
                 label="reserved",
             )
-        pid, dev = key
+        pid, dev = ps.key
         where = "pinned host memory" if dev < 0 else f"device {dev}"
         ax.set_title(f"pid {pid}, {where}", fontsize=10, loc="left")
         ax.set_ylabel(unit)
@@ -961,14 +799,17 @@ def _plot(
         # Outside the axes, so no line runs through it.
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0)
     axes[-1].set_xlabel("time since the first event (s)")
-    head = title or "cupy_poolmem: used memory by tag"
+    head = _label(title) if title else "cupy_poolmem: used memory by tag"
     if hidden:
         head += f" ({hidden} more process/device panel(s) not shown)"
     fig.suptitle(head)
-    path = str(os.fspath(out_path))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, format=fmt, dpi=100)
     return path
+
+
+def _label(text: str) -> str:
+    """A tag as matplotlib should draw it: printable, and ``$`` not read as math."""
+    return printable(text).replace("$", r"\$")
 
 
 # ----------------------------------------------------------------------------------------
@@ -986,8 +827,15 @@ examples:
   python -m cupy_poolmem report alloc-*.csv
   python -m cupy_poolmem report logs/ --plot usage.png --tag-depth 1
   python -m cupy_poolmem report alloc.csv --json | jq .leaked_bytes
+  python -m cupy_poolmem report alloc.csv --to torch-snapshot alloc.pickle
+  python -m cupy_poolmem report alloc.csv --to rmm-log rmm_log.csv
+  cat alloc.csv | python -m cupy_poolmem report -
 
-exit status: 0 done, 1 the plot could not be drawn (matplotlib missing), 2 bad input
+Rows with an invalid value are skipped and counted; files in a directory (or a
+quoted glob) that are not logs are skipped with a warning on stderr.
+
+exit status: 0 done, 1 the plot could not be drawn (matplotlib missing) or the output
+was closed early (| head), 2 bad input
 """
 
 
@@ -995,7 +843,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The ``report`` options, added to ``ap`` (the CLI's subcommand parser uses it)."""
     from ._cli import int_at_least
 
-    ap.add_argument("logs", nargs="+", metavar="LOG", help="log files (CSV) or directories of them")
+    ap.add_argument(
+        "logs",
+        nargs="+",
+        metavar="LOG",
+        help="log files (CSV), directories of them, quoted globs ('alloc-*.csv'), "
+        "or - for standard input",
+    )
     ap.add_argument(
         "--plot",
         metavar="FILE",
@@ -1017,37 +871,72 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="group nested tags by their first N components",
     )
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ap.add_argument(
+        "--to",
+        nargs=2,
+        metavar=("FORMAT", "FILE"),
+        help="also write the log for another viewer: torch-snapshot (a .pickle that "
+        "PyTorch's memory_viz opens) or rmm-log (RMM's logging adaptor CSV, which its "
+        "replay benchmark reads)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``report`` with parsed arguments; return the exit status."""
-    from ._cli import describe_os_error, fail
+    """Run ``report`` with parsed arguments; return the exit status.
 
+    The plot and the export are written before the summary is printed, so a reader
+    that stops early (``| head``) does not stop them.
+    """
+    from ._cli import describe_os_error, fail
+    from ._report_export import check_export, export
+
+    to = getattr(args, "to", None)
     try:
         if args.plot:
             plot_format(args.plot)  # a bad suffix is an error before any work
+        if to:
+            check_export(*to)
         loaded = load(args.logs)
         summ = _summarize(loaded, args.top, args.tag_depth)
     except OSError as exc:
         return fail(PROG, describe_os_error(exc))
     except (LogFormatError, InvalidOptionError) as exc:
         return fail(PROG, str(exc))
-    if args.json:
-        print(json.dumps(summ.to_dict(), indent=1))
-    else:
-        print(summ.format(top=args.top))
+    for name, why in loaded.skipped:
+        print(f"{PROG}: warning: skipped {printable(name)}: {printable(why)}", file=sys.stderr)
+    if args.json and summ.n_bad_lines:
+        print(
+            f"{PROG}: warning: skipped {summ.n_bad_lines} invalid row(s) "
+            f"(first: {printable(summ.first_bad_line or '')})",
+            file=sys.stderr,
+        )
+    errors: list[tuple[str, int]] = []
+    done: list[str] = []
     if args.plot:
         try:
-            out = _plot(loaded, args.plot, tag_depth=args.tag_depth)
+            out = _plot(loaded, args.plot, tag_depth=args.tag_depth, summ=summ)
+            done.append(f"plot written to {printable(out)}")
         except MissingDependencyError as exc:
-            return fail(PROG, f"cannot plot: {exc}", code=1)
+            errors.append((f"cannot plot: {exc}", 1))
         except OSError as exc:
-            return fail(PROG, f"cannot write the plot: {describe_os_error(exc)}")
+            errors.append((f"cannot write the plot: {describe_os_error(exc)}", 2))
         except LogFormatError as exc:
-            return fail(PROG, f"cannot plot: {exc}")
-        if not args.json:
-            print(f"\nplot written to {out}")
-    return 0
+            errors.append((f"cannot plot: {exc}", 2))
+    if to:
+        try:
+            n, files = export(loaded, to[0], to[1], tag_depth=args.tag_depth)
+            done.append(f"{to[0]} written to {printable(', '.join(files))} ({n} events)")
+        except OSError as exc:
+            errors.append((f"cannot write {to[0]}: {describe_os_error(exc)}", 2))
+    if args.json:
+        print(json.dumps(summ.to_dict(), indent=1, allow_nan=False))
+    else:
+        print(summ.format(top=args.top))
+        if done:
+            print("\n" + "\n".join(done))
+    for message, code in errors:
+        fail(PROG, message, code=code)
+    return max((code for _, code in errors), default=0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

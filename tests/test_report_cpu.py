@@ -128,9 +128,11 @@ def test_plot_format_comes_from_the_suffix(two_logs, tmp_path):
 
 def test_load_merges_by_time_keeping_file_order(two_logs):
     loaded = report.load(list(two_logs))
-    times = [e.time for e in loaded.events]
+    events = list(loaded.events())
+    times = [e.time for e in events]
     assert times == sorted(times) and len(times) == 11 and loaded.n_bad == 1
-    assert [e.pid for e in loaded.events[:3]] == [1, 2, 1]
+    assert [e.pid for e in events[:3]] == [1, 2, 1]
+    assert [e.time for e in loaded.events()] == times  # read again, same events
     assert report.load(os.path.dirname(two_logs[0])).files == [str(p) for p in two_logs]
 
 
@@ -188,7 +190,10 @@ def _check_png(path) -> None:
 
 def test_plot_writes_a_png(two_logs, tmp_path):
     pytest.importorskip("matplotlib")
-    out = report.plot(list(two_logs), tmp_path / "out" / "usage.png")
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        report.plot(list(two_logs), tmp_path / "out" / "usage.png")
+    assert not (tmp_path / "out").exists()  # no directory created unasked
+    out = report.plot(list(two_logs), tmp_path / "usage.png")
     _check_png(out)
 
 
@@ -210,8 +215,18 @@ def test_plot_thins_long_logs(tmp_path):
                 w.writerow(_row(i * 1e-3, 7, 0, "free", ptr, size, f"t{i % 12}", "", used, ""))
     out = report.plot(p, tmp_path / "long.png", max_points=500, max_tags=4)
     _check_png(out)
-    idx = report._pick(__import__("numpy").arange(10_000.0), 500)
-    assert len(idx) <= 502 and idx[-1] == 9_999
+    # The thinned series: at most two moments per bucket, and the peaks survive.
+    from cupy_poolmem._report_series import sample_series
+
+    loaded = report.load(p)
+    (panel,) = sample_series(
+        loaded.events(), [(7, 0)], ["t0", "t1"], 0.0, 19.999, n_buckets=250
+    )
+    assert 250 <= len(panel.moments) <= 500
+    assert max(m[1] for m in panel.moments) == 50 << 20  # the highest use, kept
+    assert panel.moments[-1][1] == 0  # the last moment: all freed
+    times = [m[0] for m in panel.moments]
+    assert times == sorted(times)
 
 
 def test_cli_prints_summary_and_plots(two_logs, tmp_path, capsys):

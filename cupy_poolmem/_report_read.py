@@ -1,0 +1,312 @@
+"""Reading allocation logs for :mod:`cupy_poolmem.report`: one row at a time.
+
+What this module owns:
+
+* which files a command line names: files, directories of ``*.csv``, quoted globs
+  (``'alloc-*.csv'``) and ``-`` (standard input, spooled to a temporary file so that a
+  plot can read it a second time);
+* the checks of a file before any row is read (text, UTF-8, the log's header; a UTF-8
+  byte order mark is allowed, as spreadsheet programs write one);
+* the rows, parsed and checked one at a time (:func:`iter_events`), so memory does not
+  grow with the file.  A row with an invalid value is skipped and counted in a
+  :class:`BadRows`, which keeps the first reason;
+* :func:`printable`, which makes a string from a log safe to print on a terminal.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import math
+import os
+import shutil
+import sys
+import tempfile
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any, NamedTuple
+
+from ._errors import InvalidOptionError, LogFormatError
+from .stats import LOG_COLUMNS
+
+__all__ = ["LogEvent", "BadRows", "LogSource", "expand", "iter_events", "printable"]
+
+_BOM = b"\xef\xbb\xbf"
+_MAX_U64 = 2**64 - 1
+_MAX_TIME = 1e11  # seconds since 1970: the year 5138; beyond it a time is damage
+_GLOB_CHARS = frozenset("*?[")
+_HEAD = 8192
+
+
+class LogEvent(NamedTuple):
+    """One line of an allocation log (see :data:`cupy_poolmem.stats.LOG_COLUMNS`)."""
+
+    time: float
+    pid: int
+    thread: str
+    device: int
+    stream: int
+    op: str
+    ptr: int
+    size: int
+    tag: str
+    callsite: str
+    used: int | None
+    reserved: int | None
+
+
+@dataclass
+class BadRows:
+    """Rows skipped because a value in them is invalid: how many, and the first reason."""
+
+    n: int = 0
+    first: str | None = None
+
+    def add(self, where: str, reason: str) -> None:
+        self.n += 1
+        if self.first is None:
+            self.first = f"{where}: {printable(reason)}"
+
+
+@dataclass
+class LogSource:
+    """A log to read: ``name`` as the user wrote it, ``path`` where its bytes are."""
+
+    name: str
+    path: str
+    _keep: Any = field(default=None, repr=False)  # the spooled copy of stdin
+
+
+def printable(s: str) -> str:
+    """``s`` with every character a terminal would act on written as an escape.
+
+    Control characters (escape sequences, carriage returns, bells), format characters
+    (bidirectional overrides) and undecodable bytes become ``\\x1b``, ``\\u202e``...;
+    everything else is kept.
+
+    Examples
+    --------
+    >>> printable("step\\x1b[2J")
+    'step\\\\x1b[2J'
+    >>> printable("modèle/attention")
+    'modèle/attention'
+    """
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in s)
+
+
+def _tag_key(tag: str, depth: int | None) -> str:
+    """``tag`` cut to its first ``depth`` components (``None``: whole)."""
+    if depth is not None and tag:
+        tag = "/".join(tag.split("/")[:depth])
+    return tag
+
+
+def _has_glob(name: str) -> bool:
+    return not _GLOB_CHARS.isdisjoint(name)
+
+
+def check_header(path: str, name: str) -> list[str]:
+    """The header of the log at ``path``; :class:`LogFormatError` when it is not one."""
+    if os.path.isdir(path):
+        raise LogFormatError(name, "is a directory (give the directory itself to load())")
+    with open(path, "rb") as fb:
+        head = fb.read(_HEAD)
+    if head.startswith(_BOM):
+        head = head[len(_BOM) :]
+    if not head:
+        raise LogFormatError(
+            name, "empty file: an allocation log starts with a header line (see start_log)"
+        )
+    if b"\x00" in head:
+        raise LogFormatError(name, "binary file, not an allocation log (CSV text)")
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if not (len(head) == _HEAD and exc.reason == "unexpected end of data"):  # not a cut char
+            raise LogFormatError(
+                name,
+                f"not a text file (byte 0x{head[exc.start]:02x} at offset {exc.start} is "
+                "not UTF-8): an allocation log is the CSV file start_log() writes",
+            ) from None
+    first = head.split(b"\n", 1)[0].decode("utf-8", "replace").rstrip("\r")
+    try:
+        header = next(csv.reader([first]), [])
+    except csv.Error as exc:
+        raise LogFormatError(name, f"not a CSV allocation log ({exc})") from None
+    missing = [c for c in LOG_COLUMNS if c not in header]
+    if missing:
+        raise LogFormatError(
+            name,
+            f"not a cupy_poolmem allocation log: its first line "
+            f"{printable(first[:120])!r} lacks column(s) {', '.join(missing)} "
+            f"(expected {','.join(LOG_COLUMNS)})",
+        )
+    return header
+
+
+def _spool_stdin() -> LogSource:
+    """Standard input copied to a temporary file (removed when the source is dropped)."""
+    tmp = tempfile.NamedTemporaryFile(prefix="cupy_poolmem-stdin-", suffix=".csv", delete=False)
+    with tmp:
+        shutil.copyfileobj(sys.stdin.buffer, tmp, 1 << 20)
+    src = LogSource("<stdin>", tmp.name)
+    src._keep = weakref.finalize(src, os.unlink, tmp.name)
+    return src
+
+
+def expand(
+    paths: Iterable[str | os.PathLike],
+) -> tuple[list[LogSource], list[tuple[str, str]]]:
+    """The logs ``paths`` name, and the files skipped in directories and globs.
+
+    A file named explicitly must be a log (:class:`LogFormatError` otherwise; an
+    :class:`OSError` when it cannot be opened).  In a directory (its ``*.csv``) or a
+    glob's matches, a file that cannot be opened or is not a log is skipped: it comes
+    back as ``(name, reason)`` in the second list.  ``-`` is standard input.
+    """
+    out: list[LogSource] = []
+    skipped: list[tuple[str, str]] = []
+    stdin_used = False
+    for p in paths:
+        name = str(os.fspath(p))
+        if name == "-":
+            if stdin_used:
+                raise InvalidOptionError("'-' (standard input) is named twice; name it once")
+            stdin_used = True
+            src = _spool_stdin()
+            check_header(src.path, src.name)
+            out.append(src)
+            continue
+        if os.path.isdir(name):
+            members = sorted(os.path.join(name, n) for n in os.listdir(name) if n.endswith(".csv"))
+            what = "directory holds no *.csv allocation logs"
+        elif not os.path.exists(name) and _has_glob(name):
+            members = sorted(m for m in glob.glob(name) if not os.path.isdir(m))
+            what = "no file matches this pattern"
+        else:
+            check_header(name, name)  # an OSError or LogFormatError goes to the caller
+            out.append(LogSource(name, name))
+            continue
+        found = 0
+        for m in members:
+            try:
+                check_header(m, m)
+            except LogFormatError as exc:
+                skipped.append((m, str(exc)[len(m) + 2 :]))
+                continue
+            except OSError as exc:
+                skipped.append((m, exc.strerror or str(exc)))
+                continue
+            out.append(LogSource(m, m))
+            found += 1
+        if not found:
+            if members:
+                what = f"none of its {len(members)} file(s) is a readable allocation log"
+            raise LogFormatError(name, what)
+    if not out:
+        raise InvalidOptionError("no log files given")
+    return out, skipped
+
+
+def _uint(text: str, column: str, base: int = 10) -> int:
+    s = text.strip()
+    if len(s) > 24:  # more digits than any 64-bit value: damage, and int() would be slow
+        raise ValueError(f"{column} {s[:20]!r}... is too long for a 64-bit value")
+    try:
+        v = int(s, base)
+    except ValueError:
+        raise ValueError(f"{column} {s!r} is not an integer") from None
+    if v < 0:
+        raise ValueError(f"{column} {s!r} is negative")
+    if v > _MAX_U64:
+        raise ValueError(f"{column} {s!r} is above 2**64 - 1")
+    return v
+
+
+def _opt_uint(text: str, column: str) -> int | None:
+    return _uint(text, column) if text.strip() else None
+
+
+def _event(row: list[str], idx: list[int]) -> LogEvent:
+    """The event of one row, or ``ValueError`` naming the first invalid value."""
+    (t, pid, thread, dev, stream, op, ptr, size, tag, site, used, res) = (row[i] for i in idx)
+    try:
+        time = float(t)
+    except ValueError:
+        raise ValueError(f"time {t[:40]!r} is not a number") from None
+    if not (math.isfinite(time) and 0 <= time < _MAX_TIME):
+        raise ValueError(f"time {t[:40]!r} is not a timestamp in [0, 1e11)")
+    if op not in ("alloc", "free") and not op.startswith("guard:"):
+        raise ValueError(f"op {op[:40]!r} is not alloc, free or guard:<kind>")
+    try:
+        device = int(dev)
+    except ValueError:
+        raise ValueError(f"device {dev[:40]!r} is not an integer") from None
+    if not -1 <= device < 2**31:
+        raise ValueError(f"device {dev!r} is not a device ordinal (or -1)")
+    return LogEvent(
+        time,
+        _uint(pid, "pid"),
+        thread,
+        device,
+        _uint(stream, "stream", 0),
+        op,
+        _uint(ptr, "pointer", 0),
+        _uint(size, "size"),
+        tag,
+        site,
+        _opt_uint(used, "used"),
+        _opt_uint(res, "reserved"),
+    )
+
+
+def iter_events(src: LogSource, bad: BadRows) -> Iterator[LogEvent]:
+    """The events of one log in file order; invalid rows are counted in ``bad``.
+
+    Repeated header lines (several processes appending to one file) are not events.
+    A row is invalid when its number of fields differs from the header's, a value
+    does not parse or is out of range (negative sizes, times that are not finite,
+    numbers above ``2**64 - 1``), it holds bytes that are not UTF-8, or the CSV
+    module cannot split it (a field over its size limit).
+    """
+    header = check_header(src.path, src.name)
+    idx = [header.index(c) for c in LOG_COLUMNS]
+    ncol = len(header)
+    f: IO[str]
+    with open(src.path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
+        reader = csv.reader(f)
+        try:
+            next(reader, None)
+        except csv.Error:
+            pass
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as exc:
+                bad.add(f"{src.name} line {reader.line_num}", str(exc))
+                continue
+            if len(row) != ncol:
+                if row:
+                    bad.add(
+                        f"{src.name} line {reader.line_num}",
+                        f"{len(row)} fields, the header has {ncol}",
+                    )
+                continue
+            if row == header:
+                continue
+            try:
+                ev = _event(row, idx)
+                if not (ev.thread + ev.tag + ev.callsite + ev.op).isascii():
+                    (ev.thread + ev.tag + ev.callsite).encode("utf-8")
+            except UnicodeEncodeError:
+                bad.add(f"{src.name} line {reader.line_num}", "bytes that are not UTF-8")
+                continue
+            except ValueError as exc:
+                bad.add(f"{src.name} line {reader.line_num}", str(exc))
+                continue
+            yield ev
