@@ -25,6 +25,7 @@ would fail on it.
 from __future__ import annotations
 
 import csv
+import functools
 import os
 import pickle
 import time as _time
@@ -62,9 +63,11 @@ def check_export(fmt: str, out: str | os.PathLike) -> None:
         )
 
 
+@functools.lru_cache(maxsize=65536)
 def _frames(callsite: str, tag: str) -> list[dict[str, Any]]:
     """torch frames, innermost first: the call site ``file:line in function``, then
-    the tag as an outer frame."""
+    the tag as an outer frame.  One list per (call site, tag): the events share it, in
+    memory and in the pickle."""
     frames: list[dict[str, Any]] = []
     if callsite:
         where, _, name = callsite.partition(" in ")
@@ -205,6 +208,7 @@ def export(
     if tag_depth is not None:
         events = (e._replace(tag=_tag_key(e.tag, tag_depth)) for e in events)
     if fmt == "torch-snapshot":
+        _frames.cache_clear()
         snaps = torch_snapshots(events)
         if not snaps:
             snaps = {0: {"segments": [], "device_traces": []}}

@@ -200,7 +200,14 @@ def format_bytes(n: int) -> str:
     >>> format_bytes(12)
     '12 B'
     """
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (
+        ("EiB", 2**60),
+        ("PiB", 2**50),
+        ("TiB", 2**40),
+        ("GiB", 2**30),
+        ("MiB", 2**20),
+        ("KiB", 2**10),
+    ):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"

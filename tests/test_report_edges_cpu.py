@@ -1,0 +1,314 @@
+"""CPU tests of ``report`` on damaged and crafted logs, and of its inputs at their edges."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+
+import pytest
+
+import cupy_poolmem
+from cupy_poolmem import report
+from cupy_poolmem._errors import LogFormatError
+from cupy_poolmem.stats import LOG_COLUMNS
+
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(cupy_poolmem.__file__)))
+T0 = 1_700_000_000.0
+
+
+def row(t, op="alloc", ptr=0x100, size=4096, tag="", site="", used="", reserved="", pid=1):
+    return [t, pid, "MainThread", 0, 0, op, ptr if isinstance(ptr, str) else hex(ptr), size,
+            tag, site, used, reserved]  # fmt: skip
+
+
+def write_log(path, rows, bom: bool = False, quote_all: bool = False) -> str:
+    with open(path, "w", newline="", encoding="utf-8-sig" if bom else "utf-8") as f:
+        w = csv.writer(
+            f, lineterminator="\n", quoting=csv.QUOTE_ALL if quote_all else csv.QUOTE_MINIMAL
+        )
+        w.writerow(LOG_COLUMNS)
+        w.writerows(rows)
+    return str(path)
+
+
+def good_rows(n=3, tag="step", pid=1):
+    return [
+        row(f"{T0 + 1:.6f}", "alloc", 0x100, 4096, tag, "m.py:1 in f", 4096, 8192, pid=pid),
+        row(f"{T0 + 2:.6f}", "alloc", 0x900, 512, "", "", 4608, 8192, pid=pid),
+        row(f"{T0 + 3:.6f}", "free", 0x100, 4096, tag, "m.py:1 in f", 512, 8192, pid=pid),
+    ][:n]
+
+
+def cli(*args: str, stdin: bytes | None = None, cwd=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(
+        [sys.executable, "-m", "cupy_poolmem", "report", *args],
+        input=stdin,
+        capture_output=True,
+        timeout=120,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def strict_json(text: str) -> dict:
+    def refuse(name):
+        raise AssertionError(f"non-finite number {name} in JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+# -- invalid values ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "bad,reason",
+    [
+        (row("inf"), "time 'inf' is not a timestamp"),
+        (row("nan"), "time 'nan' is not a timestamp"),
+        (row("-1e400"), "time '-1e400' is not a timestamp"),
+        (row(f"{T0:.6f}", size=-5), "size '-5' is negative"),
+        (row(f"{T0:.6f}", size=10**32), "size '1" + "0" * 32 + "' is above 2**64 - 1"),
+        (row(f"{T0:.6f}", size="1e32"), "size '1e32' is not an integer"),
+        (row(f"{T0:.6f}", size="9" * 400), "is too long for a 64-bit value"),
+        (row(f"{T0:.6f}", used=10**32), "used '1" + "0" * 32 + "' is above 2**64 - 1"),
+        (row(f"{T0:.6f}", ptr="-0x10"), "pointer '-0x10' is negative"),
+        (row(f"{T0:.6f}", op="malloc"), "op 'malloc' is not alloc, free"),
+    ],
+    ids=[
+        "inf",
+        "nan",
+        "-1e400",
+        "negative",
+        "1e32 digits",
+        "1e32",
+        "400 digits",
+        "used",
+        "pointer",
+        "op",
+    ],  # fmt: skip
+)
+def test_an_invalid_value_skips_its_row_with_a_counted_reason(tmp_path, capsys, bad, reason):
+    path = write_log(tmp_path / "a.csv", [good_rows()[0], bad, *good_rows()[1:]])
+    s = report.summarize(path)
+    assert (s.n_events, s.n_bad_lines) == (3, 1)
+    assert s.first_bad_line.startswith(f"{path} line 3: ") and reason in s.first_bad_line
+    assert s.peaks == {(1, 0): 4608} and s.duration == pytest.approx(2.0)
+    text = s.format()
+    assert "skipped 1 invalid row(s) (first: " in text and reason in text
+    assert "nan s" not in text and "inf s" not in text
+    assert report.main([path, "--json"]) == 0
+    out, err = capsys.readouterr()
+    d = strict_json(out)
+    assert d["n_bad_lines"] == 1 and reason in d["first_bad_line"]
+    assert "skipped 1 invalid row(s)" in err
+
+
+def test_damaged_rows_do_not_leak_warnings_or_tracebacks(tmp_path):
+    rows = [row("nan"), row("inf", size=-1), row(f"{T0:.6f}", size="9" * 400), *good_rows()]
+    path = write_log(tmp_path / "a.csv", rows)
+    r = cli(path, "--json")
+    assert r.returncode == 0, r.stderr
+    assert b"RuntimeWarning" not in r.stderr and b"Traceback" not in r.stderr
+    d = strict_json(r.stdout.decode())
+    assert d["n_bad_lines"] == 3 and d["duration"] == 2.0
+
+
+def test_every_number_in_the_json_is_finite(tmp_path):
+    path = write_log(tmp_path / "a.csv", good_rows())
+    d = report.summarize(path).to_dict()
+    json.dumps(d, allow_nan=False)  # raises on a non-finite float
+
+
+def test_sizes_up_to_2_64_format_in_big_units(tmp_path):
+    path = write_log(tmp_path / "a.csv", [row(f"{T0:.6f}", size=2**64 - 1, used=2**64 - 1)])
+    text = report.summarize(path).format()
+    assert "16.00 EiB" in text and "TiB" not in text
+
+
+# -- encodings, tags, terminal safety ------------------------------------------------------
+def test_a_log_saved_with_a_byte_order_mark_reads(tmp_path):
+    path = write_log(tmp_path / "excel.csv", good_rows(), bom=True)
+    with open(path, "rb") as f:
+        assert f.read(3) == b"\xef\xbb\xbf"
+    s = report.summarize(path)
+    assert (s.n_events, s.n_bad_lines, s.leaked_bytes) == (3, 0, 512)
+
+
+def test_long_tags_print_whole_and_distinct(tmp_path):
+    a = "model/encoder/layer_0/attention/query_projection"
+    b = "model/encoder/layer_0/attention/query_projection_bias"
+    rows = [row(f"{T0 + 1:.6f}", ptr=0x100, tag=a), row(f"{T0 + 2:.6f}", ptr=0x200, tag=b)]
+    text = report.summarize(write_log(tmp_path / "a.csv", rows)).format()
+    lines = [ln for ln in text.splitlines() if "query_projection" in ln and "allocs" not in ln]
+    assert any(ln.endswith(a) for ln in lines) and any(ln.endswith(b) for ln in lines)
+
+
+def test_control_characters_never_reach_the_terminal(tmp_path):
+    evil = "x\x1b]0;pwned\x07\x1b[2J\r\u202eok"
+    rows = [row(f"{T0 + 1:.6f}", tag=evil, site=evil + ".py:1 in f")]
+    path = write_log(tmp_path / "a.csv", rows, quote_all=True)  # "\r" in quotes, as logs have
+    r = cli(path, "--top", "5")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.decode()
+    assert not any(c in out for c in "\x1b\x07\r\u202e")
+    assert "x\\x1b]0;pwned\\x07\\x1b[2J\\r\\u202eok" in out
+
+
+def test_control_characters_in_a_file_name_are_escaped_in_errors(tmp_path):
+    name = tmp_path / "bad\x1b[31m.csv"
+    name.write_text("not,a,log\n")
+    r = cli(str(name))
+    assert r.returncode == 2
+    assert b"\x1b" not in r.stderr and b"bad\\x1b[31m.csv" in r.stderr
+
+
+def test_rows_with_bytes_that_are_not_utf8_are_skipped(tmp_path):
+    path = tmp_path / "a.csv"
+    write_log(path, good_rows())
+    with open(path, "ab") as f:
+        f.write(f"{T0 + 4:.6f},1,MainThread,0,0,alloc,0x300,64,bad\xff,,,\n".encode("latin-1"))
+    s = report.summarize(path)
+    assert s.n_events == 3 and s.n_bad_lines == 1 and "not UTF-8" in s.first_bad_line
+    json.dumps(s.to_dict(), allow_nan=False).encode("utf-8")
+
+
+# -- files, directories, globs, stdin --------------------------------------------------------
+def test_a_bad_file_in_a_directory_is_skipped_with_a_warning(tmp_path):
+    d = tmp_path / "logs"
+    d.mkdir()
+    write_log(d / "alloc-1.csv", good_rows())
+    (d / "notes.csv").write_text("hello,world\n")
+    (d / "empty.csv").write_bytes(b"")
+    r = cli(str(d))
+    assert r.returncode == 0, r.stderr
+    err = r.stderr.decode().splitlines()
+    assert len(err) == 2 and all("warning: skipped" in ln for ln in err)
+    assert any("empty.csv: empty file" in ln for ln in err)
+    assert any("notes.csv: not a cupy_poolmem allocation log" in ln for ln in err)
+    assert b"1 file(s), 3 events" in r.stdout and b"2 file(s) skipped" in r.stdout
+    # Named explicitly, a bad file is still an error.
+    r = cli(str(d / "notes.csv"), str(d / "alloc-1.csv"))
+    assert r.returncode == 2 and b"notes.csv: not a cupy_poolmem allocation log" in r.stderr
+
+
+def test_a_directory_of_only_bad_files_is_an_error(tmp_path):
+    (tmp_path / "x.csv").write_text("hello\n")
+    with pytest.raises(LogFormatError, match="none of its 1 file"):
+        report.summarize(tmp_path)
+
+
+def test_a_quoted_glob_is_expanded(tmp_path):
+    write_log(tmp_path / "alloc-1.csv", good_rows(pid=1))
+    write_log(tmp_path / "alloc-2.csv", good_rows(pid=2))
+    write_log(tmp_path / "other.csv", good_rows(pid=3))
+    r = cli("alloc-*.csv", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    d = strict_json(r.stdout.decode())
+    assert d["pids"] == [1, 2] and d["files"] == ["alloc-1.csv", "alloc-2.csv"]
+    r = cli("nothing-*.csv", cwd=tmp_path)
+    assert r.returncode == 2 and b"no file matches this pattern" in r.stderr
+
+
+def test_standard_input_is_a_log(tmp_path):
+    pytest.importorskip("matplotlib")
+    data = open(write_log(tmp_path / "a.csv", good_rows()), "rb").read()
+    r = cli("-", "--json", "--plot", str(tmp_path / "p.png"), stdin=data)
+    assert r.returncode == 0, r.stderr
+    d = strict_json(r.stdout.decode())
+    assert d["files"] == ["<stdin>"] and d["n_events"] == 3
+    assert (tmp_path / "p.png").stat().st_size > 1000  # a second pass over stdin
+    r = cli("-", stdin=b"")
+    assert r.returncode == 2 and b"<stdin>: empty file" in r.stderr
+
+
+# -- plot: pipes and directories ---------------------------------------------------------
+def test_a_closed_pipe_does_not_stop_the_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    # More text than a pipe holds (3000 tags and leaks listed: about 400 kB).
+    rows = [row(f"{T0 + i:.6f}", ptr=0x100 + 64 * i, size=64, tag=f"t{i}") for i in range(3000)]
+    path = write_log(tmp_path / "a.csv", rows)
+    png = tmp_path / "u.png"
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [
+        sys.executable,
+        "-m",
+        "cupy_poolmem",
+        "report",
+        path,
+        "--plot",
+        str(png),
+        "--top",
+        "3000",
+    ]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    first = p.stdout.readline()
+    p.stdout.close()  # as `| head -1` does
+    with p.stderr:
+        err = p.stderr.read().decode()
+    p.wait(timeout=120)
+    assert first.startswith(b"cupy_poolmem allocation log")
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert png.stat().st_size > 1000
+
+
+def test_plot_into_a_missing_directory_is_an_error(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = write_log(tmp_path / "a.csv", good_rows())
+    r = cli(path, "--plot", str(tmp_path / "nope" / "u.png"))
+    assert r.returncode == 2
+    err = r.stderr.decode().strip().splitlines()
+    assert len(err) == 1 and "no such directory" in err[0] and "nope" in err[0]
+    assert not (tmp_path / "nope").exists()
+    assert b"Peak used memory" in r.stdout  # the summary is still printed
+
+
+def test_tags_that_look_like_math_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [row(f"{T0 + 1:.6f}", tag="$\\undefined{x}$"), row(f"{T0 + 2:.6f}", ptr=0x200, tag="$")]
+    out = report.plot(write_log(tmp_path / "a.csv", rows), tmp_path / "m.svg")
+    assert os.path.getsize(out) > 1000
+
+
+def test_plot_bands_add_up_to_the_used_column(tmp_path):
+    from cupy_poolmem._report_series import sample_series
+
+    rows, used = [], 70  # 70 bytes allocated before the log
+    for i in range(3000):
+        ptr, size = 0x1000 + (i % 40) * 256, 100 + i % 7
+        if (i // 40) % 2 == 0:
+            used += size
+            rows.append(row(f"{T0 + i * 1e-3:.6f}", "alloc", ptr, size, f"t{i % 5}", "", used))
+        else:
+            prev = 100 + (i - 40) % 7
+            used -= prev
+            rows.append(row(f"{T0 + i * 1e-3:.6f}", "free", ptr, prev, "", "", used))
+    loaded = report.load(write_log(tmp_path / "a.csv", rows))
+    (panel,) = sample_series(loaded.events(), [(1, 0)], ["t0", "t1"], T0, T0 + 3, n_buckets=100)
+    assert len(panel.moments) <= 200
+    for _t, used_m, _res, bands in panel.moments:
+        assert sum(bands) == used_m and bands[-1] == 70  # shown + other + before the log
+    assert max(m[1] for m in panel.moments) == max(int(r[10]) for r in rows)
+
+
+# -- memory ------------------------------------------------------------------------------
+def test_summary_memory_does_not_grow_with_the_log(tmp_path):
+    """40,000 rows (about 4 MB of text): the summary holds the live blocks, not the rows."""
+    path = tmp_path / "big.csv"
+    with open(path, "w") as f:
+        f.write(",".join(LOG_COLUMNS) + "\n")
+        for i in range(40_000):
+            op = "alloc" if (i // 100) % 2 == 0 else "free"
+            f.write(f"{T0 + i * 1e-4:.6f},7,MainThread,0,0,{op},{hex(0x1000 + (i % 100) * 64)},"
+                    f"64,model/layer{i % 8},/src/m.py:{i % 20} in f,,\n")  # fmt: skip
+    size = os.path.getsize(path)
+    tracemalloc.start()
+    try:
+        s = report.summarize(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert s.n_events == 40_000
+    assert peak < size / 2, (peak, size)  # a list of the rows would take several times `size`
