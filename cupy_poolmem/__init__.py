@@ -21,6 +21,7 @@ Examples
 from __future__ import annotations
 
 import importlib
+import logging as _logging
 from typing import TYPE_CHECKING, Any
 
 from . import stats
@@ -90,6 +91,10 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
     from .managed import advise, prefetch
 
 __version__ = "0.1.0"
+
+# Operational events (exporter started, peer gone, fallback taken, pool retired) go to
+# the "cupy_poolmem" logger; silent until the application routes it (docs/observability).
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 #: Public names that need CuPy and cuda.core: ``name -> (module, attribute)``.  They
 #: are imported on first access (``cupy_poolmem.DevicePool``), so the package imports

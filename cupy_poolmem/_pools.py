@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import threading
 import weakref
@@ -49,17 +50,21 @@ from ._errors import (
 from ._poolstats import PoolStats
 from ._sizes import format_bytes, parse_bytes
 
+log = logging.getLogger(__name__)
+
 if os.environ.get("CUPY_POOLMEM_PURE_PYTHON"):
     from . import _hotpath_py as _hp
 else:
     try:
         from . import _hotpath as _hp  # type: ignore[no-redef]
-    except (ImportError, TypeError, ValueError):  # not built, or built against other ABIs
+    except (ImportError, TypeError, ValueError) as _exc:  # not built, or other ABIs
+        log.info("hot path: the pure-Python twin (compiled module not loaded: %s)", _exc)
         from . import _hotpath_py as _hp
     else:
         from . import _hotpath_py as _twin
 
         if getattr(_hp, "VERSION", None) != _twin.VERSION:  # built from an older source
+            log.info("hot path: the pure-Python twin (compiled module built from older source)")
             _hp = _twin
 
 __all__ = [
@@ -1765,6 +1770,10 @@ class ManagedPool(Pool):
                         mr = None
             self.backend = choice
             self.backend_reason = reason
+            if backend == "auto" and choice != "pool":
+                log.info(
+                    "ManagedPool on device %d: fallback to backend %r: %s", dev, choice, reason
+                )
             if mr is None:
                 self._backend = ma.ManagedAllocator(dev)
             self._setup(mr, dev, _hp.KIND_MANAGED, release_threshold, max_b, cache)

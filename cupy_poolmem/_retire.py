@@ -42,6 +42,7 @@ is polled by the retirer (:meth:`Retirer.after_captures`) and retired once they 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -50,6 +51,9 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any, NamedTuple
 
 from ._streams import CAPTURE_ERRORS
+
+log = logging.getLogger(__name__)
+_FATES = {None: "to be destroyed", True: "parked for reuse", False: "retired already"}
 
 ALL_DEVICES = -1  # a host pool: its frees ran on streams of any device
 _OK, _CAPTURE, _ERROR = 0, 1, 2  # what a sync of the devices gave
@@ -238,6 +242,7 @@ class Retirer:
         leftovers = tuple(leftovers)
         with self._lock:
             parked = self._decide(token, device, leftovers)
+        log.info("pool %#x on device %d retired: %s", token, device, _FATES[parked])
         if parked is None:  # to destroy: held, so that no drain destroys it meanwhile
             try:
                 if before_destroy is not None:

@@ -9,11 +9,14 @@ it for all of them.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from ._config import TransferConfig
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Counters", "counters"]
 
@@ -45,6 +48,7 @@ class Counters:
             self._n[name] += n
 
     def fell_back(self, reason: str) -> None:
+        log.debug("dask: a chunk takes Dask's own serialization (%s)", reason)
         with self._lock:
             self._fallback[reason] = self._fallback.get(reason, 0) + 1
 

@@ -9,6 +9,7 @@ are replies written by the peer's own server thread).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -22,6 +23,8 @@ from .._errors import SharingError
 from . import _wire
 from ._settings import SharingSettings
 from ._transport import Conn, Listener, Sender
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Exporter", "Record", "LocalHold"]
 
@@ -220,6 +223,7 @@ class Exporter:
             with self.lock:
                 if self._listener is None:
                     self._listener = Listener(self.authkey, self._serve)
+                    log.info("sharing: exporter listening at %s", self._listener.address)
         return self._listener.address
 
     @property
@@ -585,6 +589,7 @@ class Exporter:
         """A receiver's connection closed: once its process (and GPU context) is gone,
         give back its leases (invariant 3)."""
         peer.conn.peer.wait_gone()
+        log.info("sharing: receiver pid %s is gone; its leases are released", peer.conn.peer.pid)
         peer.conn.peer.close()
         with self.lock:
             self.peers.pop(peer.cid, None)

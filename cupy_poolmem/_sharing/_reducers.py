@@ -6,6 +6,7 @@ the receiver (or back in the exporter) and returns an array on the same memory.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .._errors import SharingError
@@ -13,6 +14,8 @@ from . import _wire
 from ._context import context
 from ._exporter import LocalHold
 from ._importer import Imported
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "array_on",
@@ -177,6 +180,7 @@ def reduce_cupy(arr: Any) -> tuple:
         import cupy
 
         fb = ctx.settings.fallback
+        log.debug("sharing: array not on an IPC pool; fallback %r (size %d)", fb, arr.nbytes)
         if fb == "host" or arr.size == 0:
             return arr.__reduce__()
         if fb == "error":
