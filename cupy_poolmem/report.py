@@ -145,7 +145,7 @@ def load(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> _Loaded:
     """The logs ``paths`` name (files, directories of ``*.csv``, globs, ``-``), checked.
 
     Each file's header is checked now; its rows are read, merged by time, each time
-    :meth:`_Loaded.events` is iterated.  Each file's own order is kept (a k-way merge
+    ``events()`` of the result is iterated.  Each file's own order is kept (a k-way merge
     on ``time``), so events of one process never swap places even when their
     timestamps are equal.  In a directory or a glob's matches, files that are not
     logs are skipped and listed in ``skipped``.
