@@ -219,9 +219,7 @@ def test_plot_thins_long_logs(tmp_path):
     from cupy_poolmem._report_series import sample_series
 
     loaded = report.load(p)
-    (panel,) = sample_series(
-        loaded.events(), [(7, 0)], ["t0", "t1"], 0.0, 19.999, n_buckets=250
-    )
+    (panel,) = sample_series(loaded.events(), [(7, 0)], ["t0", "t1"], 0.0, 19.999, n_buckets=250)
     assert 250 <= len(panel.moments) <= 500
     assert max(m[1] for m in panel.moments) == 50 << 20  # the highest use, kept
     assert panel.moments[-1][1] == 0  # the last moment: all freed
