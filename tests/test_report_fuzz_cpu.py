@@ -26,7 +26,7 @@ from cupy_poolmem._report_series import sample_series  # noqa: E402
 from cupy_poolmem.stats import LOG_COLUMNS  # noqa: E402
 
 FUZZ = settings(
-    max_examples=120,
+    max_examples=80,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     database=None,
