@@ -157,3 +157,24 @@ def test_doctor_names_the_managed_backend():
     assert rows and all(("'pool'" in r or "'managed'" in r) for r in rows)
     backend, reason = cpm.managed_backend(0)
     assert f"{backend!r} ({reason})" in rows[0]
+
+
+@pytest.mark.parametrize("backend", ["auto", "managed"])
+def test_a_managed_backend_fallback_is_logged_only_when_auto_falls_back(backend, caplog):
+    """INFO on the "cupy_poolmem" logger when backend="auto" takes "managed", with the
+    reason; nothing for the backend asked for by name, nor for "auto" taking "pool"."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="cupy_poolmem")
+    with _pool(backend) as p, cpm.using(p):
+        a = cupy.arange(1024, dtype=cupy.float32)
+        assert float(a[-1].get()) == 1023.0  # the pool's memory works
+        del a
+        msgs = [r.getMessage() for r in caplog.records if "ManagedPool on device" in r.getMessage()]
+        if backend == "auto" and p.backend != "pool":
+            assert msgs == [
+                f"ManagedPool on device {p.device_id}: fallback to backend 'managed': "
+                f"{p.backend_reason}"
+            ]
+        else:
+            assert msgs == []
