@@ -671,6 +671,8 @@ def plot(
         ``out`` has no suffix of a known picture format.
     LogFormatError
         A file is not an allocation log, or the logs hold no events.
+    FileNotFoundError
+        ``out``'s directory does not exist (none is created).
 
     Examples
     --------
