@@ -199,6 +199,9 @@ def test_the_working_directory_does_not_shadow_the_package():
     top = os.path.dirname(os.path.dirname(r.stdout.strip()))
     assert not os.path.samefile(top, ROOT), "imported the checkout's top folder"
 PYEOF
+# The edited lines, formatted as CI checks them (ruff is pinned in .ci/tools.txt).
+python -m ruff format -q benchmarks tests/test_layout_cpu.py tests/test_examples_cpu.py \
+  .ci/check_dist.py setup.py docs/conf.py
 git add -u
 git add tests/test_layout_cpu.py
 echo "move_to_src: done; review 'git status' and 'git diff --cached -M', then commit"
