@@ -39,6 +39,7 @@ def check_sdist(path: str) -> None:
         "tests/_mp_workers.py",
         "docs/conf.py",
         "docs/index.rst",
+        "docs/_static/cupy_poolmem.css",
         "examples/one_line_allocator.py",
         "benchmarks/alloc.py",
     }
