@@ -42,6 +42,7 @@ def check_sdist(path: str) -> None:
         "docs/_static/cupy_poolmem.css",
         "examples/one_line_allocator.py",
         "benchmarks/alloc.py",
+        "tools/render_figures.py",
     }
     missing = sorted(need - names)
     if missing:
