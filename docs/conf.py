@@ -109,10 +109,7 @@ html_theme_options = {
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version"],
 }
-html_sidebars: dict[str, list[str]] = {
-    # The API and change log pages are long single pages: their own table of contents
-    # (right) is the navigation; no left sidebar takes their width.
-    "api": [],
-    "changelog": [],
-}
+# No left sidebar: every page is a top-level page of the navigation bar, so the theme's
+# "Section Navigation" would be empty, and its width is the code blocks'.
+html_sidebars: dict[str, list[str]] = {"**": []}
 trim_doctest_flags = True
