@@ -91,7 +91,7 @@ def measured_on(r: dict[str, Any]) -> str:
     """One line: device, driver, versions, date and commit of a result."""
     env = r["environment"]
     gpus = env.get("n_gpus")
-    device = env["device"] if not gpus or gpus == 1 else f"{gpus} x {env['device']}"
+    device = env["device"] if not gpus or gpus == 1 else f"{env['device']} (of {gpus} GPUs)"
     parts = [device]
     if env.get("driver"):
         parts.append(f"driver for CUDA {env['driver']}")
