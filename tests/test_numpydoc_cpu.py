@@ -38,7 +38,10 @@ def public_objects() -> dict[str, str]:
     """``{import path of the object: public name}`` for every documented callable."""
     out: dict[str, str] = {}
     for mod_name in MODULES:
-        mod = importlib.import_module(mod_name)
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:  # cupy_poolmem.dask / .numba without their extra
+            continue
         for name in mod.__all__:
             obj = getattr(mod, name)
             if inspect.ismodule(obj):
