@@ -6,9 +6,14 @@
 from __future__ import annotations
 
 import os
+import struct
 import sys
 import tarfile
 import zipfile
+
+# A stripped compiled module is about 0.1 MB (the arena) and 0.45 MB (the hot path) on
+# x86_64; with debug information it was 2.95 MB in all.
+MAX_SO_BYTES = 1 << 20
 
 
 def fail(msg: str) -> None:
@@ -34,8 +39,10 @@ def check_sdist(path: str) -> None:
         "tests/_mp_workers.py",
         "docs/conf.py",
         "docs/index.rst",
+        "docs/_static/cupy_poolmem.css",
         "examples/one_line_allocator.py",
         "benchmarks/alloc.py",
+        "tools/render_figures.py",
     }
     missing = sorted(need - names)
     if missing:
@@ -49,9 +56,56 @@ def check_sdist(path: str) -> None:
     print(f"sdist ok: {len(names)} files, tests and their helpers included, no generated C")
 
 
+def elf_section_names(data: bytes) -> list[str]:
+    """The section names of a 64- or 32-bit little- or big-endian ELF file."""
+    if data[:4] != b"\x7fELF":
+        raise ValueError("not an ELF file")
+    is64 = data[4] == 2
+    end = "<" if data[5] == 1 else ">"
+    if is64:
+        (shoff,) = struct.unpack_from(end + "Q", data, 0x28)
+        shentsize, shnum, shstrndx = struct.unpack_from(end + "HHH", data, 0x3A)
+    else:
+        (shoff,) = struct.unpack_from(end + "I", data, 0x20)
+        shentsize, shnum, shstrndx = struct.unpack_from(end + "HHH", data, 0x2E)
+
+    def section(i: int) -> tuple[int, int, int]:
+        base = shoff + i * shentsize
+        if is64:
+            name, _type, _flags, _addr, offset, size = struct.unpack_from(
+                end + "IIQQQQ", data, base
+            )
+        else:
+            name, _type, _flags, _addr, offset, size = struct.unpack_from(
+                end + "IIIIII", data, base
+            )
+        return name, offset, size
+
+    _, str_off, str_size = section(shstrndx)
+    strtab = data[str_off : str_off + str_size]
+    names = []
+    for i in range(shnum):
+        name_off = section(i)[0]
+        names.append(strtab[name_off : strtab.index(b"\0", name_off)].decode())
+    return names
+
+
+def check_compiled(name: str, data: bytes) -> None:
+    """A shipped extension module carries no debug information and stays small."""
+    sections = elf_section_names(data)
+    debug = [s for s in sections if s.startswith((".debug", ".zdebug")) or s == ".symtab"]
+    if debug:
+        fail(f"{name} is not stripped: it has {debug} (setup.py's -g0 / --strip-all)")
+    if len(data) > MAX_SO_BYTES:
+        fail(f"{name} is {len(data)} bytes, over {MAX_SO_BYTES}: debug information?")
+
+
 def check_wheel(path: str) -> None:
     with zipfile.ZipFile(path) as zf:
         names = set(zf.namelist())
+        compiled = {n: zf.read(n) for n in names if n.endswith(".so")}
+    for so_name, data in sorted(compiled.items()):
+        check_compiled(so_name, data)
     if any(n.endswith(".c") for n in names):
         fail(f"{os.path.basename(path)} carries generated C: "
              f"{[n for n in names if n.endswith('.c')]}")  # fmt: skip
@@ -71,7 +125,10 @@ def check_wheel(path: str) -> None:
         fail(f"{os.path.basename(path)} has no LICENSE in its metadata")
     if any(n.startswith("tests/") for n in names):
         fail(f"{os.path.basename(path)} installs a top-level 'tests' package")
-    print(f"wheel ok: {os.path.basename(path)}, {len(names)} files, no generated C")
+    sizes = ", ".join(f"{os.path.basename(n)} {len(d)} B" for n, d in sorted(compiled.items()))
+    print(
+        f"wheel ok: {os.path.basename(path)}, {len(names)} files, no generated C, stripped {sizes}"
+    )
 
 
 def main(argv: list[str]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -128,6 +129,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     names = list(dict.fromkeys(args.names)) or list(DEFAULT)
     extra = ["--quick"] if args.quick else []
+    if args.save:
+        extra += ["--save", os.path.abspath(args.save)]
     env = child_env()
     status = 0
     for i, name in enumerate(names, start=1):
@@ -184,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(peers\nmeasured in the same run, ratios to a named baseline, device and "
         f"versions).\n\nbenchmarks:\n{listing}",
         epilog="examples:\n  python -m cupy_poolmem bench --quick\n"
-        "  python -m cupy_poolmem bench alloc ipc\n\n"
+        "  python -m cupy_poolmem bench alloc ipc\n"
+        "  python -m cupy_poolmem bench --save benchmarks/results\n\n"
         "exit status: 0 done, 1 a benchmark failed, 2 no GPU or CUDA packages",
     )
 
@@ -204,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"{' '.join(n for n in BENCHMARKS if n not in DEFAULT)})",
     )
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
+    p.add_argument(
+        "--save",
+        metavar="DIR",
+        help="also write each benchmark's results to DIR/<bench>-<device>.json "
+        "(tools/render_figures.py renders the docs' figures from them)",
+    )
     p.set_defaults(func=_bench)
 
     p = sub.add_parser(

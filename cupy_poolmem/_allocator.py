@@ -34,6 +34,13 @@ class PoolAllocator(_hp.Dispatch):
     like ``MemoryPool.malloc``.  The pool for a device is created the first time an
     allocation happens with that device current, so multi-GPU code works unchanged.
 
+    Parameters
+    ----------
+    factory : callable
+        ``factory(device)`` creates the pool for a device ordinal.
+    kind : str
+        ``"device"`` or ``"pinned"``: which of CuPy's allocators this one replaces.
+
     Examples
     --------
     >>> alloc = cupy_poolmem.set_allocator(ipc=True)  # doctest: +SKIP
@@ -142,6 +149,11 @@ def set_pinned_memory_allocator(**pool_options: Any) -> PoolAllocator:
         Passed to :class:`PinnedPool` (``max_size``, ``release_threshold``, ``ipc``,
         ``numa_node``).
 
+    Returns
+    -------
+    PoolAllocator
+        The allocator installed, which creates one pool per NUMA node on first use.
+
     Examples
     --------
     >>> cupy_poolmem.set_pinned_memory_allocator()  # doctest: +SKIP
@@ -189,6 +201,16 @@ def _replace(kind: str, alloc: PoolAllocator) -> None:
 def get_pool(device: int | None = None) -> Pool:
     """The :class:`DevicePool` that :func:`set_allocator` uses for ``device``.
 
+    Parameters
+    ----------
+    device : int, optional
+        Device ordinal; defaults to the current device.
+
+    Returns
+    -------
+    DevicePool
+        The pool, created on first use.
+
     Raises
     ------
     PoolClosedError
@@ -206,7 +228,30 @@ def get_pool(device: int | None = None) -> Pool:
 
 
 def get_pinned_pool(device: int | None = None) -> Pool:
-    """The :class:`PinnedPool` that :func:`set_pinned_memory_allocator` uses for ``device``."""
+    """The :class:`PinnedPool` that :func:`set_pinned_memory_allocator` uses for ``device``.
+
+    Parameters
+    ----------
+    device : int, optional
+        Device ordinal; defaults to the current device.  GPUs on the same NUMA node
+        share one pool.
+
+    Returns
+    -------
+    PinnedPool
+        The pool, created on first use.
+
+    Raises
+    ------
+    PoolClosedError
+        If :func:`set_pinned_memory_allocator` has not been called in this process.
+
+    Examples
+    --------
+    >>> cupy_poolmem.set_pinned_memory_allocator()  # doctest: +SKIP
+    >>> cupy_poolmem.get_pinned_pool().stats().kind  # doctest: +SKIP
+    'pinned'
+    """
     alloc = _current["pinned"]
     if alloc is None:
         raise PoolClosedError("no pinned pool: call cupy_poolmem.set_pinned_memory_allocator()")
@@ -220,6 +265,16 @@ def using(pool: Pool | Callable[[int], Any]) -> Iterator[Any]:
     Like :func:`cupy.cuda.using_allocator`; accepts a pool or any ``malloc``
     callable.  Pinned pools go to CuPy's pinned allocator instead (process-wide:
     CuPy has no thread-local pinned allocator; it is restored on exit).
+
+    Parameters
+    ----------
+    pool : Pool or callable
+        The pool, or a ``malloc(size)`` callable, to allocate from.
+
+    Yields
+    ------
+    Pool or callable
+        ``pool`` itself.
 
     Examples
     --------

@@ -64,6 +64,11 @@ def _drv() -> Any:
 def device_count() -> int:
     """Number of CUDA devices visible to this process (0 without a driver or GPU).
 
+    Returns
+    -------
+    int
+        The count; 0 also when ``CUDA_VISIBLE_DEVICES`` is empty.
+
     Examples
     --------
     >>> cupy_poolmem.device_count() >= 0
@@ -182,6 +187,16 @@ def nearest_numa_node(device: int | None = None) -> int:
     """Host NUMA node nearest ``device`` (default: current), or ``-1`` if unknown.
 
     Asks the driver (``host_numa_id``), then Linux's sysfs entry for the GPU's PCI device.
+
+    Parameters
+    ----------
+    device : int, optional
+        Device ordinal; defaults to the current device.
+
+    Returns
+    -------
+    int
+        The NUMA node's number, or ``-1``.
 
     Examples
     --------

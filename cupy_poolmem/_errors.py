@@ -63,23 +63,66 @@ _CUDA_ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation, what CuPy's stag
 
 
 class PoolmemError(Exception):
-    """Base class of every error raised by cupy_poolmem."""
+    """Base class of every error raised by cupy_poolmem.
+
+    Examples
+    --------
+    One ``except`` clause catches every error of the package:
+
+    >>> try:
+    ...     cupy_poolmem.parse_bytes("twelve")
+    ... except cupy_poolmem.PoolmemError:
+    ...     print("not a size")
+    not a size
+    """
 
 
 class PoolClosedError(PoolmemError, RuntimeError):
-    """The pool was closed; create a new pool (or stop using this one)."""
+    """The pool was closed; create a new pool (or stop using this one).
+
+    Examples
+    --------
+    >>> pool = cupy_poolmem.DevicePool()  # doctest: +SKIP
+    >>> pool.close()  # doctest: +SKIP
+    >>> pool.malloc(1024)  # doctest: +SKIP
+    Traceback (most recent call last):
+    ...
+    cupy_poolmem._errors.PoolClosedError: ...
+    """
 
 
 class WrongDeviceError(PoolmemError, ValueError):
-    """A pool was used while another CUDA device was current."""
+    """A pool was used while another CUDA device was current.
+
+    Examples
+    --------
+    >>> pool = cupy_poolmem.DevicePool(device=1)  # doctest: +SKIP
+    >>> with cupy.cuda.Device(0):  # doctest: +SKIP
+    ...     pool.malloc(1024)
+    Traceback (most recent call last):
+    ...
+    cupy_poolmem._errors.WrongDeviceError: ...
+    """
 
 
 class InvalidOptionError(PoolmemError, ValueError):
-    """An option has a value of the right type but outside its valid range."""
+    """An option has a value of the right type but outside its valid range.
+
+    Examples
+    --------
+    >>> isinstance(InvalidOptionError("reuse_cache=-1: give 0 or more"), ValueError)
+    True
+    """
 
 
 class OptionTypeError(PoolmemError, TypeError):
-    """An option has a value of the wrong type."""
+    """An option has a value of the wrong type.
+
+    Examples
+    --------
+    >>> isinstance(OptionTypeError("ipc='yes': give True or False"), TypeError)
+    True
+    """
 
 
 class InvalidSizeError(PoolmemError, OverflowError, ValueError):
@@ -88,33 +131,84 @@ class InvalidSizeError(PoolmemError, OverflowError, ValueError):
     Derives from :class:`OverflowError`, what CuPy's own allocators raise for such a
     size, and from :class:`ValueError`.  A size that is not an integer raises
     :class:`OptionTypeError` (a :class:`TypeError`) instead.
+
+    Examples
+    --------
+    >>> e = InvalidSizeError("size=-1: give a size of 0 or more bytes")
+    >>> isinstance(e, OverflowError), isinstance(e, ValueError)
+    (True, True)
+    >>> cupy_poolmem.DevicePool().malloc(-1)  # doctest: +SKIP
+    Traceback (most recent call last):
+    ...
+    cupy_poolmem._errors.InvalidSizeError: ...
     """
 
 
 class NoGPUError(PoolmemError, RuntimeError):
-    """No CUDA driver or no CUDA device is available in this process."""
+    """No CUDA driver or no CUDA device is available in this process.
+
+    Examples
+    --------
+    >>> if cupy_poolmem.device_count() == 0:
+    ...     try:
+    ...         cupy_poolmem.DevicePool()
+    ...     except (NoGPUError, MissingDependencyError):
+    ...         pass
+    """
 
 
 class UnsupportedError(PoolmemError, RuntimeError):
-    """The driver, device or CUDA version lacks a feature (for example managed pools)."""
+    """The driver, device or CUDA version lacks a feature (for example managed pools).
+
+    Examples
+    --------
+    >>> try:  # doctest: +SKIP
+    ...     pool = cupy_poolmem.ManagedPool()
+    ... except cupy_poolmem.UnsupportedError:
+    ...     pool = cupy_poolmem.ManagedPool(backend="cupy")
+    """
 
 
 class SharingError(PoolmemError, RuntimeError):
-    """An array could not be shared with, or received from, another process."""
+    """An array could not be shared with, or received from, another process.
+
+    Examples
+    --------
+    >>> try:  # doctest: +SKIP
+    ...     x = queue.get(timeout=60)
+    ... except cupy_poolmem.SharingError as e:
+    ...     print("not received:", e)
+    """
 
 
 class TransferError(SharingError, ConnectionError):
-    """A Dask chunk sent through pool IPC could not be received, nor fetched again
-    through Dask's own serialization.
+    """A Dask chunk sent through pool IPC could not be received, nor fetched again.
 
-    Derives from :class:`ConnectionError` (an :class:`OSError`): Dask's worker then
+    Neither through pool IPC nor through Dask's own serialization.  Derives from :class:`ConnectionError` (an :class:`OSError`): Dask's worker then
     treats the sender as unreachable for that transfer (it asks the scheduler where
     else the data is, or has it computed again) instead of marking the task failed.
+
+    Examples
+    --------
+    >>> e = TransferError("worker tcp://10.0.0.2:4000 is gone")
+    >>> isinstance(e, SharingError), isinstance(e, ConnectionError)
+    (True, True)
     """
 
 
 class CUDADriverError(PoolmemError, RuntimeError):
     """A CUDA driver call failed.
+
+    Parameters
+    ----------
+    call : str
+        The driver function that failed.
+    code : int
+        The numeric ``CUresult``.
+    name : str
+        The CUDA error name.
+    detail : str, optional
+        The driver's description of the error, appended to the message.
 
     Attributes
     ----------
@@ -124,6 +218,12 @@ class CUDADriverError(PoolmemError, RuntimeError):
         The numeric ``CUresult``.
     call : str
         The driver function that failed.
+
+    Examples
+    --------
+    >>> e = CUDADriverError("cuMemPoolCreate", 1, "CUDA_ERROR_INVALID_VALUE")
+    >>> str(e), e.name
+    ('cuMemPoolCreate failed: CUDA_ERROR_INVALID_VALUE (1)', 'CUDA_ERROR_INVALID_VALUE')
     """
 
     def __init__(self, call: str, code: int, name: str, detail: str = "") -> None:
@@ -139,6 +239,17 @@ class OutOfPoolMemoryError(PoolmemError, _CupyOutOfMemoryError):
     keep working.  Raised only after one retry that follows garbage collection, the
     collection of blocks held for other processes, and a trim of the pool.
 
+    Parameters
+    ----------
+    pool : str
+        Description of the pool (kind, device).
+    size : int
+        Requested bytes.
+    stats : PoolStats, optional
+        The pool's statistics when the allocation failed.
+    detail : str, optional
+        What was tried before giving up (the default names the retry).
+
     Attributes
     ----------
     pool : str
@@ -147,6 +258,12 @@ class OutOfPoolMemoryError(PoolmemError, _CupyOutOfMemoryError):
         Requested bytes.
     stats : object
         The pool's :class:`~cupy_poolmem.PoolStats` when the error was raised.
+
+    Examples
+    --------
+    >>> e = OutOfPoolMemoryError("DevicePool(device=0)", 1 << 40)
+    >>> isinstance(e, MemoryError), e.size
+    (True, 1099511627776)
     """
 
     def __init__(self, pool: str, size: int, stats: Any = None, detail: str | None = None) -> None:
@@ -175,6 +292,23 @@ class PinnedOutOfMemoryError(PoolmemError, _CUDARuntimeError):
     Subclasses CuPy's ``CUDARuntimeError`` with ``status == cudaErrorMemoryAllocation``:
     that is what CuPy's asynchronous host-to-device staging catches before it falls back
     to a synchronous copy, so the fallback keeps working with a :class:`PinnedPool`.
+
+    Parameters
+    ----------
+    pool : str
+        Description of the pool (kind, NUMA node).
+    size : int
+        Requested bytes.
+    stats : PoolStats, optional
+        The pool's statistics when the allocation failed.
+    detail : str, optional
+        Appended to the message.
+
+    Examples
+    --------
+    >>> e = PinnedOutOfMemoryError("PinnedPool(numa_node=0)", 1 << 40)
+    >>> e.status, e.size
+    (2, 1099511627776)
     """
 
     def __init__(self, pool: str, size: int, stats: Any = None, detail: str | None = None) -> None:
@@ -248,6 +382,17 @@ class MissingDependencyError(PoolmemError, ImportError):
     plots need matplotlib.  The message names what to install.  Derives from
     :class:`ImportError`, which code probing for optional features already catches.
 
+    Parameters
+    ----------
+    feature : str
+        What was used.
+    reason : str, optional
+        The import error's own message, appended in parentheses.
+    needs : str, optional
+        What the feature needs (default: CuPy and cuda.core).
+    install : str, optional
+        The command that installs it (default: the ``cu13`` / ``cu12`` extra).
+
     Attributes
     ----------
     feature : str
@@ -284,6 +429,13 @@ class LogFormatError(PoolmemError, ValueError):
     the log's header, and directories without logs.  The message starts with the
     file's name.
 
+    Parameters
+    ----------
+    path : str
+        The file (or directory) at fault.
+    reason : str
+        What is wrong with it.
+
     Attributes
     ----------
     path : str
@@ -301,15 +453,30 @@ class LogFormatError(PoolmemError, ValueError):
 
 
 class UsageError(PoolmemError, RuntimeError):
-    """An object was used in a way it cannot work, for example a Numba memory manager
-    created by hand instead of by Numba.  The message says how to use it instead."""
+    """An object was used in a way it cannot work.
+
+    For example a Numba memory manager created by hand instead of by Numba.  The
+    message says how to use it instead.
+
+    Examples
+    --------
+    >>> isinstance(UsageError("let Numba create the memory manager"), RuntimeError)
+    True
+    """
 
 
 class HandleStateError(SharingError, ValueError):
-    """A sharing handle was used in a state that does not allow it: opened twice, closed
-    before it was opened, or opened in the process that exported it.
+    """A sharing handle was used in a state that does not allow it.
 
-    Also a :class:`ValueError`, which Numba's own ``IpcHandle`` raises in these cases.
+    Opened twice, closed before it was opened, or opened in the process that
+    exported it.  Also a :class:`ValueError`, which Numba's own ``IpcHandle`` raises
+    in these cases.
+
+    Examples
+    --------
+    >>> e = HandleStateError("the handle is already open")
+    >>> isinstance(e, SharingError), isinstance(e, ValueError)
+    (True, True)
     """
 
 
@@ -325,6 +492,17 @@ class GuardError(PoolmemError, RuntimeError):
     The message names the block (pointer, size, generation), where it was allocated
     and freed, and the likely fix.  Raised, or only warned about
     (:class:`GuardWarning`), as :class:`~cupy_poolmem.GuardOptions` says.
+
+    Parameters
+    ----------
+    message : str
+        What happened, where the block was allocated and freed, and the likely fix.
+    block : GuardedBlock, optional
+        The block concerned.
+    offset : int, optional
+        For damaged memory: offset of the first changed byte.
+    n_changed : int, optional
+        For damaged memory: how many bytes were changed.
 
     Attributes
     ----------
@@ -362,6 +540,23 @@ class UseAfterFreeError(GuardError, ReferenceError):
     pointer checked with :func:`~cupy_poolmem.check` that no longer names a live
     allocation (freed, or its address reused by a newer generation).  Also a
     :class:`ReferenceError`, Python's error for using an object that is gone.
+
+    Parameters
+    ----------
+    message : str
+        What happened, where the block was allocated and freed, and the likely fix.
+    block : GuardedBlock, optional
+        The block concerned.
+    offset : int, optional
+        For damaged memory: offset of the first changed byte.
+    n_changed : int, optional
+        For damaged memory: how many bytes were changed.
+
+    Examples
+    --------
+    >>> e = UseAfterFreeError("block 0x7f00 (4096 bytes) was written after its free")
+    >>> isinstance(e, ReferenceError), e.kind
+    (True, 'use_after_free')
     """
 
     kind = "use_after_free"
@@ -373,6 +568,23 @@ class UnorderedReuseError(UseAfterFreeError):
     The block was dropped while a stream other than its allocation stream was current,
     and that stream was not declared with :func:`~cupy_poolmem.record_stream`: the pool
     reuses the memory in the order of the allocation stream only.
+
+    Parameters
+    ----------
+    message : str
+        What happened, where the block was allocated and freed, and the likely fix.
+    block : GuardedBlock, optional
+        The block concerned.
+    offset : int, optional
+        For damaged memory: offset of the first changed byte.
+    n_changed : int, optional
+        For damaged memory: how many bytes were changed.
+
+    Examples
+    --------
+    >>> e = UnorderedReuseError("block 0x7f00 freed on stream 2, not recorded")
+    >>> isinstance(e, UseAfterFreeError), e.kind
+    (True, 'unordered_stream')
     """
 
     kind = "unordered_stream"
@@ -383,6 +595,22 @@ class DoubleFreeError(GuardError):
 
     ``kind`` is ``"double_free"`` or ``"unknown_free"``.  The second free is not
     done: the guard never frees memory twice.
+
+    Parameters
+    ----------
+    message : str
+        What happened and where the block was allocated and freed.
+    block : GuardedBlock, optional
+        The block concerned.
+    unknown : bool, optional
+        The pointer was never handed out by the pool (``kind == "unknown_free"``).
+
+    Examples
+    --------
+    >>> DoubleFreeError("0x7f00 freed twice").kind
+    'double_free'
+    >>> DoubleFreeError("0x1234 is not a block of this pool", unknown=True).kind
+    'unknown_free'
     """
 
     kind = "double_free"
@@ -394,7 +622,25 @@ class DoubleFreeError(GuardError):
 
 
 class OutOfBoundsWriteError(GuardError):
-    """Something wrote past the end of an allocation (into the guard's red zone)."""
+    """Something wrote past the end of an allocation (into the guard's red zone).
+
+    Parameters
+    ----------
+    message : str
+        What happened, where the block was allocated and freed, and the likely fix.
+    block : GuardedBlock, optional
+        The block concerned.
+    offset : int, optional
+        For damaged memory: offset of the first changed byte.
+    n_changed : int, optional
+        For damaged memory: how many bytes were changed.
+
+    Examples
+    --------
+    >>> e = OutOfBoundsWriteError("block 0x7f00: 8 bytes written past its end", offset=4096)
+    >>> e.kind, e.offset
+    ('out_of_bounds', 4096)
+    """
 
     kind = "out_of_bounds"
 
@@ -405,6 +651,15 @@ class GuardWarning(RuntimeWarning):
     The message is the text the matching :class:`GuardError` would carry.  Turn them
     into errors for one run with ``python -W error::cupy_poolmem.GuardWarning``, or
     filter them with the ``warnings`` module.
+
+    Examples
+    --------
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warnings.warn("block 0x7f00 written after its free", GuardWarning)
+    >>> caught[0].category.__name__
+    'GuardWarning'
     """
 
 

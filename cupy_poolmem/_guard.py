@@ -312,6 +312,14 @@ class GuardedBlock:
         ``file:line in function`` of the allocation and of the free.
     free_stream : int or None
         The stream current when it was freed.
+
+    Examples
+    --------
+    >>> with cupy_poolmem.using(cupy_poolmem.DevicePool(guard=True)):  # doctest: +SKIP
+    ...     x = cupy.zeros(1000)
+    >>> block = cupy_poolmem.check(x)  # doctest: +SKIP
+    >>> block.state, block.size  # doctest: +SKIP
+    ('live', 8000)
     """
 
     ptr: int
@@ -346,6 +354,15 @@ class GuardEvent:
         ``time.time()`` when it was found.
     error : GuardError
         The error raised (``mode="raise"``) or described by the warning.
+
+    Examples
+    --------
+    >>> pool = cupy_poolmem.DevicePool(guard="warn")  # doctest: +SKIP
+    >>> # ... a kernel writes into an array after it was freed ...
+    >>> pool.guard.verify()  # doctest: +SKIP
+    >>> event = pool.guard.events[-1]  # doctest: +SKIP
+    >>> event.kind, type(event.error).__name__  # doctest: +SKIP
+    ('use_after_free', 'UseAfterFreeError')
     """
 
     kind: str
@@ -443,6 +460,15 @@ class Guard:
     """The guard of one :class:`~cupy_poolmem.DevicePool` (``pool.guard``).
 
     Created by ``DevicePool(guard=...)``; not instantiated directly.
+
+    Parameters
+    ----------
+    pool : DevicePool
+        The pool it guards.
+    options : GuardOptions
+        What to check and what to do on a finding.
+    ops : object
+        Does the device work: fills, compares, stream syncs (a fake in CPU tests).
 
     Attributes
     ----------

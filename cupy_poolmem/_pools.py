@@ -101,12 +101,38 @@ _RECORDER = _hp.Recorder()
 
 
 def hotpath_implementation() -> str:
-    """``"cython"`` when the compiled hot path is in use, else ``"python"``."""
+    """Which hot path the pools use: the compiled one, or its pure-Python twin.
+
+    Returns
+    -------
+    str
+        ``"cython"`` when the compiled hot path is in use, else ``"python"`` (not
+        built, or ``CUPY_POOLMEM_PURE_PYTHON=1``).
+
+    Examples
+    --------
+    >>> cupy_poolmem.hotpath_implementation() in ("cython", "python")
+    True
+    """
     return _hp.IMPLEMENTATION
 
 
 def all_pools() -> list[Pool]:
-    """The pools alive in this process, oldest first."""
+    """The pools alive in this process, oldest first.
+
+    Returns
+    -------
+    list of Pool
+        Every device, pinned and managed pool not yet garbage collected, closed ones
+        included.
+
+    Examples
+    --------
+    >>> isinstance(cupy_poolmem.all_pools(), list)
+    True
+    >>> [p.stats().kind for p in cupy_poolmem.all_pools()]  # doctest: +SKIP
+    ['device', 'pinned']
+    """
     with _ALL_LOCK:
         return sorted(_ALL_POOLS, key=lambda p: p._serial)
 
@@ -178,7 +204,15 @@ def _set_attr(mr: Any, attr: Any, value: int) -> None:
 
 
 class Pool(_hp.PoolCore):
-    """Behaviour shared by the three pool kinds (not instantiated directly)."""
+    """Behaviour shared by the three pool kinds (not instantiated directly).
+
+    Examples
+    --------
+    >>> issubclass(cupy_poolmem.DevicePool, cupy_poolmem.Pool)
+    True
+    >>> pool = cupy_poolmem.get_pool()  # doctest: +SKIP
+    >>> pool.trim()  # doctest: +SKIP
+    """
 
     _kind_name = "pool"
     _serial_counter = 0
@@ -986,6 +1020,21 @@ class DevicePool(Pool):
         longer asked for, or sizes that seldom repeat, go back to the CUDA pool, where
         any size reuses the memory).
         Default ``"1GiB"``; ``0`` disables it.
+    peer_access : "all", None or list of int
+        Other GPUs that may read and write this pool's memory (kernels and copies
+        there).  ``"all"`` (default): every GPU that ``cudaDeviceCanAccessPeer`` allows,
+        as CuPy's own pool gives.  ``None`` (or ``[]``): this GPU only.  A list of
+        ordinals: exactly those; a GPU that cannot access this one raises
+        :class:`~cupy_poolmem.UnsupportedError` naming both.  Settable later with
+        :attr:`peer_access`.
+    guard : bool, str, dict, GuardOptions or None
+        Debug mode that catches use-after-free, double frees, out-of-bounds writes and
+        unordered cross-stream reuse (:doc:`guard`): ``True``, ``"raise"``,
+        ``"warn"``, a dict of :class:`~cupy_poolmem.GuardOptions` fields or a
+        ``GuardOptions``; ``False`` turns it off.  ``None`` (default) reads
+        ``CUPY_POOLMEM_GUARD`` (unset: off).  It slows every allocation and free
+        (fills, checks that synchronise the block's stream) and disables the reuse
+        cache; the pool's statistics count each block with its red zone.
     small_pool : "auto", int, str or None
         Blocks up to this size (bytes or a string such as ``"8MiB"``) come from a
         second CUDA pool, so small blocks do not pin the 32 MiB chunks in which the
@@ -1011,21 +1060,6 @@ class DevicePool(Pool):
         do: a freed block's room serves any size on its stream at once, with no
         driver call (see Notes).  Not with ``ipc=True``, ``max_size`` nor
         ``release_threshold`` (:class:`~cupy_poolmem.InvalidOptionError`).
-    peer_access : "all", None or list of int
-        Other GPUs that may read and write this pool's memory (kernels and copies
-        there).  ``"all"`` (default): every GPU that ``cudaDeviceCanAccessPeer`` allows,
-        as CuPy's own pool gives.  ``None`` (or ``[]``): this GPU only.  A list of
-        ordinals: exactly those; a GPU that cannot access this one raises
-        :class:`~cupy_poolmem.UnsupportedError` naming both.  Settable later with
-        :attr:`peer_access`.
-    guard : bool, str, dict, GuardOptions or None
-        Debug mode that catches use-after-free, double frees, out-of-bounds writes and
-        unordered cross-stream reuse (:doc:`guard`): ``True``, ``"raise"``,
-        ``"warn"``, a dict of :class:`~cupy_poolmem.GuardOptions` fields or a
-        ``GuardOptions``; ``False`` turns it off.  ``None`` (default) reads
-        ``CUPY_POOLMEM_GUARD`` (unset: off).  It slows every allocation and free
-        (fills, checks that synchronise the block's stream) and disables the reuse
-        cache; the pool's statistics count each block with its red zone.
 
     Attributes
     ----------
@@ -1678,7 +1712,7 @@ class ManagedPool(Pool):
     device : int, optional
         Preferred device (and the device whose allocator this pool serves); default
         the current device.
-    max_size, release_threshold, reuse_cache
+    max_size, release_threshold, reuse_cache : int or str, optional
         As for :class:`DevicePool`.  ``max_size`` caps the bytes live at once
         (checked by the pool itself: the driver has no cap for managed memory).
     backend : {"auto", "pool", "managed"}
@@ -1848,6 +1882,16 @@ def managed_backend(device: int | None = None) -> tuple[str, str]:
 
     Runs the one-time probe (a 4 KiB allocation from a temporary managed pool) when
     no pool on that device has yet.
+
+    Parameters
+    ----------
+    device : int, optional
+        Device ordinal; defaults to the current device.
+
+    Returns
+    -------
+    tuple of (str, str)
+        ``"pool"`` or ``"managed"``, and the reason for the choice.
 
     Examples
     --------

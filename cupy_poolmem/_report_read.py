@@ -40,7 +40,39 @@ _HEAD = 8192
 
 
 class LogEvent(NamedTuple):
-    """One line of an allocation log (see :data:`cupy_poolmem.stats.LOG_COLUMNS`)."""
+    """One line of an allocation log (see :data:`cupy_poolmem.stats.LOG_COLUMNS`).
+
+    Attributes
+    ----------
+    time : float
+        ``time.time()`` of the event.
+    pid : int
+        The process that logged it.
+    thread : str
+        The thread's name.
+    device : int
+        Device ordinal of the pool (``-1``: pinned host memory).
+    stream : int
+        Handle of the stream.
+    op : str
+        ``"alloc"``, ``"free"``, or ``"guard:<kind>"`` for a guard's report.
+    ptr : int
+        Address of the block.
+    size : int
+        Bytes.
+    tag : str
+        Tag path (``""``: untagged).
+    callsite : str
+        ``file:line in function`` when tracking was on, else ``""``.
+    used, reserved : int or None
+        The pool's used and reserved bytes after the event, when logged.
+
+    Examples
+    --------
+    >>> e = LogEvent(1.5, 101, "MainThread", 0, 0, "alloc", 0x100, 2048, "model", "", 2048, None)
+    >>> e.op, e.size, e.reserved
+    ('alloc', 2048, None)
+    """
 
     time: float
     pid: int

@@ -88,6 +88,7 @@ def parse_bytes(
     Returns
     -------
     int or None
+        The number of bytes; ``None`` only for ``None`` with ``allow_none=True``.
 
     Raises
     ------
@@ -192,6 +193,17 @@ def _fraction(frac: float, value: object, name: str, total: int | None) -> int:
 
 def format_bytes(n: int) -> str:
     """Format ``n`` bytes with a binary unit.
+
+    Parameters
+    ----------
+    n : int
+        A number of bytes.
+
+    Returns
+    -------
+    str
+        ``"12 B"`` below 1 KiB, else two decimals and the largest binary unit that
+        keeps the number at 1 or more.
 
     Examples
     --------

@@ -489,6 +489,11 @@ async def dask_setup(worker: Any) -> None:
     plugin is added to the worker under the name ``"cupy-poolmem"``, so the worker's
     close tears it down.  Anything but a worker (a nanny, a scheduler) is left alone.
 
+    Parameters
+    ----------
+    worker : distributed.Worker
+        What Dask passes to a preload's ``dask_setup``.
+
     Examples
     --------
     >>> # DASK_CUPY_POOLMEM__POOL_SIZE=0.5 dask cuda worker tcp://sched:8786 \\
@@ -507,7 +512,18 @@ async def dask_setup(worker: Any) -> None:
 
 
 async def dask_teardown(worker: Any) -> None:
-    """Preload hook: nothing to do (the worker tears its plugins down when it closes)."""
+    """Preload hook: nothing to do (the worker tears its plugins down when it closes).
+
+    Parameters
+    ----------
+    worker : distributed.Worker
+        What Dask passes to a preload's ``dask_teardown``.
+
+    Examples
+    --------
+    >>> import asyncio
+    >>> asyncio.run(dask_teardown(None))  # what Dask awaits when the worker closes
+    """
 
 
 # -- statistics --------------------------------------------------------------------------
@@ -533,6 +549,7 @@ def gather_stats(
     Parameters
     ----------
     client : distributed.Client
+        A client of the cluster whose workers run :class:`PoolmemPlugin`.
     kind : {"device", "pinned"}
         Which pool: the device pool (:func:`cupy_poolmem.get_pool`) or the pinned
         one (:func:`cupy_poolmem.get_pinned_pool`).
@@ -570,6 +587,7 @@ def transfer_stats(client: Any, *, workers: list[str] | None = None) -> dict[str
     Parameters
     ----------
     client : distributed.Client
+        A client of the cluster.
     workers : list of str, optional
         Worker addresses; default all.
 

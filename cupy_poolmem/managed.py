@@ -191,18 +191,18 @@ def advise(
         ``True`` lets the driver replicate pages for reading; ``False`` undoes it.
         ``None`` leaves it unchanged.
 
-    Notes
-    -----
-    ``cuMemAdvise`` is not stream-ordered and needs no synchronisation; none is
-    made.  Hints on memory from a :class:`ManagedPool` are reset when the array's
-    block is freed, so they never reach the next array that block serves.
-
     Raises
     ------
     UnsupportedError
         The driver rejects advice on this memory: a ``ManagedPool`` created with
         ``backend="pool"`` on a driver that refuses advice on managed-pool memory
         (``backend="auto"``, the default, avoids that pool there).
+
+    Notes
+    -----
+    ``cuMemAdvise`` is not stream-ordered and needs no synchronisation; none is
+    made.  Hints on memory from a :class:`ManagedPool` are reset when the array's
+    block is freed, so they never reach the next array that block serves.
 
     Examples
     --------

@@ -208,6 +208,12 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
       that is not from a CUDA pool keeps Numba's legacy ``cuIpcGetMemHandle`` path.
     * ``get_memory_info``: the pool's view, see :meth:`get_memory_info`.
 
+    Parameters
+    ----------
+    *args, **kwargs
+        What Numba passes (the CUDA context), forwarded to Numba's
+        ``HostOnlyCUDAMemoryManager``.
+
     Examples
     --------
     >>> from numba import cuda  # doctest: +SKIP
@@ -407,6 +413,35 @@ class PoolIpcHandle(IpcHandle):
         Unpickling a handle runs ``pickle`` (which can execute code) and makes this
         process import memory described by the sender.  Only unpickle handles from
         trusted, cooperating processes on the same host.
+
+    Parameters
+    ----------
+    base : object
+        The exported device memory (Numba's ``IpcHandle`` base), ``None`` once received.
+    pool_uuid : uuid.UUID
+        The exporter's CUDA pool.
+    device_uuid : str
+        The exporter's GPU, by UUID.
+    payload : bytes
+        The allocation's 64-byte export record.
+    alloc_size : int
+        Bytes of the whole allocation.
+    size : int
+        Bytes of the array the handle gives.
+    offset : int, optional
+        Offset of the array in the allocation.
+    base_ptr : int, optional
+        The allocation's address in the exporter.
+    source_info : dict, optional
+        Numba's description of the array's context.
+    export_fd : int, optional
+        Exporter: the pool's shareable handle (owned by the pool).
+    received_fd : int, optional
+        Receiver: the duplicated descriptor, closed once the pool is imported.
+    pid : int, optional
+        The exporting process (default: this one).
+    keepalive : object, optional
+        Exporter: what keeps the allocation alive while the handle exists.
 
     Examples
     --------

@@ -150,12 +150,27 @@ def load(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> _Loaded:
     timestamps are equal.  In a directory or a glob's matches, files that are not
     logs are skipped and listed in ``skipped``.
 
+    Parameters
+    ----------
+    paths : path or sequence of paths
+        Log files, directories of ``*.csv`` logs, globs, or ``-`` (standard input).
+
+    Returns
+    -------
+    object
+        The files read, their events in time order (:class:`LogEvent`) and the
+        number of lines that could not be parsed.
+
     Raises
     ------
     LogFormatError
         A file named explicitly is not an allocation log, or a directory holds none.
     OSError
         A file named explicitly cannot be read.
+
+    Examples
+    --------
+    >>> loaded = load(["alloc-101.csv", "alloc-102.csv"])  # doctest: +SKIP
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -173,6 +188,31 @@ class SeriesSummary:
     ``peak_used_bytes`` comes from the log's ``used`` column (which includes memory
     allocated before the log started) or, when that column is blank, from the matched
     allocations.  ``at_peak`` is the live bytes per tag at that moment.
+
+    Attributes
+    ----------
+    pid : int
+        The process.
+    device : int
+        Device ordinal (``-1``: pinned host memory).
+    n_allocs, n_frees : int
+        Allocations and frees logged.
+    peak_used_bytes : int
+        Most bytes in use at once.
+    peak_time : float
+        When the peak was reached, in seconds after the first event of all logs.
+    peak_reserved_bytes : int or None
+        Most bytes the pool reserved (``None``: the log has no ``reserved`` column).
+    final_used_bytes : int
+        Bytes in use at the end of the log.
+    at_peak : dict of str to int
+        Live bytes per tag at the peak.
+
+    Examples
+    --------
+    >>> s = SeriesSummary(pid=101, device=0, n_allocs=2, peak_used_bytes=2560)
+    >>> s.peak_used_bytes - s.final_used_bytes
+    2560
     """
 
     pid: int
@@ -188,7 +228,29 @@ class SeriesSummary:
 
 @dataclass
 class TagSummary:
-    """Bytes per tag, over all processes and devices."""
+    """Bytes per tag, over all processes and devices.
+
+    Attributes
+    ----------
+    tag : str
+        The tag path (cut to ``tag_depth`` components when asked).
+    n_allocs : int
+        Allocations made under it.
+    total_bytes : int
+        Bytes allocated under it in all.
+    peak_live_bytes : int
+        Most of its bytes live at once.
+    leaked_bytes, n_leaks : int
+        Its allocations never freed by the end of the log.
+    live_bytes : int
+        Its bytes live at the end of the log.
+
+    Examples
+    --------
+    >>> t = TagSummary("model", n_allocs=2, total_bytes=4096, peak_live_bytes=4096)
+    >>> t.total_bytes // t.n_allocs
+    2048
+    """
 
     tag: str
     n_allocs: int = 0
@@ -201,7 +263,22 @@ class TagSummary:
 
 @dataclass
 class CallsiteSummary:
-    """Allocations made from one call site (logs written with tracking on)."""
+    """Allocations made from one call site (logs written with tracking on).
+
+    Attributes
+    ----------
+    callsite : str
+        ``file:line in function``.
+    n_allocs : int
+        Allocations made there.
+    total_bytes : int
+        Bytes allocated there in all.
+
+    Examples
+    --------
+    >>> CallsiteSummary("train.py:12 in step", n_allocs=3, total_bytes=3072).total_bytes
+    3072
+    """
 
     callsite: str
     n_allocs: int = 0
@@ -210,7 +287,31 @@ class CallsiteSummary:
 
 @dataclass
 class Leak:
-    """An allocation with no matching free by the end of the log."""
+    """An allocation with no matching free by the end of the log.
+
+    Attributes
+    ----------
+    pid : int
+        The process.
+    device : int
+        Device ordinal (``-1``: pinned host memory).
+    ptr : int
+        Address.
+    size : int
+        Bytes.
+    tag : str
+        Tag path (``""``: untagged).
+    callsite : str
+        Where it was allocated, when tracking was on.
+    time : float
+        When it was allocated, in seconds after the first event of all logs.
+
+    Examples
+    --------
+    >>> leak = Leak(101, 0, 0x900, 512, "loss", "", 0.5)
+    >>> leak.size, leak.tag
+    (512, 'loss')
+    """
 
     pid: int
     device: int
@@ -223,7 +324,33 @@ class Leak:
 
 @dataclass
 class GuardReport:
-    """A ``guard:<kind>`` line of a log: a bug the guard found (see :doc:`guard`)."""
+    """A ``guard:<kind>`` line of a log: a bug the guard found (see :doc:`guard`).
+
+    Attributes
+    ----------
+    pid : int
+        The process.
+    device : int
+        Device ordinal.
+    kind : str
+        ``"use_after_free"``, ``"out_of_bounds"``, ``"double_free"``, ...
+    ptr : int
+        Address of the block.
+    size : int
+        Bytes.
+    tag : str
+        Tag path at allocation.
+    callsite : str
+        ``"alloc <site> | free <site>"``.
+    time : float
+        When it was found, in seconds after the first event of all logs.
+
+    Examples
+    --------
+    >>> g = GuardReport(101, 0, "use_after_free", 0x100, 2048, "model", "", 1.0)
+    >>> g.kind
+    'use_after_free'
+    """
 
     pid: int
     device: int
@@ -266,6 +393,14 @@ class Summary:
     guard_reports : list of GuardReport
         What guarded pools found (use after free, out-of-bounds writes, double
         frees...), in time order.
+
+    Examples
+    --------
+    >>> s = summarize(["alloc-101.csv", "alloc-102.csv"])  # doctest: +SKIP
+    >>> s.n_allocs, [(x.pid, x.peak_used_bytes) for x in s.series]  # doctest: +SKIP
+    (2, [(101, 2560), (102, 1024)])
+    >>> Summary(files=["alloc-101.csv"]).leaks
+    []
     """
 
     files: list[str]
@@ -537,6 +672,7 @@ def summarize(
     Returns
     -------
     Summary
+        Per (process, device) peaks, tags, call sites, leaks and guard reports.
 
     Raises
     ------
@@ -587,6 +723,16 @@ def _check_tag_depth(depth: Any) -> int | None:
 
 def plot_format(out: str | os.PathLike) -> str:
     """The format :func:`plot` writes ``out`` in, from its suffix (``.png``, ``.pdf``...).
+
+    Parameters
+    ----------
+    out : str or os.PathLike
+        The file the plot is to be written to.
+
+    Returns
+    -------
+    str
+        The format's name, lower case (``"png"``, ``"pdf"``, ``"svg"`` ...).
 
     Raises
     ------
@@ -945,6 +1091,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m cupy_poolmem report LOG [LOG ...] [--plot FILE]``; returns the exit code.
 
     Bad arguments exit (``SystemExit(2)``) with a one-line message, as argparse does.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        The arguments after ``report``; default ``sys.argv[1:]``.
+
+    Returns
+    -------
+    int
+        The exit code: 0 on success.
 
     Examples
     --------

@@ -180,6 +180,11 @@ def tag(name: str) -> _TagScope:
     name : str
         The label; must be a non-empty string.
 
+    Returns
+    -------
+    context manager
+        Use it in a ``with`` statement, or as a decorator.
+
     Examples
     --------
     >>> with cupy_poolmem.tag("model"):
@@ -199,6 +204,11 @@ def tag(name: str) -> _TagScope:
 
 def current_tag() -> str | None:
     """The tag path applied to allocations made now in this thread, or ``None``.
+
+    Returns
+    -------
+    str or None
+        The tags open in this thread, outermost first, joined by ``/``.
 
     Examples
     --------
@@ -499,7 +509,11 @@ def get_statistics() -> Statistics | None:
     """The innermost (most recently opened, still active) :func:`~cupy_poolmem.statistics` scope.
 
     Scopes are process-wide, so this may be a scope opened by another thread.
-    Returns ``None`` when no scope is open.
+
+    Returns
+    -------
+    Statistics or None
+        The scope, or ``None`` when no scope is open.
 
     Examples
     --------
@@ -537,6 +551,14 @@ class Allocation:
         Device ordinal of its pool (``-1``: pinned).
     stream : int
         Handle of the stream it was allocated on.
+
+    Examples
+    --------
+    >>> _ = cupy_poolmem.track(True)  # doctest: +SKIP
+    >>> x = cupy.zeros(1 << 20)  # doctest: +SKIP
+    >>> a = cupy_poolmem.stats.outstanding()[0]  # doctest: +SKIP
+    >>> a.size, a.tag, a.callsite  # doctest: +SKIP
+    (8388608, None, 'train.py:12 in <module>')
     """
 
     ptr: int
@@ -558,12 +580,26 @@ class Allocation:
 class Outstanding(list):
     """The list :func:`~cupy_poolmem.stats.outstanding` returns, plus whether allocations were observed.
 
+    Parameters
+    ----------
+    iterable : iterable of Allocation, optional
+        The allocations, biggest first.
+
     Attributes
     ----------
     observed : bool
         ``False`` when no observer was active (the list is then empty by necessity).
     note : str
         Explanation shown by ``print`` when nothing could be listed.
+
+    Examples
+    --------
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")  # "no allocations are being observed"
+    ...     listed = cupy_poolmem.stats.outstanding()
+    >>> listed.observed, len(listed)
+    (False, 0)
     """
 
     observed: bool = True
@@ -1154,7 +1190,20 @@ def track(
 
 
 def is_tracking() -> bool:
-    """Whether call sites are being recorded (by :func:`~cupy_poolmem.track` or :func:`~cupy_poolmem.start_log`)."""
+    """Whether call sites are being recorded (by :func:`~cupy_poolmem.track` or :func:`~cupy_poolmem.start_log`).
+
+    Returns
+    -------
+    bool
+        ``True`` inside :func:`~cupy_poolmem.track` or while a tracking log is open.
+
+    Examples
+    --------
+    >>> was = cupy_poolmem.track(True)
+    >>> cupy_poolmem.is_tracking()
+    True
+    >>> _ = cupy_poolmem.track(was)
+    """
     return _OBSERVER.tracking
 
 
@@ -1274,6 +1323,11 @@ def stop_log() -> str | None:
 
     Every line is in the file when it returns.
 
+    Returns
+    -------
+    str or None
+        The log's path, or ``None`` if no log was open.
+
     Examples
     --------
     >>> cupy_poolmem.stop_log()  # doctest: +SKIP
@@ -1298,6 +1352,11 @@ def flush_log() -> str | None:
     The writer thread writes lines within ``LOG_INTERVAL_S`` (0.1 s) anyway; call this
     before reading the file while the log is open, or before ``os._exit``.
 
+    Returns
+    -------
+    str or None
+        The log's path, or ``None`` when no log is open.
+
     Examples
     --------
     >>> path = cupy_poolmem.start_log("alloc-{pid}.csv")
@@ -1313,7 +1372,23 @@ def flush_log() -> str | None:
 
 
 def log_path() -> str | None:
-    """The file the log is being written to, or ``None`` when no log is open."""
+    """The file the log is being written to, or ``None`` when no log is open.
+
+    Returns
+    -------
+    str or None
+        The path, with ``{pid}`` and the like filled in.
+
+    Examples
+    --------
+    >>> from cupy_poolmem import stats
+    >>> stats.log_path() is None
+    True
+    >>> path = cupy_poolmem.start_log("alloc-{pid}.csv")
+    >>> stats.log_path() == path
+    True
+    >>> _ = cupy_poolmem.stop_log()
+    """
     w = _OBSERVER._writer
     return None if w is None else w.path
 

@@ -91,12 +91,25 @@ numpydoc_xref_param_type = False
 numpydoc_validation_checks: set[str] = set()
 
 # -- HTML ------------------------------------------------------------------------------
-html_theme = "alabaster"
+# The PyData Sphinx theme, as CuPy's, RMM's and Dask's documentation use.  Its page is
+# as wide as the screen allows (up to 100rem) and the article as wide as the page, so
+# code blocks with aligned comments (up to 100 characters, the package's line length)
+# fit without scrolling on a common screen; a narrower one scrolls the block.
+html_theme = "pydata_sphinx_theme"
 html_title = f"cupy_poolmem {release}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["cupy_poolmem.css"]
 html_theme_options = {
-    "description": "CUDA stream-ordered memory pools for CuPy",
-    "fixed_sidebar": True,
+    # No links to a repository or an analytics service: the docs build offline.
+    "navbar_align": "left",
+    "show_toc_level": 2,
+    "navigation_depth": 2,
+    "show_prev_next": True,
+    "secondary_sidebar_items": ["page-toc"],
+    "footer_start": ["copyright"],
+    "footer_end": ["sphinx-version"],
 }
-pygments_style = "sphinx"
+# No left sidebar: every page is a top-level page of the navigation bar, so the theme's
+# "Section Navigation" would be empty, and its width is the code blocks'.
+html_sidebars: dict[str, list[str]] = {"**": []}
 trim_doctest_flags = True

@@ -29,6 +29,7 @@ MODULES = {
     "cupy_poolmem.benchmarks.pinned_bandwidth": 1,
     "cupy_poolmem.benchmarks._paired": 12,
     "cupy_poolmem.benchmarks.alloc": 3,
+    "cupy_poolmem.benchmarks._common": 5,
 }
 
 

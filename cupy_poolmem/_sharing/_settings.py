@@ -49,6 +49,12 @@ class SharingSettings:
 
     The one instance is ``cupy_poolmem.sharing``.
 
+    Parameters
+    ----------
+    on_keep_change : callable, optional
+        Called with no argument after ``keep_mappings`` changes (the receiver
+        trims the mappings it keeps).
+
     Attributes
     ----------
     fallback : str

@@ -463,4 +463,6 @@ def variants_table(results: list[Any], base_peak: int) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from cupy_poolmem.benchmarks._common import run
+
+    run(main, "churn")  # --save DIR: also write DIR/churn-<device>.json

@@ -270,4 +270,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from cupy_poolmem.benchmarks._common import run
+
+    run(main, "transfer")  # --save DIR: also write DIR/transfer-<device>.json

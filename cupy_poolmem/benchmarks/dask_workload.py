@@ -316,4 +316,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from cupy_poolmem.benchmarks._common import run
+
+    run(main, "dask")  # --save DIR: also write DIR/dask-<device>.json

@@ -231,4 +231,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from cupy_poolmem.benchmarks._common import run
+
+    run(main, "ipc")  # --save DIR: also write DIR/ipc-<device>.json

@@ -101,4 +101,6 @@ def goal_line(ratios: dict[int, tuple[float, float]]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from cupy_poolmem.benchmarks._common import run
+
+    run(main, "pinned")  # --save DIR: also write DIR/pinned-<device>.json
