@@ -183,6 +183,9 @@ class Exporter:
         The multiprocessing authkey of the process family.
     ticket_source
         ``n -> bytes``; ``os.urandom`` (unguessable tickets) unless a test says otherwise.
+    listener_options
+        Keyword arguments for its :class:`~cupy_poolmem._sharing._transport.Listener`
+        (handshake deadline and cap, thread factory, peer credentials: tests).
     """
 
     def __init__(
@@ -191,6 +194,7 @@ class Exporter:
         settings: SharingSettings,
         authkey: bytes,
         ticket_source: Callable[[int], bytes] = os.urandom,
+        listener_options: dict[str, Any] | None = None,
     ) -> None:
         self.driver = driver
         self.settings = settings
@@ -202,6 +206,7 @@ class Exporter:
         self._ids = 0
         self._cids = 0
         self._listener: Listener | None = None
+        self._listener_options = dict(listener_options or {})
         self._tickets = ticket_source
         self._warned = False
         self.recycled = 0  # blocks put back into a reuse cache with their records
@@ -219,7 +224,7 @@ class Exporter:
         if self._listener is None:
             with self.lock:
                 if self._listener is None:
-                    self._listener = Listener(self.authkey, self._serve)
+                    self._listener = Listener(self.authkey, self._serve, **self._listener_options)
         return self._listener.address
 
     @property

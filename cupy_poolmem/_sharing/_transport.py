@@ -27,6 +27,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable
 from multiprocessing import connection as _mpc
+from multiprocessing import util as _mp_util
 from multiprocessing.reduction import recv_handle, send_handle
 from typing import Any
 
@@ -186,9 +187,19 @@ class Conn:
         self.peer.close()
 
 
-def _wrap(sock: socket.socket, authkey: bytes, server: bool, timeout: float) -> Conn:
-    """Authenticate a connected socket both ways (bounded by ``timeout``); a :class:`Conn`."""
-    pid, uid = _peer_cred(sock)
+def _wrap(
+    sock: socket.socket,
+    authkey: bytes,
+    server: bool,
+    timeout: float,
+    peer_cred: Callable[[socket.socket], tuple[int, int]] | None = None,
+) -> Conn:
+    """Authenticate a connected socket both ways (bounded by ``timeout``); a :class:`Conn`.
+
+    ``timeout`` bounds each receive; the listener also shuts a connection down at its
+    handshake deadline, whatever the peer sends meanwhile.
+    """
+    pid, uid = (peer_cred or _peer_cred)(sock)
     if uid != os.getuid():
         raise PermissionError(f"sharing peer runs as uid {uid}, not {os.getuid()}")
     _set_timeouts(sock, timeout)
@@ -209,26 +220,106 @@ def _wrap(sock: socket.socket, authkey: bytes, server: bool, timeout: float) -> 
     return Conn(c, PeerProcess(pid, watch=server))
 
 
+# AF_UNIX paths are at most 107 bytes on Linux (108 with the terminating NUL).
+_SUN_PATH_MAX = 107
+
+
+def _socket_dir() -> str:
+    """A fresh 0700 directory whose socket path fits ``sun_path``: under the temporary
+    directory (``TMPDIR``) when its path is short enough, else under
+    ``XDG_RUNTIME_DIR``, ``/dev/shm`` or ``/tmp``, the first that works."""
+    tried = []
+    for base in (None, os.environ.get("XDG_RUNTIME_DIR"), "/dev/shm", "/tmp"):
+        if base is not None and not os.path.isdir(base):
+            continue
+        where = tempfile.gettempdir() if base is None else base
+        # mkdtemp's names are "cupy_poolmem-" and 8 characters; "/s" follows.
+        if len(os.fsencode(os.path.join(where, "cupy_poolmem-xxxxxxxx", "s"))) > _SUN_PATH_MAX:
+            tried.append(f"{where} (path too long for a Unix socket)")
+            continue
+        try:
+            return tempfile.mkdtemp(prefix="cupy_poolmem-", dir=base)  # mode 0700
+        except OSError as exc:
+            tried.append(f"{where} ({exc})")
+    raise OSError(
+        "cupy_poolmem: no directory for the sharing socket: "
+        + "; ".join(tried)
+        + "; set TMPDIR to a short, writable directory"
+    )
+
+
+def _remove_dir(path: str, pid: int) -> None:
+    """Remove a listener's directory, only in the process that made it (a fork child
+    that exits runs its parent's finalizers too)."""
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class Listener:
-    """The exporter's listening socket; ``on_conn(conn)`` runs in the connection's thread."""
+    """The exporter's listening socket; ``on_conn(conn)`` runs in the connection's thread.
+
+    Each accepted connection is authenticated in a thread of its own, within
+    ``handshake_timeout`` seconds of its arrival whatever the peer sends meanwhile (the
+    accept thread shuts down a connection past its deadline).  At most
+    ``max_handshakes`` connections authenticate at once: more are closed at once and
+    counted in ``refused``, as are those that fail, and those whose thread could not be
+    started (``thread_factory``, ``threading.Thread`` by default); the listener keeps
+    accepting in every case.  ``peer_cred(sock) -> (pid, uid)``: the kernel's
+    ``SO_PEERCRED`` unless a test says otherwise.
+
+    The socket's directory is removed by :meth:`close`, and at the exit of the process
+    that made it (``multiprocessing``'s exit finalizers, after the sharing exit wait).
+    """
 
     def __init__(
-        self, authkey: bytes, on_conn: Callable[[Conn], None], handshake_timeout: float = 5.0
+        self,
+        authkey: bytes,
+        on_conn: Callable[[Conn], None],
+        handshake_timeout: float = 5.0,
+        max_handshakes: int = 64,
+        thread_factory: Callable[..., threading.Thread] = threading.Thread,
+        peer_cred: Callable[[socket.socket], tuple[int, int]] | None = None,
     ) -> None:
-        self._dir = tempfile.mkdtemp(prefix="cupy_poolmem-")  # mode 0700
-        self.address = os.path.join(self._dir, "s")
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(self.address)
-        os.chmod(self.address, 0o600)
-        self._sock.listen(128)
+        self._dir = _socket_dir()
+        self._cleanup = _mp_util.Finalize(
+            self, _remove_dir, args=(self._dir, os.getpid()), exitpriority=-200
+        )
+        try:
+            self.address = os.path.join(self._dir, "s")
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self._sock.bind(self.address)
+                os.chmod(self.address, 0o600)
+                self._sock.listen(128)
+            except BaseException:
+                self._sock.close()
+                raise
+        except BaseException:
+            self._cleanup()
+            raise
         self._authkey, self._on_conn, self._timeout = authkey, on_conn, handshake_timeout
+        self._max = max_handshakes
+        self._thread = thread_factory
+        self._peer_cred = peer_cred
+        self._pending: dict[socket.socket, float] = {}  # authenticating -> deadline
+        self._plock = threading.Lock()
         self.closed = False
         self.refused = 0
         threading.Thread(target=self._accept, name="cupy_poolmem-listen", daemon=True).start()
 
+    @property
+    def handshakes(self) -> int:
+        """Connections authenticating now."""
+        return len(self._pending)
+
     def _accept(self) -> None:
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
         while not self.closed:
+            wait = self._expire()
             try:
+                if not poller.poll(None if wait is None else max(int(wait * 1000) + 1, 1)):
+                    continue  # a deadline passed: _expire at the top
                 sock, _ = self._sock.accept()
             except OSError:
                 if self.closed:
@@ -238,16 +329,53 @@ class Listener:
             if self.closed:  # accepted as close() ran: nobody serves it
                 sock.close()
                 return
-            threading.Thread(
-                target=self._handshake, args=(sock,), name="cupy_poolmem-peer", daemon=True
-            ).start()
+            with self._plock:
+                full = len(self._pending) >= self._max
+                if not full:
+                    self._pending[sock] = time.monotonic() + self._timeout
+            if full:  # too many unauthenticated peers: refused now
+                self.refused += 1
+                sock.close()
+                continue
+            try:
+                self._thread(
+                    target=self._handshake, args=(sock,), name="cupy_poolmem-peer", daemon=True
+                ).start()
+            except Exception:  # no thread (resources): refuse this one, keep accepting
+                self._done(sock)
+                self.refused += 1
+                sock.close()
+
+    def _expire(self) -> float | None:
+        """Shut down the connections past their handshake deadline; seconds until the
+        next deadline (None: nobody is authenticating)."""
+        now = time.monotonic()
+        with self._plock:
+            late = [s for s, t in self._pending.items() if t <= now]
+            for s in late:
+                del self._pending[s]  # the handshake thread sees EOF and refuses it
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            return min(self._pending.values()) - now if self._pending else None
+
+    def _done(self, sock: socket.socket) -> bool:
+        """The handshake of ``sock`` ended; False when its deadline had shut it down."""
+        with self._plock:
+            return self._pending.pop(sock, None) is not None
 
     def _handshake(self, sock: socket.socket) -> None:
         try:
-            conn = _wrap(sock, self._authkey, True, self._timeout)
+            conn = _wrap(sock, self._authkey, True, self._timeout, self._peer_cred)
         except Exception:  # silent, slow, foreign or unauthenticated peer: refused
+            self._done(sock)
             self.refused += 1
             sock.close()
+            return
+        if not self._done(sock):  # authenticated as its deadline passed: too late
+            self.refused += 1
+            conn.close()
             return
         self._on_conn(conn)
 
@@ -262,7 +390,7 @@ class Listener:
                 pass
             self._sock.close()
         finally:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._cleanup()
 
 
 def connect(address: str, authkey: bytes, timeout: float = 10.0) -> Conn:

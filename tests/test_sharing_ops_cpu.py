@@ -1,0 +1,161 @@
+"""Operational limits of sharing on a CPU: handshake deadlines and caps, socket
+directories, fork handlers, locks held across waits, descriptor exhaustion, peers
+without a usable pid, bounded event and descriptor caches.
+
+The simulated processes are tests/_sharing_fakes.py's (real sockets, a fake driver).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import stat
+import sys
+import threading
+import time
+
+import pytest
+from _sharing_fakes import sharing_threads, wait_for
+
+from cupy_poolmem._sharing import _transport
+
+KEY = b"family key"
+KB = 1024
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="needs Linux (Unix sockets, SO_PEERCRED)"
+)
+
+
+@pytest.fixture
+def world(sharing_world):
+    return sharing_world
+
+
+def _peer_threads(before):
+    return [
+        t
+        for t in sharing_threads()
+        if t not in before and t.name == "cupy_poolmem-peer" and t.is_alive()
+    ]
+
+
+def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
+    """Whether the server end closed ``sock`` (EOF) within ``timeout`` s; reads and
+    discards what the server sent before."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        r, _, _ = select.select([sock], [], [], left)
+        if r:
+            try:
+                if sock.recv(4096) == b"":
+                    return True
+            except OSError:
+                return True
+
+
+# -- 1. the handshake: a deadline from connect, a cap, a loop that survives ------------------
+def test_a_trickling_peer_is_dropped_at_the_handshake_deadline():
+    """The limit was per recv: a peer sending a byte more often than that stayed
+    connected, unauthenticated, for ever."""
+    lst = _transport.Listener(KEY, lambda conn: None, handshake_timeout=0.6)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(lst.address)
+        t0 = time.monotonic()
+        closed = False
+        while time.monotonic() - t0 < 3.0 and not closed:
+            try:
+                s.send(b"\x00")  # a byte every 0.2 s: each recv of the server returns
+            except OSError:
+                closed = True
+                break
+            closed = _closed_by_server(s, 0.2)
+        took = time.monotonic() - t0
+        assert closed, "a peer that trickles bytes stayed connected past the deadline"
+        assert took < 0.6 + 1.0
+        assert wait_for(lambda: lst.refused == 1 and lst.handshakes == 0, 2.0)
+    finally:
+        s.close()
+        lst.close()
+
+
+def test_a_silent_peer_is_dropped_at_the_deadline_and_others_still_connect():
+    served = []
+    lst = _transport.Listener(KEY, served.append, handshake_timeout=0.5)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        silent.connect(lst.address)
+        conn = _transport.connect(lst.address, KEY)  # served meanwhile
+        assert wait_for(lambda: served, 2.0)
+        assert _closed_by_server(silent, 2.0)
+        assert wait_for(lambda: lst.refused == 1, 2.0)
+        conn.close()
+        served[0].close()
+    finally:
+        silent.close()
+        lst.close()
+
+
+def test_unauthenticated_connections_are_capped_and_the_excess_refused():
+    """One thread per connection, without a cap: a peer opening connections without
+    authenticating made the exporter start threads without bound."""
+    before = set(sharing_threads())
+    served = []
+    lst = _transport.Listener(KEY, served.append, handshake_timeout=1.5, max_handshakes=4)
+    socks = []
+    try:
+        for _ in range(20):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(lst.address)
+            socks.append(s)
+        assert wait_for(lambda: lst.refused >= 16, 2.0), lst.refused
+        assert len(_peer_threads(before)) <= 4
+        assert lst.handshakes <= 4
+        # The excess was closed at once, the rest at the deadline.
+        closed_now = sum(_closed_by_server(s, 0.05) for s in socks)
+        assert closed_now >= 16
+        assert wait_for(lambda: lst.refused == 20 and lst.handshakes == 0, 3.0)
+        assert wait_for(lambda: not _peer_threads(before), 2.0)
+        # Once they are gone, a real receiver connects.
+        conn = _transport.connect(lst.address, KEY)
+        assert wait_for(lambda: served, 2.0)
+        conn.close()
+        served[0].close()
+    finally:
+        for s in socks:
+            s.close()
+        lst.close()
+
+
+def test_the_accept_loop_survives_a_failed_thread_start():
+    """A Thread.start failure in the accept loop ended accepting for good: every
+    receiver then saw "the exporter has exited"."""
+    fail = [2]
+
+    class FlakyThread(threading.Thread):
+        def start(self):
+            if fail[0] > 0:
+                fail[0] -= 1
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    served = []
+    lst = _transport.Listener(KEY, served.append, thread_factory=FlakyThread)
+    try:
+        for _ in range(2):
+            with pytest.raises((EOFError, OSError)):
+                _transport.connect(lst.address, KEY, timeout=2.0)
+        assert wait_for(lambda: lst.refused == 2 and lst.handshakes == 0, 2.0)
+        conn = _transport.connect(lst.address, KEY, timeout=2.0)
+        assert wait_for(lambda: served, 2.0)
+        conn.send(b"hello")
+        assert served[0].recv() == b"hello"
+        conn.close()
+        served[0].close()
+    finally:
+        lst.close()
