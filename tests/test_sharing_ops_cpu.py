@@ -159,3 +159,132 @@ def test_the_accept_loop_survives_a_failed_thread_start():
         served[0].close()
     finally:
         lst.close()
+
+
+# -- 6. socket directories: removed, and made where the path fits --------------------------
+def test_a_long_tmpdir_falls_back_to_a_shorter_private_directory(tmp_path, monkeypatch):
+    """A long TMPDIR made bind fail ("AF_UNIX path too long") and sharing with it."""
+    import tempfile
+
+    long_dir = tmp_path / ("d" * 100) / ("e" * 90)
+    long_dir.mkdir(parents=True)
+    assert len(str(long_dir)) >= 200
+    monkeypatch.setenv("TMPDIR", str(long_dir))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    assert tempfile.gettempdir() == str(long_dir)
+    served = []
+    lst = _transport.Listener(KEY, served.append)
+    try:
+        d = os.path.dirname(lst.address)
+        assert len(os.fsencode(lst.address)) <= 107
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+        assert os.stat(d).st_uid == os.getuid()
+        conn = _transport.connect(lst.address, KEY)
+        assert wait_for(lambda: served, 2.0)
+        conn.close()
+        served[0].close()
+    finally:
+        lst.close()
+    assert not os.path.exists(d)
+
+
+def test_the_socket_directory_goes_when_the_exporter_closes_or_exits(world):
+    for end in ("close", "exit"):
+        e = world.proc(f"exporter-{end}")
+        r = world.proc(f"receiver-{end}")
+        b = e.pool().alloc(KB, payload=7)
+        owner = r.recv(e.send(b))
+        assert r.read(owner)[1] == 7
+        d = os.path.dirname(e.exporter.address)
+        assert os.path.isdir(d)
+        del owner
+        if end == "close":
+            e.exporter.close()
+        else:
+            e.exit()
+        assert not os.path.exists(d), f"{end}: the socket directory stayed"
+
+
+_CHILD = r"""
+import os, sys
+sys.path.insert(0, {tests!r})
+from cupy_poolmem._sharing import _transport
+lst = _transport.Listener(b"k", lambda conn: None)
+print(os.path.dirname(lst.address), flush=True)
+{end}
+"""
+
+
+@pytest.mark.parametrize("end", ["", "sys.exit(0)", "raise SystemExit(3)"])
+def test_the_socket_directory_goes_when_its_process_exits(end):
+    """One directory per exporter process stayed for ever (a Pool(maxtasksperchild=1)
+    left one per task)."""
+    import subprocess
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD.format(tests=tests, end=end)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(tests),
+    )
+    d = out.stdout.strip().splitlines()[0]
+    assert d and "cupy_poolmem-" in d, out.stderr
+    assert not os.path.exists(d), "the child's socket directory stayed after it exited"
+
+
+def _listen_and_return(q):
+    lst = _transport.Listener(b"k", lambda conn: None)
+    q.put(os.path.dirname(lst.address))
+    return lst  # alive at the child's exit: its exit finalizers remove the directory
+
+
+def test_the_socket_directory_of_a_multiprocessing_child_goes_with_it():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_listen_and_return, args=(q,))
+    p.start()
+    try:
+        d = q.get(timeout=60)
+    finally:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert p.exitcode == 0
+    assert not os.path.exists(d)
+
+
+def test_a_fork_child_that_exits_leaves_its_parents_directory():
+    lst = _transport.Listener(KEY, lambda conn: None)
+    d = os.path.dirname(lst.address)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child runs the exit finalizers it inherited
+            try:
+                from multiprocessing import util
+
+                util._exit_function()
+            finally:
+                os._exit(0)
+        _wait_child(pid, 10.0)
+        assert os.path.isdir(d), "a fork child removed its parent's socket directory"
+    finally:
+        lst.close()
+    assert not os.path.exists(d)
+
+
+def _wait_child(pid: int, timeout: float) -> int:
+    """The child's exit status; kills it and fails when it is still running at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child hung (still running after {timeout} s)")
