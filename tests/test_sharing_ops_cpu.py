@@ -288,3 +288,35 @@ def _wait_child(pid: int, timeout: float) -> int:
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail(f"the forked child hung (still running after {timeout} s)")
+
+
+# -- 3. fork handlers whatever other threads hold --------------------------------------------
+def test_a_fork_while_another_thread_holds_the_pools_registry_lock_does_not_hang():
+    """The child's fork handler took the pools' registry lock, which the parent's thread
+    held at the fork: no thread of the child would ever release it."""
+    from cupy_poolmem import _pools
+    from cupy_poolmem._sharing import _context  # noqa: F401  (its fork handler runs)
+
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with _pools._ALL_LOCK:  # the registry lock of this (the parent) process
+            held.set()
+            done.wait(20.0)
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    try:
+        assert held.wait(5.0)
+        pid = os.fork()
+        if pid == 0:  # the fork handlers ran already; the registry is usable here
+            code = 1
+            try:
+                _pools.all_pools()
+                code = 0
+            finally:
+                os._exit(code)
+        assert _wait_child(pid, 10.0) == 0
+    finally:
+        done.set()
+        t.join(5.0)
