@@ -320,3 +320,47 @@ def test_a_fork_while_another_thread_holds_the_pools_registry_lock_does_not_hang
     finally:
         done.set()
         t.join(5.0)
+
+
+# -- 7. receivers without a usable pid (another pid namespace) -------------------------------
+def _pid0(sock):
+    return 0, os.getuid()  # what SO_PEERCRED says of a process in another pid namespace
+
+
+def _frees(gpu, name):
+    return [x for x in gpu.log if x[0] == name and x[1] == "free"]
+
+
+def test_a_receiver_of_unknown_pid_keeps_its_leases_after_its_socket_closes(world):
+    """Its leases went when its socket closed: its kernel, still running, read memory
+    the exporter had freed (and reused)."""
+    e = world.proc("exporter", listener_options={"peer_cred": _pid0})
+    r = world.proc("receiver")
+    b = e.pool().alloc(KB, payload=5)
+    imp = r.recv(e.send(b))
+    assert r.read(imp) == (1, 5)
+    del b
+    assert e.stats()["limbo_blocks"] == 1
+    with pytest.warns(ResourceWarning, match="another pid namespace"):
+        r.kill(context_gone=False)  # its sockets close; its kernel still reads
+        assert wait_for(lambda: e.stats()["peers"] == 0, 5.0)
+    time.sleep(0.1)
+    st = e.stats()
+    assert (st["leases"], st["limbo_blocks"]) == (1, 1) and _frees(world.gpu, "exporter") == []
+    assert e.exporter.stranded == 1
+    world.gpu.context_gone("receiver")
+    del imp
+
+
+def test_a_receiver_of_unknown_pid_that_unmaps_gives_its_lease_back(world):
+    e = world.proc("exporter", listener_options={"peer_cred": _pid0})
+    r = world.proc("receiver")
+    b = e.pool().alloc(KB, payload=6)
+    imp = r.recv(e.send(b))
+    assert r.read(imp) == (1, 6)
+    del b, imp  # received once: unmapped at once, and said so
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0, 5.0)
+    assert len(_frees(world.gpu, "exporter")) == 1
+    r.exit()
+    assert wait_for(lambda: e.stats()["peers"] == 0, 5.0)
+    assert e.exporter.stranded == 0

@@ -210,6 +210,7 @@ class Exporter:
         self._tickets = ticket_source
         self._warned = False
         self.recycled = 0  # blocks put back into a reuse cache with their records
+        self.stranded = 0  # leases of gone receivers of unknown pid, held until exit
         self._janitor: threading.Thread | None = None
         self._wake = threading.Event()
         self.closed = False
@@ -589,6 +590,9 @@ class Exporter:
     def _reap(self, peer: Peer) -> None:
         """A receiver's connection closed: once its process (and GPU context) is gone,
         give back its leases (invariant 3)."""
+        if peer.conn.peer.pid <= 0:
+            self._strand(peer)
+            return
         peer.conn.peer.wait_gone()
         peer.conn.peer.close()
         with self.lock:
@@ -612,6 +616,25 @@ class Exporter:
                     pass
         for rec in held:
             self._settle(rec)
+
+    def _strand(self, peer: Peer) -> None:
+        """A receiver whose process this one cannot see (another pid namespace: the
+        kernel said pid 0) closed its connection: nothing tells when its process, and
+        the work it queued on its mappings, is gone.  Its leases (and the events its
+        blocks' frees wait on) stay until this process exits: memory held, never freed
+        under it."""
+        with self.lock:
+            self.peers.pop(peer.cid, None)
+            held = sum(rec.leases.get(peer.cid, 0) for rec in self.records.values())
+            self.stranded += held
+        if held:
+            warnings.warn(
+                f"cupy_poolmem: a receiver in another pid namespace closed its sharing "
+                f"connection holding {held} mapping(s); the blocks stay held until this "
+                "process exits (its exit cannot be seen from here)",
+                ResourceWarning,
+                stacklevel=2,
+            )
 
     def _handle(self, peer: Peer, f: Any) -> None:
         cid = peer.cid
