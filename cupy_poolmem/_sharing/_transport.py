@@ -313,14 +313,15 @@ class Listener:
         return len(self._pending)
 
     def _accept(self) -> None:
-        poller = select.poll()
-        poller.register(self._sock.fileno(), select.POLLIN)
         while not self.closed:
             wait = self._expire()
             try:
-                if not poller.poll(None if wait is None else max(int(wait * 1000) + 1, 1)):
-                    continue  # a deadline passed: _expire at the top
+                # Through the socket object, never its bare descriptor number: once
+                # closed (close(), a fork child's abandon()) it fails here at once.
+                self._sock.settimeout(None if wait is None else max(wait, 0.001))
                 sock, _ = self._sock.accept()
+            except TimeoutError:
+                continue  # a deadline passed: _expire at the top
             except OSError:
                 if self.closed:
                     return
