@@ -364,3 +364,88 @@ def test_a_receiver_of_unknown_pid_that_unmaps_gives_its_lease_back(world):
     r.exit()
     assert wait_for(lambda: e.stats()["peers"] == 0, 5.0)
     assert e.exporter.stranded == 0
+
+
+# -- 4. a receiver out of file descriptors -----------------------------------------------------
+def _socketpair_conns():
+    from multiprocessing import connection as mpc
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ca = _transport.Conn(mpc.Connection(a.detach()), _transport.PeerProcess(0, watch=False))
+    cb = _transport.Conn(mpc.Connection(b.detach()), _transport.PeerProcess(0, watch=False))
+    return ca, cb
+
+
+def test_a_descriptor_lost_for_want_of_free_descriptors_is_named_and_the_connection_stays():
+    """recv_handle duplicated the socket first: out of descriptors that failed with the
+    descriptor's byte unread (the next read took it for a frame), or the kernel's
+    truncation surfaced as a RuntimeError the receiver took for a dead exporter."""
+    import resource
+
+    from cupy_poolmem._errors import SharingError
+
+    sender, receiver = _socketpair_conns()
+    r, w = os.pipe()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers = []
+    try:
+        sender.send(b"reply", r)  # a frame, and a descriptor right after it
+        sender.send(b"next", r)
+        assert receiver.recv() == b"reply"
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        try:
+            while True:
+                fillers.append(os.dup(w))
+        except OSError:
+            pass
+        with pytest.raises(SharingError, match="EMFILE.*raise the limit"):
+            receiver.recv_fd()
+        for fd in fillers:
+            os.close(fd)
+        fillers = []
+        assert receiver.recv() == b"next"  # in step: the lost descriptor's byte was read
+        fd = receiver.recv_fd()  # and descriptors arrive again
+        assert os.path.sameopenfile(fd, r)
+        os.close(fd)
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        os.close(r)
+        os.close(w)
+        sender.close()
+        receiver.close()
+
+
+def test_a_receiver_that_lost_a_pool_descriptor_takes_the_next_message(world):
+    """A receiver out of descriptors treated its live exporter as gone, and refused
+    its messages until its old arrays were dropped."""
+    from cupy_poolmem._errors import SharingError
+
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    core = e.pool()
+    client = r.importer.client(e.exporter.address)
+    real = client.conn.recv_fd
+    failures = [1]
+
+    def out_of_descriptors():
+        fd = real()  # what the kernel does out of descriptors: the descriptor goes
+        if failures[0]:
+            failures[0] -= 1
+            os.close(fd)
+            raise RuntimeError("received 0 items of ancdata")  # recv_handle's words
+        return fd
+
+    client.conn.recv_fd = out_of_descriptors  # this connection's descriptor receipt fails once
+    b1 = core.alloc(KB, payload=1)
+    with pytest.raises(SharingError):
+        r.recv(e.send(b1))
+    assert not client.closed, "a live exporter was taken for gone"
+    assert wait_for(lambda: e.stats()["leases"] == 0, 5.0)  # the grant was given back
+    b2 = core.alloc(KB, payload=2)
+    imp = r.recv(e.send(b2))  # the pool's descriptor comes again
+    assert r.read(imp) == (1, 2)
+    assert r.importer.client(e.exporter.address) is client
+    del imp, b1, b2
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0, 5.0)

@@ -169,7 +169,7 @@ class Client:
                 raise SharingError(_GONE)
             self._seq = self._seq % 0xFFFFFFFF + 1  # the frame's u32, never 0
             seq = self._seq
-            slot: list[Any] = [done, None, None]
+            slot: list[Any] = [done, None, None, None]  # event, reply, fd, fd lost
             self._waiters[seq] = slot
         try:
             # In order after the frames posted before it: a claim must not overtake an
@@ -190,6 +190,11 @@ class Client:
                 )
         if slot[1] is None:
             raise SharingError(_GONE)
+        if slot[3] is not None:  # granted, but its descriptor was lost: undo the grant
+            if slot[1].status == _wire.OK:
+                for frame in give_back:
+                    self.sender.post(frame)
+            raise SharingError(str(slot[3])) from None
         return slot[1], slot[2]
 
     def send_now(self, frame: Any) -> None:
@@ -212,7 +217,12 @@ class Client:
             while True:
                 for f in _wire.decode(self.conn.recv()):
                     if isinstance(f, _wire.Reply):
-                        fd = self.conn.recv_fd() if f.has_fd else None
+                        fd, lost = None, None
+                        if f.has_fd:
+                            try:
+                                fd = self.conn.recv_fd()
+                            except RuntimeError as exc:  # lost (EMFILE): the exporter lives
+                                lost = exc
                         with self._lock:
                             slot = self._waiters.pop(f.seq, None)
                             late = self._late.pop(f.seq, ()) if slot is None else ()
@@ -223,7 +233,7 @@ class Client:
                                 for frame in late:
                                     self.sender.post(frame)
                             continue
-                        slot[1], slot[2] = f, fd
+                        slot[1], slot[2], slot[3] = f, fd, lost
                         slot[0].set()
                     elif isinstance(f, _wire.Release):
                         try:

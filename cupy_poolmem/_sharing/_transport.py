@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import array
 import os
 import select
 import shutil
@@ -28,9 +29,10 @@ from collections import deque
 from collections.abc import Callable
 from multiprocessing import connection as _mpc
 from multiprocessing import util as _mp_util
-from multiprocessing.reduction import recv_handle, send_handle
+from multiprocessing.reduction import send_handle
 from typing import Any
 
+from .._errors import SharingError
 from . import _wire
 
 __all__ = ["Conn", "Listener", "connect", "Sender", "PeerProcess"]
@@ -42,6 +44,21 @@ _TIMEVAL = struct.Struct("ll")
 def _peer_cred(sock: socket.socket) -> tuple[int, int]:
     pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
     return pid, uid
+
+
+_FD = struct.Struct("i")
+_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+
+
+def _fd_limit() -> str:
+    """This process's open descriptors and its limit, in words."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return f"{len(os.listdir('/proc/self/fd'))} open, limit {soft}"
+    except Exception:
+        return "the open files limit is reached"
 
 
 def _set_timeouts(sock: socket.socket, seconds: float) -> None:
@@ -142,7 +159,39 @@ class Conn:
         return self._c.recv_bytes()
 
     def recv_fd(self) -> int:
-        return recv_handle(self._c)
+        """The descriptor sent right after the last message.
+
+        :class:`SharingError` when it was lost because this process has no descriptor
+        free (the kernel drops it then, and says so); the connection stays in step.
+        Received through the connection's own socket, with no duplicate descriptor: a
+        process out of descriptors could not make one, and its next read would then
+        take the descriptor's byte for a message.
+        """
+        s = socket.socket(fileno=self._c.fileno())
+        try:
+            s.settimeout(None)  # blocking, as the connection is
+            msg, anc, flags, _ = s.recvmsg(1, socket.CMSG_SPACE(_FD.size), _CLOEXEC)
+        finally:
+            s.detach()
+        fds = [
+            fd
+            for level, kind, data in anc
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+            for fd in array.array("i", data[: len(data) - len(data) % _FD.size])
+        ]
+        if not msg and not anc:
+            raise EOFError
+        if not fds or flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise SharingError(
+                "a file descriptor sent to this process was lost: it has none free (EMFILE: "
+                f"{_fd_limit()}); raise the limit (ulimit -n, or resource.setrlimit("
+                "resource.RLIMIT_NOFILE, ...)) or keep fewer files open, then receive again"
+            )
+        for fd in fds[1:]:
+            os.close(fd)
+        return fds[0]
 
     def shutdown(self) -> None:
         """Shut the socket down: threads blocked on it wake (EOF, EPIPE), the peer
