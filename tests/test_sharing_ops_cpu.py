@@ -449,3 +449,85 @@ def test_a_receiver_that_lost_a_pool_descriptor_takes_the_next_message(world):
     assert r.importer.client(e.exporter.address) is client
     del imp, b1, b2
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0, 5.0)
+
+
+# -- 2. no lock held across a wait on another process's work ---------------------------------
+def test_a_host_wait_on_a_receivers_work_stalls_no_export_or_claim(world):
+    """The exporter waited on the host for a receiver's event under its lock: one
+    receiver's long kernel stalled every export and claim of the process."""
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    r2 = world.proc("receiver2")
+    core = e.pool()
+    b = core.alloc(KB, payload=1)
+    imp = r.recv(e.send(b))
+    assert r.read(imp) == (1, 1)
+    b2 = core.alloc(KB, payload=2)
+    gate, waiting = threading.Event(), threading.Event()
+
+    def long_kernel(ev):  # the host wait returns once the receiver's work is done
+        waiting.set()
+        assert gate.wait(10.0)
+
+    stream = b.stream_ptr
+    e.driver._capturing.add(stream)  # a capture on the block's stream: waits go to the host
+    e.driver._hooks["sync_event"] = long_kernel
+    try:
+        del b  # limbo: the receiver maps it
+        del imp  # its Unmap comes with an event: the free waits on the host for it
+        assert waiting.wait(5.0)
+        out = []
+
+        def export_and_claim():
+            out.append(r2.read(r2.recv(e.send(b2))))
+
+        t = threading.Thread(target=export_and_claim, daemon=True)
+        t.start()
+        t.join(3.0)
+        assert not t.is_alive(), "an export and claim waited for another receiver's kernel"
+        assert out == [(1, 2)]
+        assert _frees(world.gpu, "exporter") == []  # not before the receiver's work is done
+    finally:
+        gate.set()
+        e.driver._hooks.pop("sync_event", None)
+    assert wait_for(lambda: len(_frees(world.gpu, "exporter")) == 1, 5.0)
+    e.driver._capturing.discard(stream)
+
+
+def test_a_receiver_that_dies_during_a_host_wait_on_its_event_does_not_close_it_under_it(world):
+    """Waits on the host now run without the lock: the reaper of a dead receiver must
+    not close the event a wait is using (the fake flags a sync of a closed event)."""
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    core = e.pool()
+    b = core.alloc(KB, payload=1)
+    imp = r.recv(e.send(b))
+    gate, waiting = threading.Event(), threading.Event()
+
+    def long_kernel(ev):
+        waiting.set()
+        assert gate.wait(10.0)
+
+    stream = b.stream_ptr
+    e.driver._capturing.add(stream)
+    e.driver._hooks["sync_event"] = long_kernel
+    holder = [b]
+    del b
+    let_go = threading.Thread(target=holder.clear, daemon=True)  # its free waits on the host
+    try:
+        del imp  # unmapped: its Unmap's event is what the block's free waits for
+        assert wait_for(lambda: e.stats()["leases"] == 0, 5.0)
+        let_go.start()
+        assert waiting.wait(5.0)
+        r.kill()  # reaped at once (one pid for every simulated process)
+        assert wait_for(lambda: e.stats()["peers"] == 0, 5.0)
+        assert not [x for x in world.gpu.log if x[0] == "exporter" and x[1] == "close_event"]
+    finally:
+        gate.set()
+        e.driver._hooks.pop("sync_event", None)
+        let_go.join(5.0)
+    assert wait_for(lambda: len(_frees(world.gpu, "exporter")) == 1, 5.0)
+    assert wait_for(
+        lambda: [x for x in world.gpu.log if x[0] == "exporter" and x[1] == "close_event"], 5.0
+    )  # closed by the wait, once done
+    e.driver._capturing.discard(stream)

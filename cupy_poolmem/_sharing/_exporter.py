@@ -211,6 +211,8 @@ class Exporter:
         self._warned = False
         self.recycled = 0  # blocks put back into a reuse cache with their records
         self.stranded = 0  # leases of gone receivers of unknown pid, held until exit
+        self._syncing = 0  # host waits on receivers' events under way (lock not held)
+        self._close_later: list[Any] = []  # events _reap closes once those are done
         self._janitor: threading.Thread | None = None
         self._wake = threading.Event()
         self.closed = False
@@ -320,6 +322,7 @@ class Exporter:
         """
         if self.abandoned:
             return True
+        host = None
         with self.lock:
             if rec.core is None:  # reused from the cache, and let go before any send
                 rec.core = core
@@ -329,11 +332,15 @@ class Exporter:
                 if not rec.leases:
                     self.records.pop(rec.export_id, None)
                     # receivers unmapped it earlier: the next user waits for their work
-                    self._wait_unmaps(rec, stream.ptr)
-                    return False
-                rec.retiring = True  # the cache refused it: receivers unmap, then free
-            self._to_limbo(rec)
-            self._warn_limbo()
+                    host = self._wait_unmaps(rec, stream.ptr)
+                else:
+                    rec.retiring = True  # the cache refused it: receivers unmap, then free
+            if host is None:
+                self._to_limbo(rec)
+                self._warn_limbo()
+        if host is not None:
+            self._sync_host(rec, host)  # outside the lock: a receiver's kernel may be long
+            return False
         self._settle(rec)
         return True
 
@@ -360,11 +367,15 @@ class Exporter:
             if not rec.leases and not rec.tickets and not rec.local:
                 self.records.pop(rec.export_id, None)
                 if stream is None:  # done on the host: the retirer frees it on any stream
-                    self._wait_unmaps(rec, 0, host=True)
+                    host = self._wait_unmaps(rec, 0, host=True)
                 else:
-                    self._wait_unmaps(rec, stream.ptr)
-                return False
-            self._to_limbo(rec)
+                    host = self._wait_unmaps(rec, stream.ptr)
+            else:
+                host = None
+                self._to_limbo(rec)
+        if host is not None:
+            self._sync_host(rec, host)
+            return False
         self._settle(rec)
         return True
 
@@ -388,7 +399,10 @@ class Exporter:
         core = rec.core
         if core.closed or rec.size > core.cache_limit:
             return False
-        self._wait_unmaps(rec, rec.stream_ptr)  # enqueued before anyone can reuse it
+        if self._host_pending(rec):  # a capture: not now, that wait would hold the lock
+            return False
+        # Enqueued before anyone can reuse it (on the host: done already, see above).
+        self._sync_host(rec, self._wait_unmaps(rec, rec.stream_ptr))
         rec.claimed.clear()
         rec.released.clear()
         rec.asked.clear()
@@ -400,31 +414,70 @@ class Exporter:
         self.recycled += 1
         return True
 
-    def _wait_unmaps(self, rec: Record, stream_ptr: int, host: bool = False) -> None:
+    def _wait_unmaps(self, rec: Record, stream_ptr: int, host: bool = False) -> list[Any]:
         """Order ``stream_ptr`` after every receiver's unmap (and last use) of ``rec``
-        (lock held).
+        (lock held); returns the events to wait for on the host instead.
 
-        On the host instead (``host``, or when ``stream_ptr`` is being captured, which a
-        recycle may meet at any time: the wait would become part of the graph): done
-        then, whatever uses the block next.  Under the lock: ``_reap`` closes a dead
-        receiver's events under it too, so an event is never closed while a free is
-        about to wait on it.
+        On the host (``host``, or when ``stream_ptr`` is being captured, which a recycle
+        may meet at any time: the wait would become part of the graph) the caller waits,
+        with :meth:`_sync_host` once it has let go of the lock (a receiver's kernel may
+        run long: no export or claim waits for it), before anything uses the block.
+        ``_reap`` closes a dead receiver's events only when no such wait is under way.
         """
         events = list(rec.events.values())
         rec.events.clear()
         if not events:
-            return
+            return []
         with self.driver.on_device(self._dev(rec)):
             if host or self.driver.is_capturing(stream_ptr):
-                with self.driver.relaxed():  # a global-mode capture elsewhere allows it
-                    for ev in events:
-                        try:
-                            self.driver.sync_event(ev)
-                        except Exception:  # the unmapping process died: its work too
-                            pass
-            else:
-                for ev in events:
-                    self._wait(stream_ptr, ev)
+                self._syncing += 1
+                return events
+            for ev in events:
+                self._wait(stream_ptr, ev)
+        return []
+
+    def _sync_host(self, rec: Record, events: list[Any]) -> None:
+        """Wait on the host for what :meth:`_wait_unmaps` returned (lock not held)."""
+        if not events:
+            return
+        try:
+            with self.driver.on_device(self._dev(rec)), self.driver.relaxed():
+                for ev in events:  # (relaxed: a global-mode capture elsewhere allows it)
+                    try:
+                        self.driver.sync_event(ev)
+                    except Exception:  # the unmapping process died: its work too
+                        pass
+        finally:
+            with self.lock:
+                self._syncing -= 1
+                late = self._close_later if not self._syncing else []
+                if late:
+                    self._close_later = []
+                    self._close_events(late)
+
+    def _host_pending(self, rec: Record) -> bool:
+        """Whether reusing ``rec`` now would wait on the host for work not done yet (its
+        stream is being captured and a receiver's event has not completed)."""
+        if not rec.events:
+            return False
+        with self.driver.on_device(self._dev(rec)):
+            if not self.driver.is_capturing(rec.stream_ptr):
+                return False
+            with self.driver.relaxed():
+                for ev in rec.events.values():
+                    try:
+                        if not self.driver.event_done(ev):
+                            return True
+                    except Exception:  # the unmapping process died: its work too
+                        pass
+        return False
+
+    def _close_events(self, events: list[Any]) -> None:
+        for ev in events:
+            try:
+                self.driver.close_event(ev)
+            except Exception:
+                pass
 
     def _warn_limbo(self) -> None:
         if self.limbo_bytes > self.settings.warn_bytes and not self._warned:
@@ -439,7 +492,7 @@ class Exporter:
     def _settle(self, rec: Record) -> None:
         """Free a limbo block nothing holds, recycle one whose receivers are all idle,
         or ask the receivers keeping it to say ``Idle`` (recycling) or to evict."""
-        release = ask = None
+        release = ask = host = None
         with self.lock:
             if not rec.in_limbo or rec.tickets or rec.local:
                 return
@@ -461,10 +514,15 @@ class Exporter:
                 rec.asked.update(keep)
             else:
                 self.records.pop(rec.export_id, None)
-                self._wait_unmaps(rec, rec.stream_ptr, host=rec.orphan)
-                if rec.orphan:  # to the retirer while still counted: the pool waits for it
+                host = self._wait_unmaps(rec, rec.stream_ptr, host=rec.orphan)
+                if not rec.orphan:
+                    self._out_of_limbo(rec)
+        if host is not None:  # its final free: after the receivers' work, lock let go
+            self._sync_host(rec, host)
+            if rec.orphan:  # to the retirer while still counted: the pool waits for it
+                with self.lock:
                     rec.core._orphan(rec.ptr, rec.size, 0)
-                self._out_of_limbo(rec)
+                    self._out_of_limbo(rec)
         if release is not None:
             for peer in release:
                 if peer is not None:
@@ -608,12 +666,12 @@ class Exporter:
                 for key in [k for k in rec.events if k[0] == peer.cid]:
                     del rec.events[key]  # its work is gone with its context
             events, peer.events = list(peer.events.values()), {}
-            # Closed under the lock: no free is between taking these and waiting on them.
-            for ev in events:
-                try:
-                    self.driver.close_event(ev)
-                except Exception:
-                    pass
+            # Under the lock, and only when no host wait is under way (it may be waiting
+            # on one of these): then by the last of those waits.
+            if self._syncing:
+                self._close_later.extend(events)
+            else:
+                self._close_events(events)
         for rec in held:
             self._settle(rec)
 
