@@ -531,3 +531,63 @@ def test_a_receiver_that_dies_during_a_host_wait_on_its_event_does_not_close_it_
         lambda: [x for x in world.gpu.log if x[0] == "exporter" and x[1] == "close_event"], 5.0
     )  # closed by the wait, once done
     e.driver._capturing.discard(stream)
+
+
+# -- 5. bounded caches: Numba handles' descriptors, opened events ---------------------------
+def _numba():
+    pytest.importorskip("numba.cuda", reason="needs Numba's CUDA target")
+    return pytest.importorskip("cupy_poolmem.numba", reason="needs Numba's CUDA target")
+
+
+def _numba_handle(cpn, fd):
+    import uuid
+
+    return cpn.PoolIpcHandle(
+        object(),
+        pool_uuid=uuid.uuid4(),
+        device_uuid="GPU-test",
+        payload=bytes(range(64)),
+        alloc_size=4096,
+        size=1024,
+        export_fd=fd,
+    )
+
+
+def _fd_count():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_numba_handle_descriptors_untaken_past_the_inflight_timeout_are_closed(monkeypatch):
+    import pickle
+
+    from cupy_poolmem._sharing import settings
+
+    cpn = _numba()
+    monkeypatch.setattr(settings, "inflight_timeout", 0.05)
+    r, w = os.pipe()
+    try:
+        h = _numba_handle(cpn, w)
+        pickle.loads(pickle.dumps(h))._release_fd()
+        base = _fd_count()
+        for _ in range(5):
+            pickle.dumps(h)
+        assert _fd_count() == base + 5, "a duplicate per pickle"
+        time.sleep(0.1)
+        msg = pickle.dumps(h)  # a pickle closes those past the timeout
+        assert wait_for(lambda: _fd_count() == base + 1, 5.0) and cpn._SENT.untaken() == 1
+        got = pickle.loads(msg)  # a fresh one is taken as before
+        os.write(got._fd, b"x")
+        assert os.read(r, 1) == b"x"
+        got._release_fd()
+        assert wait_for(lambda: _fd_count() == base, 5.0)
+        from cupy_poolmem._errors import SharingError
+
+        late = pickle.dumps(h)
+        time.sleep(0.1)
+        pickle.dumps(h)  # closes the late one's duplicate: its receiver is told why
+        with pytest.raises(SharingError, match="inflight_timeout"):
+            pickle.loads(late)
+        del h
+    finally:
+        os.close(r)
+        os.close(w)
