@@ -591,3 +591,97 @@ def test_numba_handle_descriptors_untaken_past_the_inflight_timeout_are_closed(m
     finally:
         os.close(r)
         os.close(w)
+
+
+def _opened_not_closed(gpu, name):
+    """Other processes' events ``name`` opened and has not closed."""
+    opened = sum(1 for x in gpu.log if x[0] == name and x[1] == "open_event")
+    closed = sum(1 for x in gpu.log if x[0] == name and x[1] == "close_event" and x[3])
+    return opened - closed
+
+
+def test_a_receiver_keeps_a_bounded_number_of_an_exporters_events_open(world):
+    """One event per stream the exporter sent from stayed open in the receiver for as
+    long as the exporter lived."""
+    from _sharing_fakes import FakeStream
+
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    r.importer.events_max = 4
+    core = e.pool()
+    kept = []
+    for i in range(20):
+        b = core.alloc(KB, payload=i, stream=FakeStream(0x1000 + i))  # its own stream
+        imp = r.recv(e.send(b))
+        assert r.read(imp) == (1, i)
+        kept.append((b, imp))
+        assert _opened_not_closed(world.gpu, "receiver") <= 4
+        assert r.stats()["opened_events"] <= 4
+    # Those closed are opened again when their streams send again: data still right.
+    b, _ = kept[0]
+    again = r.recv(e.send(b))
+    assert r.read(again) == (1, 0)
+    assert _opened_not_closed(world.gpu, "receiver") <= 4
+    del kept, again, b, imp
+
+
+def test_an_exporter_keeps_a_bounded_number_of_a_receivers_events_open(world):
+    """One event per stream a receiver unmapped on stayed open in the exporter for as
+    long as the receiver lived."""
+    from _sharing_fakes import FakeStream
+
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    e.exporter.events_max = 4
+    core = e.pool()
+    for i in range(20):
+        b = core.alloc(KB, payload=i)
+        r.driver._set_stream(FakeStream(0x2000 + i))  # the receiver uses it on its own stream
+        imp = r.recv(e.send(b))
+        assert r.read(imp)[1] == i
+        del imp  # unmapped, with an event of that stream
+        assert wait_for(lambda: e.stats()["leases"] == 0, 5.0)
+        del b  # its free waits for that event
+        assert wait_for(lambda: e.stats()["exported_blocks"] == 0, 5.0)
+        assert _opened_not_closed(world.gpu, "exporter") <= 4
+    assert len([x for x in world.gpu.log if x[0] == "exporter" and x[1] == "free"]) == 20
+
+
+def test_an_event_taken_out_of_the_receivers_cache_is_not_closed_under_a_hit_waiting_on_it(
+    world,
+):
+    from _sharing_fakes import FakeStream
+
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    r.importer.events_max = 1
+    core = e.pool()
+    a = core.alloc(KB, payload=1, stream=FakeStream(0x3001))
+    first = r.recv(e.send(a))  # maps it; its event is opened
+    gate, waiting = threading.Event(), threading.Event()
+
+    def slow(ev):
+        if not waiting.is_set():
+            waiting.set()
+            assert gate.wait(10.0)
+
+    msg = e.send(a)
+    r.driver._hooks["sync_event"] = slow
+    got = []
+    hit = threading.Thread(target=lambda: got.append(r.recv(msg)), daemon=True)
+    hit.start()  # a hit: waits on the host for the exporter's event
+    try:
+        assert waiting.wait(5.0)
+        b = core.alloc(KB, payload=2, stream=FakeStream(0x3002))
+        other = r.recv(e.send(b))  # another stream's event: the first one is taken out
+        assert r.read(other) == (1, 2)
+        closes = [x for x in world.gpu.log if x[0] == "receiver" and x[1] == "close_event"]
+        assert closes == [], "closed while a hit waited on it"
+    finally:
+        gate.set()
+        hit.join(5.0)
+        r.driver._hooks.pop("sync_event", None)
+    assert r.read(got[0]) == (1, 1)
+    assert wait_for(lambda: _opened_not_closed(world.gpu, "receiver") <= 1, 5.0)
+    got.clear()
+    del first, other

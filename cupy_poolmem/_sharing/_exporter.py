@@ -212,6 +212,7 @@ class Exporter:
         self.recycled = 0  # blocks put back into a reuse cache with their records
         self.stranded = 0  # leases of gone receivers of unknown pid, held until exit
         self._syncing = 0  # host waits on receivers' events under way (lock not held)
+        self.events_max = 64  # receivers' events kept open per receiver, oldest out first
         self._close_later: list[Any] = []  # events _reap closes once those are done
         self._janitor: threading.Thread | None = None
         self._wake = threading.Event()
@@ -471,6 +472,25 @@ class Exporter:
                     except Exception:  # the unmapping process died: its work too
                         pass
         return False
+
+    def _retire_events(self, peer: Peer) -> None:
+        """Close ``peer``'s oldest opened events beyond ``events_max`` (lock held; one
+        per stream it unmapped on) that no block's free still waits for; under a host
+        wait, its last one closes them."""
+        extra = len(peer.events) - self.events_max
+        if extra <= 0:
+            return
+        used = {id(ev) for rec in self.records.values() for ev in rec.events.values()}
+        out = []
+        for handle, ev in list(peer.events.items())[:-1]:  # never the one just opened
+            if len(out) >= extra:
+                break
+            if id(ev) not in used:
+                out.append(peer.events.pop(handle))
+        if self._syncing:
+            self._close_later.extend(out)
+        else:
+            self._close_events(out)
 
     def _close_events(self, events: list[Any]) -> None:
         for ev in events:
@@ -748,6 +768,7 @@ class Exporter:
                     if ev is None:
                         with self.driver.on_device(self._dev(rec)):
                             ev = peer.events[f.event] = self.driver.open_event(f.event)
+                        self._retire_events(peer)
                     rec.events[(cid, f.event)] = ev
                 if n > 0:
                     rec.leases[cid] = n
@@ -764,6 +785,7 @@ class Exporter:
                 if ev is None:
                     with self.driver.on_device(self._dev(rec)):
                         ev = peer.events[f.event] = self.driver.open_event(f.event)
+                    self._retire_events(peer)
                 rec.events[(cid, f.event)] = ev
                 # Never beyond the block's current life: a later life starts busy.
                 life = min(f.life, rec.life)
