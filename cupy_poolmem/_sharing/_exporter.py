@@ -481,7 +481,7 @@ class Exporter:
         if extra <= 0:
             return
         used = {id(ev) for rec in self.records.values() for ev in rec.events.values()}
-        out = []
+        out: list[Any] = []
         for handle, ev in list(peer.events.items())[:-1]:  # never the one just opened
             if len(out) >= extra:
                 break
