@@ -90,6 +90,21 @@ _A = _drv.CUmemPool_attribute
 # Every pool alive in this process (statistics(), logs and sharing walk it).
 _ALL_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
 _ALL_LOCK = threading.RLock()  # reentrant: a pool's __del__ may run inside a GC here
+_ALL_LOCK_PID = [os.getpid()]  # the process _ALL_LOCK was made in
+
+
+def _registry_lock() -> threading.RLock:
+    """``_ALL_LOCK``, made anew in a fork child on its first use there: a parent thread
+    may have held it at the fork, and then no thread of the child would ever release
+    it (the fork handlers of every module use the registry, in any order)."""
+    global _ALL_LOCK
+    pid = os.getpid()
+    if _ALL_LOCK_PID[0] != pid:
+        _ALL_LOCK = threading.RLock()
+        _ALL_LOCK_PID[0] = pid
+    return _ALL_LOCK
+
+
 # Callables run before an out-of-memory retry (sharing's limbo collection registers here).
 _OOM_CALLBACKS: list[Any] = []
 # Callables run with each IPC-enabled pool when it is created (sharing registers here).
@@ -133,7 +148,7 @@ def all_pools() -> list[Pool]:
     >>> [p.stats().kind for p in cupy_poolmem.all_pools()]  # doctest: +SKIP
     ['device', 'pinned']
     """
-    with _ALL_LOCK:
+    with _registry_lock():
         return sorted(_ALL_POOLS, key=lambda p: p._serial)
 
 
@@ -280,7 +295,7 @@ class Pool(_hp.PoolCore):
             for m in self._mrs:
                 m.allocation_handle  # noqa: B018
             self._ipc_pools = tuple((int(m.handle), str(m.uuid), m) for m in self._mrs)
-        with _ALL_LOCK:
+        with _registry_lock():
             _ALL_POOLS.add(self)
         if self._ipc_pools:
             from . import _sharing  # noqa: F401  (a pool that can share: sharing is hooked in)
@@ -726,7 +741,7 @@ class Pool(_hp.PoolCore):
             left = self.guard.close()
             if left:
                 _retire.retirer().add_leftovers(self._retire_token, self._retire_device(), left)
-        with _ALL_LOCK:
+        with _registry_lock():
             _ALL_POOLS.discard(self)
         # Only now may the pool be retired: a last free in another thread while the
         # quarantine was handed over above must not retire it first (its retirer entry

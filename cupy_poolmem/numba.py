@@ -56,6 +56,7 @@ import contextlib
 import operator
 import os
 import threading
+import time
 import uuid as _uuid
 import weakref
 from collections.abc import Callable
@@ -366,6 +367,71 @@ def _importer() -> Any:
     return context().importer
 
 
+class _SentDescriptors:
+    """Duplicates of pools' descriptors that pickled handles left in ``multiprocessing``'s
+    resource sharer for their receivers to take.
+
+    One is made per pickle; a receiver that unpickles takes it (the sharer closes it
+    then).  One nobody takes is closed here once it is older than
+    ``cupy_poolmem.sharing.inflight_timeout`` (checked at each pickle): a handle
+    pickled but never unpickled kept one open descriptor per pickle for ever.  (Not
+    when the handle goes: ``queue.put(array.get_ipc_handle())`` drops it at once.)
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._out: dict[Any, float] = {}  # the sharer's key -> when it was made
+
+    def add(self, dup: Any) -> None:
+        key = getattr(dup, "_id", None)  # (a spawn launch's DupFd closes its own)
+        if key is not None:
+            with self._lock:
+                self._out[key] = self._clock()
+
+    def close(self, older_than: float = 0.0) -> int:
+        """Close the untaken duplicates made more than ``older_than`` seconds ago; how
+        many were closed."""
+        sharer = _resource_sharer()
+        now = self._clock()
+        with self._lock:
+            keys = [k for k, made in self._out.items() if now - made > older_than]
+            for k in keys:
+                del self._out[k]
+        closed = 0
+        for k in keys:
+            ent = None
+            if sharer is not None:
+                with sharer._lock:
+                    ent = sharer._cache.pop(k[1], None)  # None: a receiver took it
+            if ent is not None:
+                with contextlib.suppress(OSError):
+                    ent[1]()  # the sharer's close()
+                closed += 1
+        return closed
+
+    def untaken(self) -> int:
+        """Duplicates made and still waiting for a receiver."""
+        sharer = _resource_sharer()
+        with self._lock:
+            keys = list(self._out)
+        if sharer is None:
+            return 0
+        with sharer._lock:
+            return sum(1 for k in keys if k[1] in sharer._cache)
+
+
+def _resource_sharer() -> Any:
+    """``multiprocessing``'s resource sharer (where a pickled DupFd waits), if any."""
+    from multiprocessing import resource_sharer
+
+    rs = getattr(resource_sharer, "_resource_sharer", None)
+    return rs if hasattr(rs, "_cache") and hasattr(rs, "_lock") else None
+
+
+_SENT = _SentDescriptors()
+
+
 def _close_fd(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
@@ -545,12 +611,18 @@ class PoolIpcHandle(IpcHandle):
             )
         from multiprocessing.reduction import DupFd
 
+        from ._sharing import settings
+
+        timeout = settings.inflight_timeout
+        if timeout is not None:
+            _SENT.close(older_than=timeout)
         try:
             dup = DupFd(self._export_fd)
         except OSError as exc:
             raise SharingError(
                 f"the exporting pool's file descriptor is unusable (was the pool closed?): {exc}"
             ) from exc
+        _SENT.add(dup)
         return (
             _rebuild_pool_ipc_handle,
             (
@@ -691,7 +763,9 @@ def _rebuild_pool_ipc_handle(
         raise SharingError(
             "could not receive the exporting pool's file descriptor; a PoolIpcHandle must "
             "travel between processes of one multiprocessing family on the same host "
-            f"(Queue, Pipe, Pool, Process arguments) while the sender is alive: {exc}"
+            "(Queue, Pipe, Pool, Process arguments) while the sender is alive, and be "
+            "received within cupy_poolmem.sharing.inflight_timeout of pickling (the "
+            f"descriptor's duplicate is closed then): {exc}"
         ) from exc
     u = _uuid.UUID(pool_uuid)
     if str(u) in _importer().pools:

@@ -917,7 +917,12 @@ class SimProc:
     """One simulated process: a sharing context with its own settings and fake driver."""
 
     def __init__(
-        self, world: World, name: str, visible: list[int] | None = None, **settings: Any
+        self,
+        world: World,
+        name: str,
+        visible: list[int] | None = None,
+        listener_options: dict[str, Any] | None = None,
+        **settings: Any,
     ) -> None:
         self.world, self.gpu, self.name = world, world.gpu, name
         self.settings = SharingSettings()
@@ -927,7 +932,9 @@ class SimProc:
         for k, v in settings.items():
             setattr(self.settings, k, v)
         self.driver = FakeDriver(self.gpu, name, visible)
-        self.ctx = SharingContext(self.settings, driver=self.driver)
+        self.ctx = SharingContext(
+            self.settings, driver=self.driver, listener_options=listener_options
+        )
         self.cores: list[FakeCore] = []
         self.gone = False
 
@@ -1026,9 +1033,14 @@ class World:
         self.procs: list[SimProc] = []
 
     def proc(
-        self, name: str | None = None, visible: list[int] | None = None, **settings: Any
+        self,
+        name: str | None = None,
+        visible: list[int] | None = None,
+        listener_options: dict[str, Any] | None = None,
+        **settings: Any,
     ) -> SimProc:
-        p = SimProc(self, name or f"p{len(self.procs)}", visible, **settings)
+        """A simulated process (``listener_options``: its exporter's listener's)."""
+        p = SimProc(self, name or f"p{len(self.procs)}", visible, listener_options, **settings)
         self.procs.append(p)
         return p
 

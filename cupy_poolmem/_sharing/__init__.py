@@ -38,7 +38,8 @@ Invariants (every change to this package must keep them):
    claim to ``Unmap``, while arrays use the mapping and while it idles in the
    receiver's cache.  Leases are counted per connection.  When a connection closes,
    its leases are given back only once the receiver's process has exited (its GPU
-   context, and the work it queued, are gone then).
+   context, and the work it queued, are gone then); a receiver of pid 0 (another pid
+   namespace) cannot be watched: its leases stay until the exporter exits.
 5. Eviction.  A receiver keeps the mapping of a block it received more than once
    after its arrays are gone (at most ``keep_mappings``, least recently used out
    first).  When a block in limbo is held by leases only, the exporter asks each
@@ -49,7 +50,8 @@ Invariants (every change to this package must keep them):
 6. Driver rule.  An importer frees its mapping (stream-ordered, after its last use
    on every stream that used it) and records an IPC event *before* it sends
    ``Unmap``; the exporter's free, and its reuse of the block, wait on every such
-   event.  A new mapping of the same allocation waits for the old one's free.
+   event (a wait on the host with no lock held).  A new mapping of the same
+   allocation waits for the old one's free.
 7. Ordering.  A message carries the exporter's IPC event recorded on the block's
    allocation stream, whatever thread pickles.  The receiver waits for it before
    the array exists: on the host by default (``receive_order="sync"``), so any
@@ -62,8 +64,8 @@ Invariants (every change to this package must keep them):
 9. Same GPU.  Devices are matched by UUID, so ``CUDA_VISIBLE_DEVICES`` orders may differ.
 10. Trust.  Connections are Unix sockets in a 0700 directory, authenticated both ways
     with the multiprocessing authkey of the process family; peers of another user are
-    refused; a connection that does not authenticate within 5 s is dropped, in a
-    thread of its own.  Frames are fixed ``struct`` layouts, never unpickled; a pool's
+    refused; a connection not authenticated 5 s after it connected is dropped whatever
+    it sends, in a thread of its own, at most 64 at once.  Frames are fixed ``struct`` layouts, never unpickled; a pool's
     file descriptor goes only to a peer presenting a live ticket for a block of that
     pool.  The pickled *message* itself is unpickled by the receiver's
     multiprocessing channel, as for any pickle: receive only from trusted processes.

@@ -25,12 +25,20 @@ class SharingContext:
     """Owns this process's :class:`Exporter` and :class:`Importer` (created on first use).
 
     Tests build contexts of their own with a fake driver (``driver=``) to run the
-    protocol without a GPU.
+    protocol without a GPU (``listener_options``: the exporter's listener's, see
+    :class:`~cupy_poolmem._sharing._transport.Listener`).
     """
 
-    def __init__(self, settings: SharingSettings, driver: Any = None, forked: bool = False) -> None:
+    def __init__(
+        self,
+        settings: SharingSettings,
+        driver: Any = None,
+        forked: bool = False,
+        listener_options: dict[str, Any] | None = None,
+    ) -> None:
         self.settings = settings
         self._driver = driver
+        self._listener_options = listener_options
         self._exporter: Exporter | None = None
         self._importer: Importer | None = None
         self._lock = threading.Lock()
@@ -53,7 +61,9 @@ class SharingContext:
             drv = self.driver
             with self._lock:
                 if self._exporter is None:
-                    self._exporter = Exporter(drv, self.settings, _authkey())
+                    self._exporter = Exporter(
+                        drv, self.settings, _authkey(), listener_options=self._listener_options
+                    )
         return self._exporter
 
     @property

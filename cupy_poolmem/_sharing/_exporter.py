@@ -186,6 +186,9 @@ class Exporter:
         The multiprocessing authkey of the process family.
     ticket_source
         ``n -> bytes``; ``os.urandom`` (unguessable tickets) unless a test says otherwise.
+    listener_options
+        Keyword arguments for its :class:`~cupy_poolmem._sharing._transport.Listener`
+        (handshake deadline and cap, thread factory, peer credentials: tests).
     """
 
     def __init__(
@@ -194,6 +197,7 @@ class Exporter:
         settings: SharingSettings,
         authkey: bytes,
         ticket_source: Callable[[int], bytes] = os.urandom,
+        listener_options: dict[str, Any] | None = None,
     ) -> None:
         self.driver = driver
         self.settings = settings
@@ -205,9 +209,14 @@ class Exporter:
         self._ids = 0
         self._cids = 0
         self._listener: Listener | None = None
+        self._listener_options = dict(listener_options or {})
         self._tickets = ticket_source
         self._warned = False
         self.recycled = 0  # blocks put back into a reuse cache with their records
+        self.stranded = 0  # leases of gone receivers of unknown pid, held until exit
+        self._syncing = 0  # host waits on receivers' events under way (lock not held)
+        self.events_max = 64  # receivers' events kept open per receiver, oldest out first
+        self._close_later: list[Any] = []  # events _reap closes once those are done
         self._janitor: threading.Thread | None = None
         self._wake = threading.Event()
         self.closed = False
@@ -222,7 +231,7 @@ class Exporter:
         if self._listener is None:
             with self.lock:
                 if self._listener is None:
-                    self._listener = Listener(self.authkey, self._serve)
+                    self._listener = Listener(self.authkey, self._serve, **self._listener_options)
                     log.info("sharing: exporter listening at %s", self._listener.address)
         return self._listener.address
 
@@ -318,6 +327,7 @@ class Exporter:
         """
         if self.abandoned:
             return True
+        host = None
         with self.lock:
             if rec.core is None:  # reused from the cache, and let go before any send
                 rec.core = core
@@ -327,11 +337,15 @@ class Exporter:
                 if not rec.leases:
                     self.records.pop(rec.export_id, None)
                     # receivers unmapped it earlier: the next user waits for their work
-                    self._wait_unmaps(rec, stream.ptr)
-                    return False
-                rec.retiring = True  # the cache refused it: receivers unmap, then free
-            self._to_limbo(rec)
-            self._warn_limbo()
+                    host = self._wait_unmaps(rec, stream.ptr)
+                else:
+                    rec.retiring = True  # the cache refused it: receivers unmap, then free
+            if host is None:
+                self._to_limbo(rec)
+                self._warn_limbo()
+        if host is not None:
+            self._sync_host(rec, host)  # outside the lock: a receiver's kernel may be long
+            return False
         self._settle(rec)
         return True
 
@@ -358,11 +372,15 @@ class Exporter:
             if not rec.leases and not rec.tickets and not rec.local:
                 self.records.pop(rec.export_id, None)
                 if stream is None:  # done on the host: the retirer frees it on any stream
-                    self._wait_unmaps(rec, 0, host=True)
+                    host = self._wait_unmaps(rec, 0, host=True)
                 else:
-                    self._wait_unmaps(rec, stream.ptr)
-                return False
-            self._to_limbo(rec)
+                    host = self._wait_unmaps(rec, stream.ptr)
+            else:
+                host = None
+                self._to_limbo(rec)
+        if host is not None:
+            self._sync_host(rec, host)
+            return False
         self._settle(rec)
         return True
 
@@ -386,7 +404,10 @@ class Exporter:
         core = rec.core
         if core.closed or rec.size > core.cache_limit:
             return False
-        self._wait_unmaps(rec, rec.stream_ptr)  # enqueued before anyone can reuse it
+        if self._host_pending(rec):  # a capture: not now, that wait would hold the lock
+            return False
+        # Enqueued before anyone can reuse it (on the host: done already, see above).
+        self._sync_host(rec, self._wait_unmaps(rec, rec.stream_ptr))
         rec.claimed.clear()
         rec.released.clear()
         rec.asked.clear()
@@ -398,31 +419,89 @@ class Exporter:
         self.recycled += 1
         return True
 
-    def _wait_unmaps(self, rec: Record, stream_ptr: int, host: bool = False) -> None:
+    def _wait_unmaps(self, rec: Record, stream_ptr: int, host: bool = False) -> list[Any]:
         """Order ``stream_ptr`` after every receiver's unmap (and last use) of ``rec``
-        (lock held).
+        (lock held); returns the events to wait for on the host instead.
 
-        On the host instead (``host``, or when ``stream_ptr`` is being captured, which a
-        recycle may meet at any time: the wait would become part of the graph): done
-        then, whatever uses the block next.  Under the lock: ``_reap`` closes a dead
-        receiver's events under it too, so an event is never closed while a free is
-        about to wait on it.
+        On the host (``host``, or when ``stream_ptr`` is being captured, which a recycle
+        may meet at any time: the wait would become part of the graph) the caller waits,
+        with :meth:`_sync_host` once it has let go of the lock (a receiver's kernel may
+        run long: no export or claim waits for it), before anything uses the block.
+        ``_reap`` closes a dead receiver's events only when no such wait is under way.
         """
         events = list(rec.events.values())
         rec.events.clear()
         if not events:
-            return
+            return []
         with self.driver.on_device(self._dev(rec)):
             if host or self.driver.is_capturing(stream_ptr):
-                with self.driver.relaxed():  # a global-mode capture elsewhere allows it
-                    for ev in events:
-                        try:
-                            self.driver.sync_event(ev)
-                        except Exception:  # the unmapping process died: its work too
-                            pass
-            else:
-                for ev in events:
-                    self._wait(stream_ptr, ev)
+                self._syncing += 1
+                return events
+            for ev in events:
+                self._wait(stream_ptr, ev)
+        return []
+
+    def _sync_host(self, rec: Record, events: list[Any]) -> None:
+        """Wait on the host for what :meth:`_wait_unmaps` returned (lock not held)."""
+        if not events:
+            return
+        try:
+            with self.driver.on_device(self._dev(rec)), self.driver.relaxed():
+                for ev in events:  # (relaxed: a global-mode capture elsewhere allows it)
+                    try:
+                        self.driver.sync_event(ev)
+                    except Exception:  # the unmapping process died: its work too
+                        pass
+        finally:
+            with self.lock:
+                self._syncing -= 1
+                late = self._close_later if not self._syncing else []
+                if late:
+                    self._close_later = []
+                    self._close_events(late)
+
+    def _host_pending(self, rec: Record) -> bool:
+        """Whether reusing ``rec`` now would wait on the host for work not done yet (its
+        stream is being captured and a receiver's event has not completed)."""
+        if not rec.events:
+            return False
+        with self.driver.on_device(self._dev(rec)):
+            if not self.driver.is_capturing(rec.stream_ptr):
+                return False
+            with self.driver.relaxed():
+                for ev in rec.events.values():
+                    try:
+                        if not self.driver.event_done(ev):
+                            return True
+                    except Exception:  # the unmapping process died: its work too
+                        pass
+        return False
+
+    def _retire_events(self, peer: Peer) -> None:
+        """Close ``peer``'s oldest opened events beyond ``events_max`` (lock held; one
+        per stream it unmapped on) that no block's free still waits for; under a host
+        wait, its last one closes them."""
+        extra = len(peer.events) - self.events_max
+        if extra <= 0:
+            return
+        used = {id(ev) for rec in self.records.values() for ev in rec.events.values()}
+        out: list[Any] = []
+        for handle, ev in list(peer.events.items())[:-1]:  # never the one just opened
+            if len(out) >= extra:
+                break
+            if id(ev) not in used:
+                out.append(peer.events.pop(handle))
+        if self._syncing:
+            self._close_later.extend(out)
+        else:
+            self._close_events(out)
+
+    def _close_events(self, events: list[Any]) -> None:
+        for ev in events:
+            try:
+                self.driver.close_event(ev)
+            except Exception:
+                pass
 
     def _warn_limbo(self) -> None:
         if self.limbo_bytes > self.settings.warn_bytes and not self._warned:
@@ -437,7 +516,7 @@ class Exporter:
     def _settle(self, rec: Record) -> None:
         """Free a limbo block nothing holds, recycle one whose receivers are all idle,
         or ask the receivers keeping it to say ``Idle`` (recycling) or to evict."""
-        release = ask = None
+        release = ask = host = None
         with self.lock:
             if not rec.in_limbo or rec.tickets or rec.local:
                 return
@@ -459,10 +538,15 @@ class Exporter:
                 rec.asked.update(keep)
             else:
                 self.records.pop(rec.export_id, None)
-                self._wait_unmaps(rec, rec.stream_ptr, host=rec.orphan)
-                if rec.orphan:  # to the retirer while still counted: the pool waits for it
+                host = self._wait_unmaps(rec, rec.stream_ptr, host=rec.orphan)
+                if not rec.orphan:
+                    self._out_of_limbo(rec)
+        if host is not None:  # its final free: after the receivers' work, lock let go
+            self._sync_host(rec, host)
+            if rec.orphan:  # to the retirer while still counted: the pool waits for it
+                with self.lock:
                     rec.core._orphan(rec.ptr, rec.size, 0)
-                self._out_of_limbo(rec)
+                    self._out_of_limbo(rec)
         if release is not None:
             for peer in release:
                 if peer is not None:
@@ -588,6 +672,9 @@ class Exporter:
     def _reap(self, peer: Peer) -> None:
         """A receiver's connection closed: once its process (and GPU context) is gone,
         give back its leases (invariant 3)."""
+        if peer.conn.peer.pid <= 0:
+            self._strand(peer)
+            return
         peer.conn.peer.wait_gone()
         log.info("sharing: receiver pid %s is gone; its leases are released", peer.conn.peer.pid)
         peer.conn.peer.close()
@@ -604,14 +691,33 @@ class Exporter:
                 for key in [k for k in rec.events if k[0] == peer.cid]:
                     del rec.events[key]  # its work is gone with its context
             events, peer.events = list(peer.events.values()), {}
-            # Closed under the lock: no free is between taking these and waiting on them.
-            for ev in events:
-                try:
-                    self.driver.close_event(ev)
-                except Exception:
-                    pass
+            # Under the lock, and only when no host wait is under way (it may be waiting
+            # on one of these): then by the last of those waits.
+            if self._syncing:
+                self._close_later.extend(events)
+            else:
+                self._close_events(events)
         for rec in held:
             self._settle(rec)
+
+    def _strand(self, peer: Peer) -> None:
+        """A receiver whose process this one cannot see (another pid namespace: the
+        kernel said pid 0) closed its connection: nothing tells when its process, and
+        the work it queued on its mappings, is gone.  Its leases (and the events its
+        blocks' frees wait on) stay until this process exits: memory held, never freed
+        under it."""
+        with self.lock:
+            self.peers.pop(peer.cid, None)
+            held = sum(rec.leases.get(peer.cid, 0) for rec in self.records.values())
+            self.stranded += held
+        if held:
+            warnings.warn(
+                f"cupy_poolmem: a receiver in another pid namespace closed its sharing "
+                f"connection holding {held} mapping(s); the blocks stay held until this "
+                "process exits (its exit cannot be seen from here)",
+                ResourceWarning,
+                stacklevel=2,
+            )
 
     def _handle(self, peer: Peer, f: Any) -> None:
         cid = peer.cid
@@ -667,6 +773,7 @@ class Exporter:
                     if ev is None:
                         with self.driver.on_device(self._dev(rec)):
                             ev = peer.events[f.event] = self.driver.open_event(f.event)
+                        self._retire_events(peer)
                     rec.events[(cid, f.event)] = ev
                 if n > 0:
                     rec.leases[cid] = n
@@ -683,6 +790,7 @@ class Exporter:
                 if ev is None:
                     with self.driver.on_device(self._dev(rec)):
                         ev = peer.events[f.event] = self.driver.open_event(f.event)
+                    self._retire_events(peer)
                 rec.events[(cid, f.event)] = ev
                 # Never beyond the block's current life: a later life starts busy.
                 life = min(f.life, rec.life)

@@ -9,6 +9,7 @@ imported once however it arrives (invariant 7).  State changes happen under
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -145,6 +146,7 @@ class Client:
         self.sender = Sender(conn, "cupy_poolmem-to-exporter")
         self.closed = False
         self.events: dict[bytes, Any] = {}  # the exporter's IPC events, opened here
+        self.retired: list[Any] = []  # out of ``events``, closed once nothing uses them
         self.keys: set[tuple[str, bytes]] = set()  # mappings of its blocks
         self.by_export: dict[int, tuple[str, bytes]] = {}
         self.busy = 0  # receives using it (and its events) now
@@ -169,7 +171,7 @@ class Client:
                 raise SharingError(_GONE)
             self._seq = self._seq % 0xFFFFFFFF + 1  # the frame's u32, never 0
             seq = self._seq
-            slot: list[Any] = [done, None, None]
+            slot: list[Any] = [done, None, None, None]  # event, reply, fd, fd lost
             self._waiters[seq] = slot
         try:
             # In order after the frames posted before it: a claim must not overtake an
@@ -190,6 +192,11 @@ class Client:
                 )
         if slot[1] is None:
             raise SharingError(_GONE)
+        if slot[3] is not None:  # granted, but its descriptor was lost: undo the grant
+            if slot[1].status == _wire.OK:
+                for frame in give_back:
+                    self.sender.post(frame)
+            raise SharingError(str(slot[3])) from None
         return slot[1], slot[2]
 
     def send_now(self, frame: Any) -> None:
@@ -212,7 +219,12 @@ class Client:
             while True:
                 for f in _wire.decode(self.conn.recv()):
                     if isinstance(f, _wire.Reply):
-                        fd = self.conn.recv_fd() if f.has_fd else None
+                        fd, lost = None, None
+                        if f.has_fd:
+                            try:
+                                fd = self.conn.recv_fd()
+                            except RuntimeError as exc:  # lost (EMFILE): the exporter lives
+                                lost = exc
                         with self._lock:
                             slot = self._waiters.pop(f.seq, None)
                             late = self._late.pop(f.seq, ()) if slot is None else ()
@@ -223,7 +235,7 @@ class Client:
                                 for frame in late:
                                     self.sender.post(frame)
                             continue
-                        slot[1], slot[2] = f, fd
+                        slot[1], slot[2], slot[3] = f, fd, lost
                         slot[0].set()
                     elif isinstance(f, _wire.Release):
                         try:
@@ -286,6 +298,8 @@ class Importer:
         self._importing: set[str] = set()  # pools a thread is importing
         self._changed = threading.Condition(self.lock)  # either set shrank
         self.abandoned = False  # in a fork child: the parent's mappings are left alone
+        # Events opened per exporter (one per stream it sends from), oldest closed first.
+        self.events_max = 64
 
     # -- connections -------------------------------------------------------------------------
     def client(self, address: str) -> Client:
@@ -403,6 +417,8 @@ class Importer:
                         ev = c.events.get(d.event)
                         if ev is None:
                             ev = c.events[d.event] = self.driver.open_event(d.event)
+                            if len(c.events) > self.events_max:
+                                self._retire_events(c)
                 if host_order or self.settings.receive_order == "sync":
                     self.driver.sync_event(ev)
                 else:
@@ -455,11 +471,28 @@ class Importer:
                 c.sender.post(_wire.Drop(d.export_id, d.ticket))
             raise
         finally:
-            with self.lock:
-                c.busy -= 1
-                gone = c.closed and not c.busy
-            if gone:  # the exporter went while this receive ran
-                self._tidy(c)
+            self._leave(c)
+
+    def _leave(self, c: Client) -> None:
+        """A receive (or hit) that used ``c``'s events is done."""
+        with self.lock:
+            c.busy -= 1
+            gone = c.closed and not c.busy
+            late: list[Any] = []
+            if c.retired and not c.busy:
+                late, c.retired = c.retired, []
+        for ev in late:
+            with contextlib.suppress(Exception):
+                self.driver.close_event(ev)
+        if gone:  # the exporter went while this receive ran
+            self._tidy(c)
+
+    def _retire_events(self, c: Client) -> None:
+        """Take ``c``'s oldest opened events out (lock held): closed as soon as no
+        receive or hit of ``c`` is under way (one may be waiting on them now)."""
+        extra = len(c.events) - self.events_max
+        for handle in list(c.events)[:extra]:
+            c.retired.append(c.events.pop(handle))
 
     def _hit(self, d: _wire.Descriptor, stream: Any, host_order: bool) -> Imported | None:
         """A block this process maps under a lease already, with the sender's event open
@@ -489,6 +522,7 @@ class Importer:
             if d.life > m.life:
                 m.life = d.life
             hit = Imported(self, m, stream)
+            c.busy += 1  # its event stays open while it is waited on
         try:
             if ev is not None:
                 if host_order or self.settings.receive_order == "sync":
@@ -498,6 +532,8 @@ class Importer:
         except BaseException:
             c.sender.post(_wire.Drop(d.export_id, d.ticket))
             raise  # the user taken goes with ``hit``
+        finally:
+            self._leave(c)
         # Nobody waits for it: the sender thread takes it within a few ms, with the
         # others posted meanwhile (the ticket pins the block until then).
         c.sender.post(_wire.Hit(d.export_id, d.ticket), lazy=True)
@@ -844,7 +880,8 @@ class Importer:
             if c.keys or c.busy or self.clients.get(c.address) is not c:
                 return
             del self.clients[c.address]
-            events, c.events = list(c.events.values()), {}
+            events, c.events = [*c.events.values(), *c.retired], {}
+            c.retired = []
             pools = [p for p in self.pools.values() if p.client is c and p.users == 0]
             for p in pools:
                 del self.pools[p.uuid]
@@ -1036,7 +1073,7 @@ class Importer:
                 + len(self._closing_pools)
                 + len(self._kept_pools),
                 "clients": len(clients),
-                "opened_events": sum(len(c.events) for c in clients),
+                "opened_events": sum(len(c.events) + len(c.retired) for c in clients),
                 "dropped_frames_in": sum(c.sender.dropped for c in clients),
             }
 

@@ -1,13 +1,15 @@
 """Sharing connections: an authenticated Unix socket between a receiver and an exporter.
 
 - The listener binds a filesystem socket in a fresh 0700 directory (never an abstract
-  socket, on every Python version), with a real backlog; each accepted connection is
+  socket, on every Python version; under a shorter base when ``TMPDIR``'s path is too
+  long for one), removed at exit, with a real backlog; each accepted connection is
   authenticated (multiprocessing's HMAC challenge with the process family's authkey,
-  both ways) in a thread of its own with a timeout, so a peer that connects and says
-  nothing blocks nobody.
+  both ways) in a thread of its own, by a deadline from its arrival, a bounded number
+  at once, so a peer that connects and says nothing, or trickles, blocks nobody.
 - The kernel tells each end who the other is (``SO_PEERCRED``): peers of another user
   are refused, and the exporter keeps a pidfd of each receiver so that it can tell
-  when the receiver's process, and with it its GPU context, is really gone.
+  when the receiver's process, and with it its GPU context, is really gone (pid 0, a
+  process of another pid namespace: never).
 - :class:`Sender` sends one connection's frames in order from a thread of its own,
   through a bounded queue: a stalled peer stalls only its own messages, and posting
   never blocks (it is called from ``__del__``).
@@ -15,6 +17,7 @@
 
 from __future__ import annotations
 
+import array
 import os
 import select
 import shutil
@@ -27,9 +30,11 @@ import warnings
 from collections import deque
 from collections.abc import Callable
 from multiprocessing import connection as _mpc
-from multiprocessing.reduction import recv_handle, send_handle
+from multiprocessing import util as _mp_util
+from multiprocessing.reduction import send_handle
 from typing import Any
 
+from .._errors import SharingError
 from . import _wire
 
 __all__ = ["Conn", "Listener", "connect", "Sender", "PeerProcess"]
@@ -41,6 +46,21 @@ _TIMEVAL = struct.Struct("ll")
 def _peer_cred(sock: socket.socket) -> tuple[int, int]:
     pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
     return pid, uid
+
+
+_FD = struct.Struct("i")
+_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+
+
+def _fd_limit() -> str:
+    """This process's open descriptors and its limit, in words."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return f"{len(os.listdir('/proc/self/fd'))} open, limit {soft}"
+    except Exception:
+        return "the open files limit is reached"
 
 
 def _set_timeouts(sock: socket.socket, seconds: float) -> None:
@@ -141,7 +161,39 @@ class Conn:
         return self._c.recv_bytes()
 
     def recv_fd(self) -> int:
-        return recv_handle(self._c)
+        """The descriptor sent right after the last message.
+
+        :class:`SharingError` when it was lost because this process has no descriptor
+        free (the kernel drops it then, and says so); the connection stays in step.
+        Received through the connection's own socket, with no duplicate descriptor: a
+        process out of descriptors could not make one, and its next read would then
+        take the descriptor's byte for a message.
+        """
+        s = socket.socket(fileno=self._c.fileno())
+        try:
+            s.settimeout(None)  # blocking, as the connection is
+            msg, anc, flags, _ = s.recvmsg(1, socket.CMSG_SPACE(_FD.size), _CLOEXEC)
+        finally:
+            s.detach()
+        fds = [
+            fd
+            for level, kind, data in anc
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+            for fd in array.array("i", data[: len(data) - len(data) % _FD.size])
+        ]
+        if not msg and not anc:
+            raise EOFError
+        if not fds or flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise SharingError(
+                "a file descriptor sent to this process was lost: it has none free (EMFILE: "
+                f"{_fd_limit()}); raise the limit (ulimit -n, or resource.setrlimit("
+                "resource.RLIMIT_NOFILE, ...)) or keep fewer files open, then receive again"
+            )
+        for fd in fds[1:]:
+            os.close(fd)
+        return fds[0]
 
     def shutdown(self) -> None:
         """Shut the socket down: threads blocked on it wake (EOF, EPIPE), the peer
@@ -186,9 +238,19 @@ class Conn:
         self.peer.close()
 
 
-def _wrap(sock: socket.socket, authkey: bytes, server: bool, timeout: float) -> Conn:
-    """Authenticate a connected socket both ways (bounded by ``timeout``); a :class:`Conn`."""
-    pid, uid = _peer_cred(sock)
+def _wrap(
+    sock: socket.socket,
+    authkey: bytes,
+    server: bool,
+    timeout: float,
+    peer_cred: Callable[[socket.socket], tuple[int, int]] | None = None,
+) -> Conn:
+    """Authenticate a connected socket both ways (bounded by ``timeout``); a :class:`Conn`.
+
+    ``timeout`` bounds each receive; the listener also shuts a connection down at its
+    handshake deadline, whatever the peer sends meanwhile.
+    """
+    pid, uid = (peer_cred or _peer_cred)(sock)
     if uid != os.getuid():
         raise PermissionError(f"sharing peer runs as uid {uid}, not {os.getuid()}")
     _set_timeouts(sock, timeout)
@@ -209,27 +271,108 @@ def _wrap(sock: socket.socket, authkey: bytes, server: bool, timeout: float) -> 
     return Conn(c, PeerProcess(pid, watch=server))
 
 
+# AF_UNIX paths are at most 107 bytes on Linux (108 with the terminating NUL).
+_SUN_PATH_MAX = 107
+
+
+def _socket_dir() -> str:
+    """A fresh 0700 directory whose socket path fits ``sun_path``: under the temporary
+    directory (``TMPDIR``) when its path is short enough, else under
+    ``XDG_RUNTIME_DIR``, ``/dev/shm`` or ``/tmp``, the first that works."""
+    tried = []
+    for base in (None, os.environ.get("XDG_RUNTIME_DIR"), "/dev/shm", "/tmp"):
+        if base is not None and not os.path.isdir(base):
+            continue
+        where = tempfile.gettempdir() if base is None else base
+        # mkdtemp's names are "cupy_poolmem-" and 8 characters; "/s" follows.
+        if len(os.fsencode(os.path.join(where, "cupy_poolmem-xxxxxxxx", "s"))) > _SUN_PATH_MAX:
+            tried.append(f"{where} (path too long for a Unix socket)")
+            continue
+        try:
+            return tempfile.mkdtemp(prefix="cupy_poolmem-", dir=base)  # mode 0700
+        except OSError as exc:
+            tried.append(f"{where} ({exc})")
+    raise OSError(
+        "cupy_poolmem: no directory for the sharing socket: "
+        + "; ".join(tried)
+        + "; set TMPDIR to a short, writable directory"
+    )
+
+
+def _remove_dir(path: str, pid: int) -> None:
+    """Remove a listener's directory, only in the process that made it (a fork child
+    that exits runs its parent's finalizers too)."""
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class Listener:
-    """The exporter's listening socket; ``on_conn(conn)`` runs in the connection's thread."""
+    """The exporter's listening socket; ``on_conn(conn)`` runs in the connection's thread.
+
+    Each accepted connection is authenticated in a thread of its own, within
+    ``handshake_timeout`` seconds of its arrival whatever the peer sends meanwhile (the
+    accept thread shuts down a connection past its deadline).  At most
+    ``max_handshakes`` connections authenticate at once: more are closed at once and
+    counted in ``refused``, as are those that fail, and those whose thread could not be
+    started (``thread_factory``, ``threading.Thread`` by default); the listener keeps
+    accepting in every case.  ``peer_cred(sock) -> (pid, uid)``: the kernel's
+    ``SO_PEERCRED`` unless a test says otherwise.
+
+    The socket's directory is removed by :meth:`close`, and at the exit of the process
+    that made it (``multiprocessing``'s exit finalizers, after the sharing exit wait).
+    """
 
     def __init__(
-        self, authkey: bytes, on_conn: Callable[[Conn], None], handshake_timeout: float = 5.0
+        self,
+        authkey: bytes,
+        on_conn: Callable[[Conn], None],
+        handshake_timeout: float = 5.0,
+        max_handshakes: int = 64,
+        thread_factory: Callable[..., threading.Thread] = threading.Thread,
+        peer_cred: Callable[[socket.socket], tuple[int, int]] | None = None,
     ) -> None:
-        self._dir = tempfile.mkdtemp(prefix="cupy_poolmem-")  # mode 0700
-        self.address = os.path.join(self._dir, "s")
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(self.address)
-        os.chmod(self.address, 0o600)
-        self._sock.listen(128)
+        self._dir = _socket_dir()
+        self._cleanup = _mp_util.Finalize(
+            self, _remove_dir, args=(self._dir, os.getpid()), exitpriority=-200
+        )
+        try:
+            self.address = os.path.join(self._dir, "s")
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                self._sock.bind(self.address)
+                os.chmod(self.address, 0o600)
+                self._sock.listen(128)
+            except BaseException:
+                self._sock.close()
+                raise
+        except BaseException:
+            self._cleanup()
+            raise
         self._authkey, self._on_conn, self._timeout = authkey, on_conn, handshake_timeout
+        self._max = max_handshakes
+        self._thread = thread_factory
+        self._peer_cred = peer_cred
+        self._pending: dict[socket.socket, float] = {}  # authenticating -> deadline
+        self._plock = threading.Lock()
         self.closed = False
         self.refused = 0
         threading.Thread(target=self._accept, name="cupy_poolmem-listen", daemon=True).start()
 
+    @property
+    def handshakes(self) -> int:
+        """Connections authenticating now."""
+        return len(self._pending)
+
     def _accept(self) -> None:
         while not self.closed:
+            wait = self._expire()
             try:
+                # Through the socket object, never its bare descriptor number: once
+                # closed (close(), a fork child's abandon()) it fails here at once.
+                self._sock.settimeout(None if wait is None else max(wait, 0.001))
                 sock, _ = self._sock.accept()
+            except TimeoutError:
+                continue  # a deadline passed: _expire at the top
             except OSError:
                 if self.closed:
                     return
@@ -238,16 +381,53 @@ class Listener:
             if self.closed:  # accepted as close() ran: nobody serves it
                 sock.close()
                 return
-            threading.Thread(
-                target=self._handshake, args=(sock,), name="cupy_poolmem-peer", daemon=True
-            ).start()
+            with self._plock:
+                full = len(self._pending) >= self._max
+                if not full:
+                    self._pending[sock] = time.monotonic() + self._timeout
+            if full:  # too many unauthenticated peers: refused now
+                self.refused += 1
+                sock.close()
+                continue
+            try:
+                self._thread(
+                    target=self._handshake, args=(sock,), name="cupy_poolmem-peer", daemon=True
+                ).start()
+            except Exception:  # no thread (resources): refuse this one, keep accepting
+                self._done(sock)
+                self.refused += 1
+                sock.close()
+
+    def _expire(self) -> float | None:
+        """Shut down the connections past their handshake deadline; seconds until the
+        next deadline (None: nobody is authenticating)."""
+        now = time.monotonic()
+        with self._plock:
+            late = [s for s, t in self._pending.items() if t <= now]
+            for s in late:
+                del self._pending[s]  # the handshake thread sees EOF and refuses it
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            return min(self._pending.values()) - now if self._pending else None
+
+    def _done(self, sock: socket.socket) -> bool:
+        """The handshake of ``sock`` ended; False when its deadline had shut it down."""
+        with self._plock:
+            return self._pending.pop(sock, None) is not None
 
     def _handshake(self, sock: socket.socket) -> None:
         try:
-            conn = _wrap(sock, self._authkey, True, self._timeout)
+            conn = _wrap(sock, self._authkey, True, self._timeout, self._peer_cred)
         except Exception:  # silent, slow, foreign or unauthenticated peer: refused
+            self._done(sock)
             self.refused += 1
             sock.close()
+            return
+        if not self._done(sock):  # authenticated as its deadline passed: too late
+            self.refused += 1
+            conn.close()
             return
         self._on_conn(conn)
 
@@ -262,7 +442,7 @@ class Listener:
                 pass
             self._sock.close()
         finally:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            self._cleanup()
 
 
 def connect(address: str, authkey: bytes, timeout: float = 10.0) -> Conn:

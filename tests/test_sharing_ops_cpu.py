@@ -1,0 +1,687 @@
+"""Operational limits of sharing on a CPU: handshake deadlines and caps, socket
+directories, fork handlers, locks held across waits, descriptor exhaustion, peers
+without a usable pid, bounded event and descriptor caches.
+
+The simulated processes are tests/_sharing_fakes.py's (real sockets, a fake driver).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import stat
+import sys
+import threading
+import time
+
+import pytest
+from _sharing_fakes import sharing_threads, wait_for
+
+from cupy_poolmem._sharing import _transport
+
+KEY = b"family key"
+KB = 1024
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="needs Linux (Unix sockets, SO_PEERCRED)"
+)
+
+
+@pytest.fixture
+def world(sharing_world):
+    return sharing_world
+
+
+def _peer_threads(before):
+    return [
+        t
+        for t in sharing_threads()
+        if t not in before and t.name == "cupy_poolmem-peer" and t.is_alive()
+    ]
+
+
+def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
+    """Whether the server end closed ``sock`` (EOF) within ``timeout`` s; reads and
+    discards what the server sent before."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        r, _, _ = select.select([sock], [], [], left)
+        if r:
+            try:
+                if sock.recv(4096) == b"":
+                    return True
+            except OSError:
+                return True
+
+
+# -- 1. the handshake: a deadline from connect, a cap, a loop that survives ------------------
+def test_a_trickling_peer_is_dropped_at_the_handshake_deadline():
+    """The limit was per recv: a peer sending a byte more often than that stayed
+    connected, unauthenticated, for ever."""
+    lst = _transport.Listener(KEY, lambda conn: None, handshake_timeout=0.6)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(lst.address)
+        t0 = time.monotonic()
+        closed = False
+        while time.monotonic() - t0 < 3.0 and not closed:
+            try:
+                s.send(b"\x00")  # a byte every 0.2 s: each recv of the server returns
+            except OSError:
+                closed = True
+                break
+            closed = _closed_by_server(s, 0.2)
+        took = time.monotonic() - t0
+        assert closed, "a peer that trickles bytes stayed connected past the deadline"
+        assert took < 0.6 + 1.0
+        assert wait_for(lambda: lst.refused == 1 and lst.handshakes == 0, 2.0)
+    finally:
+        s.close()
+        lst.close()
+
+
+def test_a_silent_peer_is_dropped_at_the_deadline_and_others_still_connect():
+    served = []
+    lst = _transport.Listener(KEY, served.append, handshake_timeout=0.5)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        silent.connect(lst.address)
+        conn = _transport.connect(lst.address, KEY)  # served meanwhile
+        assert wait_for(lambda: served, 2.0)
+        assert _closed_by_server(silent, 2.0)
+        assert wait_for(lambda: lst.refused == 1, 2.0)
+        conn.close()
+        served[0].close()
+    finally:
+        silent.close()
+        lst.close()
+
+
+def test_unauthenticated_connections_are_capped_and_the_excess_refused():
+    """One thread per connection, without a cap: a peer opening connections without
+    authenticating made the exporter start threads without bound."""
+    before = set(sharing_threads())
+    served = []
+    lst = _transport.Listener(KEY, served.append, handshake_timeout=1.5, max_handshakes=4)
+    socks = []
+    try:
+        for _ in range(20):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(lst.address)
+            socks.append(s)
+        assert wait_for(lambda: lst.refused >= 16, 2.0), lst.refused
+        assert len(_peer_threads(before)) <= 4
+        assert lst.handshakes <= 4
+        # The excess was closed at once, the rest at the deadline.
+        closed_now = sum(_closed_by_server(s, 0.05) for s in socks)
+        assert closed_now >= 16
+        assert wait_for(lambda: lst.refused == 20 and lst.handshakes == 0, 3.0)
+        assert wait_for(lambda: not _peer_threads(before), 2.0)
+        # Once they are gone, a real receiver connects.
+        conn = _transport.connect(lst.address, KEY)
+        assert wait_for(lambda: served, 2.0)
+        conn.close()
+        served[0].close()
+    finally:
+        for s in socks:
+            s.close()
+        lst.close()
+
+
+def test_the_accept_loop_survives_a_failed_thread_start():
+    """A Thread.start failure in the accept loop ended accepting for good: every
+    receiver then saw "the exporter has exited"."""
+    fail = [2]
+
+    class FlakyThread(threading.Thread):
+        def start(self):
+            if fail[0] > 0:
+                fail[0] -= 1
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    served = []
+    lst = _transport.Listener(KEY, served.append, thread_factory=FlakyThread)
+    try:
+        for _ in range(2):
+            with pytest.raises((EOFError, OSError)):
+                _transport.connect(lst.address, KEY, timeout=2.0)
+        assert wait_for(lambda: lst.refused == 2 and lst.handshakes == 0, 2.0)
+        conn = _transport.connect(lst.address, KEY, timeout=2.0)
+        assert wait_for(lambda: served, 2.0)
+        conn.send(b"hello")
+        assert served[0].recv() == b"hello"
+        conn.close()
+        served[0].close()
+    finally:
+        lst.close()
+
+
+# -- 6. socket directories: removed, and made where the path fits --------------------------
+def test_a_long_tmpdir_falls_back_to_a_shorter_private_directory(tmp_path, monkeypatch):
+    """A long TMPDIR made bind fail ("AF_UNIX path too long") and sharing with it."""
+    import tempfile
+
+    long_dir = tmp_path / ("d" * 100) / ("e" * 90)
+    long_dir.mkdir(parents=True)
+    assert len(str(long_dir)) >= 200
+    monkeypatch.setenv("TMPDIR", str(long_dir))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    assert tempfile.gettempdir() == str(long_dir)
+    served = []
+    lst = _transport.Listener(KEY, served.append)
+    try:
+        d = os.path.dirname(lst.address)
+        assert len(os.fsencode(lst.address)) <= 107
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+        assert os.stat(d).st_uid == os.getuid()
+        conn = _transport.connect(lst.address, KEY)
+        assert wait_for(lambda: served, 2.0)
+        conn.close()
+        served[0].close()
+    finally:
+        lst.close()
+    assert not os.path.exists(d)
+
+
+def test_the_socket_directory_goes_when_the_exporter_closes_or_exits(world):
+    for end in ("close", "exit"):
+        e = world.proc(f"exporter-{end}")
+        r = world.proc(f"receiver-{end}")
+        b = e.pool().alloc(KB, payload=7)
+        owner = r.recv(e.send(b))
+        assert r.read(owner)[1] == 7
+        d = os.path.dirname(e.exporter.address)
+        assert os.path.isdir(d)
+        del owner
+        if end == "close":
+            e.exporter.close()
+        else:
+            e.exit()
+        assert not os.path.exists(d), f"{end}: the socket directory stayed"
+
+
+_CHILD = r"""
+import os, sys
+sys.path.insert(0, {tests!r})
+from cupy_poolmem._sharing import _transport
+lst = _transport.Listener(b"k", lambda conn: None)
+print(os.path.dirname(lst.address), flush=True)
+{end}
+"""
+
+
+@pytest.mark.parametrize("end", ["", "sys.exit(0)", "raise SystemExit(3)"])
+def test_the_socket_directory_goes_when_its_process_exits(end):
+    """One directory per exporter process stayed for ever (a Pool(maxtasksperchild=1)
+    left one per task)."""
+    import subprocess
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD.format(tests=tests, end=end)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=os.path.dirname(tests),
+    )
+    d = out.stdout.strip().splitlines()[0]
+    assert d and "cupy_poolmem-" in d, out.stderr
+    assert not os.path.exists(d), "the child's socket directory stayed after it exited"
+
+
+def _listen_and_return(q):
+    lst = _transport.Listener(b"k", lambda conn: None)
+    q.put(os.path.dirname(lst.address))
+    return lst  # alive at the child's exit: its exit finalizers remove the directory
+
+
+def test_the_socket_directory_of_a_multiprocessing_child_goes_with_it():
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_listen_and_return, args=(q,))
+    p.start()
+    try:
+        d = q.get(timeout=60)
+    finally:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    assert p.exitcode == 0
+    assert not os.path.exists(d)
+
+
+def test_a_fork_child_that_exits_leaves_its_parents_directory():
+    lst = _transport.Listener(KEY, lambda conn: None)
+    d = os.path.dirname(lst.address)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child runs the exit finalizers it inherited
+            try:
+                from multiprocessing import util
+
+                util._exit_function()
+            finally:
+                os._exit(0)
+        _wait_child(pid, 10.0)
+        assert os.path.isdir(d), "a fork child removed its parent's socket directory"
+    finally:
+        lst.close()
+    assert not os.path.exists(d)
+
+
+def _wait_child(pid: int, timeout: float) -> int:
+    """The child's exit status; kills it and fails when it is still running at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child hung (still running after {timeout} s)")
+
+
+# -- 3. fork handlers whatever other threads hold --------------------------------------------
+def test_a_fork_while_another_thread_holds_the_pools_registry_lock_does_not_hang():
+    """The child's fork handler took the pools' registry lock, which the parent's thread
+    held at the fork: no thread of the child would ever release it."""
+    from cupy_poolmem import _pools
+    from cupy_poolmem._sharing import _context  # noqa: F401  (its fork handler runs)
+
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with _pools._ALL_LOCK:  # the registry lock of this (the parent) process
+            held.set()
+            done.wait(20.0)
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    try:
+        assert held.wait(5.0)
+        pid = os.fork()
+        if pid == 0:  # the fork handlers ran already; the registry is usable here
+            code = 1
+            try:
+                _pools.all_pools()
+                code = 0
+            finally:
+                os._exit(code)
+        assert _wait_child(pid, 10.0) == 0
+    finally:
+        done.set()
+        t.join(5.0)
+
+
+# -- 7. receivers without a usable pid (another pid namespace) -------------------------------
+def _pid0(sock):
+    return 0, os.getuid()  # what SO_PEERCRED says of a process in another pid namespace
+
+
+def _frees(gpu, name):
+    return [x for x in gpu.log if x[0] == name and x[1] == "free"]
+
+
+def test_a_receiver_of_unknown_pid_keeps_its_leases_after_its_socket_closes(world):
+    """Its leases went when its socket closed: its kernel, still running, read memory
+    the exporter had freed (and reused)."""
+    e = world.proc("exporter", listener_options={"peer_cred": _pid0})
+    r = world.proc("receiver")
+    b = e.pool().alloc(KB, payload=5)
+    imp = r.recv(e.send(b))
+    assert r.read(imp) == (1, 5)
+    del b
+    assert e.stats()["limbo_blocks"] == 1
+    with pytest.warns(ResourceWarning, match="another pid namespace"):
+        r.kill(context_gone=False)  # its sockets close; its kernel still reads
+        assert wait_for(lambda: e.stats()["peers"] == 0, 5.0)
+    time.sleep(0.1)
+    st = e.stats()
+    assert (st["leases"], st["limbo_blocks"]) == (1, 1) and _frees(world.gpu, "exporter") == []
+    assert e.exporter.stranded == 1
+    world.gpu.context_gone("receiver")
+    del imp
+
+
+def test_a_receiver_of_unknown_pid_that_unmaps_gives_its_lease_back(world):
+    e = world.proc("exporter", listener_options={"peer_cred": _pid0})
+    r = world.proc("receiver")
+    b = e.pool().alloc(KB, payload=6)
+    imp = r.recv(e.send(b))
+    assert r.read(imp) == (1, 6)
+    del b, imp  # received once: unmapped at once, and said so
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0, 5.0)
+    assert len(_frees(world.gpu, "exporter")) == 1
+    r.exit()
+    assert wait_for(lambda: e.stats()["peers"] == 0, 5.0)
+    assert e.exporter.stranded == 0
+
+
+# -- 4. a receiver out of file descriptors -----------------------------------------------------
+def _socketpair_conns():
+    from multiprocessing import connection as mpc
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ca = _transport.Conn(mpc.Connection(a.detach()), _transport.PeerProcess(0, watch=False))
+    cb = _transport.Conn(mpc.Connection(b.detach()), _transport.PeerProcess(0, watch=False))
+    return ca, cb
+
+
+def test_a_descriptor_lost_for_want_of_free_descriptors_is_named_and_the_connection_stays():
+    """recv_handle duplicated the socket first: out of descriptors that failed with the
+    descriptor's byte unread (the next read took it for a frame), or the kernel's
+    truncation surfaced as a RuntimeError the receiver took for a dead exporter."""
+    import resource
+
+    from cupy_poolmem._errors import SharingError
+
+    sender, receiver = _socketpair_conns()
+    r, w = os.pipe()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers = []
+    try:
+        sender.send(b"reply", r)  # a frame, and a descriptor right after it
+        sender.send(b"next", r)
+        assert receiver.recv() == b"reply"
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        try:
+            while True:
+                fillers.append(os.dup(w))
+        except OSError:
+            pass
+        with pytest.raises(SharingError, match="EMFILE.*raise the limit"):
+            receiver.recv_fd()
+        for fd in fillers:
+            os.close(fd)
+        fillers = []
+        assert receiver.recv() == b"next"  # in step: the lost descriptor's byte was read
+        fd = receiver.recv_fd()  # and descriptors arrive again
+        assert os.path.sameopenfile(fd, r)
+        os.close(fd)
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        os.close(r)
+        os.close(w)
+        sender.close()
+        receiver.close()
+
+
+def test_a_receiver_that_lost_a_pool_descriptor_takes_the_next_message(world):
+    """A receiver out of descriptors treated its live exporter as gone, and refused
+    its messages until its old arrays were dropped."""
+    from cupy_poolmem._errors import SharingError
+
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    core = e.pool()
+    client = r.importer.client(e.exporter.address)
+    real = client.conn.recv_fd
+    failures = [1]
+
+    def out_of_descriptors():
+        fd = real()  # what the kernel does out of descriptors: the descriptor goes
+        if failures[0]:
+            failures[0] -= 1
+            os.close(fd)
+            raise RuntimeError("received 0 items of ancdata")  # recv_handle's words
+        return fd
+
+    client.conn.recv_fd = out_of_descriptors  # this connection's descriptor receipt fails once
+    b1 = core.alloc(KB, payload=1)
+    with pytest.raises(SharingError):
+        r.recv(e.send(b1))
+    assert not client.closed, "a live exporter was taken for gone"
+    assert wait_for(lambda: e.stats()["leases"] == 0, 5.0)  # the grant was given back
+    b2 = core.alloc(KB, payload=2)
+    imp = r.recv(e.send(b2))  # the pool's descriptor comes again
+    assert r.read(imp) == (1, 2)
+    assert r.importer.client(e.exporter.address) is client
+    del imp, b1, b2
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0, 5.0)
+
+
+# -- 2. no lock held across a wait on another process's work ---------------------------------
+def test_a_host_wait_on_a_receivers_work_stalls_no_export_or_claim(world):
+    """The exporter waited on the host for a receiver's event under its lock: one
+    receiver's long kernel stalled every export and claim of the process."""
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    r2 = world.proc("receiver2")
+    core = e.pool()
+    b = core.alloc(KB, payload=1)
+    imp = r.recv(e.send(b))
+    assert r.read(imp) == (1, 1)
+    b2 = core.alloc(KB, payload=2)
+    gate, waiting = threading.Event(), threading.Event()
+
+    def long_kernel(ev):  # the host wait returns once the receiver's work is done
+        waiting.set()
+        assert gate.wait(10.0)
+
+    stream = b.stream_ptr
+    e.driver._capturing.add(stream)  # a capture on the block's stream: waits go to the host
+    e.driver._hooks["sync_event"] = long_kernel
+    try:
+        del b  # limbo: the receiver maps it
+        del imp  # its Unmap comes with an event: the free waits on the host for it
+        assert waiting.wait(5.0)
+        out = []
+
+        def export_and_claim():
+            out.append(r2.read(r2.recv(e.send(b2))))
+
+        t = threading.Thread(target=export_and_claim, daemon=True)
+        t.start()
+        t.join(3.0)
+        assert not t.is_alive(), "an export and claim waited for another receiver's kernel"
+        assert out == [(1, 2)]
+        assert _frees(world.gpu, "exporter") == []  # not before the receiver's work is done
+    finally:
+        gate.set()
+        e.driver._hooks.pop("sync_event", None)
+    assert wait_for(lambda: len(_frees(world.gpu, "exporter")) == 1, 5.0)
+    e.driver._capturing.discard(stream)
+
+
+def test_a_receiver_that_dies_during_a_host_wait_on_its_event_does_not_close_it_under_it(world):
+    """Waits on the host now run without the lock: the reaper of a dead receiver must
+    not close the event a wait is using (the fake flags a sync of a closed event)."""
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    core = e.pool()
+    b = core.alloc(KB, payload=1)
+    imp = r.recv(e.send(b))
+    gate, waiting = threading.Event(), threading.Event()
+
+    def long_kernel(ev):
+        waiting.set()
+        assert gate.wait(10.0)
+
+    stream = b.stream_ptr
+    e.driver._capturing.add(stream)
+    e.driver._hooks["sync_event"] = long_kernel
+    holder = [b]
+    del b
+    let_go = threading.Thread(target=holder.clear, daemon=True)  # its free waits on the host
+    try:
+        del imp  # unmapped: its Unmap's event is what the block's free waits for
+        assert wait_for(lambda: e.stats()["leases"] == 0, 5.0)
+        let_go.start()
+        assert waiting.wait(5.0)
+        r.kill()  # reaped at once (one pid for every simulated process)
+        assert wait_for(lambda: e.stats()["peers"] == 0, 5.0)
+        assert not [x for x in world.gpu.log if x[0] == "exporter" and x[1] == "close_event"]
+    finally:
+        gate.set()
+        e.driver._hooks.pop("sync_event", None)
+        let_go.join(5.0)
+    assert wait_for(lambda: len(_frees(world.gpu, "exporter")) == 1, 5.0)
+    assert wait_for(
+        lambda: [x for x in world.gpu.log if x[0] == "exporter" and x[1] == "close_event"], 5.0
+    )  # closed by the wait, once done
+    e.driver._capturing.discard(stream)
+
+
+# -- 5. bounded caches: Numba handles' descriptors, opened events ---------------------------
+def _numba():
+    pytest.importorskip("numba.cuda", reason="needs Numba's CUDA target")
+    return pytest.importorskip("cupy_poolmem.numba", reason="needs Numba's CUDA target")
+
+
+def _numba_handle(cpn, fd):
+    import uuid
+
+    return cpn.PoolIpcHandle(
+        object(),
+        pool_uuid=uuid.uuid4(),
+        device_uuid="GPU-test",
+        payload=bytes(range(64)),
+        alloc_size=4096,
+        size=1024,
+        export_fd=fd,
+    )
+
+
+def _fd_count():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_numba_handle_descriptors_untaken_past_the_inflight_timeout_are_closed(monkeypatch):
+    import pickle
+
+    from cupy_poolmem._sharing import settings
+
+    cpn = _numba()
+    monkeypatch.setattr(settings, "inflight_timeout", 0.05)
+    r, w = os.pipe()
+    try:
+        h = _numba_handle(cpn, w)
+        pickle.loads(pickle.dumps(h))._release_fd()
+        base = _fd_count()
+        for _ in range(5):
+            pickle.dumps(h)
+        assert _fd_count() == base + 5, "a duplicate per pickle"
+        time.sleep(0.1)
+        msg = pickle.dumps(h)  # a pickle closes those past the timeout
+        assert wait_for(lambda: _fd_count() == base + 1, 5.0) and cpn._SENT.untaken() == 1
+        got = pickle.loads(msg)  # a fresh one is taken as before
+        os.write(got._fd, b"x")
+        assert os.read(r, 1) == b"x"
+        got._release_fd()
+        assert wait_for(lambda: _fd_count() == base, 5.0)
+        from cupy_poolmem._errors import SharingError
+
+        late = pickle.dumps(h)
+        time.sleep(0.1)
+        pickle.dumps(h)  # closes the late one's duplicate: its receiver is told why
+        with pytest.raises(SharingError, match="inflight_timeout"):
+            pickle.loads(late)
+        del h
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _opened_not_closed(gpu, name):
+    """Other processes' events ``name`` opened and has not closed."""
+    opened = sum(1 for x in gpu.log if x[0] == name and x[1] == "open_event")
+    closed = sum(1 for x in gpu.log if x[0] == name and x[1] == "close_event" and x[3])
+    return opened - closed
+
+
+def test_a_receiver_keeps_a_bounded_number_of_an_exporters_events_open(world):
+    """One event per stream the exporter sent from stayed open in the receiver for as
+    long as the exporter lived."""
+    from _sharing_fakes import FakeStream
+
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    r.importer.events_max = 4
+    core = e.pool()
+    kept = []
+    for i in range(20):
+        b = core.alloc(KB, payload=i, stream=FakeStream(0x1000 + i))  # its own stream
+        imp = r.recv(e.send(b))
+        assert r.read(imp) == (1, i)
+        kept.append((b, imp))
+        assert _opened_not_closed(world.gpu, "receiver") <= 4
+        assert r.stats()["opened_events"] <= 4
+    # Those closed are opened again when their streams send again: data still right.
+    b, _ = kept[0]
+    again = r.recv(e.send(b))
+    assert r.read(again) == (1, 0)
+    assert _opened_not_closed(world.gpu, "receiver") <= 4
+    del kept, again, b, imp
+
+
+def test_an_exporter_keeps_a_bounded_number_of_a_receivers_events_open(world):
+    """One event per stream a receiver unmapped on stayed open in the exporter for as
+    long as the receiver lived."""
+    from _sharing_fakes import FakeStream
+
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    e.exporter.events_max = 4
+    core = e.pool()
+    for i in range(20):
+        b = core.alloc(KB, payload=i)
+        r.driver._set_stream(FakeStream(0x2000 + i))  # the receiver uses it on its own stream
+        imp = r.recv(e.send(b))
+        assert r.read(imp)[1] == i
+        del imp  # unmapped, with an event of that stream
+        assert wait_for(lambda: e.stats()["leases"] == 0, 5.0)
+        del b  # its free waits for that event
+        assert wait_for(lambda: e.stats()["exported_blocks"] == 0, 5.0)
+        assert _opened_not_closed(world.gpu, "exporter") <= 4
+    assert len([x for x in world.gpu.log if x[0] == "exporter" and x[1] == "free"]) == 20
+
+
+def test_an_event_taken_out_of_the_receivers_cache_is_not_closed_under_a_hit_waiting_on_it(
+    world,
+):
+    from _sharing_fakes import FakeStream
+
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    r.importer.events_max = 1
+    core = e.pool()
+    a = core.alloc(KB, payload=1, stream=FakeStream(0x3001))
+    first = r.recv(e.send(a))  # maps it; its event is opened
+    gate, waiting = threading.Event(), threading.Event()
+
+    def slow(ev):
+        if not waiting.is_set():
+            waiting.set()
+            assert gate.wait(10.0)
+
+    msg = e.send(a)
+    r.driver._hooks["sync_event"] = slow
+    got = []
+    hit = threading.Thread(target=lambda: got.append(r.recv(msg)), daemon=True)
+    hit.start()  # a hit: waits on the host for the exporter's event
+    try:
+        assert waiting.wait(5.0)
+        b = core.alloc(KB, payload=2, stream=FakeStream(0x3002))
+        other = r.recv(e.send(b))  # another stream's event: the first one is taken out
+        assert r.read(other) == (1, 2)
+        closes = [x for x in world.gpu.log if x[0] == "receiver" and x[1] == "close_event"]
+        assert closes == [], "closed while a hit waited on it"
+    finally:
+        gate.set()
+        hit.join(5.0)
+        r.driver._hooks.pop("sync_event", None)
+    assert r.read(got[0]) == (1, 1)
+    assert wait_for(lambda: _opened_not_closed(world.gpu, "receiver") <= 1, 5.0)
+    got.clear()
+    del first, other
