@@ -67,7 +67,7 @@ from ._header import make_header, parse_header
 from ._identity import boot_id, check_identity, local_identity
 from ._install import install, uninstall
 from ._process import Counters, counters
-from ._protocol import HANDSHAKE_KEY, HEADER_KEY, PROTOCOL, REFETCH_OP
+from ._protocol import HANDSHAKE_KEY, HEADER_KEY, PROTOCOL, REFETCH_OP, WARM_OP
 from ._receiver import deserialize
 from ._sender import serialize
 
@@ -79,6 +79,7 @@ __all__ = [
     "PROTOCOL",
     "REASONS",
     "REFETCH_OP",
+    "WARM_OP",
     "Counters",
     "TransferConfig",
     "boot_id",
