@@ -398,10 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--peers", default=",".join(PEERS), help="comma-separated subset")
     p.add_argument("--log-dir", default=None, help="write each peer's full output here")
     p.add_argument("--no-transfer", action="store_true", help="skip `bench transfer`")
-    p.add_argument("--quick", action="store_true", help="3 runs, and bench transfer --quick")
+    p.add_argument("--quick", action="store_true", help="bench transfer --quick")
     args = p.parse_args(argv)
-    if args.quick:
-        args.runs = min(args.runs, 3)
     names = [n for n in args.peers.split(",") if n]
     unknown = [n for n in names if n not in PEERS]
     if unknown:
