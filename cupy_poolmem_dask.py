@@ -74,7 +74,7 @@ def enabled() -> bool:
 
 
 def add_worker_preload(nanny: Any) -> bool:
-    """Add :data:`WORKER_PRELOAD` to the preloads ``nanny`` gives its worker process.
+    """Add ``cupy_poolmem.dask`` to the preloads ``nanny`` gives its worker process.
 
     Keeps the preloads it has (``dask_cuda.initialize`` first, so the worker's CUDA
     context exists on the right GPU before the pools are made) and their

@@ -37,7 +37,7 @@ class TransferConfig:
         ``"auto"`` or the path of a 0600 file: the sharing sockets authenticate
         with a key derived from this per-host secret instead of the multiprocessing
         authkey, so workers started by separate commands of one user share the path
-        (see :mod:`._secret`).  ``None`` (default): only workers of one process
+        (see ``cupy_poolmem._dask_transfer._secret``).  ``None`` (default): only workers of one process
         family (one ``LocalCUDACluster``, one ``dask cuda worker`` command) do.
     warm : bool
         When the worker starts, meet the same-host workers already running: connect

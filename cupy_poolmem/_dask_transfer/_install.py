@@ -105,7 +105,7 @@ def install(
     ------
     InvalidOptionError
         The configured ``secret`` file is not private to this user (see
-        :mod:`._secret`); nothing is installed then.
+        ``._secret``); nothing is installed then.
     """
     cfg = config if config is not None else TransferConfig.from_dask_config()
     if not cfg.ipc:
