@@ -726,3 +726,51 @@ def test_a_chunk_off_the_plugins_pool_after_the_allocator_was_replaced_says_so(
     monkeypatch.setitem(_allocator._current, "device", cupy.cuda.get_allocator())
     T.serialize(Chunk(), context=ctx)
     assert T.counters()["fallback"]["not-ipc-memory"] == 1
+
+
+def test_a_meeting_over_real_comms_brings_descriptors_intact(state, monkeypatch):
+    """Two real distributed servers in this process: one serves the meeting, the other
+    meets it through a real rpc; the descriptors survive msgpack and are mapped."""
+    from distributed.core import Server, rpc
+
+    sent = _header(b"\x07" * 16)
+    monkeypatch.setattr(_warm, "_export_blocks", lambda: [sent])
+
+    async def main():
+        server = Server({T.WARM_OP: _warm.serve})
+        await server.listen("tcp://127.0.0.1:0")
+        state.worker = types.SimpleNamespace(rpc=None)  # serves; never meets back here
+        try:
+            async with rpc(server.address) as r:
+                worker = types.SimpleNamespace(rpc=lambda addr: r)
+                return await _warm.meet(worker, server.address, reciprocate=False)
+        finally:
+            await server.close()
+
+    assert asyncio.run(main()) == "met"
+    (d,) = state.received
+    assert d.ticket == b"\x07" * 16 and d.export_data == b"\x01" * 64 and d.shape == (1024,)
+    assert T.counters()["warm"] == {"served": 1, "met": 1}
+
+
+def test_a_meeting_with_a_server_without_the_handler_says_so():
+    from distributed.core import Server, rpc
+
+    st = _process._State()
+    st.identity = T.local_identity([GPU_A])
+
+    async def main():
+        server = Server({})
+        await server.listen("tcp://127.0.0.1:0")
+        try:
+            async with rpc(server.address) as r:
+                worker = types.SimpleNamespace(rpc=lambda addr: r)
+                return await _warm.meet(worker, server.address)
+        finally:
+            await server.close()
+
+    old, _process._state = _process._state, st
+    try:
+        assert asyncio.run(main()) == "peer-without-plugin"
+    finally:
+        _process._state = old

@@ -147,6 +147,9 @@ async def meet(worker: Any, address: str, reciprocate: bool = True) -> str:
         outcome = "peer-without-plugin" if "handler" in str(exc).lower() else "unreachable"
         st.counters.warmed(outcome)
         return outcome
+    if reply is None:  # distributed answers None for an op it has no handler for
+        st.counters.warmed("peer-without-plugin")
+        return "peer-without-plugin"
     if not isinstance(reply, dict) or reply.get("status") != "OK":
         outcome = str(reply.get("reason", "refused")) if isinstance(reply, dict) else "refused"
         st.counters.warmed(outcome)
@@ -157,8 +160,9 @@ async def meet(worker: Any, address: str, reciprocate: bool = True) -> str:
         headers = reply.get("headers")
         try:
             loop = asyncio.get_running_loop()
+            # msgpack may bring the list back as a tuple
             await loop.run_in_executor(
-                None, _receive_blocks, list(headers) if isinstance(headers, list) else []
+                None, _receive_blocks, list(headers) if isinstance(headers, (list, tuple)) else []
             )
             outcome = "met"
             st.met.add(address)
