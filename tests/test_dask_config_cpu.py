@@ -774,3 +774,27 @@ def test_a_meeting_with_a_server_without_the_handler_says_so():
         assert asyncio.run(main()) == "peer-without-plugin"
     finally:
         _process._state = old
+
+
+def test_a_worker_writes_its_counters_where_configured_when_it_closes(tmp_path, monkeypatch):
+    from cupy_poolmem._sharing._context import SharingContext
+    from cupy_poolmem._sharing._settings import SharingSettings
+
+    monkeypatch.setattr(_process, "_state", _process._State())
+    w = types.SimpleNamespace(address="tcp://127.0.0.1:7", connection_args={}, handlers={})
+    d = tmp_path / "counters"
+    cfg = T.TransferConfig(warm=False, counters_dir=str(d))
+    ctx = SharingContext(SharingSettings())
+    assert T.install(w, 0, cfg, [GPU_A], sharing=ctx)
+    _process._state.counters.timed("receive.claim", 0.002)
+    T.uninstall(w)
+    T.uninstall(w)  # once only: the path is gone
+    (f,) = list(d.iterdir())
+    got = json.loads(f.read_text())
+    assert got["address"] == "tcp://127.0.0.1:7" and got["pid"] == os.getpid()
+    assert got["timings"]["receive.claim"]["n"] == 1 and got["installed"] is True
+    from cupy_poolmem.benchmarks.dask_cuda_local import _read_counters, render_counters
+
+    assert "receive.claim" in render_counters(_read_counters(str(d)))
+    with dask.config.set({"distributed.comm.cupy-poolmem.counters-dir": str(d)}):
+        assert T.TransferConfig.from_dask_config().counters_dir == str(d)

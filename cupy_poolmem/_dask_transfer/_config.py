@@ -18,6 +18,7 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "refetch-timeout": "120s",
     "secret": None,
     "warm": True,
+    "counters-dir": None,
 }
 
 
@@ -43,6 +44,10 @@ class TransferConfig:
         When the worker starts, meet the same-host workers already running: connect
         to their sharing sockets and import their pools, both ways, so the first
         chunks pay no such cost (default ``True``).
+    counters_dir : str, optional
+        A directory where the worker writes its transfer counters
+        (``counters-<pid>.json``) when the path is uninstalled (the worker closes):
+        how a benchmark that starts its own cluster reads them afterwards.
 
     Examples
     --------
@@ -57,6 +62,7 @@ class TransferConfig:
         refetch_timeout: Any = 120.0,
         secret: str | None = None,
         warm: bool = True,
+        counters_dir: str | None = None,
     ) -> None:
         self.ipc = _as_bool(ipc, f"{CONFIG_KEY}.ipc")
         self.min_bytes = parse_bytes(min_bytes, name=f"{CONFIG_KEY}.min-bytes")
@@ -69,6 +75,9 @@ class TransferConfig:
             )
         self.secret = secret
         self.warm = _as_bool(warm, f"{CONFIG_KEY}.warm")
+        if counters_dir is not None and not isinstance(counters_dir, str):
+            raise OptionTypeError(f"{CONFIG_KEY}.counters-dir={counters_dir!r} must be a path")
+        self.counters_dir = counters_dir or None
 
     @classmethod
     def from_dask_config(cls) -> TransferConfig:
@@ -99,13 +108,14 @@ class TransferConfig:
             refetch_timeout=merged["refetch-timeout"],
             secret=merged["secret"],
             warm=merged["warm"],
+            counters_dir=merged["counters-dir"],
         )
 
     def __repr__(self) -> str:
         return (
             f"TransferConfig(ipc={self.ipc!r}, min_bytes={self.min_bytes!r}, "
             f"refetch_timeout={self.refetch_timeout!r}, secret={self.secret!r}, "
-            f"warm={self.warm!r})"
+            f"warm={self.warm!r}, counters_dir={self.counters_dir!r})"
         )
 
 

@@ -152,9 +152,34 @@ def install(
     return True
 
 
+def _write_counters(directory: str) -> None:
+    """This worker's counters as ``DIR/counters-<pid>.json`` (failures only logged)."""
+    import json
+    import os
+
+    from ._process import counters
+
+    try:
+        os.makedirs(directory, exist_ok=True)
+        out = dict(counters(), address=_process._state.address, pid=os.getpid())
+        path = os.path.join(directory, f"counters-{os.getpid()}.json")
+        with open(path, "w") as f:
+            json.dump(out, f)
+    except (OSError, TypeError, ValueError) as exc:
+        logger.warning(
+            "cupy_poolmem: could not write the transfer counters to %s: %s", directory, exc
+        )
+
+
 def uninstall(worker: Any = None) -> None:
-    """Stop sending through IPC: restore the serializer and the handshake.  Idempotent."""
+    """Stop sending through IPC: restore the serializer and the handshake.  Idempotent.
+
+    With ``counters-dir`` configured, the counters are written there first.
+    """
     st = _process._state
+    cfg = st.config
+    if st.identity is not None and cfg is not None and cfg.counters_dir:
+        _write_counters(cfg.counters_dir)
     with st.lock:
         if st.identity is not None:
             _unregister()

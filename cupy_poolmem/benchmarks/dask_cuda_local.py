@@ -299,6 +299,62 @@ def render(results: dict[str, dict[str, Any]]) -> str:
     return table(cols, rows)
 
 
+def render_counters(counters: list[dict[str, Any]]) -> str:
+    """Where the cupy_poolmem workers' time went: per worker, its chunks and meetings,
+    then one row per timed step (``timings`` of the transfer counters).
+
+    Examples
+    --------
+    >>> c = {"address": "tcp://h:1", "sent_ipc": 2, "received_copy": 1, "received_view": 0,
+    ...      "fallback": {"small": 3}, "warm": {"met": 1},
+    ...      "timings": {"receive.claim": {"n": 2, "total_s": 0.004, "max_s": 0.003}}}
+    >>> row = render_counters([c]).splitlines()[2]
+    >>> [x.strip() for x in row.split("|")]
+    ['tcp://h:1', '2', '1', 'small=3', 'met=1', 'receive.claim', '2', '4.0', '2.0', '3.0']
+    """
+    rows = []
+    for c in sorted(counters, key=lambda c: str(c.get("address"))):
+        fb = ",".join(f"{k}={v}" for k, v in sorted((c.get("fallback") or {}).items())) or "-"
+        warm = ",".join(f"{k}={v}" for k, v in sorted((c.get("warm") or {}).items())) or "-"
+        head = [
+            str(c.get("address")),
+            str(c.get("sent_ipc", 0)),
+            str(c.get("received_copy", 0) + c.get("received_view", 0)),
+            fb,
+            warm,
+        ]
+        steps = sorted((c.get("timings") or {}).items()) or [("-", {"n": 0})]
+        for i, (step, t) in enumerate(steps):
+            n = int(t.get("n", 0))
+            tot = float(t.get("total_s", 0.0)) * 1e3
+            rows.append(
+                (head if i == 0 else [""] * len(head))
+                + [
+                    step,
+                    str(n),
+                    f"{tot:.1f}",
+                    f"{tot / n:.1f}" if n else "-",
+                    f"{float(t.get('max_s', 0.0)) * 1e3:.1f}",
+                ]
+            )
+    cols = ["worker", "sent ipc", "received", "fallback", "meetings", "step", "n", "total ms"]
+    return table([*cols, "mean ms", "max ms"], rows)
+
+
+def _read_counters(directory: str) -> list[dict[str, Any]]:
+    import json
+
+    out = []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
+        if name.startswith("counters-") and name.endswith(".json"):
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    out.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+    return out
+
+
 def _why_not(peer: str) -> str | None:
     """Why ``peer`` cannot run here, or None."""
     for mod, what in (("dask_cuda", "dask-cuda"), ("rmm", "rmm (the script imports it)"),
@@ -361,8 +417,15 @@ def run_peer(name: str, args: argparse.Namespace, log_dir: str | None = None) ->
         "--runs", str(args.runs), "--warmup-runs", str(args.warmup_runs), *extra,
     ]  # fmt: skip
     print(f"[dask-cuda] {name}: {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+    counters_dir = None
+    if name == "tcp+cupy_poolmem":
+        import tempfile
+
+        counters_dir = tempfile.mkdtemp(prefix="cupy_poolmem-counters-")
+        env = dict(env, DASK_DISTRIBUTED__COMM__CUPY_POOLMEM__COUNTERS_DIR=counters_dir)
     t0 = time.monotonic()
     out, err, rc = _run_bounded(cmd, _env_for(env), args.timeout)
+    counters = _read_counters(counters_dir) if counters_dir else []
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
         with open(os.path.join(log_dir, f"local_cupy-{name.replace('+', '_')}.log"), "w") as f:
@@ -374,6 +437,8 @@ def run_peer(name: str, args: argparse.Namespace, log_dir: str | None = None) ->
         tail = " ".join(err.strip().splitlines()[-3:])[-300:]
         return {"skipped": f"the script failed (rc {rc}): {tail}"}
     parsed["rc"] = rc
+    if counters_dir is not None:
+        parsed["counters"] = counters
     return parsed
 
 
@@ -417,6 +482,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("goals (tcp+cupy_poolmem):")
     for line in goals(results):
         print("  " + line)
+    ours = results.get("tcp+cupy_poolmem", {})
+    if "counters" in ours:
+        print("tcp+cupy_poolmem workers' transfer counters (where the time went):")
+        print(render_counters(ours["counters"]) if ours["counters"] else "  (none written)")
     status = 0 if "wall_clocks" in results.get("tcp+cupy_poolmem", {"wall_clocks": 0}) else 1
     sys.stdout.flush()
     if not args.no_transfer:
