@@ -231,8 +231,10 @@ class PoolmemPlugin(WorkerPlugin):
     * Teardown closes the pools (live arrays stay valid until freed) and restores
       ``cupy.get_default_memory_pool().malloc`` and the default pinned pool.
     * Setup also installs same-host transfers through pool IPC on the worker
-      (unless ``distributed.comm.cupy-poolmem.ipc`` is false); teardown removes them.
-      See :func:`transfer_stats`.
+      (unless ``distributed.comm.cupy-poolmem.ipc`` is false), keys the worker's
+      sharing sockets with the per-host secret when ``...cupy-poolmem.secret`` is
+      set, and meets the same-host workers already running; teardown removes the
+      path.  See :func:`transfer_stats`.
 
     Examples
     --------
