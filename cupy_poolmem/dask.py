@@ -14,7 +14,17 @@ Three ways to use it (all per worker process, one GPU per worker as dask-cuda ru
        dask cuda worker tcp://scheduler:8786 --preload cupy_poolmem.dask
        LocalCUDACluster(preload=["cupy_poolmem.dask"])
 
-3. :func:`gather_stats` collects every worker's pool statistics.
+3. Configuration alone (no code, no command-line flag): name :mod:`cupy_poolmem_dask`
+   in distributed's nanny and worker preload keys, which reaches ``LocalCUDACluster``,
+   ``dask cuda worker``, ``dask worker`` and dask-cuda's benchmark scripts::
+
+       export DASK_DISTRIBUTED__NANNY__PRELOAD='["cupy_poolmem_dask"]'
+       export DASK_DISTRIBUTED__WORKER__PRELOAD='["cupy_poolmem_dask"]'
+
+   (``distributed.worker.preload`` alone does not reach dask-cuda's workers: dask-cuda
+   passes a preload list of its own, which replaces it.)
+
+:func:`gather_stats` collects every worker's pool statistics.
 
 With the plugin (either way), CuPy chunks that move between two workers of the same
 host go through pool IPC: only a small descriptor travels over the worker's comm,
@@ -42,6 +52,7 @@ restores CuPy's default allocators.
 Config keys and their defaults::
 
     cupy-poolmem:
+      enabled: true              # false: the preload hooks leave workers alone
       pool-size: null            # bytes reserved up front ("20GB"; 0.5 or "50%": half the GPU)
       maximum-pool-size: null    # hard cap of the pool (bytes, string or fraction)
 
@@ -96,6 +107,7 @@ logger = logging.getLogger("cupy_poolmem.dask")
 
 #: Defaults of the ``cupy-poolmem`` Dask config section (shipped with this module).
 CONFIG_DEFAULTS: dict[str, Any] = {
+    "enabled": True,
     "pool-size": None,
     "maximum-pool-size": None,
     "release-threshold": None,
@@ -219,8 +231,10 @@ class PoolmemPlugin(WorkerPlugin):
     * Teardown closes the pools (live arrays stay valid until freed) and restores
       ``cupy.get_default_memory_pool().malloc`` and the default pinned pool.
     * Setup also installs same-host transfers through pool IPC on the worker
-      (unless ``distributed.comm.cupy-poolmem.ipc`` is false); teardown removes them.
-      See :func:`transfer_stats`.
+      (unless ``distributed.comm.cupy-poolmem.ipc`` is false), keys the worker's
+      sharing sockets with the per-host secret when ``...cupy-poolmem.secret`` is
+      set, and meets the same-host workers already running; teardown removes the
+      path.  See :func:`transfer_stats`.
 
     Examples
     --------
@@ -483,11 +497,18 @@ async def dask_setup(worker: Any) -> None:
     """Preload hook: install :class:`PoolmemPlugin` configured from Dask's config.
 
     Used by ``dask worker ... --preload cupy_poolmem.dask``, ``dask cuda worker ...
-    --preload cupy_poolmem.dask``, ``LocalCUDACluster(preload=["cupy_poolmem.dask"])``
-    or the ``distributed.worker.preload`` config key.  Options come from the
-    ``cupy-poolmem.*`` keys (``DASK_CUPY_POOLMEM__POOL_SIZE=0.5`` and so on).  The
-    plugin is added to the worker under the name ``"cupy-poolmem"``, so the worker's
-    close tears it down.  Anything but a worker (a nanny, a scheduler) is left alone.
+    --preload cupy_poolmem.dask``, ``LocalCUDACluster(preload=["cupy_poolmem.dask"])``,
+    and by the configuration-only route (:mod:`cupy_poolmem_dask` in
+    ``distributed.nanny.preload`` and ``distributed.worker.preload``).  Options come
+    from the ``cupy-poolmem.*`` keys (``DASK_CUPY_POOLMEM__POOL_SIZE=0.5`` and so
+    on).  The plugin is added to the worker under the name ``"cupy-poolmem"``, so the
+    worker's close tears it down; a worker that has it already is left alone.
+
+    A worker whose plugin cannot be set up (no GPU, a bad option, an insecure
+    secret file...) still comes up, without cupy_poolmem, and logs a warning naming
+    why.  On a nanny, the hook adds this preload to its worker's preloads
+    (:func:`cupy_poolmem_dask.add_worker_preload`); anything else (a scheduler) is
+    left alone.  ``cupy-poolmem.enabled: false`` switches it off.
 
     Parameters
     ----------
@@ -499,16 +520,43 @@ async def dask_setup(worker: Any) -> None:
     >>> # DASK_CUPY_POOLMEM__POOL_SIZE=0.5 dask cuda worker tcp://sched:8786 \\
     >>> #     --preload cupy_poolmem.dask
     """
-    from distributed import Worker
+    from distributed import Nanny, Worker
 
+    import cupy_poolmem_dask
+
+    if isinstance(worker, Nanny):
+        await cupy_poolmem_dask.dask_setup(worker)
+        return
     if not isinstance(worker, Worker):
         logger.info(
             "cupy_poolmem.dask preload ignored on %s (only workers get pools)",
             type(worker).__name__,
         )
         return
-    plugin = PoolmemPlugin.from_config()
-    await worker.plugin_add(plugin=plugin, name=plugin.name, catch_errors=False)
+    addr = getattr(worker, "address", None) or f"process {os.getpid()}"
+    try:
+        on = cupy_poolmem_dask.enabled()
+    except ValueError as exc:
+        logger.warning("cupy_poolmem: worker %s runs without cupy_poolmem: %s", addr, exc)
+        return
+    if not on:
+        logger.info("cupy_poolmem: off on worker %s (cupy-poolmem.enabled is false)", addr)
+        return
+    if PoolmemPlugin.name in getattr(worker, "plugins", {}):
+        return  # preloaded twice (both config keys), or registered by a client already
+    try:
+        plugin = PoolmemPlugin.from_config()
+        await worker.plugin_add(plugin=plugin, name=plugin.name, catch_errors=False)
+    except Exception as exc:
+        worker.plugins.pop(PoolmemPlugin.name, None)
+        logger.warning(
+            "cupy_poolmem: worker %s runs without cupy_poolmem: %s: %s. Dask's configuration "
+            "preloads cupy_poolmem; fix the cause, or set cupy-poolmem.enabled: false "
+            "(DASK_CUPY_POOLMEM__ENABLED=false) to run without it",
+            addr,
+            type(exc).__name__,
+            exc,
+        )
 
 
 async def dask_teardown(worker: Any) -> None:

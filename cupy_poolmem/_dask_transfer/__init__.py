@@ -27,8 +27,9 @@ How it hooks into distributed (no patched copy of it):
   (``worker.connection_args["handshake_overrides"]``): a worker fetching data
   connects to the worker that has it, so the sender sees the receiver's identity.
   The sender takes the IPC path only for a recipient on the same boot (same
-  ``/proc/sys/kernel/random/boot_id``), same user, same process family (the
-  sharing connections authenticate with the multiprocessing authkey), same protocol
+  ``/proc/sys/kernel/random/boot_id``), same user, same sharing key (the sharing
+  connections authenticate with the multiprocessing authkey of the process family,
+  or with a key derived from a per-host secret file: ``_secret``), same protocol
   version, that can see the chunk's GPU; anything else - the client, the scheduler,
   another host, a worker without the plugin, spilling to disk (no context) - gets
   Dask's own serialization.  Comms made before the path was installed carry no
@@ -40,12 +41,17 @@ How it hooks into distributed (no patched copy of it):
   fails too is :class:`~cupy_poolmem.TransferError` (a :class:`ConnectionError`)
   raised, which Dask handles as an unreachable sender.
 
+* **Meeting.**  Once registered, a worker meets the same-host workers already
+  running (``_warm``): both map a block of each other's pools, so connections and
+  pool imports are paid when workers meet, not by the first chunk.
+
 Parts, one file each: ``_protocol`` (the names and version both ends agree on),
 ``_config`` (:class:`TransferConfig`, Dask's config section), ``_identity`` (the
-handshake entry), ``_decide`` (IPC or the reason to fall back), ``_header`` (the
-chunk's sub-header), ``_process`` (the process's state and counters: their one
-owner), ``_sender`` and ``_receiver`` (the two serializer wrappers and the two ends
-of the refetch), ``_install`` (on a worker, and off again).  One worker per process
+handshake entry), ``_secret`` (the per-host secret file), ``_decide`` (IPC or the
+reason to fall back), ``_header`` (the chunk's sub-header), ``_process`` (the
+process's state and counters: their one owner), ``_sender`` and ``_receiver`` (the
+two serializer wrappers and the two ends of the refetch), ``_warm`` (meeting the
+peers), ``_install`` (on a worker, and off again).  One worker per process
 (as dask-cuda runs them): the state is the process's.  The parts read it as
 ``_process._state`` at call time, and call the steps tests stub (``_sender._export``,
 ``_receiver._receive``...) through the module that defines them: patch them there.
@@ -56,12 +62,12 @@ This package is an integration leaf: the core never imports it.
 from __future__ import annotations
 
 from ._config import CONFIG_DEFAULTS, CONFIG_KEY, TransferConfig
-from ._decide import REASONS, decide
+from ._decide import REASONS, decide, peer_reason
 from ._header import make_header, parse_header
 from ._identity import boot_id, check_identity, local_identity
 from ._install import install, uninstall
 from ._process import Counters, counters
-from ._protocol import HANDSHAKE_KEY, HEADER_KEY, PROTOCOL, REFETCH_OP
+from ._protocol import HANDSHAKE_KEY, HEADER_KEY, PROTOCOL, REFETCH_OP, WARM_OP
 from ._receiver import deserialize
 from ._sender import serialize
 
@@ -73,6 +79,7 @@ __all__ = [
     "PROTOCOL",
     "REASONS",
     "REFETCH_OP",
+    "WARM_OP",
     "Counters",
     "TransferConfig",
     "boot_id",
@@ -84,6 +91,7 @@ __all__ = [
     "local_identity",
     "make_header",
     "parse_header",
+    "peer_reason",
     "serialize",
     "uninstall",
 ]

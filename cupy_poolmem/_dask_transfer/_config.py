@@ -12,7 +12,14 @@ __all__ = ["CONFIG_DEFAULTS", "CONFIG_KEY", "TransferConfig"]
 #: The Dask config section of this path.
 CONFIG_KEY = "distributed.comm.cupy-poolmem"
 #: Its defaults (merged into Dask's config by :mod:`cupy_poolmem.dask`).
-CONFIG_DEFAULTS: dict[str, Any] = {"ipc": True, "min-bytes": "1MiB", "refetch-timeout": "120s"}
+CONFIG_DEFAULTS: dict[str, Any] = {
+    "ipc": True,
+    "min-bytes": "1MiB",
+    "refetch-timeout": "120s",
+    "secret": None,
+    "warm": True,
+    "counters-dir": None,
+}
 
 
 class TransferConfig:
@@ -27,6 +34,20 @@ class TransferConfig:
     refetch_timeout : float or str
         Seconds a receiver waits for a chunk it could not map to come again by
         Dask's own serialization (default ``"120s"``).
+    secret : str, optional
+        ``"auto"`` or the path of a 0600 file: the sharing sockets authenticate
+        with a key derived from this per-host secret instead of the multiprocessing
+        authkey, so workers started by separate commands of one user share the path
+        (see ``cupy_poolmem._dask_transfer._secret``).  ``None`` (default): only workers of one process
+        family (one ``LocalCUDACluster``, one ``dask cuda worker`` command) do.
+    warm : bool
+        When the worker starts, meet the same-host workers already running: connect
+        to their sharing sockets and import their pools, both ways, so the first
+        chunks pay no such cost (default ``True``).
+    counters_dir : str, optional
+        A directory where the worker writes its transfer counters
+        (``counters-<pid>.json``) when the path is uninstalled (the worker closes):
+        how a benchmark that starts its own cluster reads them afterwards.
 
     Examples
     --------
@@ -35,11 +56,28 @@ class TransferConfig:
     """
 
     def __init__(
-        self, ipc: bool = True, min_bytes: int | str = "1MiB", refetch_timeout: Any = 120.0
+        self,
+        ipc: bool = True,
+        min_bytes: int | str = "1MiB",
+        refetch_timeout: Any = 120.0,
+        secret: str | None = None,
+        warm: bool = True,
+        counters_dir: str | None = None,
     ) -> None:
         self.ipc = _as_bool(ipc, f"{CONFIG_KEY}.ipc")
         self.min_bytes = parse_bytes(min_bytes, name=f"{CONFIG_KEY}.min-bytes")
         self.refetch_timeout = _as_seconds(refetch_timeout, f"{CONFIG_KEY}.refetch-timeout")
+        if secret in (False, "", "null", "none", "None"):
+            secret = None
+        if secret is not None and not isinstance(secret, str):
+            raise OptionTypeError(
+                f"{CONFIG_KEY}.secret={secret!r} must be 'auto', a file path, or null"
+            )
+        self.secret = secret
+        self.warm = _as_bool(warm, f"{CONFIG_KEY}.warm")
+        if counters_dir is not None and not isinstance(counters_dir, str):
+            raise OptionTypeError(f"{CONFIG_KEY}.counters-dir={counters_dir!r} must be a path")
+        self.counters_dir = counters_dir or None
 
     @classmethod
     def from_dask_config(cls) -> TransferConfig:
@@ -68,12 +106,16 @@ class TransferConfig:
             ipc=merged["ipc"],
             min_bytes=merged["min-bytes"],
             refetch_timeout=merged["refetch-timeout"],
+            secret=merged["secret"],
+            warm=merged["warm"],
+            counters_dir=merged["counters-dir"],
         )
 
     def __repr__(self) -> str:
         return (
             f"TransferConfig(ipc={self.ipc!r}, min_bytes={self.min_bytes!r}, "
-            f"refetch_timeout={self.refetch_timeout!r})"
+            f"refetch_timeout={self.refetch_timeout!r}, secret={self.secret!r}, "
+            f"warm={self.warm!r}, counters_dir={self.counters_dir!r})"
         )
 
 

@@ -9,7 +9,7 @@ from ._config import TransferConfig
 from ._identity import check_identity
 from ._protocol import HANDSHAKE_KEY, REFETCH_CONTEXT
 
-__all__ = ["REASONS", "decide"]
+__all__ = ["REASONS", "decide", "peer_reason"]
 
 #: Why a chunk took Dask's own path (the counters' ``fallback`` keys).
 REASONS = (
@@ -21,12 +21,43 @@ REASONS = (
     "other-host",  # another boot id
     "other-user",  # another uid
     "other-family",  # another multiprocessing authkey: its sharing socket would refuse us
+    "no-secret",  # one of the two has a per-host secret, the other not
+    "other-secret",  # both have a per-host secret, not the same one
+    "allocator-replaced",  # CuPy's allocator here is no longer the plugin's (RMM set later...)
     "small",  # below min-bytes
     "not-ipc-memory",  # not on an IPC-enabled cupy_poolmem pool (or captured, closed...)
     "device-not-visible",  # the recipient cannot see the chunk's GPU
     "refetch",  # the sender's answer to a receiver that could not map a block
     "export-failed",  # the sharing exporter raised: Dask's path instead
 )
+
+
+def peer_reason(me: dict[str, Any], peer: dict[str, Any] | None) -> str:
+    """``"ipc"`` when the two identities can share pool IPC, else the reason they cannot.
+
+    Examples
+    --------
+    >>> from cupy_poolmem._dask_transfer import local_identity
+    >>> me = local_identity(["GPU-0"])
+    >>> peer_reason(me, dict(me, uid=me["uid"] + 1))
+    'other-user'
+    >>> peer_reason(me, local_identity(["GPU-0"], authkey=b"k" * 32))
+    'no-secret'
+    """
+    if peer is None:
+        return "bad-peer-identity"
+    if peer["proto"] != me["proto"]:
+        return "protocol-mismatch"
+    if not me["boot"] or peer["boot"] != me["boot"]:
+        return "other-host"
+    if peer["uid"] != me["uid"]:
+        return "other-user"
+    if peer["family"] != me["family"]:
+        mine, theirs = me.get("auth", "process"), peer.get("auth", "process")
+        if mine != theirs:
+            return "no-secret"
+        return "other-secret" if mine == "secret" else "other-family"
+    return "ipc"
 
 
 def decide(
@@ -63,16 +94,10 @@ def decide(
     if HANDSHAKE_KEY not in recipient:
         return "peer-without-plugin"
     peer = check_identity(recipient[HANDSHAKE_KEY])
-    if peer is None:
-        return "bad-peer-identity"
-    if peer["proto"] != me["proto"]:
-        return "protocol-mismatch"
-    if not me["boot"] or peer["boot"] != me["boot"]:
-        return "other-host"
-    if peer["uid"] != me["uid"]:
-        return "other-user"
-    if peer["family"] != me["family"]:
-        return "other-family"
+    reason = peer_reason(me, peer)
+    if reason != "ipc":
+        return reason
+    assert peer is not None
     if nbytes < max(config.min_bytes, 1):
         return "small"
     shareable, dev_uuid = facts()

@@ -1,8 +1,9 @@
 """What a worker says about itself in its handshake, and how a peer's entry is checked.
 
 A sender takes the IPC path only for a recipient on the same boot, the same user and
-the same process family (multiprocessing authkey), of the same :data:`PROTOCOL`, that
-can see the chunk's GPU (:func:`~._decide.decide` compares the two entries).
+the same sharing key (the multiprocessing authkey of the process family, or the key
+of a per-host secret: ``auth`` says which), of the same :data:`PROTOCOL`, that can
+see the chunk's GPU (:func:`~._decide.decide` compares the two entries).
 """
 
 from __future__ import annotations
@@ -33,23 +34,36 @@ def boot_id() -> str:
         return ""
 
 
-def _family() -> str:
-    """A fingerprint of the multiprocessing authkey (the key itself never travels)."""
-    key = bytes(current_process().authkey)
+def _family(key: bytes | None = None) -> str:
+    """A fingerprint of the sharing key (default: the multiprocessing authkey); the key
+    itself never travels."""
+    if key is None:
+        key = bytes(current_process().authkey)
     return hmac.new(key, _FAMILY_SALT, hashlib.sha256).hexdigest()[:32]
 
 
-def local_identity(devices: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """The handshake entry of this process: protocol, host, user, family, GPUs.
+#: ``auth`` of an identity: the key is the process family's, or a per-host secret's.
+AUTH_PROCESS = "process"
+AUTH_SECRET = "secret"
+
+
+def local_identity(
+    devices: list[str] | tuple[str, ...], authkey: bytes | None = None
+) -> dict[str, Any]:
+    """The handshake entry of this process: protocol, host, user, sharing key, GPUs.
 
     ``devices``: the UUIDs of the GPUs this process can see (a sender only uses the
-    IPC path for a chunk whose GPU the receiver can see).
+    IPC path for a chunk whose GPU the receiver can see).  ``authkey``: the key its
+    sharing sockets authenticate with when it comes from a per-host secret (default:
+    the multiprocessing authkey).
 
     Examples
     --------
     >>> ident = local_identity(["GPU-0"])
     >>> sorted(ident)
-    ['boot', 'devices', 'family', 'pid', 'proto', 'uid', 'version']
+    ['auth', 'boot', 'devices', 'family', 'pid', 'proto', 'uid', 'version']
+    >>> ident["auth"], local_identity(["GPU-0"], authkey=b"k" * 32)["auth"]
+    ('process', 'secret')
     """
     from .. import __version__
 
@@ -58,7 +72,8 @@ def local_identity(devices: list[str] | tuple[str, ...]) -> dict[str, Any]:
         "version": __version__,
         "boot": boot_id(),
         "uid": os.getuid(),
-        "family": _family(),
+        "family": _family(authkey),
+        "auth": AUTH_SECRET if authkey is not None else AUTH_PROCESS,
         "devices": list(devices),
         "pid": os.getpid(),
     }
@@ -90,5 +105,7 @@ def check_identity(entry: Any) -> dict[str, Any] | None:
         if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
             return None
     if not all(isinstance(u, str) for u in entry["devices"]):
+        return None
+    if entry.get("auth", AUTH_PROCESS) not in (AUTH_PROCESS, AUTH_SECRET):
         return None
     return entry

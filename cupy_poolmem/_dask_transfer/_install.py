@@ -1,4 +1,5 @@
-"""Installation on a worker: the handshake entry, the refetch handler, the serializers.
+"""Installation on a worker: the handshake entry, the refetch and meeting handlers,
+the serializers, the per-host secret's key, and the meeting with same-host peers.
 
 :func:`install` and :func:`uninstall` are idempotent; :mod:`cupy_poolmem.dask`'s
 plugin calls them at worker setup and teardown.
@@ -6,13 +7,15 @@ plugin calls them at worker setup and teardown.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from multiprocessing import current_process
 from typing import Any
 
-from . import _process, _receiver, _sender
+from . import _process, _receiver, _sender, _warm
 from ._config import CONFIG_KEY, TransferConfig
 from ._identity import local_identity
-from ._protocol import HANDSHAKE_KEY, REFETCH_OP
+from ._protocol import HANDSHAKE_KEY, REFETCH_OP, WARM_OP
 
 __all__ = ["install", "uninstall"]
 
@@ -58,32 +61,72 @@ def _handshake_dicts(worker: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _sharing_key(cfg: TransferConfig, sharing: Any) -> bytes | None:
+    """Set the sharing context's key from the per-host secret, if configured; the
+    context's key when it is not the process family's (None when it is)."""
+    if cfg.secret is not None:
+        from ._secret import authkey_from_secret, load_secret
+
+        secret = load_secret(cfg.secret)
+        assert secret is not None
+        sharing.use_authkey(authkey_from_secret(secret))
+    key = bytes(sharing.authkey)
+    return None if key == bytes(current_process().authkey) else key
+
+
+def _start_meeting(worker: Any) -> None:
+    """Meet the same-host peers in the background (when a loop runs in this thread)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return  # no event loop here (a test's fake worker): nothing to meet
+    st = _process._state
+    task = asyncio.ensure_future(_warm.meet_peers(worker))
+    st.tasks.add(task)
+    task.add_done_callback(st.tasks.discard)
+
+
 def install(
     worker: Any,
     device: int,
     config: TransferConfig | None = None,
     devices: list[str] | None = None,
+    sharing: Any = None,
 ) -> bool:
     """Install the IPC path on ``worker`` (GPU ``device``); False when config says no.
 
-    Adds the identity to the worker's outgoing handshakes, the refetch handler to
-    its handlers, and wraps the CuPy serializers.  Idempotent.  ``devices``: the
-    UUIDs of the GPUs this process sees (default: asked from CUDA).
+    Adds the identity to the worker's outgoing handshakes, the refetch and meeting
+    handlers to its handlers, wraps the CuPy serializers, and (``warm``) starts
+    meeting the same-host peers.  Idempotent.  ``devices``: the UUIDs of the GPUs
+    this process sees (default: asked from CUDA).  ``sharing``: the sharing context
+    whose key a configured ``secret`` sets (default: the process's).
+
+    Raises
+    ------
+    InvalidOptionError
+        The configured ``secret`` file is not private to this user (see
+        ``._secret``); nothing is installed then.
     """
     cfg = config if config is not None else TransferConfig.from_dask_config()
     if not cfg.ipc:
         uninstall(worker)
         logger.info("cupy_poolmem: same-host IPC transfers off (%s.ipc is false)", CONFIG_KEY)
         return False
+    if sharing is None:
+        from .._sharing import context
+
+        sharing = context()
+    key = _sharing_key(cfg, sharing)
     if devices is None:
         from .._device import device_count, device_uuid
 
         devices = [device_uuid(i) for i in range(device_count())]
-    ident = local_identity(devices)
+    ident = local_identity(devices, authkey=key)
     st = _process._state
     with st.lock:
         _register()
         st.config, st.identity, st.device = cfg, ident, device
+        st.device_uuid = devices[device] if 0 <= device < len(devices) else None
         st.address = getattr(worker, "address", None)
         st.worker = worker
         for ca in _handshake_dicts(worker):
@@ -96,17 +139,47 @@ def install(
         handlers = getattr(worker, "handlers", None)
         if isinstance(handlers, dict):
             handlers[REFETCH_OP] = _sender._serve_refetch
+            handlers[WARM_OP] = _warm.serve
+    if cfg.warm:
+        _start_meeting(worker)
     logger.info(
-        "cupy_poolmem: same-host CuPy transfers through pool IPC on %s (min-bytes %d)",
+        "cupy_poolmem: same-host CuPy transfers through pool IPC on %s (min-bytes %d, "
+        "sharing key: %s)",
         st.address,
         cfg.min_bytes,
+        "per-host secret" if key is not None else "process family",
     )
     return True
 
 
+def _write_counters(directory: str) -> None:
+    """This worker's counters as ``DIR/counters-<pid>.json`` (failures only logged)."""
+    import json
+    import os
+
+    from ._process import counters
+
+    try:
+        os.makedirs(directory, exist_ok=True)
+        out = dict(counters(), address=_process._state.address, pid=os.getpid())
+        path = os.path.join(directory, f"counters-{os.getpid()}.json")
+        with open(path, "w") as f:
+            json.dump(out, f)
+    except (OSError, TypeError, ValueError) as exc:
+        logger.warning(
+            "cupy_poolmem: could not write the transfer counters to %s: %s", directory, exc
+        )
+
+
 def uninstall(worker: Any = None) -> None:
-    """Stop sending through IPC: restore the serializer and the handshake.  Idempotent."""
+    """Stop sending through IPC: restore the serializer and the handshake.  Idempotent.
+
+    With ``counters-dir`` configured, the counters are written there first.
+    """
     st = _process._state
+    cfg = st.config
+    if st.identity is not None and cfg is not None and cfg.counters_dir:
+        _write_counters(cfg.counters_dir)
     with st.lock:
         if st.identity is not None:
             _unregister()
@@ -125,4 +198,9 @@ def uninstall(worker: Any = None) -> None:
             handlers = getattr(w, "handlers", None)
             if isinstance(handlers, dict) and handlers.get(REFETCH_OP) is _sender._serve_refetch:
                 del handlers[REFETCH_OP]
+            if isinstance(handlers, dict) and handlers.get(WARM_OP) is _warm.serve:
+                del handlers[WARM_OP]
         st.worker = None
+        tasks, st.tasks = list(st.tasks), set()
+    for t in tasks:
+        t.cancel()

@@ -22,7 +22,12 @@ __all__ = ["Counters", "counters"]
 
 
 class Counters:
-    """How this worker's CuPy chunks went: IPC or Dask's own path (thread-safe)."""
+    """How this worker's CuPy chunks went: IPC or Dask's own path (thread-safe).
+
+    Besides the counts: ``timings`` (seconds spent per step, ``{step: {"n",
+    "total_s", "max_s"}}``) and ``warm`` (how each meeting with a same-host peer
+    ended, ``{outcome: count}``).
+    """
 
     _NAMES = (
         "sent_ipc",
@@ -42,6 +47,21 @@ class Counters:
         with self._lock:
             self._n = dict.fromkeys(self._NAMES, 0)
             self._fallback: dict[str, int] = {}
+            self._timings: dict[str, list[float]] = {}
+            self._warm: dict[str, int] = {}
+
+    def timed(self, step: str, seconds: float) -> None:
+        """Add one ``step`` that took ``seconds``."""
+        with self._lock:
+            t = self._timings.setdefault(step, [0, 0.0, 0.0])
+            t[0] += 1
+            t[1] += seconds
+            t[2] = max(t[2], seconds)
+
+    def warmed(self, outcome: str) -> None:
+        """Count one meeting with a peer that ended with ``outcome``."""
+        with self._lock:
+            self._warm[outcome] = self._warm.get(outcome, 0) + 1
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -56,6 +76,11 @@ class Counters:
         with self._lock:
             out: dict[str, Any] = dict(self._n)
             out["fallback"] = dict(self._fallback)
+            out["timings"] = {
+                k: {"n": int(n), "total_s": tot, "max_s": mx}
+                for k, (n, tot, mx) in self._timings.items()
+            }
+            out["warm"] = dict(self._warm)
         return out
 
 
@@ -71,6 +96,10 @@ class _State:
         self.orig_serialize: Callable | None = None
         self.orig_deserialize: Callable | None = None
         self.counters = Counters()
+        self.device_uuid: str | None = None  # the worker's GPU's UUID
+        self.warned: set[str] = set()  # warnings given once per process
+        self.tasks: set[Any] = set()  # meetings with peers under way (asyncio tasks)
+        self.met: set[str] = set()  # peers met (their addresses)
 
 
 _state = _State()

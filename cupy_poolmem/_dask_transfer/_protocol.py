@@ -7,7 +7,7 @@ peers: a peer of another :data:`PROTOCOL` falls back to Dask's own serialization
 
 from __future__ import annotations
 
-__all__ = ["HANDSHAKE_KEY", "HEADER_KEY", "PROTOCOL", "REFETCH_CONTEXT", "REFETCH_OP"]
+__all__ = ["HANDSHAKE_KEY", "HEADER_KEY", "PROTOCOL", "REFETCH_CONTEXT", "REFETCH_OP", "WARM_OP"]
 
 #: Version of the handshake entry and of the header; peers of another version fall back.
 PROTOCOL = 1
@@ -19,3 +19,5 @@ HEADER_KEY = "cupy-poolmem-ipc"
 REFETCH_OP = "cupy_poolmem_refetch"
 #: The serialization context key of a refetch answer (it never takes the IPC path again).
 REFETCH_CONTEXT = HANDSHAKE_KEY + "-refetch"
+#: The handler a worker serves for same-host peers that meet it when they start.
+WARM_OP = "cupy_poolmem_warm"

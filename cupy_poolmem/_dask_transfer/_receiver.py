@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Any
 
 from .._errors import TransferError
@@ -30,18 +31,49 @@ def _worker_device() -> Any:
     return cupy.cuda.Device(_process._state.device)
 
 
+def first_steps(ctx: Any, d: Any) -> str:
+    """What receiving ``d`` will cost before its data is there (a guess made just before):
+
+    ``"first-contact"`` (no connection to its exporter yet: connect, authenticate,
+    import the pool, claim), ``"pool-import"`` (connected; its pool not imported),
+    ``"claim"`` (a block not mapped here: one claim round trip), ``"mapped"`` (mapped
+    already: no round trip when its life allows) or ``"own"`` (back in its exporter).
+    """
+    exp = ctx._exporter
+    if exp is not None and d.address == exp.own_address:
+        return "own"
+    imp = ctx._importer
+    if imp is None or d.address not in imp.clients:
+        return "first-contact"
+    if d.pool_uuid not in imp.pools:
+        return "pool-import"
+    if (d.pool_uuid, d.export_data) in imp.maps:
+        return "mapped"
+    return "claim"
+
+
 def _receive(d: Any) -> tuple[Any, str]:
-    """Map the block of ``d``: ``(array, "view" | "copy")`` on this worker's GPU."""
+    """Map the block of ``d``: ``(array, "view" | "copy")`` on this worker's GPU.
+
+    The seconds each step took go to the counters' ``timings``: ``receive.<kind>``
+    (:func:`first_steps`) and ``copy`` (the device-to-device copy from another GPU).
+    """
     import cupy
 
     from .._sharing import context
     from .._sharing._reducers import array_on, receive
 
-    owner, dev = receive(context(), d)
+    ctx = context()
+    counters = _process._state.counters
+    kind = first_steps(ctx, d)
+    t0 = time.perf_counter()
+    owner, dev = receive(ctx, d)
+    counters.timed("receive." + kind, time.perf_counter() - t0)
     view = array_on(owner, d, dev)
     mine = _process._state.device
     if dev == mine:
         return view, "view"
+    t0 = time.perf_counter()
     try:
         with _worker_device():
             order = "F" if view.flags.f_contiguous and not view.flags.c_contiguous else "C"
@@ -53,7 +85,16 @@ def _receive(d: Any) -> tuple[Any, str]:
             stream.synchronize()  # done before the mapping goes, ready on every stream
     finally:
         del view, owner  # the mapping is let go now (unmapped, lease returned)
+    counters.timed("copy", time.perf_counter() - t0)
     return out, "copy"
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def deserialize(header: Any, frames: list) -> Any:
@@ -66,6 +107,10 @@ def deserialize(header: Any, frames: list) -> Any:
             return dask_deserialize_cupy_ndarray(header, frames)
         return st.orig_deserialize(header, frames)
     d, sender = parse_header(header)
+    sent = header.get("sent")
+    if isinstance(sent, float):  # the sender's monotonic clock: one boot, one clock
+        st.counters.timed("transit", max(time.monotonic() - sent, 0.0))
+    t0 = time.perf_counter()
     try:
         arr, how = _receive(d)
     except Exception as exc:
@@ -81,6 +126,8 @@ def deserialize(header: Any, frames: list) -> Any:
         return arr
     st.counters.add("received_" + how)
     st.counters.add("received_bytes", int(arr.nbytes))
+    where = "event-loop" if _on_event_loop() else "thread"
+    st.counters.timed(f"deserialize.{where}", time.perf_counter() - t0)
     return arr
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from .._errors import SharingError
@@ -52,6 +53,46 @@ def _contiguous(x: Any) -> Any:
         return cupy.ascontiguousarray(x)
 
 
+def _allocator_replaced() -> str | None:
+    """A description of CuPy's current allocator when it is no longer the one
+    cupy_poolmem installed (RMM's, set after the plugin ran...); else None."""
+    import cupy
+
+    from .. import _allocator
+
+    mine = _allocator._current.get("device")
+    cur = cupy.cuda.get_allocator()
+    if mine is None or cur is mine:
+        return None
+    owner = getattr(cur, "__self__", None)
+    mod = type(owner).__module__ if owner is not None else getattr(cur, "__module__", None)
+    name = getattr(cur, "__qualname__", None) or type(cur).__qualname__
+    return f"{mod or '?'}.{name}"
+
+
+def _not_ipc_memory_reason() -> str:
+    """``"allocator-replaced"`` (warned once) when that explains the chunk's memory."""
+    st = _process._state
+    try:
+        other = _allocator_replaced()
+    except Exception:  # noqa: BLE001 - a diagnosis only
+        other = None
+    if other is None:
+        return "not-ipc-memory"
+    if "allocator-replaced" not in st.warned:
+        st.warned.add("allocator-replaced")
+        logger.warning(
+            "cupy_poolmem: CuPy's allocator on worker %s is %s, not cupy_poolmem's pool: "
+            "something replaced it after the plugin ran (dask-cuda's RMM set-up with "
+            "rmm_allocator_external_lib_list=['cupy'], or a dask-cuda benchmark without "
+            "--disable-rmm). Chunks take Dask's own path; leave CuPy's allocator to the "
+            "plugin",
+            st.address,
+            other,
+        )
+    return "allocator-replaced"
+
+
 def serialize(x: Any, context: Any = None) -> tuple[dict, list]:
     """``dask_serialize`` of ``cupy.ndarray`` while the path is installed."""
     st = _process._state
@@ -59,6 +100,7 @@ def serialize(x: Any, context: Any = None) -> tuple[dict, list]:
     assert orig is not None, "cupy_poolmem's dask serializer ran without being installed"
     reason = decide(st.identity, st.config, context, int(x.nbytes), lambda: _facts(x))
     if reason == "ipc":
+        t0 = time.perf_counter()
         try:
             y = _contiguous(x)
             if y is not x and not _facts(y)[0]:
@@ -68,12 +110,17 @@ def serialize(x: Any, context: Any = None) -> tuple[dict, list]:
         except Exception as exc:  # the sender's own failure: Dask's path instead
             logger.warning("cupy_poolmem: pool IPC export failed (%s: %s)", type(exc).__name__, exc)
             reason = "export-failed"
+        st.counters.timed("export", time.perf_counter() - t0)
+    if reason == "not-ipc-memory":
+        reason = _not_ipc_memory_reason()
     if reason != "ipc":
         st.counters.fell_back(reason)
         return orig(x)
     st.counters.add("sent_ipc")
     st.counters.add("sent_ipc_bytes", int(x.nbytes))
-    return make_header(tuple(d), st.address or ""), []
+    header = make_header(tuple(d), st.address or "")
+    header["sent"] = time.monotonic()  # the receiver's "transit" timing (same boot)
+    return header, []
 
 
 async def _serve_refetch(header: Any = None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from multiprocessing import current_process
 from multiprocessing import util as _mp_util
 from typing import Any
 
-from .._errors import PoolmemError
+from .._errors import PoolmemError, SharingError
 from ._exporter import Exporter
 from ._importer import Importer
 from ._settings import SharingSettings
@@ -26,7 +26,10 @@ class SharingContext:
 
     Tests build contexts of their own with a fake driver (``driver=``) to run the
     protocol without a GPU (``listener_options``: the exporter's listener's, see
-    :class:`~cupy_poolmem._sharing._transport.Listener`).
+    :class:`~cupy_poolmem._sharing._transport.Listener`).  ``authkey``: the key its
+    sharing connections authenticate with, both ways (default: the multiprocessing
+    authkey of the process family); :meth:`use_authkey` changes it before the first
+    connection.
     """
 
     def __init__(
@@ -35,10 +38,12 @@ class SharingContext:
         driver: Any = None,
         forked: bool = False,
         listener_options: dict[str, Any] | None = None,
+        authkey: bytes | None = None,
     ) -> None:
         self.settings = settings
         self._driver = driver
         self._listener_options = listener_options
+        self._authkey = authkey
         self._exporter: Exporter | None = None
         self._importer: Importer | None = None
         self._lock = threading.Lock()
@@ -62,7 +67,7 @@ class SharingContext:
             with self._lock:
                 if self._exporter is None:
                     self._exporter = Exporter(
-                        drv, self.settings, _authkey(), listener_options=self._listener_options
+                        drv, self.settings, self.authkey, listener_options=self._listener_options
                     )
         return self._exporter
 
@@ -72,8 +77,30 @@ class SharingContext:
             drv = self.driver
             with self._lock:
                 if self._importer is None:
-                    self._importer = Importer(drv, self.settings, _authkey())
+                    self._importer = Importer(drv, self.settings, self.authkey)
         return self._importer
+
+    @property
+    def authkey(self) -> bytes:
+        """The key this process's sharing connections authenticate with."""
+        return self._authkey if self._authkey is not None else _authkey()
+
+    def use_authkey(self, key: bytes | None) -> None:
+        """Authenticate the sharing connections with ``key`` (None: the process family's).
+
+        Only peers holding the same key can connect to, or be reached from, this
+        process.  Raises :class:`SharingError` once the exporter or importer exists
+        with another key (its listener and connections were made with it).
+        """
+        with self._lock:
+            made = [x for x in (self._exporter, self._importer) if x is not None]
+            new = key if key is not None else _authkey()
+            if any(x.authkey != new for x in made):
+                raise SharingError(
+                    "this process already shares memory with a different authentication "
+                    "key; set the key before the first array is shared or received"
+                )
+            self._authkey = key
 
     def exporter_address(self) -> str | None:
         """This process's listener address, if it has exported anything."""
@@ -193,7 +220,7 @@ def context() -> SharingContext:
 
 def _reset_after_fork(cuda_in_use: bool) -> None:
     old = _holder[0]
-    _holder[0] = SharingContext(settings, forked=cuda_in_use)
+    _holder[0] = SharingContext(settings, forked=cuda_in_use, authkey=old._authkey)
     try:
         old.abandon()
     except Exception:
