@@ -493,6 +493,19 @@ def _device_name(dev: int) -> str:
 
 
 # -- preload hooks -----------------------------------------------------------------------
+def _log_where_the_worker_logs() -> None:
+    """Hand the ``cupy_poolmem`` logger the worker's own log handlers, unless the
+    application routed it (or the root logger) already: the package's logger is
+    silent by default, and a worker that runs without cupy_poolmem must say why."""
+    ours = logging.getLogger("cupy_poolmem")
+    if logging.getLogger().handlers or any(
+        not isinstance(h, logging.NullHandler) for h in ours.handlers
+    ):
+        return
+    for handler in logging.getLogger("distributed").handlers:
+        ours.addHandler(handler)
+
+
 async def dask_setup(worker: Any) -> None:
     """Preload hook: install :class:`PoolmemPlugin` configured from Dask's config.
 
@@ -533,6 +546,7 @@ async def dask_setup(worker: Any) -> None:
             type(worker).__name__,
         )
         return
+    _log_where_the_worker_logs()
     addr = getattr(worker, "address", None) or f"process {os.getpid()}"
     try:
         on = cupy_poolmem_dask.enabled()
