@@ -68,16 +68,55 @@ class PoolAllocator(_hp.Dispatch):
             return p
 
     def pool(self, device: int | None = None) -> Pool:
-        """The pool serving ``device`` (default: current), created if needed."""
+        """The pool serving ``device`` (default: current), created if needed.
+
+        Parameters
+        ----------
+        device : int, optional
+            The device ordinal; the current device when not given.
+
+        Returns
+        -------
+        Pool
+            This allocator's pool for that device.
+
+        Examples
+        --------
+        >>> alloc = cupy_poolmem.set_allocator()  # doctest: +SKIP
+        >>> alloc.pool(0).stats().device  # doctest: +SKIP
+        0
+        """
         return self._create(cupy.cuda.runtime.getDevice() if device is None else device)
 
     def pools(self) -> dict[int, Pool]:
-        """The pools created so far, by device ordinal."""
+        """The pools created so far, by device ordinal.
+
+        Returns
+        -------
+        dict of int to Pool
+            A copy: pools created later are not added to it.
+
+        Examples
+        --------
+        >>> alloc = cupy_poolmem.set_allocator()  # doctest: +SKIP
+        >>> x = cupy.zeros(10)  # doctest: +SKIP
+        >>> list(alloc.pools())  # doctest: +SKIP
+        [0]
+        """
         with self._plock:
             return dict(self._pools)
 
     def close(self) -> None:
-        """Close every pool this allocator created."""
+        """Close every pool this allocator created.
+
+        Live allocations stay valid (see :meth:`Pool.close`); a later
+        :meth:`pool` call creates a new pool.
+
+        Examples
+        --------
+        >>> alloc = cupy_poolmem.set_allocator()  # doctest: +SKIP
+        >>> alloc.close()  # doctest: +SKIP
+        """
         with self._plock:
             pools, self._pools = list(self._pools.values()), {}
         self._forget()

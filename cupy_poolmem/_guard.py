@@ -184,9 +184,25 @@ class GuardOptions:
     def from_env(cls, value: str | None = None, *, name: str = ENV) -> GuardOptions | None:
         """Options from a ``CUPY_POOLMEM_GUARD``-style string (``None``: the variable).
 
-        Comma-separated: a switch (``1``/``on``/``true``/``yes``/``raise``, ``warn``,
-        or ``0``/``off``/``false``/``no`` alone), then ``field=value`` pairs for any
-        field of this class, in any order.  Empty or off: ``None`` (no guard).
+        Parameters
+        ----------
+        value : str, optional
+            Comma-separated: a switch (``1``/``on``/``true``/``yes``/``raise``,
+            ``warn``, or ``0``/``off``/``false``/``no`` alone), then ``field=value``
+            pairs for any field of this class, in any order.  Not given: the
+            environment variable ``name``.
+        name : str, default "CUPY_POOLMEM_GUARD"
+            The variable read when ``value`` is not given, and named in errors.
+
+        Returns
+        -------
+        GuardOptions or None
+            ``None`` (no guard) when the text is empty or off.
+
+        Raises
+        ------
+        InvalidOptionError
+            For an unknown switch or field, or a value that does not parse.
 
         Examples
         --------
@@ -335,7 +351,19 @@ class GuardedBlock:
     free_stream: int | None
 
     def describe(self) -> str:
-        """``"block 0x7f... (4,096 bytes, generation 17, device 0)"``."""
+        """One line naming the block: address, size, generation and device.
+
+        Returns
+        -------
+        str
+            ``"block 0x7f... (4,096 bytes, generation 17, device 0)"``.
+
+        Examples
+        --------
+        >>> b = GuardedBlock(0x7F00, 4096, 17, "live", 0, 0, (0,), "", None, None, None)
+        >>> b.describe()
+        'block 0x7f00 (4,096 bytes, generation 17, device 0)'
+        """
         return (
             f"block 0x{self.ptr:x} ({self.size:,} bytes, generation {self.generation}, "
             f"device {self.device})"
@@ -371,12 +399,25 @@ class GuardEvent:
 
     @property
     def block(self) -> GuardedBlock | None:
-        """The block concerned, when known."""
+        """The block concerned, when known.
+
+        Examples
+        --------
+        >>> from cupy_poolmem import UseAfterFreeError
+        >>> GuardEvent("use_after_free", 0.0, UseAfterFreeError("written after free")).block
+        """
         return self.error.block
 
     @property
     def message(self) -> str:
-        """The error's text."""
+        """The error's text.
+
+        Examples
+        --------
+        >>> from cupy_poolmem import UseAfterFreeError
+        >>> GuardEvent("use_after_free", 0.0, UseAfterFreeError("written after free")).message
+        'written after free'
+        """
         return str(self.error)
 
 
@@ -527,9 +568,27 @@ class Guard:
 
     # -- allocation --------------------------------------------------------------------
     def malloc(self, size: Any) -> Any:
-        """Allocate ``size`` bytes plus the red zone; returns a ``MemoryPointer`` of ``size``.
+        """Allocate ``size`` bytes plus the red zone.
 
-        Raises the oldest error found since the last call first (``mode="raise"``).
+        Parameters
+        ----------
+        size : int
+            Bytes the caller asked for.
+
+        Returns
+        -------
+        cupy.cuda.MemoryPointer
+            ``size`` bytes; the red zone follows them.
+
+        Raises
+        ------
+        GuardError
+            With ``mode="raise"``: the oldest error found since the last call, first.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool(guard=True)  # doctest: +SKIP
+        >>> ptr = pool.guard.malloc(1024)  # doctest: +SKIP
         """
         if self._pending:
             self._raise_pending()
@@ -558,22 +617,74 @@ class Guard:
         return self._MP(self._UM(ptr, size, block, self._device), 0)
 
     def note_stream(self, ptr: int, stream_ptr: int) -> None:
-        """``record_stream`` declared ``stream_ptr`` for the block at ``ptr``."""
+        """Note that ``record_stream`` declared ``stream_ptr`` for the block at ``ptr``.
+
+        Parameters
+        ----------
+        ptr : int
+            Start address of a live block.
+        stream_ptr : int
+            Handle of the stream its free must also wait for.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool(guard=True)  # doctest: +SKIP
+        >>> with cupy_poolmem.using(pool):  # doctest: +SKIP
+        ...     x = cupy.zeros(100)
+        >>> s = cupy.cuda.Stream()  # doctest: +SKIP
+        >>> pool.guard.note_stream(x.data.ptr, s.ptr)  # doctest: +SKIP
+        """
         with self._lock:
             rec = self._live.get(ptr)
             if rec is not None and stream_ptr not in rec.streams:
                 rec.streams.append(stream_ptr)
 
     def generation(self, ptr: int) -> int:
-        """The generation of the live block at ``ptr`` (``0``: none)."""
+        """The generation of the live block at ``ptr``.
+
+        Parameters
+        ----------
+        ptr : int
+            Start address of a block.
+
+        Returns
+        -------
+        int
+            Its generation, ``0`` when no live block starts there.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool(guard=True)  # doctest: +SKIP
+        >>> pool.guard.generation(0)  # doctest: +SKIP
+        0
+        """
         rec = self._live.get(ptr)
         return rec.generation if rec is not None else 0
 
     # -- free (the pool's release_hook) ------------------------------------------------
     def release(self, ptr: int, size: int, stream: Any) -> bool:
-        """The pool's ``release_hook``: True when the guard keeps the block (quarantine).
+        """Take a freed block: the pool's ``release_hook``.
 
         Never raises (it runs in destructors); what it finds is reported.
+
+        Parameters
+        ----------
+        ptr : int
+            Start address of the block freed.
+        size : int
+            Its size as the pool holds it.
+        stream : object
+            The stream of the free.
+
+        Returns
+        -------
+        bool
+            True when the guard keeps the block (in quarantine), False when the pool
+            frees it.
+
+        Examples
+        --------
+        >>> kept = pool.guard.release(ptr, size, stream)  # doctest: +SKIP
         """
         try:
             return self._release(int(ptr), stream)
@@ -687,6 +798,17 @@ class Guard:
         capture): the pool hands them to its retirer, which frees them on the legacy
         stream after a device synchronisation.  Their poison is not checked
         (``stats()["unchecked_blocks"]`` counts them).
+
+        Returns
+        -------
+        list of int
+            The quarantined blocks' addresses, oldest first.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool(guard=True)  # doctest: +SKIP
+        >>> pool.guard.take_quarantine()  # doctest: +SKIP
+        []
         """
         with self._lock:
             recs, self._q = list(self._q), deque()
@@ -740,12 +862,55 @@ class Guard:
         return None
 
     def knows(self, ptr: int) -> bool:
-        """Whether ``ptr`` is in a block this guard handed out (live, quarantined or remembered)."""
+        """Whether ``ptr`` is in a block this guard handed out.
+
+        Parameters
+        ----------
+        ptr : int
+            Any address.
+
+        Returns
+        -------
+        bool
+            True for an address in a live, quarantined or remembered block.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool(guard=True)  # doctest: +SKIP
+        >>> pool.guard.knows(0)  # doctest: +SKIP
+        False
+        """
         return self._find_live(ptr) is not None or self._find_dead(ptr) is not None
 
     # -- public checks -----------------------------------------------------------------
     def check(self, ptr: int, generation: int | None = None) -> GuardedBlock:
-        """See :func:`cupy_poolmem.check`; ``ptr`` must be an address this guard knows."""
+        """The block at ``ptr``, checked; see :func:`cupy_poolmem.check`.
+
+        Parameters
+        ----------
+        ptr : int
+            An address this guard knows (:meth:`knows`).
+        generation : int, optional
+            The generation the caller holds; an older one is a use after free.
+
+        Returns
+        -------
+        GuardedBlock
+            A snapshot of the live block.
+
+        Raises
+        ------
+        GuardError
+            When the block was freed (or reused) since, or a pending error is found.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool(guard=True)  # doctest: +SKIP
+        >>> with cupy_poolmem.using(pool):  # doctest: +SKIP
+        ...     x = cupy.zeros(100)
+        >>> pool.guard.check(x.data.ptr).state  # doctest: +SKIP
+        'live'
+        """
         if self._pending:
             self._raise_pending()
         rec = self._find_live(ptr)
@@ -792,8 +957,21 @@ class Guard:
     def verify(self) -> int:
         """Check every live block's red zone and every quarantined block now (synchronises).
 
-        Returns the number of problems found; in ``mode="raise"`` raises the first
-        pending error instead (found now or earlier).
+        Returns
+        -------
+        int
+            The number of problems found.
+
+        Raises
+        ------
+        GuardError
+            With ``mode="raise"``: the first pending error (found now or earlier).
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool(guard=True)  # doctest: +SKIP
+        >>> pool.guard.verify()  # doctest: +SKIP
+        0
         """
         found = 0
         with self._lock:
@@ -823,10 +1001,21 @@ class Guard:
         return found
 
     def flush(self) -> int:
-        """Check and really free every quarantined block; returns how many.
+        """Check and really free every quarantined block.
 
         The pools call it before a trim, an out-of-memory retry and a close.  Nothing
         is freed while a CUDA graph capture is under way (checks synchronise).
+
+        Returns
+        -------
+        int
+            How many blocks were freed.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool(guard=True)  # doctest: +SKIP
+        >>> pool.guard.flush()  # doctest: +SKIP
+        0
         """
         try:
             if self._ops.capture_underway():
@@ -837,13 +1026,23 @@ class Guard:
         return self._evict(everything=True)
 
     def close(self) -> list[int]:
-        """The pool is closing: empty the quarantine; returns what the pool must hand
-        to its retirer.
+        """Empty the quarantine for a pool that is closing.
 
         From now on freed blocks are checked and freed at once, never quarantined.
         The quarantine is checked and freed on its blocks' streams (which the records
         keep alive); what cannot be (a graph capture is under way, so nothing may
         synchronise) is returned unchecked, for the retirer to free after its sync.
+
+        Returns
+        -------
+        list of int
+            The addresses the pool must hand to its retirer.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool(guard=True)  # doctest: +SKIP
+        >>> pool.guard.close()  # doctest: +SKIP
+        []
         """
         with self._lock:
             self._closed = True
@@ -853,11 +1052,14 @@ class Guard:
         return self.take_quarantine()
 
     def stats(self) -> dict[str, Any]:
-        """Counts and sizes: live, quarantined, reports by kind, pending errors.
+        """Return counts and sizes: live, quarantined, reports by kind, pending errors.
 
-        ``unchecked_blocks``: blocks freed without the guard's checks (freed by the
-        garbage collector, or quarantined when the pool was dropped without
-        ``close()`` or closed during a graph capture: see :doc:`guard`).
+        Returns
+        -------
+        dict
+            ``unchecked_blocks`` counts blocks freed without the guard's checks (freed
+            by the garbage collector, or quarantined when the pool was dropped without
+            ``close()`` or closed during a graph capture: see :doc:`guard`).
 
         Examples
         --------
@@ -878,7 +1080,19 @@ class Guard:
             }
 
     def blocks(self) -> list[GuardedBlock]:
-        """Snapshots of the live blocks, then the quarantined ones (oldest first)."""
+        """Return snapshots of the live blocks, then the quarantined ones (oldest first).
+
+        Returns
+        -------
+        list of GuardedBlock
+            One snapshot per block.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool(guard=True)  # doctest: +SKIP
+        >>> pool.guard.blocks()  # doctest: +SKIP
+        []
+        """
         with self._lock:
             recs = list(self._live.values()) + list(self._q)
         return [r.snapshot(self._device) for r in recs]
@@ -890,6 +1104,19 @@ class Guard:
         Called by the Numba plugin when a pointer's finalizer runs after its
         allocation was already freed (for example by the memory manager's ``reset()``):
         the free is not done.  Never raises.
+
+        Parameters
+        ----------
+        ptr : int
+            The address freed.
+        generation : int
+            The generation the front end held.
+        via : str
+            Who freed it, as the report says (``"a Numba pointer's finalizer"``).
+
+        Examples
+        --------
+        >>> pool.guard.report_foreign_free(ptr, gen, "a Numba pointer's finalizer")  # doctest: +SKIP
         """
         try:
             self._bad_free(int(ptr), via, _site(), generation or None)
@@ -992,7 +1219,18 @@ class Guard:
         raise err
 
     def raise_pending(self) -> None:
-        """Raise the oldest error found in a destructor and not raised yet (if any)."""
+        """Raise the oldest error found in a destructor and not raised yet (if any).
+
+        Raises
+        ------
+        GuardError
+            That error.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool(guard=True)  # doctest: +SKIP
+        >>> pool.guard.raise_pending()  # doctest: +SKIP
+        """
         self._raise_pending()
 
     def _internal(self, exc: BaseException) -> None:

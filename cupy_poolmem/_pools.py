@@ -581,29 +581,65 @@ class Pool(_hp.PoolCore):
     # -- public API ------------------------------------------------------------------
     @property
     def memory_resource(self) -> Any:
-        """The cuda.core memory resource that owns this pool's CUDA memory pool."""
+        """The cuda.core memory resource that owns this pool's CUDA memory pool.
+
+        Raises :class:`~cupy_poolmem.PoolClosedError` once the pool is closed.
+
+        Examples
+        --------
+        >>> mr = cupy_poolmem.DevicePool().memory_resource  # doctest: +SKIP
+        """
         if self._parked:
             self._raise_closed()
         return self._mr
 
     @property
     def handle(self) -> int:
-        """The ``CUmemoryPool`` handle, as an int."""
+        """The ``CUmemoryPool`` handle, as an int.
+
+        Raises :class:`~cupy_poolmem.PoolClosedError` once the pool is closed.
+
+        Examples
+        --------
+        >>> cupy_poolmem.DevicePool().handle != 0  # doctest: +SKIP
+        True
+        """
         if self._parked:
             self._raise_closed()
         return int(self._mr.handle)
 
     @property
     def max_size(self) -> int:
-        """Hard cap in bytes (``0``: limited only by the device or host)."""
+        """Hard cap in bytes (``0``: limited only by the device or host).
+
+        Examples
+        --------
+        >>> cupy_poolmem.DevicePool(max_size="1GiB").max_size  # doctest: +SKIP
+        1073741824
+        """
         return self._max_size
 
     def set_release_threshold(self, value: int | str | None) -> None:
         """Set how many reserved bytes the pool keeps across synchronisations.
 
-        ``None`` keeps everything (the pool never shrinks on its own; :meth:`trim`
-        releases memory explicitly); ``0`` releases unused memory at every
-        synchronisation, which makes later allocations slow.
+        Parameters
+        ----------
+        value : int, str or None
+            Bytes to keep (``"512MiB"`` works too).  ``None`` keeps everything (the
+            pool never shrinks on its own; :meth:`trim` releases memory explicitly);
+            ``0`` releases unused memory at every synchronisation, which makes later
+            allocations slow.
+
+        Raises
+        ------
+        InvalidOptionError
+            For a pool with ``large_blocks="expandable"`` (its ranges keep no
+            threshold), or a size that does not parse.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool()  # doctest: +SKIP
+        >>> pool.set_release_threshold("1GiB")  # doctest: +SKIP
         """
         v = _UINT64_MAX if value is None else parse_bytes(value, name="release_threshold")
         if value is not None and getattr(self, "large_blocks", "pool") == "expandable":
@@ -616,6 +652,12 @@ class Pool(_hp.PoolCore):
 
     def stats(self) -> PoolStats:
         """Return a :class:`~cupy_poolmem.PoolStats` snapshot of this pool.
+
+        Returns
+        -------
+        PoolStats
+            Bytes used and reserved now and at their peaks, counts of allocations and
+            frees, and the pool's limits.
 
         Examples
         --------
@@ -658,7 +700,15 @@ class Pool(_hp.PoolCore):
         return now, high
 
     def reset_peak(self) -> None:
-        """Reset the peak used/reserved counters to the current values."""
+        """Reset the peak used/reserved counters to the current values.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool()  # doctest: +SKIP
+        >>> pool.reset_peak()  # doctest: +SKIP
+        >>> pool.stats().peak_used_bytes == pool.stats().used_bytes  # doctest: +SKIP
+        True
+        """
         self.peak_live_bytes = self.live_bytes
         for mr in self._mrs:
             _set_attr(mr, _A.CU_MEMPOOL_ATTR_USED_MEM_HIGH, 0)
@@ -669,9 +719,18 @@ class Pool(_hp.PoolCore):
     def trim(self, keep: int | str = 0, *, sync: bool = True) -> int:
         """Release unused reserved memory back to the system, keeping at least ``keep`` bytes.
 
-        With ``sync=True`` (default) the pool's device is synchronised first, so that
-        frees still pending on streams complete and their memory can be released.
-        Returns the bytes released.
+        Parameters
+        ----------
+        keep : int or str, default 0
+            Reserved bytes to keep (``"1GiB"`` works too).
+        sync : bool, default True
+            Synchronise the pool's device first, so that frees still pending on
+            streams complete and their memory can be released.
+
+        Returns
+        -------
+        int
+            The bytes released.
 
         Examples
         --------
@@ -704,7 +763,23 @@ class Pool(_hp.PoolCore):
     def outstanding(self, limit: int = 20) -> list:
         """Live allocations of this pool, biggest first (call sites when tracking is on).
 
-        See :func:`cupy_poolmem.stats.outstanding`.
+        Parameters
+        ----------
+        limit : int, default 20
+            The most allocations listed.
+
+        Returns
+        -------
+        list of cupy_poolmem.stats.Allocation
+            As :func:`cupy_poolmem.stats.outstanding` returns them.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool()  # doctest: +SKIP
+        >>> with cupy_poolmem.using(pool):  # doctest: +SKIP
+        ...     x = cupy.empty(1 << 20)
+        >>> pool.outstanding()[0].size  # doctest: +SKIP
+        1048576
         """
         from .stats import outstanding
 
@@ -720,6 +795,13 @@ class Pool(_hp.PoolCore):
         Live allocations stay valid and are freed normally; the CUDA pool is
         destroyed when the last one is gone (never under live allocations).
         Closing twice is harmless.
+
+        Examples
+        --------
+        >>> pool = cupy_poolmem.DevicePool()  # doctest: +SKIP
+        >>> pool.close()  # doctest: +SKIP
+        >>> pool.closed  # doctest: +SKIP
+        True
         """
         if self.closed:
             return
@@ -1708,10 +1790,42 @@ class PinnedPool(Pool):
         return [*left, *self._take_pending()]
 
     def trim(self, keep: int | str = 0, *, sync: bool = True) -> int:
+        """Release unused reserved host memory, keeping at least ``keep`` bytes.
+
+        Blocks whose stream-ordered frees have completed are released first.
+
+        Parameters
+        ----------
+        keep : int or str, default 0
+            Reserved bytes to keep (``"1GiB"`` works too).
+        sync : bool, default True
+            Wait for frees still pending on streams first, so their memory is released.
+
+        Returns
+        -------
+        int
+            The bytes released.
+
+        Examples
+        --------
+        >>> released = cupy_poolmem.PinnedPool().trim()  # doctest: +SKIP
+        """
         self._release_done(wait=sync)
         return super().trim(keep, sync=sync)
 
     def stats(self) -> PoolStats:
+        """Return a :class:`~cupy_poolmem.PoolStats` snapshot of this pool.
+
+        Returns
+        -------
+        PoolStats
+            Bytes used and reserved now and at their peaks, and the counts.
+
+        Examples
+        --------
+        >>> cupy_poolmem.PinnedPool().stats().used_bytes  # doctest: +SKIP
+        0
+        """
         self._release_done()
         return super().stats()
 
@@ -1832,12 +1946,24 @@ class ManagedPool(Pool):
 
     @property
     def memory_resource(self) -> Any:
-        """The cuda.core memory resource of the ``"pool"`` backend (``None`` otherwise)."""
+        """The cuda.core memory resource of the ``"pool"`` backend (``None`` otherwise).
+
+        Examples
+        --------
+        >>> cupy_poolmem.ManagedPool(backend="managed").memory_resource is None  # doctest: +SKIP
+        True
+        """
         return self._mr
 
     @property
     def handle(self) -> int:
-        """The ``CUmemoryPool`` handle as an int (``0`` for the ``"managed"`` backend)."""
+        """The ``CUmemoryPool`` handle as an int (``0`` for the ``"managed"`` backend).
+
+        Examples
+        --------
+        >>> cupy_poolmem.ManagedPool(backend="managed").handle  # doctest: +SKIP
+        0
+        """
         return 0 if self._mr is None else int(self._mr.handle)
 
     def _describe(self) -> str:

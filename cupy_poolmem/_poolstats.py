@@ -75,11 +75,31 @@ class PoolStats:
 
     @property
     def live_allocs(self) -> int:
-        """Allocations not yet freed (``n_allocs - n_frees``)."""
+        """Allocations not yet freed (``n_allocs - n_frees``).
+
+        Examples
+        --------
+        >>> s = PoolStats("device", 0, 1024, 1024, 2 << 20, 2 << 20, n_allocs=3, n_frees=1)
+        >>> s.live_allocs
+        2
+        """
         return self.n_allocs - self.n_frees
 
     def to_dict(self) -> dict:
-        """Plain ``dict`` of the fields (for JSON, ``client.run``)."""
+        """Plain ``dict`` of the fields (for JSON, ``client.run``).
+
+        Returns
+        -------
+        dict
+            Every field by name, and ``live_allocs``.
+
+        Examples
+        --------
+        >>> s = PoolStats("device", 0, 1024, 1024, 2 << 20, 2 << 20, n_allocs=3, n_frees=1)
+        >>> d = s.to_dict()
+        >>> d["used_bytes"], d["live_allocs"]
+        (1024, 2)
+        """
         d = asdict(self)
         d["live_allocs"] = self.live_allocs
         return d

@@ -299,6 +299,17 @@ class PoolmemPlugin(WorkerPlugin):
     def resolve(self, total: int) -> dict[str, int | None]:
         """The three sizes in bytes for a GPU of ``total`` bytes (``None`` where unset).
 
+        Parameters
+        ----------
+        total : int
+            The GPU's memory in bytes (what percentages and fractions are of).
+
+        Returns
+        -------
+        dict
+            ``pool_size``, ``maximum_pool_size`` and ``release_threshold``: bytes, or
+            ``None`` where the plugin was not given one.
+
         Raises
         ------
         InvalidOptionError
@@ -362,7 +373,26 @@ class PoolmemPlugin(WorkerPlugin):
 
     # -- worker lifecycle --------------------------------------------------------------
     def setup(self, worker: Any = None) -> None:
-        """Create the pools on the worker's GPU and make CuPy allocate from them."""
+        """Create the pools on the worker's GPU and make CuPy allocate from them.
+
+        Dask calls it when the plugin is registered on a worker.
+
+        Parameters
+        ----------
+        worker : distributed.Worker, optional
+            The worker (its address goes into error messages, and pool IPC transfers
+            are installed on it where enabled); ``None`` in a plain process.
+
+        Raises
+        ------
+        NoGPUError
+            The worker sees no GPU (the message names ``CUDA_VISIBLE_DEVICES``).
+
+        Examples
+        --------
+        >>> client.register_plugin(PoolmemPlugin(pool_size="50%"))  # doctest: +SKIP
+        >>> PoolmemPlugin().setup()  # in this process  # doctest: +SKIP
+        """
         import cupy
 
         import cupy_poolmem
@@ -420,7 +450,21 @@ class PoolmemPlugin(WorkerPlugin):
         )
 
     def teardown(self, worker: Any = None) -> None:
-        """Close the pools and restore CuPy's default device and pinned allocators."""
+        """Close the pools and restore CuPy's default device and pinned allocators.
+
+        Dask calls it when the plugin is removed or the worker closes.
+
+        Parameters
+        ----------
+        worker : distributed.Worker, optional
+            The worker :meth:`setup` was given (its transfers are uninstalled).
+
+        Examples
+        --------
+        >>> plugin = PoolmemPlugin()  # doctest: +SKIP
+        >>> plugin.setup()  # doctest: +SKIP
+        >>> plugin.teardown()  # doctest: +SKIP
+        """
         self._restore(worker)
 
     def _restore(self, worker: Any = None) -> None:

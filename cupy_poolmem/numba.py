@@ -224,7 +224,14 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
     """
 
     def initialize(self) -> None:
-        """Nothing to do: pools are resolved lazily (Numba calls this on every push)."""
+        """Do nothing: pools are resolved lazily (Numba calls this on every push).
+
+        Examples
+        --------
+        >>> from numba import cuda  # doctest: +SKIP
+        >>> cuda.set_memory_manager(PoolmemNumbaManager)  # doctest: +SKIP
+        >>> cuda.current_context().memory_manager.initialize()  # doctest: +SKIP
+        """
 
     def _device_id(self) -> int:
         if self.context is None:
@@ -236,7 +243,29 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         return int(self.context.device.id)
 
     def memalloc(self, size: int) -> MemoryPointer:
-        """Allocate ``size`` bytes from the device's pool; freed when Numba drops the pointer."""
+        """Allocate ``size`` bytes from the device's pool; freed when Numba drops the pointer.
+
+        Parameters
+        ----------
+        size : int
+            Bytes to allocate (``0``: a null pointer).
+
+        Returns
+        -------
+        numba.cuda.cudadrv.driver.MemoryPointer
+            The memory, in this manager's context.
+
+        Raises
+        ------
+        OutOfPoolMemoryError
+            The pool is full.
+
+        Examples
+        --------
+        >>> from numba import cuda  # doctest: +SKIP
+        >>> cuda.set_memory_manager(PoolmemNumbaManager)  # doctest: +SKIP
+        >>> d = cuda.device_array(1024)  # calls memalloc  # doctest: +SKIP
+        """
         size = _check_size(size)
         dev = self._device_id()
         ctx = weakref.proxy(self.context)
@@ -258,12 +287,31 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
     def memhostalloc(
         self, size: int, mapped: bool = False, portable: bool = False, wc: bool = False
     ) -> Any:
-        """Pinned host memory from the :class:`~cupy_poolmem.PinnedPool`.
+        """Allocate pinned host memory from the :class:`~cupy_poolmem.PinnedPool`.
 
-        ``mapped=True`` or ``wc=True`` fall back to Numba's ``cuMemHostAlloc`` (pool
-        memory cannot be write-combined, nor mapped through
-        ``cuMemHostGetDevicePointer``).  ``portable`` is always satisfied: every visible
-        GPU has access to the pinned pool.
+        Parameters
+        ----------
+        size : int
+            Bytes to allocate.
+        mapped : bool, default False
+            Memory mapped into the device's address space: Numba's own
+            ``cuMemHostAlloc`` serves it (pool memory cannot be mapped through
+            ``cuMemHostGetDevicePointer``).
+        portable : bool, default False
+            Always satisfied: every visible GPU has access to the pinned pool.
+        wc : bool, default False
+            Write-combined memory: Numba's own ``cuMemHostAlloc`` serves it too.
+
+        Returns
+        -------
+        object
+            Numba's ``PinnedMemory`` (or what Numba's own allocation returns).
+
+        Examples
+        --------
+        >>> from numba import cuda  # doctest: +SKIP
+        >>> cuda.set_memory_manager(PoolmemNumbaManager)  # doctest: +SKIP
+        >>> h = cuda.pinned_array(1024)  # calls memhostalloc  # doctest: +SKIP
         """
         size = _check_size(size)
         if mapped or wc:
@@ -273,12 +321,21 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         return PinnedMemory(weakref.proxy(self.context), int(mem.ptr), size, finalizer=_drop([mem]))
 
     def get_memory_info(self) -> MemoryInfo:
-        """``(free, total)`` as seen by the pool.
+        """Return ``(free, total)`` as seen by the pool.
 
-        ``free`` is the device's free memory plus what the pool holds reserved but
-        unused (both can be handed out without a ``cudaMalloc``), capped by the
-        pool's ``max_size`` headroom when it has one.  ``total`` is the device's
-        memory, or the pool's ``max_size`` when that is smaller.
+        Returns
+        -------
+        numba.cuda.cudadrv.driver.MemoryInfo
+            ``free`` is the device's free memory plus what the pool holds reserved but
+            unused (both can be handed out without a ``cudaMalloc``), capped by the
+            pool's ``max_size`` headroom when it has one.  ``total`` is the device's
+            memory, or the pool's ``max_size`` when that is smaller.
+
+        Examples
+        --------
+        >>> from numba import cuda  # doctest: +SKIP
+        >>> cuda.set_memory_manager(PoolmemNumbaManager)  # doctest: +SKIP
+        >>> free, total = cuda.current_context().get_memory_info()  # doctest: +SKIP
         """
         dev = self._device_id()
         pool = _device_pool(dev)
@@ -294,16 +351,31 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
     def get_ipc_handle(self, memory: Any) -> IpcHandle:
         """Export ``memory`` for another process.
 
-        Pool memory gets a :class:`PoolIpcHandle`; the device is synchronised first,
-        so the allocation and the work enqueued so far are complete before the handle
-        exists.  Memory not from a CUDA pool (``cudaMalloc``) uses Numba's legacy
-        handle.
+        The device is synchronised first, so the allocation and the work enqueued so
+        far are complete before the handle exists.
+
+        Parameters
+        ----------
+        memory : numba.cuda.cudadrv.driver.MemoryPointer
+            Device memory of this context.
+
+        Returns
+        -------
+        numba.cuda.cudadrv.driver.IpcHandle
+            A :class:`PoolIpcHandle` for pool memory; Numba's legacy handle for memory
+            not from a CUDA pool (``cudaMalloc``).
 
         Raises
         ------
         SharingError
             The memory is from a pool that is not IPC-enabled (``set_allocator(ipc=False)``)
             or from a CUDA pool that cupy_poolmem does not own.
+
+        Examples
+        --------
+        >>> from numba import cuda  # doctest: +SKIP
+        >>> cuda.set_memory_manager(PoolmemNumbaManager)  # doctest: +SKIP
+        >>> handle = cuda.device_array(1024).get_ipc_handle()  # doctest: +SKIP
         """
         base, alloc_size = self._find_allocation(memory)
         pool_handle = _pointer_pool(base)
@@ -333,12 +405,26 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         return int(base), int(size)
 
     def reset(self) -> None:
-        """Free every allocation Numba made in this context (Numba's ``reset`` semantics)."""
+        """Free every allocation Numba made in this context (Numba's ``reset`` semantics).
+
+        Examples
+        --------
+        >>> from numba import cuda  # doctest: +SKIP
+        >>> cuda.current_context().reset()  # doctest: +SKIP
+        """
         super().reset()
 
     @property
     def interface_version(self) -> int:
-        """The EMM interface version implemented (1)."""
+        """The EMM interface version implemented (1).
+
+        Examples
+        --------
+        >>> from numba import cuda  # doctest: +SKIP
+        >>> cuda.set_memory_manager(PoolmemNumbaManager)  # doctest: +SKIP
+        >>> cuda.current_context().memory_manager.interface_version  # doctest: +SKIP
+        1
+        """
         return _INTERFACE_VERSION
 
 
@@ -643,6 +729,16 @@ class PoolIpcHandle(IpcHandle):
     def open(self, context: Any) -> MemoryPointer:
         """Import the memory into ``context`` (a Numba context) and return a device pointer.
 
+        Parameters
+        ----------
+        context : numba.cuda.cudadrv.driver.Context
+            The context to map the memory in.
+
+        Returns
+        -------
+        numba.cuda.cudadrv.driver.MemoryPointer
+            The exporter's allocation, mapped here.
+
         Raises
         ------
         HandleStateError
@@ -654,6 +750,13 @@ class PoolIpcHandle(IpcHandle):
             The context's GPU cannot access the exporter's GPU (both are named).
         WrongDeviceError
             Unpickled in the exporting process, on a GPU the pool grants no access.
+
+        Examples
+        --------
+        >>> from numba import cuda  # doctest: +SKIP
+        >>> handle = queue.get()._ipc_handle  # an IpcArrayHandle's, received  # doctest: +SKIP
+        >>> ptr = handle.open(cuda.current_context())  # doctest: +SKIP
+        >>> handle.close()  # doctest: +SKIP
         """
         if self.base is not None:
             raise HandleStateError(
@@ -703,9 +806,47 @@ class PoolIpcHandle(IpcHandle):
         return mp
 
     def open_direct(self, context: Any) -> MemoryPointer:
+        """Do as :meth:`open` does (Numba's two ways of opening are one here).
+
+        Parameters
+        ----------
+        context : numba.cuda.cudadrv.driver.Context
+            The context to map the memory in.
+
+        Returns
+        -------
+        numba.cuda.cudadrv.driver.MemoryPointer
+            The exporter's allocation, mapped here.
+
+        Examples
+        --------
+        >>> from numba import cuda  # doctest: +SKIP
+        >>> handle = queue.get()._ipc_handle  # an IpcArrayHandle's, received  # doctest: +SKIP
+        >>> ptr = handle.open_direct(cuda.current_context())  # doctest: +SKIP
+        >>> handle.close()  # doctest: +SKIP
+        """
         return self.open(context)
 
     def open_staged(self, context: Any) -> MemoryPointer:
+        """Do as :meth:`open` does (Numba's two ways of opening are one here).
+
+        Parameters
+        ----------
+        context : numba.cuda.cudadrv.driver.Context
+            The context to map the memory in.
+
+        Returns
+        -------
+        numba.cuda.cudadrv.driver.MemoryPointer
+            The exporter's allocation, mapped here.
+
+        Examples
+        --------
+        >>> from numba import cuda  # doctest: +SKIP
+        >>> handle = queue.get()._ipc_handle  # an IpcArrayHandle's, received  # doctest: +SKIP
+        >>> ptr = handle.open_staged(cuda.current_context())  # doctest: +SKIP
+        >>> handle.close()  # doctest: +SKIP
+        """
         return self.open(context)
 
     def close(self) -> None:
@@ -713,6 +854,13 @@ class PoolIpcHandle(IpcHandle):
 
         The free is enqueued on the legacy default stream and waited for, so when
         ``close()`` returns the exporter may free the allocation.
+
+        Examples
+        --------
+        >>> from numba import cuda  # doctest: +SKIP
+        >>> handle = queue.get()._ipc_handle  # an IpcArrayHandle's, received  # doctest: +SKIP
+        >>> ptr = handle.open(cuda.current_context())  # doctest: +SKIP
+        >>> handle.close()  # doctest: +SKIP
         """
         if self._local:
             self._local = False

@@ -423,33 +423,87 @@ class Summary:
 
     @property
     def duration(self) -> float:
-        """Seconds from the first to the last event."""
+        """Seconds from the first to the last event.
+
+        Examples
+        --------
+        >>> Summary(files=[], start_time=100.0, end_time=102.5).duration
+        2.5
+        """
         return self.end_time - self.start_time
 
     @property
     def peaks(self) -> dict[tuple[int, int], int]:
-        """Peak used bytes per ``(pid, device)``."""
+        """Peak used bytes per ``(pid, device)``.
+
+        Examples
+        --------
+        >>> s = Summary(files=[], series=[SeriesSummary(pid=101, device=0, peak_used_bytes=2560)])
+        >>> s.peaks
+        {(101, 0): 2560}
+        """
         return {(s.pid, s.device): s.peak_used_bytes for s in self.series}
 
     @property
     def per_tag(self) -> dict[str, TagSummary]:
-        """:class:`TagSummary` by tag (``""``: untagged)."""
+        """:class:`TagSummary` by tag (``""``: untagged).
+
+        Examples
+        --------
+        >>> s = Summary(files=[], tags=[TagSummary("model", n_allocs=2, total_bytes=4096)])
+        >>> s.per_tag["model"].total_bytes
+        4096
+        """
         return {t.tag: t for t in self.tags}
 
     @property
     def leaked_bytes(self) -> int:
-        """Bytes allocated and never freed by the end of the log."""
+        """Bytes allocated and never freed by the end of the log.
+
+        Examples
+        --------
+        >>> Summary(files=[], leaks=[Leak(101, 0, 0x900, 512, "loss", "", 0.5)]).leaked_bytes
+        512
+        """
         return sum(lk.size for lk in self.leaks)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly ``dict``: every number in it is an int or a finite float."""
+        """JSON-friendly ``dict``: every number in it is an int or a finite float.
+
+        Returns
+        -------
+        dict
+            Every field by name (records as dicts), ``duration`` and ``leaked_bytes``.
+
+        Examples
+        --------
+        >>> d = Summary(files=["alloc.csv"], n_allocs=2).to_dict()
+        >>> d["files"], d["n_allocs"], d["leaked_bytes"]
+        (['alloc.csv'], 2, 0)
+        """
         d = asdict(self)
         d["duration"] = self.duration
         d["leaked_bytes"] = self.leaked_bytes
         return d
 
     def format(self, top: int = 10) -> str:
-        """The text report that ``python -m cupy_poolmem report`` prints."""
+        """The text report that ``python -m cupy_poolmem report`` prints.
+
+        Parameters
+        ----------
+        top : int, default 10
+            The most call sites, leaks and guard reports listed (every tag is).
+
+        Returns
+        -------
+        str
+            The report, several lines, without a final newline.
+
+        Examples
+        --------
+        >>> print(Summary(files=["alloc.csv"]).format().splitlines()[0])
+        cupy_poolmem allocation log: 1 file(s), 0 events, 0 process(es), 0.000 s
+        """
         p = printable
         out = [
             f"cupy_poolmem allocation log: {len(self.files)} file(s), {self.n_events} "

@@ -241,8 +241,9 @@ class _PlainScope:
         self.per_tag: dict[str, Any] = {}
 
 
-def _field(name: str, doc: str) -> Any:
-    """A property reading and writing ``self._c.<name>`` (the live counters)."""
+def _field(name: str, doc: str, cls: str) -> Any:
+    """A property reading and writing ``self._c.<name>`` (the live counters), documented
+    by ``doc`` and an example that builds a ``cls`` with that field set."""
 
     def get(self: Any) -> int:
         return int(getattr(self._c, name))
@@ -250,7 +251,8 @@ def _field(name: str, doc: str) -> Any:
     def set_(self: Any, value: int) -> None:
         setattr(self._c, name, value)
 
-    return property(get, set_, doc=doc)
+    example = f">>> {cls}({name}=3).{name}\n3\n"
+    return property(get, set_, doc=f"{doc}\n\nExamples\n--------\n{example}")
 
 
 class TagStatistics:
@@ -277,11 +279,11 @@ class TagStatistics:
     _FIELDS = ("n_allocs", "n_frees", "total_bytes", "current_bytes", "peak_bytes")
     __slots__ = ("_c",)
 
-    n_allocs = _field("n_allocs", "Allocations with this tag.")
-    n_frees = _field("n_frees", "Frees of those allocations.")
-    total_bytes = _field("total_bytes", "Bytes allocated with this tag.")
-    current_bytes = _field("current_bytes", "Bytes of this tag still live.")
-    peak_bytes = _field("peak_bytes", "High-water mark of current_bytes.")
+    n_allocs = _field("n_allocs", "Allocations with this tag.", "TagStatistics")
+    n_frees = _field("n_frees", "Frees of those allocations.", "TagStatistics")
+    total_bytes = _field("total_bytes", "Bytes allocated with this tag.", "TagStatistics")
+    current_bytes = _field("current_bytes", "Bytes of this tag still live.", "TagStatistics")
+    peak_bytes = _field("peak_bytes", "High-water mark of current_bytes.", "TagStatistics")
 
     def __init__(
         self,
@@ -353,11 +355,15 @@ class Statistics:
     False
     """
 
-    n_allocs = _field("n_allocs", "Allocations made inside the scope.")
-    n_frees = _field("n_frees", "Frees of allocations made inside the scope.")
-    current_bytes = _field("current_bytes", "Bytes allocated inside the scope, still live.")
-    peak_used_bytes = _field("peak_used_bytes", "High-water mark of current_bytes.")
-    total_bytes = _field("total_bytes", "Sum of the sizes allocated inside the scope.")
+    n_allocs = _field("n_allocs", "Allocations made inside the scope.", "Statistics")
+    n_frees = _field("n_frees", "Frees of allocations made inside the scope.", "Statistics")
+    current_bytes = _field(
+        "current_bytes", "Bytes allocated inside the scope, still live.", "Statistics"
+    )
+    peak_used_bytes = _field("peak_used_bytes", "High-water mark of current_bytes.", "Statistics")
+    total_bytes = _field(
+        "total_bytes", "Sum of the sizes allocated inside the scope.", "Statistics"
+    )
 
     def __init__(
         self,
@@ -384,21 +390,57 @@ class Statistics:
 
     @property
     def per_tag(self) -> dict[str, TagStatistics]:
-        """The same numbers per tag path (``""`` for untagged allocations), live."""
+        """The same numbers per tag path (``""`` for untagged allocations), live.
+
+        Examples
+        --------
+        >>> with cupy_poolmem.statistics() as st:
+        ...     pass
+        >>> st.per_tag
+        {}
+        """
         return {k: TagStatistics._of(c) for k, c in dict(self._c.per_tag).items()}
 
     @property
     def active(self) -> bool:
-        """``True`` while the scope is open."""
+        """``True`` while the scope is open.
+
+        Examples
+        --------
+        >>> with cupy_poolmem.statistics() as st:
+        ...     st.active
+        True
+        >>> st.active
+        False
+        """
         return self.end_time is None
 
     @property
     def elapsed(self) -> float:
-        """Seconds from the start of the scope to its end (or to now while active)."""
+        """Seconds from the start of the scope to its end (or to now while active).
+
+        Examples
+        --------
+        >>> Statistics(start_time=10.0, end_time=12.5).elapsed
+        2.5
+        """
         return (self.end_time if self.end_time is not None else _time()) - self.start_time
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain ``dict`` (JSON-friendly) of the counters, ``per_tag`` included."""
+        """Plain ``dict`` (JSON-friendly) of the counters, ``per_tag`` included.
+
+        Returns
+        -------
+        dict
+            The counters, ``device``, ``kind`` and ``elapsed`` by name; ``per_tag``
+            maps each tag path to its counters as a tuple.
+
+        Examples
+        --------
+        >>> d = Statistics(n_allocs=2, total_bytes=4096).to_dict()
+        >>> d["n_allocs"], d["total_bytes"], d["per_tag"]
+        (2, 4096, {})
+        """
         return {
             "n_allocs": self.n_allocs,
             "n_frees": self.n_frees,

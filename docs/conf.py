@@ -70,7 +70,7 @@ nitpick_ignore_regex = [
     ),
 ]
 
-exclude_patterns = ["_build", "_measured.rst", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "_measured.rst", "_figures", "Thumbs.db", ".DS_Store"]
 # CHANGELOG.md lives at the top of the repository; changelog.rst includes it.
 templates_path: list[str] = []
 source_suffix = {".rst": "restructuredtext"}

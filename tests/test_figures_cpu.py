@@ -1,6 +1,7 @@
 """Benchmark figures come from saved benchmark output: ``bench --save`` writes what a run
-printed as JSON, ``tools/render_figures.py`` renders docs/_measured.rst and README.md's
-figures from it, and the committed docs are what the committed results render to."""
+printed as JSON, ``tools/render_figures.py`` renders docs/_measured.rst, the guide
+pages' figures (docs/_figures/, each included by its page) and README.md's figures from
+it, and the committed docs are what the committed results render to."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ from cupy_poolmem.benchmarks import _common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tools", "render_figures.py")
+
+DOCS = os.path.join(ROOT, "docs")
+
+#: What looks like a measured figure: a ratio, a bandwidth, a time, a GPU model.
+FIGURE = re.compile(
+    r"\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x\b|\b[GM]i?B/s\b|\b\d+(?:\.\d+)? ?(?:ns|us|µs|ms)\b"
+    r"|\b(?:[AHBL]\d{2,3}|RTX ?\d{4})\b"
+)
 
 needs_script = pytest.mark.skipif(
     not os.path.exists(SCRIPT), reason="needs the source checkout's tools/render_figures.py"
@@ -37,8 +46,12 @@ def render():
     spec = importlib.util.spec_from_file_location("render_figures", SCRIPT)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    sys.modules[spec.name] = mod  # its dataclass looks its module up there
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(spec.name, None)
 
 
 def _fake_run(bench: str = "alloc", env: dict | None = None) -> _common.Recorder:
@@ -178,6 +191,7 @@ def test_check_fails_on_a_figure_typed_between_the_markers(tmp_path, render):
     readme.write_text(f"# x\n\n{render.START}\n{render.END}\n\nrest\n")
     measured.write_text("")
     args = ["--results", str(results), "--readme", str(readme), "--measured", str(measured)]
+    args += ["--figures", str(tmp_path / "_figures")]
     assert render.main(args) == 0  # writes them
     assert render.main(["--check", *args]) == 0
     text = readme.read_text()
@@ -234,7 +248,10 @@ def test_committed_docs_are_what_the_committed_results_render_to(render, tmp_pat
         if not os.path.exists(path):
             pytest.skip(f"needs the source checkout's {os.path.basename(path)}")
     want = render.rendered()
+    assert any(os.path.dirname(p) == render.FIGURES_DIR for p in want)
     for path, text in want.items():
+        assert text is not None, f"{os.path.relpath(path, ROOT)}: no figure renders it"
+        assert os.path.exists(path), f"{os.path.relpath(path, ROOT)} is missing"
         with open(path, encoding="utf-8") as f:
             assert f.read() == text, (
                 f"{os.path.relpath(path, ROOT)} differs from what benchmarks/results/ "
@@ -250,11 +267,7 @@ def test_readme_quotes_no_figure_outside_the_generated_block(render):
         text = f.read()
     before, rest = text.split(render.START, 1)
     _, after = rest.split(render.END, 1)
-    figure = re.compile(
-        r"\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x\b|\bGB/s\b|\b\d+(?:\.\d+)? ?(?:us|µs|ms)\b"
-        r"|\b(?:[AHBL]\d{2,3}|RTX ?\d{4})\b"
-    )
-    found = [m.group() for m in figure.finditer(before + after)]
+    found = [m.group() for m in FIGURE.finditer(before + after)]
     assert not found, f"figures outside the generated block of README.md: {found}"
 
 
@@ -265,3 +278,174 @@ def test_the_sdist_carries_the_results_and_the_script():
     text = open(manifest, encoding="utf-8").read()
     # The sdist's tests render from its own copy of the results and the script.
     assert "benchmarks/results" in text and "tools" in text
+
+
+# -- the guide's figures (docs/_figures/) ---------------------------------------------------
+def _fake_churn() -> _common.Recorder:
+    """A churn run as churn.main prints it: the allocator table, its lines, a second table."""
+    rec = _common.Recorder("churn", ["--quick"])
+    with _common.recording(rec):
+        rec.header("== churn ==", dict(ENV, title="churn trace"))
+        print("trace: 5000 steps")
+        rows = [
+            ["cupy MemoryPool (baseline)", "10.00 us (1.00x)", "2048.0 MiB (1.00x)"],
+            ["cupy_poolmem DevicePool (default)", "11.00 us (1.10x)", "2007.0 MiB (0.98x)"],
+            ["cupy_poolmem DevicePool small_pool=None", "10.50 us (1.05x)", "2334.7 MiB (1.14x)"],
+            ["cupy_poolmem DevicePool reuse_cache=0", "12.00 us (1.20x)", "1863.7 MiB (0.91x)"],
+            [
+                "cupy_poolmem DevicePool large_blocks='mapped'",
+                "41.00 us (4.10x)",
+                "1597.4 MiB (0.78x)",
+            ],
+            ["torch caching allocator", "9.00 us (0.90x)", "2100.0 MiB (1.03x)"],
+        ]
+        print(_common.table(["allocator", "time per step (median)", "reserved peak"], rows))
+        print("time over MemoryPool's, paired replays: default: 1.11x")
+        print("goal (reserved <= 0.8x MemoryPool, time <= 1.05x): default missed (0.98x, 1.11x)")
+        print()
+        print("the same trace straight on CUDA pools")
+        print(_common.table(["variant", "reserved peak"], [["one CUDA pool", "3.3 GiB (1.64x)"]]))
+    return rec
+
+
+def _figure(render, name):
+    (fig,) = [f for f in render.FIGURES if f.name == name]
+    return fig
+
+
+@needs_script
+def test_a_figure_quotes_its_rows_columns_and_lines(tmp_path, render):
+    _fake_churn().save(str(tmp_path))
+    results = render.load_results(str(tmp_path))
+    small = render.render_figure(_figure(render, "device_pool-small_pool"), results)
+    assert "NVIDIA Test GPU 80GB" in small and "bench churn --quick" in small
+    for cell in ("2007.0 MiB (0.98x)", "2334.7 MiB (1.14x)", "1863.7 MiB (0.91x)"):
+        assert cell in small
+    assert "us (" not in small  # only the reserved peak column
+    assert "mapped" not in small and "torch" not in small  # only its rows
+    assert "goal" not in small and "one CUDA pool" not in small
+    large = render.render_figure(_figure(render, "device_pool-large_blocks"), results)
+    assert "41.00 us (4.10x)" in large and "torch caching allocator" in large
+    assert "small\\_pool=None" not in large and "small_pool=None" not in large
+    assert "goal (reserved <= 0.8x MemoryPool" in large
+    assert "time over MemoryPool's, paired replays" in large
+    # Another benchmark's figure is untouched by a churn result.
+    pinned = render.render_figure(_figure(render, "pinned_pool-bandwidth"), results)
+    assert "No committed measurement of this yet" in pinned and "bench pinned" in pinned
+    assert not FIGURE.search(pinned)
+
+
+@needs_script
+def test_a_figure_whose_table_the_run_lacks_says_so(tmp_path, render):
+    _fake_run(env=ENV).save(str(tmp_path))  # an alloc run without the peer-access table
+    text = render.render_figure(
+        _figure(render, "device_pool-peer_access"), render.load_results(str(tmp_path))
+    )
+    assert "NVIDIA Test GPU 80GB" in text and "has no table" in text
+    assert "1.92 us" not in text
+
+
+@needs_script
+def test_rendered_figures_build_without_warnings(tmp_path, render):
+    pytest.importorskip("docutils")
+    from docutils.core import publish_doctree
+    from docutils.utils import Reporter
+
+    _fake_churn().save(str(tmp_path))
+    results = render.load_results(str(tmp_path))
+    for fig in render.FIGURES:
+        for res in (results, []):
+            doctree = publish_doctree(
+                render.render_figure(fig, res),
+                settings_overrides={"report_level": Reporter.WARNING_LEVEL, "halt_level": 5},
+            )
+            bad = [
+                n.astext()
+                for n in doctree.findall()
+                if n.tagname == "system_message" and n["level"] >= Reporter.WARNING_LEVEL
+            ]
+            assert not bad, (fig.name, bad)
+
+
+@needs_script
+def test_check_fails_on_a_figure_file_typed_by_hand(tmp_path, render):
+    results = tmp_path / "results"
+    _fake_churn().save(str(results))
+    readme, figures = tmp_path / "README.md", tmp_path / "_figures"
+    readme.write_text(f"{render.START}\n{render.END}\n")
+    args = ["--results", str(results), "--readme", str(readme)]
+    args += ["--measured", str(tmp_path / "_measured.rst"), "--figures", str(figures)]
+    assert render.main(args) == 0
+    assert render.main(["--check", *args]) == 0
+    path = figures / "device_pool-small_pool.rst"
+    assert "2334.7 MiB (1.14x)" in path.read_text()
+    path.write_text(path.read_text().replace("2334.7 MiB (1.14x)", "2100.0 MiB (1.03x)"))
+    assert render.main(["--check", *args]) == 1
+    render.main(args)
+    # A figure file no figure renders (typed by hand) fails too, and is removed.
+    (figures / "typed.rst").write_text("Measured on an H100: 0.92x.\n")
+    assert render.main(["--check", *args]) == 1
+    assert render.main(args) == 0 and not (figures / "typed.rst").exists()
+    # A figure file missing fails.
+    path.unlink()
+    assert render.main(["--check", *args]) == 1
+
+
+#: Text on the guide's pages that looks like a figure and is not a measurement.
+NOT_MEASURED = {
+    "compatibility.rst": ["R580 (H100, H200)"],  # the GPUs the release was tested on
+    "dask.rst": ["the goals (1 GiB in 20 ms or less, 64 MiB within 2x the floor)"],
+    "device_pool.rst": [
+        "driver 580 (H100) does not survive it",  # a crash, not a figure
+        "the retirement thread checks every 50 ms",  # a setting
+    ],
+    "observability.rst": [
+        "the goals are at most 1.3x the plain pool inside ``statistics()``, 2x with a log "
+        "and 4x with a tracked log"
+    ],
+}
+
+
+def _pages() -> list[str]:
+    if not os.path.isdir(DOCS):
+        pytest.skip("needs the source checkout's docs/")
+    return sorted(
+        name for name in os.listdir(DOCS) if name.endswith(".rst") and not name.startswith("_")
+    )
+
+
+@needs_script
+def test_every_figure_is_included_by_a_page_once(render):
+    included: list[str] = []
+    for name in _pages():
+        with open(os.path.join(DOCS, name), encoding="utf-8") as f:
+            included += re.findall(r"^\s*\.\. include:: _figures/(\S+)\.rst\s*$", f.read(), re.M)
+    names = [fig.name for fig in render.FIGURES]
+    assert sorted(included) == sorted(names)
+    assert len(set(names)) == len(names)
+    for fig in render.FIGURES:
+        assert fig.bench in render.ORDER, fig
+
+
+def test_the_guide_quotes_no_figure_outside_the_generated_files():
+    """A measured figure typed into a docs page has no source: figures are quoted by
+    including docs/_figures/*.rst, which tools/render_figures.py renders."""
+    found = []
+    for name in _pages():
+        with open(os.path.join(DOCS, name), encoding="utf-8") as f:
+            text = " ".join(f.read().split())
+        for allowed in NOT_MEASURED.get(name, []):
+            assert allowed in text, f"{name} no longer says {allowed!r}: update NOT_MEASURED"
+            text = text.replace(allowed, "")
+        found += [f"{name}: {m.group()!r}" for m in FIGURE.finditer(text)]
+    assert not found, "figures typed into the docs (quote them from docs/_figures/):\n" + (
+        "\n".join(found)
+    )
+
+
+def test_a_figure_typed_into_a_page_is_found():
+    """The pattern the check above scans with catches the figures it was written for."""
+    for typed in ("0.98x", "4.0-4.6x", "55 GB/s", "165 us", "43 µs", "0.19 ms", "H100"):
+        assert FIGURE.search(f"measured: {typed} here"), typed
+    for fine in ("1 MiB", "8 MiB", "max_size=2", "CUDA 13", "R580"):
+        assert not FIGURE.search(fine), fine

@@ -110,6 +110,17 @@ class SharingSettings:
 
     @property
     def fallback(self) -> str:
+        """What is shared for an array whose memory cannot be exported.
+
+        Setting a value it does not accept raises
+        :class:`~cupy_poolmem.InvalidOptionError`; the class's "Attributes" say what
+        each value does.
+
+        Examples
+        --------
+        >>> cupy_poolmem.sharing.fallback
+        'device-copy'
+        """
         return self._fallback
 
     @fallback.setter
@@ -120,6 +131,17 @@ class SharingSettings:
 
     @property
     def receive_order(self) -> str:
+        """How a received array is ordered after the sender's writes.
+
+        Setting a value it does not accept raises
+        :class:`~cupy_poolmem.InvalidOptionError`; the class's "Attributes" say what
+        each value does.
+
+        Examples
+        --------
+        >>> cupy_poolmem.sharing.receive_order
+        'sync'
+        """
         return self._order
 
     @receive_order.setter
@@ -130,6 +152,17 @@ class SharingSettings:
 
     @property
     def exit_timeout(self) -> float:
+        """Seconds a process that shared arrays waits at exit for its messages.
+
+        Setting a value it does not accept raises
+        :class:`~cupy_poolmem.InvalidOptionError`; the class's "Attributes" say what
+        each value does.
+
+        Examples
+        --------
+        >>> cupy_poolmem.sharing.exit_timeout  # CUPY_POOLMEM_EXIT_TIMEOUT unset
+        10.0
+        """
         return self._exit
 
     @exit_timeout.setter
@@ -138,6 +171,17 @@ class SharingSettings:
 
     @property
     def inflight_timeout(self) -> float | None:
+        """Seconds a message may stay unreceived before its block is let go.
+
+        Setting a value it does not accept raises
+        :class:`~cupy_poolmem.InvalidOptionError`; the class's "Attributes" say what
+        each value does.
+
+        Examples
+        --------
+        >>> cupy_poolmem.sharing.inflight_timeout  # CUPY_POOLMEM_INFLIGHT_TIMEOUT unset
+        60.0
+        """
         return self._inflight
 
     @inflight_timeout.setter
@@ -146,6 +190,17 @@ class SharingSettings:
 
     @property
     def keep_mappings(self) -> int:
+        """How many mappings of blocks received more than once a receiver keeps.
+
+        Setting a value it does not accept raises
+        :class:`~cupy_poolmem.InvalidOptionError`; the class's "Attributes" say what
+        each value does.
+
+        Examples
+        --------
+        >>> cupy_poolmem.sharing.keep_mappings
+        64
+        """
         return self._keep
 
     @keep_mappings.setter
@@ -160,7 +215,7 @@ class SharingSettings:
             self._on_keep_change()
 
     def stats(self) -> dict[str, int]:
-        """Counts of the sharing protocol in this process.
+        """Return the counts of the sharing protocol in this process.
 
         Returns
         -------
@@ -186,9 +241,13 @@ class SharingSettings:
     def collect(self) -> int:
         """Free limbo blocks nobody holds, expire unclaimed tickets, unmap idle mappings.
 
-        Returns the bytes of this process's pools freed.  Blocks are normally freed
-        as soon as the last receiver lets go; this is the safety net (also run before
-        an out-of-memory retry).
+        Blocks are normally freed as soon as the last receiver lets go; this is the
+        safety net (also run before an out-of-memory retry).
+
+        Returns
+        -------
+        int
+            The bytes of this process's pools freed.
 
         Examples
         --------
