@@ -1405,6 +1405,7 @@ def flush_log() -> str | None:
     >>> cupy_poolmem.flush_log() == path
     True
     >>> _ = cupy_poolmem.stop_log()
+    >>> import os; os.remove(path)
     """
     w = _OBSERVER._writer
     if w is None:
@@ -1430,6 +1431,7 @@ def log_path() -> str | None:
     >>> stats.log_path() == path
     True
     >>> _ = cupy_poolmem.stop_log()
+    >>> import os; os.remove(path)
     """
     w = _OBSERVER._writer
     return None if w is None else w.path
