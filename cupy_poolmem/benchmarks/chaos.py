@@ -229,10 +229,10 @@ def make_plan(seed: int, index: int, n_workers: int) -> Plan:
                     consumer = rng.choice(others if rng.random() < 0.9 else slots)
                 if then == "close":
                     action = "hold"
-                elif then == "recycle":  # mostly let go, so that the block can recycle
-                    action = rng.choice(("drop", "drop", "forward", "hold"))
                 elif consumer == HUB:
                     action = rng.choice(("drop", "hold"))
+                elif then == "recycle":  # mostly let go, so that the block can recycle
+                    action = rng.choice(("drop", "drop", "forward", "hold"))
                 else:
                     action = rng.choices(ACTIONS, (45, 30, 15, 10))[0]
                 fwd = rng.choice([s for s in slots if s != consumer] or slots)
@@ -436,6 +436,8 @@ def forge(desc: Any, field: str, rng: random.Random) -> Any:
         need = {"version"}
     if not need <= set(f):
         return None
+    if field == "version":
+        return desc._replace(version=desc.version + 1)
     size, shape, off = desc.size, desc.shape, desc.offset
     n = shape[0] if shape else 1
     if field == "ticket":
@@ -475,8 +477,6 @@ def forge(desc: Any, field: str, rng: random.Random) -> Any:
         return desc._replace(life=max(desc.life - 1, 0))
     if field == "life-huge":
         return desc._replace(life=2**63)
-    if field == "version":
-        return desc._replace(version=desc.version + 1)
     raise ValueError(f"unknown forgery {field!r}")
 
 
