@@ -313,7 +313,7 @@ BASE = chaos.Counters({"socket": 1, "pipe": 1, "other": 30}, 4, 0, 0, dict(ZERO_
 
 def _now(fds=None, threads=4, used=0, held=0, procs=6, **sharing):
     s = dict(ZERO_SHARING, **sharing)
-    f = fds or {"socket": 1 + procs, "pipe": 1 + procs, "other": 30}
+    f = fds or {"socket": 1 + procs, "pipe": 1 + 2 * procs, "other": 30}
     return chaos.Counters(f, threads, used, held, s, procs)
 
 
@@ -323,7 +323,7 @@ def test_nothing_leaked_when_live_workers_account_for_everything():
     # four workers connected both ways: a reader and a sender thread per connection, a
     # socket and a pidfd each, their imported pools and events, a few driver files
     now = _now(
-        fds={"socket": 1 + 6 + 8, "pipe": 7, "pidfd": 8, "other": 30 + 16 + 4},
+        fds={"socket": 1 + 6 + 8, "pipe": 13, "pidfd": 8, "other": 30 + 16 + 4},
         threads=4 + 16,
         peers=4,
         clients=4,
@@ -360,11 +360,11 @@ def test_pool_bytes_threads_and_descriptors_beyond_their_allowance_are_leaks():
     assert any("threads=6" in f for f in chaos.leaks(BASE, _now(threads=6, peers=0)))
     assert chaos.leaks(BASE, _now(threads=6, peers=1)) == []
     assert any("fds[pidfd]" in f for f in chaos.leaks(BASE, _now(fds={"pidfd": 1})))
-    sockets = {"socket": 1 + 6 + 1, "pipe": 7, "other": 30}
+    sockets = {"socket": 1 + 6 + 1, "pipe": 13, "other": 30}
     assert any("fds[socket]" in f for f in chaos.leaks(BASE, _now(fds=sockets)))
-    pipes = {"socket": 7, "pipe": 8, "other": 30}
+    pipes = {"socket": 7, "pipe": 14, "other": 30}  # spawn keeps two per process
     assert any("fds[pipe]" in f for f in chaos.leaks(BASE, _now(fds=pipes)))
-    driver = {"socket": 7, "pipe": 7, "other": 30 + chaos.DEVICE_FD_SLACK}
+    driver = {"socket": 7, "pipe": 13, "other": 30 + chaos.DEVICE_FD_SLACK}
     assert chaos.leaks(BASE, _now(fds=driver)) == []
     driver["other"] += 1
     assert any("fds[other]" in f for f in chaos.leaks(BASE, _now(fds=driver)))
@@ -425,3 +425,59 @@ def test_details_are_bounded():
     for i in range(500):
         r.note("errors", i, "x" * 2000)
     assert r.errors == 500 and len(r.details) == 200 and max(map(len, r.details)) < 700
+
+
+# -- the whole run on the CPU stand-in of the GPU ------------------------------------------------------------
+_RUN = """
+import argparse, sys
+from cupy_poolmem.benchmarks import chaos
+ns = argparse.Namespace(seed=1, rounds={rounds}, time_cap=300, workers={workers},
+                        first_round={first}, verbose=False, backend={backend!r})
+r = chaos.run(ns)
+for line in r.details[:20]:
+    print(line, file=sys.stderr)
+print(chaos.summary_line(r))
+sys.exit(chaos.exit_status(r))
+"""
+
+
+def run_fake(backend: str, rounds: int, first: int = 0, workers: int = 3):
+    """Rounds of the real hub and worker processes on ``chaos.FakeGPU``: the summary's
+    counters, the exit status and what was said on stderr."""
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = _RUN.format(rounds=rounds, workers=workers, first=first, backend=backend)
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env
+    )
+    m = SUMMARY.match(r.stdout.strip().splitlines()[-1]) if r.stdout.strip() else None
+    assert m, (r.returncode, r.stdout, r.stderr[-3000:])
+    names = ("rounds", "asked", "seed", "wrong_data", "leaks", "hangs", "errors", "refused_ok")
+    names += ("checked_ok", "unchecked", "kills", "spawned", "recycled")
+    counts = {k: int(v) for k, v in zip(names, m.groups())}
+    return counts, r.returncode, r.stderr
+
+
+def test_rounds_with_kills_forgeries_and_replays_count_nothing_when_promises_hold():
+    plans = [chaos.make_plan(1, i, 3) for i in range(12)]
+    kinds = set().union(*map(chaos.kinds_of, plans))
+    assert {"kill_consumer", "kill_producer", "kill_forwarder", "killed_writer"} <= kinds
+    assert {"forge", "replay_stale", "forward", "round_trip", "hub_load"} <= kinds
+    counts, rc, err = run_fake("fake", 12)
+    assert rc == 0, err[-3000:]
+    assert counts["rounds"] == counts["asked"] == 12
+    assert counts["wrong_data"] == counts["leaks"] == counts["hangs"] == counts["errors"] == 0
+    assert counts["checked_ok"] > 50
+    assert counts["kills"] >= 3  # and the killed workers were replaced (by the next round)
+    assert counts["spawned"] > 3 + chaos.SPARES
+
+
+def test_a_receiver_that_sees_other_data_is_counted_and_fails_the_run():
+    counts, rc, err = run_fake("fake-corrupt", 3)
+    assert rc == 1 and counts["wrong_data"] > 3 and counts["errors"] == 0, err[-2000:]
+    assert "wrong_data" in err and "elements differ" in err
+
+
+def test_a_hub_that_keeps_descriptors_is_counted_as_leaking_every_round():
+    counts, rc, err = run_fake("fake-leaky", 3)
+    assert rc == 1 and counts["leaks"] == 3 and counts["wrong_data"] == 0, err[-2000:]
+    assert "fds[pipe]" in err

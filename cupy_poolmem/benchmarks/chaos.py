@@ -43,8 +43,11 @@ rounds from one on); kill moments and process timing do not repeat exactly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import gc
+import itertools
 import os
 import pickle
 import random
@@ -53,6 +56,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -405,7 +409,7 @@ class _Peeker(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         obj = super().find_class(module, name)
-        if module.startswith("cupy_poolmem") and name == "rebuild":
+        if module.startswith("cupy_poolmem") and name.endswith("rebuild"):
             return lambda *args: _Call(obj, args)
         return obj
 
@@ -567,6 +571,7 @@ THREADS_PER_CONNECTION = 2  # a reader or server thread, and a sender thread
 POOLS_PER_CLIENT = 2  # a DevicePool's two CUDA pools (the small-block one too)
 EVENTS_PER_CLIENT = 2
 DEVICE_FD_SLACK = 4  # descriptors the driver opens once, at some first use
+PIPES_PER_PROCESS = 2  # multiprocessing's spawn keeps both ends of its set-up pipe
 
 
 def fd_kind(target: str) -> str:
@@ -618,7 +623,7 @@ def leaks(base: Counters, now: Counters) -> list[str]:
         out.append(f"threads={now.threads} (baseline {base.threads} + {conns} connections)")
     allowed = {
         "socket": base.fds.get("socket", 0) + conns + now.procs,
-        "pipe": base.fds.get("pipe", 0) + now.procs,
+        "pipe": base.fds.get("pipe", 0) + PIPES_PER_PROCESS * now.procs,
         "pidfd": base.fds.get("pidfd", 0) + conns,
         # the driver's: a descriptor per imported pool, maybe per opened IPC event
         "other": base.fds.get("other", 0)
@@ -649,15 +654,11 @@ def _classify_exc(exc: BaseException) -> tuple[str, str]:
     return "error", f"{text} | {tb[-900:]}"
 
 
-def _check(arr: Any, expect: Plain | Forged) -> tuple[str, str]:
-    """:func:`verify` for a received cupy array."""
+def _check(be: Any, arr: Any, expect: Plain | Forged) -> tuple[str, str]:
+    """:func:`verify` for a received array (``be``: the backend it lives on)."""
     try:
-        import cupy
-        import numpy as np
-
-        host = np.ascontiguousarray(cupy.asnumpy(arr))
-        offset = int(arr.data.ptr) - int(arr.data.mem.ptr)
-        return verify(host, tuple(arr.strides), offset, int(arr.data.mem.size), expect)
+        host, strides, offset, mem_size = be.view(arr)
+        return verify(host, strides, offset, mem_size, expect)
     except Exception as exc:
         return "error", f"reading a received array: {type(exc).__name__}: {exc}"
 
@@ -680,11 +681,219 @@ def _spin(ms: float) -> None:
     k((1,), (1,), (np.int64(int(ms * rate)),))
 
 
+# -- what the run runs on ------------------------------------------------------------------------
+class GPU:
+    """The real thing: CuPy arrays on cupy_poolmem's IPC pools, shared zero-copy."""
+
+    name = "gpu"
+
+    def __init__(self) -> None:
+        import cupy
+
+        import cupy_poolmem
+
+        self.cupy, self.cpm = cupy, cupy_poolmem
+
+    def setup(self, settings: dict[str, float]) -> None:
+        """Make cupy_poolmem CuPy's allocator (IPC pools) and apply sharing settings."""
+        self.cpm.set_allocator()
+        for k, v in settings.items():
+            setattr(self.cpm.sharing, k, v)
+        x = self.arange(1, 8)  # load the kernels the checks use
+        self.view(x)
+
+    def arange(self, base: int, n: int) -> Any:
+        return self.cupy.arange(base, base + n, dtype=self.cupy.int64)
+
+    def new_pool(self) -> Any:
+        return self.cpm.DevicePool(ipc=True)
+
+    def using(self, pool: Any = None) -> Any:
+        """Allocate from ``pool`` (default: the allocator's pool) in a ``with`` block."""
+        return self.cpm.using(pool if pool is not None else self.cpm.get_pool())
+
+    def trim(self) -> None:
+        self.cpm.get_pool().trim()
+
+    def ptr(self, arr: Any) -> int:
+        return int(arr.data.ptr)
+
+    def view(self, arr: Any) -> tuple[Any, tuple, int, int]:
+        """``(host copy, strides, offset, memory size)`` of an array (see :func:`verify`)."""
+        import numpy as np
+
+        host = np.ascontiguousarray(self.cupy.asnumpy(arr))
+        offset = int(arr.data.ptr) - int(arr.data.mem.ptr)
+        return host, tuple(arr.strides), offset, int(arr.data.mem.size)
+
+    def sync(self) -> None:
+        self.cupy.cuda.get_current_stream().synchronize()
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.cpm.sharing.stats())
+
+    def collect(self) -> None:
+        self.cpm.sharing.collect()
+
+    def pool_bytes(self) -> tuple[int, int]:
+        """The allocator pool's ``used_bytes`` and ``held_for_sharing_bytes``."""
+        st = self.cpm.get_pool().stats()
+        return st.used_bytes, st.held_for_sharing_bytes
+
+    def write_late(self, arr: Any) -> None:
+        """Queue a write of ``arr`` behind a long kernel."""
+        _spin(WRITER_SPIN_MS)
+        arr.fill(-1)  # runs after the spin, unless this process is gone by then
+
+    def device(self) -> str:
+        cupy = self.cupy
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+        name = props["name"]
+        return (name.decode() if isinstance(name, bytes) else str(name)).replace(" ", "_")
+
+
+class FakeDescriptor(NamedTuple):
+    """What a :class:`FakeGPU` message carries: the array's view, and the block (``n``
+    int64 from ``base``, remade by the receiver: a message stays small, as a real one)."""
+
+    version: int
+    ticket: bytes
+    export_id: int
+    size: int
+    offset: int
+    shape: tuple
+    strides: tuple
+    dtype: str
+    life: int
+    base: int
+    n: int
+
+
+def fake_rebuild(d: FakeDescriptor) -> FakeArray:
+    """Receive a :class:`FakeGPU` message: refused (a typed error) unless its view lies
+    within its block, as the sharing protocol promises; else a copy of the block."""
+    import numpy as np
+
+    from cupy_poolmem import SharingError
+
+    try:
+        dt = np.dtype(d.dtype)
+    except TypeError:
+        raise SharingError(f"dtype {d.dtype!r}") from None
+    lo, hi = _extent(d.shape, d.strides, dt.itemsize, d.offset)
+    if d.version != 1 or dt.hasobject or d.size != 8 * d.n or lo < 0 or hi > d.size:
+        raise SharingError("a fake descriptor that does not fit its block")
+    block = bytearray(np.arange(d.base, d.base + d.n, dtype=np.int64).tobytes())
+    view = np.ndarray(d.shape, dt, buffer=block, offset=d.offset, strides=d.strides)
+    arr = FakeArray(view, d.offset, block, d.base)
+    arr.received = True
+    return arr
+
+
+class FakeArray:
+    """A :class:`FakeGPU` array: a numpy view at ``offset`` into its block's bytes."""
+
+    _ptrs = itertools.count(1 << 12, 1 << 12)
+
+    def __init__(self, data: Any, offset: int, block: bytearray, base: int) -> None:
+        self.data, self.offset, self.block, self.base = data, offset, block, base
+        self.ptr = next(FakeArray._ptrs)
+        self.received = False
+
+    def __reduce__(self) -> tuple:
+        d = FakeDescriptor(
+            1,
+            bytes(16),
+            1,
+            len(self.block),
+            self.offset,
+            self.data.shape,
+            self.data.strides,
+            self.data.dtype.str,
+            1,
+            self.base,
+            len(self.block) // 8,
+        )
+        return fake_rebuild, (d,)
+
+
+class FakeGPU:
+    """A CPU stand-in for :class:`GPU` (tests of the run's own machinery): numpy arrays
+    sent by value in messages that forgeries can change.  It shows what the run counts
+    when the protocol keeps its promises: every check passes, nothing leaks.
+
+    ``corrupt``: every received array shows one wrong element; ``leak``: the hub keeps a
+    pipe open per collection (both to see that the run counts them).
+    """
+
+    def __init__(self, corrupt: bool = False, leak: bool = False) -> None:
+        self.corrupt, self.leak = corrupt, leak
+        self.name = "fake" + ("-corrupt" if corrupt else "") + ("-leaky" if leak else "")
+        self._kept: list[tuple[int, int]] = []
+
+    def setup(self, settings: dict[str, float]) -> None:
+        pass
+
+    def arange(self, base: int, n: int) -> FakeArray:
+        import numpy as np
+
+        block = bytearray(np.arange(base, base + n, dtype=np.int64).tobytes())
+        return FakeArray(np.ndarray((n,), np.int64, buffer=block), 0, block, base)
+
+    def new_pool(self) -> Any:
+        return types.SimpleNamespace(closed=False, close=lambda: None)
+
+    def using(self, pool: Any = None) -> Any:
+        return contextlib.nullcontext()
+
+    def trim(self) -> None:
+        pass
+
+    def ptr(self, arr: FakeArray) -> int:
+        return arr.ptr
+
+    def view(self, arr: FakeArray) -> tuple[Any, tuple, int, int]:
+        import numpy as np
+
+        host = np.array(arr.data, order="C")
+        if self.corrupt and arr.received and host.size:
+            host.flat[0] += 1
+        return host, arr.data.strides, arr.offset, len(arr.block)
+
+    def sync(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, int]:
+        return dict.fromkeys((*ZERO_AFTER_ROUND, "peers", "clients"), 0)
+
+    def collect(self) -> None:
+        if self.leak:
+            self._kept.append(os.pipe())
+
+    def pool_bytes(self) -> tuple[int, int]:
+        return 0, 0
+
+    def write_late(self, arr: FakeArray) -> None:
+        arr.data[...] = -1  # its own copy: nobody else sees it
+
+    def device(self) -> str:
+        return "fake"
+
+
+#: What ``run`` can run on (``opts.backend``, "gpu" unless a test says "fake").
+BACKENDS: dict[str, Any] = {
+    "gpu": GPU,
+    "fake": FakeGPU,
+    "fake-corrupt": functools.partial(FakeGPU, corrupt=True),
+    "fake-leaky": functools.partial(FakeGPU, leak=True),
+}
+
+
 class _WorkerState:
     """A worker's arrays: what it made (by batch) and what it holds (by message)."""
 
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
+    def __init__(self, conn: Any, be: Any) -> None:
+        self.conn, self.be = conn, be
         self.held: dict[int, tuple[Any, Any]] = {}  # mid -> (array, expectation or None)
         self.own: dict[Any, list[tuple[Any, Plain]]] = {}  # batch tag -> its arrays
 
@@ -692,11 +901,9 @@ class _WorkerState:
         """Allocate and fill one array per item; pickle ``copies`` messages of each."""
         from multiprocessing.reduction import ForkingPickler
 
-        import cupy
-
         arrays, msgs = [], []
         for ai, base, n in items:
-            a = cupy.arange(base, base + n, dtype=cupy.int64)
+            a = self.be.arange(base, n)
             arrays.append((a, Plain(base, n)))
             for c in range(copies):
                 msgs.append((ai, c, bytes(ForkingPickler.dumps(a))))
@@ -708,7 +915,7 @@ class _WorkerState:
 
         extra = None
         try:
-            outcome, detail = _check(arr, expect)
+            outcome, detail = _check(self.be, arr, expect)
             if outcome in ("ok", "unchecked"):
                 if action in ("forward", "return"):
                     try:
@@ -718,8 +925,7 @@ class _WorkerState:
                 elif action == "hold":
                     self.held[mid] = (arr, expect)
                 elif action == "write":
-                    _spin(WRITER_SPIN_MS)
-                    arr.fill(-1)  # runs after the spin, unless this process is gone by then
+                    self.be.write_late(arr)
                     self.held[mid] = (arr, None)
         except BaseException as exc:
             outcome, detail = _classify_exc(exc)
@@ -730,62 +936,48 @@ class _WorkerState:
         out: list[tuple[int | None, str, str]] = []
         for mid, (arr, expect) in self.held.items():
             if expect is not None:
-                o, d = _check(arr, expect)
+                o, d = _check(self.be, arr, expect)
                 if o not in ("ok", "unchecked"):
                     out.append((mid, o, "a held array re-read: " + d))
         for tag, arrays in self.own.items():
             for a, expect in arrays:
-                o, d = _check(a, expect)
+                o, d = _check(self.be, a, expect)
                 if o != "ok":
                     out.append((None, o, f"an array it made ({tag}) re-read: {d}"))
         return out
 
     def recycle(self, old: Any, tag: Any, items: list) -> None:
         """Drop a batch's arrays, let their blocks go back to the pool, make new ones."""
-        import cupy_poolmem as cpm
-
-        ptrs = {int(a.data.ptr) for a, _ in self.own.pop(old, [])}
+        ptrs = {self.be.ptr(a) for a, _ in self.own.pop(old, [])}
         deadline = time.monotonic() + 0.5
-        while cpm.sharing.stats()["limbo_blocks"] and time.monotonic() < deadline:
+        while self.be.stats()["limbo_blocks"] and time.monotonic() < deadline:
             time.sleep(0.005)
         arrays, msgs = self.make(items, 2)
-        reused = sum(int(a.data.ptr) in ptrs for a, _ in arrays)
+        reused = sum(self.be.ptr(a) in ptrs for a, _ in arrays)
         self.own[tag] = arrays
         del arrays
         self.conn.send(("produced", tag, msgs, reused))
 
     def settle(self) -> None:
         """Re-read, let everything go, unmap idle mappings; report with the counters."""
-        import cupy
-
-        import cupy_poolmem as cpm
-
         found = self.recheck()
         self.held.clear()
         self.own.clear()
         gc.collect()
-        cupy.cuda.get_current_stream().synchronize()
-        cpm.sharing.collect()
-        self.conn.send(("settled", found, dict(cpm.sharing.stats())))
+        self.be.sync()
+        self.be.collect()
+        self.conn.send(("settled", found, self.be.stats()))
 
 
-def worker_main(conn: Any, wid: int) -> None:
+def worker_main(conn: Any, wid: int, backend: str = "gpu") -> None:
     """A long-lived worker: produce, receive, check, forward on the hub's word, until told
     to exit, killed, or the hub goes away (its pipe closes, or stays silent)."""
     from multiprocessing.reduction import ForkingPickler
 
-    import cupy
-
-    import cupy_poolmem as cpm
-
-    cpm.set_allocator()
-    for k, v in WORKER_SETTINGS.items():
-        setattr(cpm.sharing, k, v)
-    x = cupy.arange(8, dtype=cupy.int64) + 1  # load the kernels the checks use
-    cupy.asnumpy(x)
-    del x
+    be = BACKENDS[backend]()
+    be.setup(WORKER_SETTINGS)
     conn.send(("ready", wid, os.getpid()))
-    st = _WorkerState(conn)
+    st = _WorkerState(conn, be)
     seq = 0  # messages read from the hub, failed ones too (the hub counts its sends)
     while True:
         if not conn.poll(IDLE_EXIT_S):
@@ -849,12 +1041,14 @@ STUCK_S = 120.0  # the hub itself making no progress this long: the run is abort
 class Worker:
     """The hub's end of one worker process: its pipe and process handle."""
 
-    def __init__(self, ctx: Any, wid: int) -> None:
+    def __init__(self, ctx: Any, wid: int, backend: str) -> None:
         from cupy_poolmem.benchmarks.chaos import worker_main as target  # importable by name
 
         parent, child = ctx.Pipe()
         self.wid = wid
-        self.proc = ctx.Process(target=target, args=(child, wid), name=f"chaos-{wid}", daemon=True)
+        self.proc = ctx.Process(
+            target=target, args=(child, wid, backend), name=f"chaos-{wid}", daemon=True
+        )
         self.proc.start()
         child.close()
         self.conn = parent
@@ -888,14 +1082,10 @@ class Msg(NamedTuple):
 class Hub:
     """Runs the rounds: workers, routing, events, checks and the baseline."""
 
-    def __init__(self, opts: argparse.Namespace, result: Result) -> None:
+    def __init__(self, opts: argparse.Namespace, result: Result, be: Any) -> None:
         import multiprocessing as mp
 
-        import cupy
-
-        import cupy_poolmem as cpm
-
-        self.cupy, self.cpm = cupy, cpm
+        self.be = be
         self.opts = opts
         self.r = result
         self.ctx = mp.get_context("spawn")
@@ -917,7 +1107,7 @@ class Hub:
 
     # -- workers -------------------------------------------------------------------------------
     def spawn(self) -> Worker:
-        w = Worker(self.ctx, self.next_wid)
+        w = Worker(self.ctx, self.next_wid, self.be.name)
         self.next_wid += 1
         self.workers.append(w)
         self.r.spawned += 1
@@ -1122,7 +1312,7 @@ class Hub:
         except Exception as exc:
             self.outcome(*_classify_exc(exc))
             return
-        o, d = _check(arr, expect)
+        o, d = _check(self.be, arr, expect)
         self.outcome(o, "the hub: " + d)
         del arr
 
@@ -1215,6 +1405,8 @@ class Hub:
         except Exception:
             self.r.note("errors", plan.number, "the hub: " + traceback.format_exc())
         finally:
+            for _t, w in self.kills:  # due after the round's work: it dies idle, holding
+                self.kill(w)
             self.kills.clear()
             msgs.clear()
             self.settle(plan, deadline)
@@ -1224,7 +1416,7 @@ class Hub:
     def produce(self, plan: Plan, msgs: dict, deadline: float) -> Any:
         """1. Producers make their arrays and messages (kills of producers meanwhile).
         Returns the pool to close under its receivers (or None); False on a hang."""
-        cpm, cupy, seed = self.cpm, self.cupy, self.opts.seed
+        be, seed = self.be, self.opts.seed
         t0 = time.monotonic()
         for e in plan.events:
             w = self.slots[e.target] if e.target != HUB else None
@@ -1238,10 +1430,10 @@ class Hub:
             ]
             if batch.producer == HUB:
                 if batch.then == "close":
-                    temp_pool = cpm.DevicePool(ipc=True)
-                with cpm.using(temp_pool if temp_pool is not None else cpm.get_pool()):
+                    temp_pool = be.new_pool()
+                with be.using(temp_pool):
                     for a, base, n in items:
-                        arr = cupy.arange(base, base + n, dtype=cupy.int64)
+                        arr = be.arange(base, n)
                         self.own[(b, a)] = (arr, Plain(base, n))
                         for c in range(1, batch.copies):
                             msgs[(b, a, c)] = Msg(self.dumps(arr), Plain(base, n))
@@ -1299,7 +1491,7 @@ class Hub:
                 for a in range(len(batch.sizes)):
                     self.own.pop((b, a), None)  # in limbo until its messages are claimed
         if any(e.kind == "trim_pool" for e in plan.events):
-            self.cpm.get_pool().trim()  # under receivers mapping, holding and idling
+            self.be.trim()  # under receivers mapping, holding and idling
         for m in to_hub:
             self.hub_load(m.data, m.expect)
         return self.delivered(deadline)
@@ -1346,7 +1538,7 @@ class Hub:
         same sizes (their blocks' next lives when recycled); the new messages go to the
         same consumers.  Returns the old messages (stale once their blocks recycled);
         None on a hang."""
-        seed, cpm, cupy = self.opts.seed, self.cpm, self.cupy
+        seed, be = self.opts.seed, self.be
         stale: list[Msg] = []
         for b, batch in enumerate(plan.batches):
             if batch.then != "recycle":
@@ -1361,14 +1553,14 @@ class Hub:
                 old = set()
                 for a in range(len(batch.sizes)):
                     arr = self.own.pop((b, a))[0]
-                    old.add(int(arr.data.ptr))
+                    old.add(be.ptr(arr))
                     del arr
                 limit = time.monotonic() + 0.5
-                while cpm.sharing.stats()["limbo_blocks"] and time.monotonic() < limit:
+                while be.stats()["limbo_blocks"] and time.monotonic() < limit:
                     self.sleep(0.005)
                 for a, base, n in items:
-                    arr = cupy.arange(base, base + n, dtype=cupy.int64)
-                    self.r.recycled += int(arr.data.ptr) in old
+                    arr = be.arange(base, n)
+                    self.r.recycled += be.ptr(arr) in old
                     self.own[(b, a, "next")] = (arr, Plain(base, n))
                     new[a] = (self.dumps(arr), Plain(base, n))
                     del arr
@@ -1399,13 +1591,13 @@ class Hub:
     def killed_writer(self, plan: Plan, e: Event, deadline: float) -> bool:
         """7. A receiver queues a write behind a long kernel and is killed; the hub drops
         the array and reuses the memory: its new data must survive the killed write."""
-        cupy, cpm = self.cupy, self.cpm
+        be = self.be
         w = self.usable(e.target)
         if w is None:
             return True
         n = SIZES[-1]
         base = pattern_base(self.opts.seed, (plan.number, "writer"))
-        arr = cupy.arange(base, base + n, dtype=cupy.int64)
+        arr = be.arange(base, n)
         mid = self.send_take(w, arr, Plain(base, n), "write")
         del arr
         if not self.pump(self.answered(("mid", mid)), deadline):
@@ -1414,15 +1606,15 @@ class Hub:
         if not self.pump(lambda: w.gone, deadline):
             return False
         limit = time.monotonic() + 5.0
-        while cpm.sharing.stats()["leases"] and time.monotonic() < limit:
+        while be.stats()["leases"] and time.monotonic() < limit:
             self.sleep(0.01)
         reuse = []
         for k in range(4):
             b2 = pattern_base(self.opts.seed, (plan.number, "writer", k))
-            reuse.append((cupy.arange(b2, b2 + n, dtype=cupy.int64), Plain(b2, n)))
+            reuse.append((be.arange(b2, n), Plain(b2, n)))
         self.sleep(2 * WRITER_SPIN_MS / 1e3)  # longer than the killed kernel's spin
         for x, expect in reuse:
-            o, d = _check(x, expect)
+            o, d = _check(self.be, x, expect)
             self.outcome(o, "the hub's memory reused after a killed writer: " + d)
         return True
 
@@ -1437,23 +1629,23 @@ class Hub:
 
     # -- after a round: everyone lets go; the hub's counters come back -------------------------------
     def settle(self, plan: Plan, deadline: float) -> None:
-        cupy, cpm = self.cupy, self.cpm
+        be = self.be
         self.waiting.clear()
         self.ask_all("settle", "settled")
         if not self.pump(lambda: not self.waiting, max(deadline, time.monotonic() + 10)):
             self.hang(plan, "settling")
         for arr, expect in self.own.values():
-            o, d = _check(arr, expect)
+            o, d = _check(self.be, arr, expect)
             if o != "ok":
                 self.outcome(o, "the hub's own array re-read: " + d)
         self.own.clear()
         self.reap()
         gc.collect()
-        cupy.cuda.get_current_stream().synchronize()
+        be.sync()
         limit = time.monotonic() + SETTLE_S
         assert self.base is not None
         while True:
-            cpm.sharing.collect()
+            be.collect()
             found = leaks(self.base, self.counters())
             if not found or time.monotonic() > limit:
                 break
@@ -1463,14 +1655,9 @@ class Hub:
             self.r.note("leaks", plan.number, "; ".join(found))
 
     def counters(self) -> Counters:
-        st = self.cpm.get_pool().stats()
+        used, held = self.be.pool_bytes()
         return Counters(
-            open_fds(),
-            threading.active_count(),
-            st.used_bytes,
-            st.held_for_sharing_bytes,
-            dict(self.cpm.sharing.stats()),
-            len(self.workers),
+            open_fds(), threading.active_count(), used, held, self.be.stats(), len(self.workers)
         )
 
     def start(self) -> None:
@@ -1479,25 +1666,23 @@ class Hub:
         from multiprocessing import resource_tracker
         from multiprocessing.reduction import ForkingPickler
 
-        cupy, cpm = self.cupy, self.cpm
-        cpm.set_allocator()
-        for k, v in HUB_SETTINGS.items():
-            setattr(cpm.sharing, k, v)
+        be = self.be
+        be.setup(HUB_SETTINGS)
         resource_tracker.ensure_running()
-        pool = cpm.DevicePool(ipc=True)
-        with cpm.using(pool):
-            x = cupy.arange(8, dtype=cupy.int64)
+        pool = be.new_pool()
+        with be.using(pool):
+            x = be.arange(0, 8)
         y = ForkingPickler.loads(ForkingPickler.dumps(x))  # a message to itself
-        cupy.asnumpy(y)
+        be.view(y)
         del x, y
-        x = cupy.arange(8, dtype=cupy.int64)
+        x = be.arange(0, 8)
         y = ForkingPickler.loads(ForkingPickler.dumps(x))
         del x, y
         pool.close()
-        cpm.get_pool().trim()
+        be.trim()
         gc.collect()
-        cupy.cuda.get_current_stream().synchronize()
-        cpm.sharing.collect()
+        be.sync()
+        be.collect()
         base = self.counters()
         for _ in range(30):  # threads started above (a retirer) may still be ending
             time.sleep(0.1)
@@ -1519,20 +1704,11 @@ class Hub:
                 w.proc.join(5)
 
 
-def _device_name() -> str:
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
-    name = props["name"]
-    return (name.decode() if isinstance(name, bytes) else str(name)).replace(" ", "_")
-
-
-def _watchdog(hub: Hub, result: Result) -> None:
+def _watchdog(hub: Hub, result: Result, stop: threading.Event) -> None:
     """End the run with its summary line when the hub itself stops making progress."""
     import faulthandler
 
-    while True:
-        time.sleep(1.0)
+    while not stop.wait(1.0):
         if time.monotonic() - hub.beat > STUCK_S:
             result.hangs += 1
             result.aborted = "hub-stuck"
@@ -1552,10 +1728,12 @@ def run(opts: argparse.Namespace) -> Result:
     """The chaos run (needs a GPU): rounds until done or the time cap."""
     result = Result(seed=opts.seed, rounds_asked=opts.rounds)
     t_start = time.monotonic()
-    hub = Hub(opts, result)
-    result.device = _device_name()
+    be = BACKENDS[getattr(opts, "backend", "gpu")]()
+    hub = Hub(opts, result, be)
+    result.device = be.device()
+    stop = threading.Event()
     threading.Thread(
-        target=_watchdog, args=(hub, result), name="chaos-watchdog", daemon=True
+        target=_watchdog, args=(hub, result, stop), name="chaos-watchdog", daemon=True
     ).start()
     hub.start()
     try:
@@ -1578,6 +1756,7 @@ def run(opts: argparse.Namespace) -> Result:
                 )
     finally:
         hub.stop()
+        stop.set()
     result.elapsed = time.monotonic() - t_start
     return result
 
