@@ -51,6 +51,7 @@ import itertools
 import os
 import pickle
 import random
+import re
 import signal
 import sys
 import threading
@@ -594,6 +595,19 @@ def open_fds() -> dict[str, int]:
             continue
         kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
+
+
+def fd_targets(limit: int = 8) -> str:
+    """The most common targets of this process's open descriptors (for a leak's report)."""
+    seen: dict[str, int] = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            t = re.sub(r"\d+", "N", os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+        seen[t] = seen.get(t, 0) + 1
+    top = sorted(seen.items(), key=lambda kv: -kv[1])[:limit]
+    return ", ".join(f"{t} x{n}" for t, n in top)
 
 
 def leaks(base: Counters, now: Counters) -> list[str]:
@@ -1599,15 +1613,15 @@ class Hub:
         base = pattern_base(self.opts.seed, (plan.number, "writer"))
         arr = be.arange(base, n)
         mid = self.send_take(w, arr, Plain(base, n), "write")
-        del arr
         if not self.pump(self.answered(("mid", mid)), deadline):
             return False
         self.kill(w)
-        if not self.pump(lambda: w.gone, deadline):
-            return False
-        limit = time.monotonic() + 5.0
-        while be.stats()["leases"] and time.monotonic() < limit:
-            self.sleep(0.01)
+        held = be.pool_bytes()[1]
+        del arr  # in limbo (held for sharing) until the killed process is gone
+        if be.pool_bytes()[1] > held:  # wait for it to be let go, to reuse its memory
+            limit = time.monotonic() + 5.0
+            while be.pool_bytes()[1] > held and time.monotonic() < limit:
+                self.sleep(0.01)
         reuse = []
         for k in range(4):
             b2 = pattern_base(self.opts.seed, (plan.number, "writer", k))
@@ -1652,6 +1666,8 @@ class Hub:
             self.sleep(0.02)
             self.reap()
         if found:
+            if any(f.startswith("fds[") for f in found):
+                found.append(f"open: {fd_targets()}")
             self.r.note("leaks", plan.number, "; ".join(found))
 
     def counters(self) -> Counters:
