@@ -220,6 +220,30 @@ def test_a_forged_view_outside_or_past_the_block_is_wrong_data_whatever_it_shows
     assert outcome == "wrong" and "past its block" in detail
 
 
+class _Unreadable:
+    """A backend whose arrays must not be read (their geometry may be asked)."""
+
+    def __init__(self, geometry):
+        self.geo = geometry
+
+    def geometry(self, arr):
+        return self.geo
+
+    def view(self, arr):
+        raise AssertionError("read an array that reaches outside its block")
+
+
+def test_an_array_reaching_outside_its_block_is_not_read():
+    expect = chaos.Forged(1 << 20, 512, 0, 4096, "size+shape")
+    past = _Unreadable(((512 * 64,), (8,), 8, 0, 64 * 4096))
+    outcome, detail = chaos._check(past, object(), expect)
+    assert outcome == "wrong" and "outside its block" in detail
+    before = _Unreadable(((4,), (-8,), 8, 8, 4096))
+    assert chaos._check(before, object(), expect)[0] == "wrong"
+    assert chaos.outside((0,), (8,), 8, 1 << 30, 4096, expect) == ""  # empty: reads nothing
+    assert chaos.outside((512,), (8,), 8, 0, 4096, expect) == ""
+
+
 def test_a_forged_view_over_bytes_nobody_wrote_is_unchecked():
     # a 4096-byte block holding 4000 bytes of array
     expect = chaos.Forged(1 << 20, 500, 0, 4096, "shape-larger")

@@ -343,6 +343,25 @@ def _extent(shape: tuple, strides: tuple, itemsize: int, offset: int) -> tuple[i
     return lo, hi + itemsize
 
 
+def outside(
+    shape: tuple, strides: tuple, itemsize: int, offset: int, mem_size: int, expect: Forged
+) -> str:
+    """Why an array received for a forged message reaches outside the block the original
+    message named ("" when it does not): checked before a byte of it is read."""
+    lo, hi = _extent(shape, strides, itemsize, offset)
+    if lo < hi and (lo < 0 or hi > expect.size):
+        return (
+            f"forged {expect.field}: an array over bytes [{lo}, {hi}) of a {expect.size}-byte "
+            "block was built (memory outside its block)"
+        )
+    if mem_size > expect.size:
+        return (
+            f"forged {expect.field}: the received array's memory spans {mem_size} bytes of "
+            f"a {expect.size}-byte block (mapped past its block)"
+        )
+    return ""
+
+
 def verify(
     host: Any, strides: tuple, offset: int, mem_size: int, expect: Plain | Forged
 ) -> tuple[str, str]:
@@ -367,17 +386,10 @@ def verify(
                 f"sent {int(pattern[i])} (base {expect.base})"
             )
         return "ok", ""
+    why = outside(host.shape, strides, host.dtype.itemsize, offset, mem_size, expect)
+    if why:
+        return "wrong", why
     lo, hi = _extent(host.shape, strides, host.dtype.itemsize, offset)
-    if lo < 0 or hi > expect.size:
-        return "wrong", (
-            f"forged {expect.field}: an array over bytes [{lo}, {hi}) of a {expect.size}-byte "
-            "block was built (memory outside its block)"
-        )
-    if mem_size > expect.size:
-        return "wrong", (
-            f"forged {expect.field}: the received array's memory spans {mem_size} bytes of "
-            f"a {expect.size}-byte block (mapped past its block)"
-        )
     if lo == hi:
         return "ok", ""
     if lo < expect.offset or hi > expect.offset + 8 * expect.n:
@@ -669,8 +681,14 @@ def _classify_exc(exc: BaseException) -> tuple[str, str]:
 
 
 def _check(be: Any, arr: Any, expect: Plain | Forged) -> tuple[str, str]:
-    """:func:`verify` for a received array (``be``: the backend it lives on)."""
+    """:func:`verify` for a received array (``be``: the backend it lives on).  An array
+    of a forged message that reaches outside its block is not read."""
     try:
+        if isinstance(expect, Forged):
+            shape, strides, item, offset, mem_size = be.geometry(arr)
+            why = outside(shape, strides, item, offset, mem_size, expect)
+            if why:
+                return "wrong", why
         host, strides, offset, mem_size = be.view(arr)
         return verify(host, strides, offset, mem_size, expect)
     except Exception as exc:
@@ -731,6 +749,12 @@ class GPU:
 
     def ptr(self, arr: Any) -> int:
         return int(arr.data.ptr)
+
+    def geometry(self, arr: Any) -> tuple[tuple, tuple, int, int, int]:
+        """``(shape, strides, item size, offset, memory size)`` (see :func:`outside`)."""
+        mem = arr.data.mem
+        offset = int(arr.data.ptr) - int(mem.ptr)
+        return arr.shape, tuple(arr.strides), arr.dtype.itemsize, offset, int(mem.size)
 
     def view(self, arr: Any) -> tuple[Any, tuple, int, int]:
         """``(host copy, strides, offset, memory size)`` of an array (see :func:`verify`)."""
@@ -865,6 +889,10 @@ class FakeGPU:
 
     def ptr(self, arr: FakeArray) -> int:
         return arr.ptr
+
+    def geometry(self, arr: FakeArray) -> tuple[tuple, tuple, int, int, int]:
+        d = arr.data
+        return d.shape, d.strides, d.dtype.itemsize, arr.offset, len(arr.block)
 
     def view(self, arr: FakeArray) -> tuple[Any, tuple, int, int]:
         import numpy as np
@@ -1251,6 +1279,8 @@ class Hub:
         elif op == "result":
             _, mid, outcome, detail, extra = msg
             self.outcome(outcome, f"worker {w.wid}: {detail}")
+            if outcome == "error":
+                self.kill(w)  # a CUDA error may poison its context: a fresh one takes over
             self.waiting.pop(("mid", mid), None)
             expect = self.expect.get(mid)
             if extra is not None and expect is not None:
