@@ -48,7 +48,7 @@ def test_chaos_is_a_named_benchmark_not_a_default_one():
 
 def test_options_and_their_defaults():
     o = chaos.build_parser().parse_args([])
-    assert (o.seed, o.rounds, o.time_cap, o.workers, o.first_round) == (1, 300, 600, 4, 0)
+    assert (o.seed, o.rounds, o.time_cap, o.workers, o.first_round) == (1, 300, 900, 4, 0)
     o = chaos.build_parser().parse_args(["--seed", "7", "--rounds", "5", "--time-cap", "60"])
     assert (o.seed, o.rounds, o.time_cap) == (7, 5, 60)
 
@@ -60,7 +60,7 @@ def test_bench_forwards_the_chaos_options_it_was_given_and_no_others():
     argv = chaos.forward_args(ns)
     assert argv == ["--seed", "7", "--rounds", "20"]
     o = chaos.build_parser().parse_args(argv)
-    assert (o.seed, o.rounds, o.time_cap, o.workers) == (7, 20, 600, 4)
+    assert (o.seed, o.rounds, o.time_cap, o.workers) == (7, 20, 900, 4)
     assert chaos.forward_args(build_parser().parse_args(["bench", "alloc"])) == []
 
 
@@ -505,3 +505,24 @@ def test_a_hub_that_keeps_descriptors_is_counted_as_leaking_every_round():
     counts, rc, err = run_fake("fake-leaky", 3)
     assert rc == 1 and counts["leaks"] == 3 and counts["wrong_data"] == 0, err[-2000:]
     assert "fds[pipe]" in err
+
+
+def test_refusals_are_typed_errors_counted_by_type_and_anything_else_is_an_error():
+    from cupy_poolmem import CUDADriverError, SharingError
+
+    assert chaos._classify_exc(SharingError("stale"))[0] == "refused:SharingError"
+    err = CUDADriverError("cuIpcOpenEventHandle", 1, "CUDA_ERROR_INVALID_VALUE")
+    assert chaos._classify_exc(err)[0] == "refused:CUDADriverError"
+    outcome, detail = chaos._classify_exc(ValueError("odd"))
+    assert outcome == "error" and detail.startswith("ValueError: odd")
+    r = chaos.Result()
+    hub = chaos.Hub(chaos.build_parser().parse_args([]), r, chaos.FakeGPU())
+    hub.outcome("refused:SharingError", "stale")
+    hub.outcome("refused:SharingError", "gone")
+    hub.outcome("refused:CUDADriverError", "x")
+    hub.outcome("ok", "")
+    hub.outcome("unchecked", "slack")
+    hub.outcome("error", "ValueError: odd")
+    hub.outcome("wrong", "[3] differs")
+    assert (r.refused_ok, r.ok, r.unchecked, r.errors, r.wrong_data) == (3, 1, 1, 1, 1)
+    assert r.refusals == {"SharingError": 2, "CUDADriverError": 1}

@@ -62,7 +62,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 # -- options ---------------------------------------------------------------------------------
-DEFAULTS = {"seed": 1, "rounds": 300, "time_cap": 600, "workers": 4}
+DEFAULTS = {"seed": 1, "rounds": 300, "time_cap": 900, "workers": 4}
 
 
 def add_options(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -86,7 +86,7 @@ def add_options(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
         type=int_at_least(1),
         default=d("time_cap"),
         metavar="SECONDS",
-        help="chaos: start no round after this many seconds (default 600)",
+        help="chaos: start no round after this many seconds (default 900)",
     )
     parser.add_argument(
         "--workers",
@@ -519,6 +519,7 @@ class Result:
     device: str = "?"
     aborted: str = ""
     details: list[str] = dataclasses.field(default_factory=list)
+    refusals: dict[str, int] = dataclasses.field(default_factory=dict)  # by exception type
 
     def note(self, what: str, round_index: int, text: str) -> None:
         """Count a finding (``what`` is a counter name) and keep its description."""
@@ -670,12 +671,12 @@ WRITER_SPIN_MS = 300  # the killed writer's kernel, before its write
 
 
 def _classify_exc(exc: BaseException) -> tuple[str, str]:
-    """``("refused", why)`` for cupy_poolmem's typed errors, else ``("error", why)``."""
+    """``("refused:TYPE", why)`` for cupy_poolmem's typed errors, else ``("error", why)``."""
     from cupy_poolmem import PoolmemError
 
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, PoolmemError):
-        return "refused", text
+        return f"refused:{type(exc).__name__}", text
     tb = " ".join("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).split())
     return "error", f"{text} | {tb[-900:]}"
 
@@ -1311,8 +1312,10 @@ class Hub:
     def outcome(self, outcome: str, detail: str) -> None:
         if outcome == "ok":
             self.r.ok += 1
-        elif outcome == "refused":
+        elif outcome.startswith("refused"):
             self.r.refused_ok += 1
+            kind = outcome.partition(":")[2] or "?"
+            self.r.refusals[kind] = self.r.refusals.get(kind, 0) + 1
         elif outcome == "unchecked":
             self.r.unchecked += 1
         elif outcome == "wrong":
@@ -1815,6 +1818,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run(opts)
     for line in result.details[:50]:
         print(line, file=sys.stderr)
+    if result.refusals:
+        kinds = ", ".join(f"{k}={n}" for k, n in sorted(result.refusals.items()))
+        print(f"chaos: messages refused, by error: {kinds}", file=sys.stderr)
     print(summary_line(result), flush=True)
     return exit_status(result)
 
