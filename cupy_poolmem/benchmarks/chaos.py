@@ -418,11 +418,12 @@ class _Call:
 
 
 class _Peeker(pickle.Unpickler):
-    """Unpickles a message without running cupy_poolmem's rebuild (nothing is claimed)."""
+    """Unpickles a message without running cupy_poolmem's functions in it (its rebuild:
+    nothing is claimed or mapped); classes (the descriptor's) are built as usual."""
 
     def find_class(self, module: str, name: str) -> Any:
         obj = super().find_class(module, name)
-        if module.startswith("cupy_poolmem") and name.endswith("rebuild"):
+        if module.split(".")[0] == "cupy_poolmem" and isinstance(obj, types.FunctionType):
             return lambda *args: _Call(obj, args)
         return obj
 
@@ -447,7 +448,7 @@ def repickle(call: _Call) -> bytes:
 def forge(desc: Any, field: str, rng: random.Random) -> Any:
     """``desc`` (a descriptor, a NamedTuple) with ``field`` forged; None when this version's
     descriptor has no such field."""
-    f = desc._fields
+    f = getattr(desc, "_fields", ())
     need = {"ticket", "export_id", "size", "offset", "shape", "strides", "dtype", "life"}
     if field == "version":
         need = {"version"}
@@ -520,6 +521,7 @@ class Result:
     aborted: str = ""
     details: list[str] = dataclasses.field(default_factory=list)
     refusals: dict[str, int] = dataclasses.field(default_factory=dict)  # by exception type
+    forgeries_skipped: int = 0  # fields this version's descriptor does not have
 
     def note(self, what: str, round_index: int, text: str) -> None:
         """Count a finding (``what`` is a counter name) and keep its description."""
@@ -1568,6 +1570,7 @@ class Hub:
         desc = call.args[0]
         forged = forge(desc, e.detail, rng)
         if forged is None:  # this version's descriptor has no such field
+            self.r.forgeries_skipped += 1
             return
         expect = Forged(
             pattern_base(self.opts.seed, (plan.number, b, a, 0)),
@@ -1821,6 +1824,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if result.refusals:
         kinds = ", ".join(f"{k}={n}" for k, n in sorted(result.refusals.items()))
         print(f"chaos: messages refused, by error: {kinds}", file=sys.stderr)
+    if result.forgeries_skipped:
+        print(
+            f"chaos: {result.forgeries_skipped} forgeries skipped: the descriptor lacks "
+            "their fields (update chaos.forge)",
+            file=sys.stderr,
+        )
     print(summary_line(result), flush=True)
     return exit_status(result)
 
