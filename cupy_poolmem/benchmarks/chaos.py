@@ -1079,7 +1079,7 @@ def worker_main(conn: Any, wid: int, backend: str = "gpu") -> None:
 HUB_SETTINGS = {"exit_timeout": 1.0, "inflight_timeout": 1.0, "claim_timeout": 5.0}
 ROUND_TIMEOUT_S = 30.0  # an answer later than this is a hang
 SETTLE_S = 5.0  # how long the hub's counters may take to come back after a round
-SPARES = 2  # workers started ahead, to replace killed ones at once
+SPARES = 3  # workers started ahead, to replace killed ones at once
 STUCK_S = 120.0  # the hub itself making no progress this long: the run is aborted
 
 
