@@ -1431,13 +1431,15 @@ class Hub:
                     self.send_forged(plan, e, msgs, rng)
             if not self.delivered(deadline):
                 return self.hang(plan, "delivering forged messages")
-            stale = self.recycle(plan, msgs, deadline)  # 5. next lives; old copies replayed
-            if stale is None:
+            recycled = self.recycle(plan, msgs, deadline, rng)  # 5. next lives, old copies
+            if recycled is None:
                 return self.hang(plan, "recycling")
+            stale, fresh = recycled
             for e in plan.events:
                 if e.kind == "replay_stale":
-                    for m in stale:
-                        self.send_to(e.target, m.data, m.expect)
+                    for target in sorted({e.target} | fresh):
+                        for m in stale:
+                            self.send_to(target, m.data, m.expect)
             if not self.delivered(deadline):
                 return self.hang(plan, "replaying stale messages")
             for e in plan.events:  # 6. messages of earlier rounds
@@ -1583,13 +1585,17 @@ class Hub:
         if genuine is not None:  # then the message itself (its ticket claimed, not expired)
             self.send_load(w, genuine, Plain(expect.base, expect.n), "drop")
 
-    def recycle(self, plan: Plan, msgs: dict, deadline: float) -> list[Msg] | None:
+    def recycle(
+        self, plan: Plan, msgs: dict, deadline: float, rng: random.Random
+    ) -> tuple[list[Msg], set[int]] | None:
         """5. Producers of ``recycle`` batches drop their arrays and make new ones of the
         same sizes (their blocks' next lives when recycled); the new messages go to the
-        same consumers.  Returns the old messages (stale once their blocks recycled);
-        None on a hang."""
+        same consumers, and a second one to another worker, which maps the block fresh
+        in its new life (and holds or drops it).  Returns the old messages (stale once
+        their blocks recycled) and those other workers' slots; None on a hang."""
         seed, be = self.opts.seed, self.be
         stale: list[Msg] = []
+        fresh: set[int] = set()
         for b, batch in enumerate(plan.batches):
             if batch.then != "recycle":
                 continue
@@ -1599,6 +1605,7 @@ class Hub:
                 for a, n in enumerate(batch.sizes)
             ]
             new: dict[int, tuple[bytes, Plain]] = {}
+            second: dict[int, tuple[bytes, Plain]] = {}
             if batch.producer == HUB:
                 old = set()
                 for a in range(len(batch.sizes)):
@@ -1613,6 +1620,7 @@ class Hub:
                     self.r.recycled += be.ptr(arr) in old
                     self.own[(b, a, "next")] = (arr, Plain(base, n))
                     new[a] = (self.dumps(arr), Plain(base, n))
+                    second[a] = (self.dumps(arr), Plain(base, n))
                     del arr
             else:
                 w = self.usable(batch.producer)
@@ -1625,18 +1633,28 @@ class Hub:
                     return None
                 for a, c, data in self.produced.get(tag, []):
                     expect = Plain(items[a][1], items[a][2])
-                    if c == 0:
-                        new[a] = (data, expect)
-                    else:
-                        msgs[(b, a, "next")] = Msg(data, expect)
+                    (new if c == 0 else second)[a] = (data, expect)
             for route in batch.routes:
                 tw = self.usable(route.consumer)
                 if tw is not None and route.copy == 0 and route.array in new:
                     data, expect = new[route.array]
                     self.send_load(tw, data, expect, "drop")
+            had = {r.consumer for r in batch.routes}
+            had |= {r.forward_to for r in batch.routes if r.action == "forward"}
+            live = [i for i in range(len(self.slots)) if self.usable(i) is not None]
+            others = [i for i in live if i not in had] or live
+            for a, (data, expect) in sorted(second.items()):
+                msgs[(b, a, "next")] = Msg(data, expect)
+                if not others:
+                    continue
+                target = rng.choice(others)
+                w = self.usable(target)
+                if w is not None:
+                    fresh.add(target)
+                    self.send_load(w, data, expect, rng.choice(("hold", "drop")))
         if not self.delivered(deadline):
             return None
-        return stale
+        return stale, fresh
 
     def killed_writer(self, plan: Plan, e: Event, deadline: float) -> bool:
         """7. A receiver queues a write behind a long kernel and is killed; the hub drops
