@@ -995,7 +995,7 @@ class _WorkerState:
         """Drop a batch's arrays, let their blocks go back to the pool, make new ones."""
         ptrs = {self.be.ptr(a) for a, _ in self.own.pop(old, [])}
         deadline = time.monotonic() + 0.5
-        while self.be.stats()["limbo_blocks"] and time.monotonic() < deadline:
+        while self.be.stats().get("limbo_blocks", 0) and time.monotonic() < deadline:
             time.sleep(0.005)
         arrays, msgs = self.make(items, 2)
         reused = sum(self.be.ptr(a) in ptrs for a, _ in arrays)
@@ -1613,7 +1613,7 @@ class Hub:
                     old.add(be.ptr(arr))
                     del arr
                 limit = time.monotonic() + 0.5
-                while be.stats()["limbo_blocks"] and time.monotonic() < limit:
+                while be.stats().get("limbo_blocks", 0) and time.monotonic() < limit:
                     self.sleep(0.005)
                 for a, base, n in items:
                     arr = be.arange(base, n)
