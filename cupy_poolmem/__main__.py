@@ -121,20 +121,30 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     """Run each benchmark module in its own process (they spawn workers)."""
     from .benchmarks import BENCHMARKS, DEFAULT
+    from .benchmarks.chaos import forward_args
 
+    given = forward_args(args)
+    if given and "chaos" not in args.names:
+        return fail(
+            f"{PROG} bench",
+            f"{' '.join(given[::2])} only apply to the chaos benchmark; name it: "
+            f"{PROG} bench chaos {' '.join(given)}",
+        )
     rc = _needs_gpu(f"{PROG} bench", "bench")
     if rc is not None:
         return rc
     from .benchmarks._common import child_env
 
     names = list(dict.fromkeys(args.names)) or list(DEFAULT)
-    extra = ["--quick"] if args.quick else []
-    if args.save:
-        extra += ["--save", os.path.abspath(args.save)]
+    save = ["--save", os.path.abspath(args.save)] if args.save else []
     env = child_env()
     status = 0
     for i, name in enumerate(names, start=1):
         module = f"{__package__}.benchmarks.{BENCHMARKS[name][0]}"
+        if name == "chaos":
+            extra = given + (["--rounds", "30"] if args.quick and args.rounds is None else [])
+        else:
+            extra = (["--quick"] if args.quick else []) + save
         print(f"[{i}/{len(names)}] {name}: {BENCHMARKS[name][1]}", file=sys.stderr, flush=True)
         r = subprocess.run([sys.executable, "-m", module, *extra], env=env)
         status = status or (1 if r.returncode else 0)
@@ -188,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"versions).\n\nbenchmarks:\n{listing}",
         epilog="examples:\n  python -m cupy_poolmem bench --quick\n"
         "  python -m cupy_poolmem bench alloc ipc\n"
-        "  python -m cupy_poolmem bench --save benchmarks/results\n\n"
+        "  python -m cupy_poolmem bench --save benchmarks/results\n"
+        "  python -m cupy_poolmem bench chaos --seed 1 --rounds 300 --time-cap 600\n\n"
         "exit status: 0 done, 1 a benchmark failed, 2 no GPU or CUDA packages",
     )
 
@@ -214,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write each benchmark's results to DIR/<bench>-<device>.json "
         "(tools/render_figures.py renders the docs' figures from them)",
     )
+    from .benchmarks.chaos import add_options
+
+    add_options(p, defaults=False)
     p.set_defaults(func=_bench)
 
     p = sub.add_parser(

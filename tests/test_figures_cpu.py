@@ -394,7 +394,10 @@ def test_check_fails_on_a_figure_file_typed_by_hand(tmp_path, render):
 #: Text on the guide's pages that looks like a figure and is not a measurement.
 NOT_MEASURED = {
     "compatibility.rst": ["R580 (H100, H200)"],  # the GPUs the release was tested on
-    "dask.rst": ["the goals (1 GiB in 20 ms or less, 64 MiB within 2x the floor)"],
+    "dask.rst": [
+        "the goals (1 GiB in 20 ms or less, 64 MiB within 2x the floor)",
+        "at least 5x faster",  # a goal of bench dask-cuda
+    ],
     "device_pool.rst": [
         "driver 580 (H100) does not survive it",  # a crash, not a figure
         "the retirement thread checks every 50 ms",  # a setting

@@ -9,6 +9,7 @@ They need a GPU; ``bench`` runs each in its own process (they spawn workers)::
     python -m cupy_poolmem bench dask            # needs dask, distributed, dask-cuda
     python -m cupy_poolmem bench transfer        # the same, and two GPUs
     python -m cupy_poolmem bench dask-cuda       # dask-cuda's own script; also transfer
+    python -m cupy_poolmem bench chaos --rounds 300   # sharing under chaos: one line
 
 or directly ``python -m cupy_poolmem.benchmarks.alloc [--quick]``.  In a source
 checkout, ``benchmarks/*.py`` are thin wrappers that run these modules.
@@ -28,6 +29,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dask_cuda_local",
         "dask-cuda's local_cupy script: TCP + cupy_poolmem by env vs TCP+RMM vs UCXX",
     ),
+    "chaos": ("chaos", "seeded rounds of killed processes and hostile messages: data, leaks"),
 }
 
 #: What ``python -m cupy_poolmem bench`` runs when given no name.

@@ -294,9 +294,11 @@ def run(main: Callable[[list[str]], object], bench: str) -> None:
     printed to ``DIR/<bench>-<device>.json`` (see ``tools/render_figures.py``)."""
     save, argv = split_save(sys.argv[1:])
     if save is None:
-        main(argv)
-        return
-    rec = Recorder(bench, argv)
-    with recording(rec):
-        main(argv)
-    print(f"{bench}: results saved to {rec.save(save)}", file=sys.stderr)
+        status = main(argv)
+    else:
+        rec = Recorder(bench, argv)
+        with recording(rec):
+            status = main(argv)
+        print(f"{bench}: results saved to {rec.save(save)}", file=sys.stderr)
+    if isinstance(status, int) and status:
+        sys.exit(status)

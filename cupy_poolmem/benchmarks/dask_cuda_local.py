@@ -502,4 +502,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from cupy_poolmem.benchmarks._common import run
+
+    run(main, "dask-cuda")  # --save DIR: also write DIR/dask-cuda-<device>.json
