@@ -265,6 +265,34 @@ _STALE = (
 )
 
 
+def _span_error(d: _wire.Descriptor, size: int) -> str:
+    return (
+        f"a message names a block of {d.size} bytes (an array of shape {d.shape}, strides "
+        f"{d.strides} at offset {d.offset}) where its exporter's block has {size}; it was "
+        "not mapped (a forged or corrupted message)"
+    )
+
+
+def _refused(reply: _wire.Reply, d: _wire.Descriptor) -> None:
+    """Raise for a claim the exporter refused."""
+    if reply.status == _wire.OUT_OF_SPAN:
+        raise _wire.ProtocolError(
+            f"the exporter refused a message naming {d.size} bytes up to byte "
+            f"{_wire.span(d)[1]} of a block that is not that large; nothing was mapped "
+            "(a forged or corrupted message)"
+        )
+    raise SharingError(_STALE)
+
+
+def _span_end(d: _wire.Descriptor, m: Mapping | None) -> int:
+    """The end of the bytes ``d`` names, for its claim; :class:`ProtocolError` when they
+    are outside its block (``d.size``) or outside ``m``, a mapping made already."""
+    lo, end = _wire.span(d)
+    if lo < 0 or end > d.size or (m is not None and d.size != m.size):
+        raise _wire.ProtocolError(_span_error(d, m.size if m is not None else d.size))
+    return end
+
+
 class Importer:
     """Mappings of other processes' blocks in this process, and the connections to them."""
 
@@ -419,14 +447,17 @@ class Importer:
                     raise _wire.ProtocolError(
                         "a message names memory this process maps for another export"
                     )
+                if d.size != m.size:
+                    raise _wire.ProtocolError(_span_error(d, m.size))
                 # Count the user before anything allocates: a garbage collection here
                 # may run dropped(), which must not unmap (or say Idle for) this mapping.
                 m.users += 1
                 self._wake(m)
                 m.keep = True
-                if d.life and d.life <= m.fence:
-                    # We told the exporter we are idle at this life: it may have
-                    # recycled the block since.  Ask (no new lease, no import).
+                if d.life and (d.life <= m.fence or d.life < m.life):
+                    # We told the exporter we are idle at this life (it may have
+                    # recycled the block since), or the message is of a life before
+                    # the one our arrays came from: ask (no new lease, no import).
                     if m.eager and d.life == m.life:
                         m.eager = False  # a block re-sent within one life
                     return m
@@ -439,7 +470,7 @@ class Importer:
             if isinstance(taken, Imported):
                 # Nobody waits for it: the sender thread takes it within a few ms, with
                 # the others posted meanwhile (the ticket pins the block until then).
-                c.sender.post(_wire.Hit(d.export_id, d.ticket), lazy=True)
+                c.sender.post(_wire.Hit(d.export_id, d.ticket, d.life), lazy=True)
                 return taken
             if isinstance(taken, Mapping):
                 told = True
@@ -474,10 +505,16 @@ class Importer:
             if m is None or not m.leased:
                 return None
             c = m.client
-            if c is None or c.closed or c.address != d.address or m.export_id != d.export_id:
+            if (
+                c is None
+                or c.closed
+                or c.address != d.address
+                or m.export_id != d.export_id
+                or d.size != m.size
+            ):
                 return None  # the full path tells these apart (gone, or a protocol error)
-            if d.life and d.life <= m.fence:
-                return None  # claimed on the full path (we said Idle at this life)
+            if d.life and (d.life <= m.fence or d.life < m.life):
+                return None  # claimed on the full path (said Idle at it, or an older life)
             ev = None
             if d.event is not None:
                 ev = c.events.get(d.event)
@@ -500,7 +537,7 @@ class Importer:
             raise  # the user taken goes with ``hit``
         # Nobody waits for it: the sender thread takes it within a few ms, with the
         # others posted meanwhile (the ticket pins the block until then).
-        c.sender.post(_wire.Hit(d.export_id, d.ticket), lazy=True)
+        c.sender.post(_wire.Hit(d.export_id, d.ticket, d.life), lazy=True)
         return hit
 
     def _claim_and_map(
@@ -518,15 +555,18 @@ class Importer:
         want_fd = raw is None and d.pool_uuid not in self.pools
         # A block its exporter recycles (life > 0) is kept: it comes back to be sent again.
         keep = d.life > 0 or (d.address, d.export_id) in self.seen
+        end = _span_end(d, raw)
         reply, fd = c.request(
-            lambda seq: _wire.Claim(seq, d.export_id, d.ticket, want_fd, keep, False),
+            lambda seq: _wire.Claim(
+                seq, d.export_id, d.ticket, want_fd, keep, False, d.life, d.size, end
+            ),
             self.settings.claim_timeout,
             give_back=(_wire.Mapped(d.export_id), _wire.Unmap(d.export_id, None)),
         )
         if reply.status != _wire.OK:
             if fd is not None:
                 os.close(fd)
-            raise SharingError(_STALE)
+            _refused(reply, d)
         try:
             return self._map_granted(c, d, dev, key, raw, fd, keep)
         finally:  # mapped, or the lease given back: the exporter may exit now
@@ -538,11 +578,16 @@ class Importer:
         block may hold a later life's data)."""
         ok = False
         try:
+            end = _span_end(d, m)
             reply, _ = c.request(
-                lambda seq: _wire.Claim(seq, d.export_id, d.ticket, False, True, True),
+                lambda seq: _wire.Claim(
+                    seq, d.export_id, d.ticket, False, True, True, d.life, d.size, end
+                ),
                 self.settings.claim_timeout,
                 give_back=(_wire.Mapped(d.export_id),),
             )
+            if reply.status == _wire.OUT_OF_SPAN:
+                _refused(reply, d)
             if reply.status == _wire.OK:
                 try:
                     with self.lock:
@@ -550,8 +595,7 @@ class Importer:
                         # messages of this life are hits again, earlier ones claimed.
                         m.told = m.ask = 0
                         m.fence = d.life - 1
-                        if d.life > m.life:
-                            m.life = d.life
+                        m.life = d.life  # the block's life: the exporter checked it
                     ok = True
                 finally:
                     c.send_now(_wire.Mapped(d.export_id))
@@ -595,8 +639,11 @@ class Importer:
                 m.users += 1
                 self._wake(m)
             m.client, m.export_id, m.leased, m.keep = c, d.export_id, True, keep
+            # The life it was claimed for: a message of an earlier one is claimed (and
+            # refused), never a hit on this life's data (I1).
             m.life = d.life
-            m.fence = m.told = m.ask = 0
+            m.fence = max(d.life - 1, 0)
+            m.told = m.ask = 0
             c.keys.add(key)
             c.by_export[d.export_id] = key
         return m
