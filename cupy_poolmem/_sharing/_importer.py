@@ -273,6 +273,14 @@ def _span_error(d: _wire.Descriptor, size: int) -> str:
     )
 
 
+def _hit_life(m: Mapping) -> int:
+    """The one life whose messages ``m`` serves without a claim (I1): the life its
+    arrays came from while it is in use there; once we said Idle at ``fence`` (at or
+    after that), the next life only: the exporter recycles the block at most once
+    more before asking us again."""
+    return m.fence + 1 if m.fence >= m.life else m.life
+
+
 def _refused(reply: _wire.Reply, d: _wire.Descriptor) -> None:
     """Raise for a claim the exporter refused."""
     if reply.status == _wire.OUT_OF_SPAN:
@@ -454,10 +462,10 @@ class Importer:
                 m.users += 1
                 self._wake(m)
                 m.keep = True
-                if d.life and (d.life <= m.fence or d.life < m.life):
-                    # We told the exporter we are idle at this life (it may have
-                    # recycled the block since), or the message is of a life before
-                    # the one our arrays came from: ask (no new lease, no import).
+                if d.life and d.life != _hit_life(m):
+                    # Not the one life our mapping may serve without asking: we said
+                    # Idle at it (it may be recycled since), or it is older than our
+                    # arrays', or newer than the block can be: ask (no new lease).
                     if m.eager and d.life == m.life:
                         m.eager = False  # a block re-sent within one life
                     return m
@@ -513,8 +521,8 @@ class Importer:
                 or d.size != m.size
             ):
                 return None  # the full path tells these apart (gone, or a protocol error)
-            if d.life and (d.life <= m.fence or d.life < m.life):
-                return None  # claimed on the full path (said Idle at it, or an older life)
+            if d.life and d.life != _hit_life(m):
+                return None  # claimed on the full path (see receive)
             ev = None
             if d.event is not None:
                 ev = c.events.get(d.event)
@@ -555,7 +563,7 @@ class Importer:
         want_fd = raw is None and d.pool_uuid not in self.pools
         # A block its exporter recycles (life > 0) is kept: it comes back to be sent again.
         keep = d.life > 0 or (d.address, d.export_id) in self.seen
-        end = _span_end(d, raw)
+        end = _span_end(d, None)  # (a Numba mapping's size is its handle's: not checked)
         reply, fd = c.request(
             lambda seq: _wire.Claim(
                 seq, d.export_id, d.ticket, want_fd, keep, False, d.life, d.size, end
@@ -638,6 +646,7 @@ class Importer:
             else:  # mapped already through the Numba plugin: the lease now covers it too
                 m.users += 1
                 self._wake(m)
+                m.size = d.size  # the block's, as the exporter checked
             m.client, m.export_id, m.leased, m.keep = c, d.export_id, True, keep
             # The life it was claimed for: a message of an earlier one is claimed (and
             # refused), never a hit on this life's data (I1).
