@@ -1,4 +1,4 @@
-"""Exported blocks recycled through the pool's reuse cache (invariant 12), on a CPU.
+"""Exported blocks recycled through the pool's reuse cache (P12), on a CPU.
 
 A recyclable pool (``pool(recycle=True)``, like a DevicePool with its reuse cache)
 keeps an exported block's record when the block goes back to the cache: the next

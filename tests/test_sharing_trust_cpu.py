@@ -186,3 +186,20 @@ def test_the_exporter_refuses_a_claim_of_another_life(world):
     own2 = r.recv(pickle.dumps(d))  # the ticket was not spent by the refused claim
     assert r.read(own2, S0)[1] == 2
     del own2, b2
+
+
+@pytest.mark.parametrize("life", [0, 2, 3])
+def test_a_forged_life_is_claimed_and_refused_by_a_receiver_using_the_block(world, life):
+    """While a receiver's arrays use life 1 of a recycled block, its mapping serves
+    life 1 only: a copy naming life 0 (never recycled), 2 or 3 is claimed and
+    refused; its array still reads life 1's data."""
+    e = world.proc("exporter")
+    core = e.pool(recycle=True)
+    r = world.proc("receiver")
+    b = core.alloc(KB, payload=1)
+    msg = e.send(b)
+    own = r.recv(msg)
+    with pytest.raises(SharingError, match="stale"):
+        r.recv(_forge(msg, life=life))
+    assert r.read(own, S0)[1] == 1
+    del own, b

@@ -39,7 +39,7 @@ class Record:
     mappings per receiver connection (each holder is asked to evict when the block is
     freed); ``events``: receivers' unmap and idle events the final free (and a reuse) waits on.
 
-    Recycling (invariant 12): ``life`` numbers the block's lives in its pool's reuse
+    Recycling (P12): ``life`` numbers the block's lives in its pool's reuse
     cache (0: a block that is never recycled); ``idle``: per receiver connection, the
     life its last ``Idle`` said (its mapping unused, messages of that life or earlier
     claimed); ``released``: the life each receiver was asked to say ``Idle`` for;
@@ -254,7 +254,7 @@ class Exporter:
                 block.share = rec
             elif rec.core is None:
                 # A block recycled through the reuse cache, sent in a new life: receivers
-                # that map it idle take its messages as hits (invariant 12).
+                # that map it idle take its messages as hits (P12).
                 rec.life += 1
                 rec.core, rec.stream = block.core, block.stream
                 rec.stream_ptr = int(block.stream_ptr)
@@ -596,7 +596,7 @@ class Exporter:
 
     def _reap(self, peer: Peer) -> None:
         """A receiver's connection closed: once its process (and GPU context) is gone,
-        give back its leases (invariant 3)."""
+        give back its leases (P4)."""
         peer.conn.peer.wait_gone()
         peer.conn.peer.close()
         with self.lock:

@@ -3,7 +3,7 @@
 One :class:`Importer` per process (owned by the sharing context).  It keeps the only
 table of mappings and the only cache of imported pools in the process: the CuPy
 reducers and the Numba plugin both map through it, so one driver allocation is
-imported once however it arrives (invariant 7).  State changes happen under
+imported once however it arrives (P8).  State changes happen under
 ``Importer.lock``; the lock is never held while waiting for an exporter's reply.
 """
 
@@ -96,12 +96,12 @@ class Mapping:
         self.export_id = 0
         self.leased = False  # a lease at the exporter covers it (the CuPy protocol)
         self.users = 1  # live Imported owners and open Numba handles
-        self.keep = False  # received before: likely to come again (invariant 4)
+        self.keep = False  # received before: likely to come again (P5)
         self.evict = False  # the exporter asked for it back
         self.last_use: Any = None  # event recorded when the last user went (idle)
         self.last_stream = 0  # the stream ``last_use`` was recorded on
         self.waits: dict[int, Any] = {}  # stream -> event of earlier users' last use
-        # Recycled blocks (invariant 12): ``life``: the life of the messages its arrays
+        # Recycled blocks (P12): ``life``: the life of the messages its arrays
         # came from; ``fence``: messages of this life or earlier are claimed, never hit
         # (promised to the exporter by an Idle); ``told``: the life of the last Idle the
         # exporter still counts (a granted claim makes it count us busy again);
@@ -173,7 +173,7 @@ class Client:
             self._waiters[seq] = slot
         try:
             # In order after the frames posted before it: a claim must not overtake an
-            # Idle that said the mapping is unused (invariant 12).
+            # Idle that said the mapping is unused (P12).
             self._send_in_order(make(seq))
         except OSError as exc:
             with self._lock:
@@ -277,7 +277,9 @@ def _hit_life(m: Mapping) -> int:
     """The one life whose messages ``m`` serves without a claim (I1): the life its
     arrays came from while it is in use there; once we said Idle at ``fence`` (at or
     after that), the next life only: the exporter recycles the block at most once
-    more before asking us again."""
+    more before asking us again.  A block that is never recycled has life 0 only."""
+    if not m.life:
+        return 0
     return m.fence + 1 if m.fence >= m.life else m.life
 
 
@@ -462,7 +464,7 @@ class Importer:
                 m.users += 1
                 self._wake(m)
                 m.keep = True
-                if d.life and d.life != _hit_life(m):
+                if d.life != _hit_life(m):
                     # Not the one life our mapping may serve without asking: we said
                     # Idle at it (it may be recycled since), or it is older than our
                     # arrays', or newer than the block can be: ask (no new lease).
@@ -521,7 +523,7 @@ class Importer:
                 or d.size != m.size
             ):
                 return None  # the full path tells these apart (gone, or a protocol error)
-            if d.life and d.life != _hit_life(m):
+            if d.life != _hit_life(m):
                 return None  # claimed on the full path (see receive)
             ev = None
             if d.event is not None:

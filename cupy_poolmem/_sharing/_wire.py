@@ -59,8 +59,8 @@ class Descriptor(NamedTuple):
     is the sender's IPC event handle covering the writes enqueued before the send
     (``None`` when the sender already waited for them, as a forwarder does).
     ``life`` numbers the block's lives in its pool's reuse cache (0: a block that is
-    never recycled); a receiver that told the exporter its mapping is idle at a life
-    claims any message of that life or an earlier one (invariant 12).
+    never recycled); a receiver takes a message without a claim for the one life its
+    mapping serves, and claims any other (P12).
     """
 
     version: int
@@ -239,7 +239,7 @@ class Claim(NamedTuple):
     in this process); ``keep``: the receiver may keep the new mapping idle after use
     (the exporter then asks for it back when it frees it); ``held``: the receiver maps
     the block already (idle, at a life it told the exporter it is done with): no new
-    lease, and the exporter counts it busy again once granted (invariant 12).
+    lease, and the exporter counts it busy again once granted (P12).
     ``life``, ``size`` and ``end``: the life, block size and end of the bytes the
     message names (its descriptor's): the exporter grants nothing unless they are the
     block's (I1, I5).
