@@ -54,12 +54,38 @@ RULES_RUN: Counter[str] = Counter()  # rule name -> times run (the long search r
 
 
 def counted(f: Any) -> Any:
-    """Count the rule's runs in RULES_RUN."""
+    """Count the rule's runs in RULES_RUN, and trace them (see :func:`traced`)."""
 
     @functools.wraps(f)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         RULES_RUN[f.__name__] += 1
-        return f(*args, **kwargs)
+        shown = {k: v for k, v in kwargs.items() if k != "data"}
+        self.trace.append(f"{f.__name__}({shown})")
+        return traced(f)(self, *args, **kwargs)
+
+    return run
+
+
+def traced(f: Any) -> Any:
+    """On a failure, append the run's steps and the traceback to the file named by
+    CUPY_POOLMEM_MODEL_REPORT: Hypothesis replays a failing run to report it, and a
+    replay of threads and sockets may take another path (it then reports only that
+    the replay differed)."""
+
+    @functools.wraps(f)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return f(self, *args, **kwargs)
+        except Exception:  # (Hypothesis ends a run with a BaseException: not ours)
+            out = os.environ.get("CUPY_POOLMEM_MODEL_REPORT")
+            if out and not self.reported:
+                self.reported = True
+                import traceback
+
+                with open(out, "a") as fh:
+                    fh.write("FAILURE in " + f.__name__ + "\n  " + "\n  ".join(self.trace))
+                    fh.write("\n" + traceback.format_exc() + "\n")
+            raise
 
     return run
 
@@ -125,6 +151,8 @@ class SharingModel(RuleBasedStateMachine):
         self.tokens = 0
         self.steps = 0
         self.names = 0
+        self.trace: list[str] = []  # the steps so far, with their draws (for a report)
+        self.reported = False
         self.t0 = time.monotonic()
 
     # -- helpers -----------------------------------------------------------------------
@@ -143,7 +171,9 @@ class SharingModel(RuleBasedStateMachine):
     def _pick(self, data: Any, among: list) -> Any:
         # One draw of a fixed range (the lists' lengths may differ when Hypothesis
         # replays a run: a frame that came a little later changes what was received).
-        return among[data.draw(st.integers(0, 15)) % len(among)]
+        i = data.draw(st.integers(0, 15))
+        self.trace.append(f"  draw {i}")
+        return among[i % len(among)]
 
     def _pool(self, p: Proc, recycle: bool) -> Any:
         core = p.pools.get(recycle)
@@ -330,10 +360,11 @@ class SharingModel(RuleBasedStateMachine):
             "dtype": lambda: {"dtype": data.draw(st.sampled_from(("|O", "<f8", "<u2")))},
             "life": lambda: {"life": max(d.life + data.draw(st.sampled_from((-1, 1, 2))), 0)},
         }[what]()
+        self.trace.append(f"  forged {change}")
         m.tainted = True  # a refused copy may give the genuine ticket back
         forged = pickle.dumps(d._replace(**change))
         # A forged life names the right block: what it reads is that block's (docs).
-        payload = None if what == "life" else m.payload
+        payload = None if what == "life" and change["life"] != d.life else m.payload
         self._take(p, m, forged, payload, genuine=False)
 
     @precondition(lambda self: self.held)
@@ -403,6 +434,7 @@ class SharingModel(RuleBasedStateMachine):
 
     # -- invariants (I-numbers: cupy_poolmem/_sharing/__init__.py) -------------------------
     @invariant()
+    @traced
     def i1_arrays_read_the_life_they_were_sent(self) -> None:
         """I1: every array alive reads its own message's data (a forged life: its block)."""
         self.steps += 1
@@ -414,12 +446,14 @@ class SharingModel(RuleBasedStateMachine):
                 assert got == h.payload, f"{h.proc.sim.name} reads {got}, was sent {h.payload}"
 
     @invariant()
+    @traced
     def i3_nothing_freed_or_reused_under_a_mapping(self) -> None:
         """I3/I4: the fake GPU saw no free, reuse or rewrite before every importer's
         free and last use, no double import, no use of a closed event or pool."""
         assert self.world.gpu.violations == []
 
     @invariant()
+    @traced
     def i5_no_mapping_outside_its_block(self) -> None:
         """I5: every mapping is exactly its block's size; every array lies inside it."""
         gpu = self.world.gpu
@@ -441,6 +475,7 @@ class SharingModel(RuleBasedStateMachine):
                 assert h.owner.size == h.owner.rec.size
 
     @invariant()
+    @traced
     def i7_no_step_waits_without_a_bound(self) -> None:
         """I7: every step (claims, exits, trims) ends within its timeouts."""
         now = time.monotonic()
@@ -448,6 +483,7 @@ class SharingModel(RuleBasedStateMachine):
         self.t0 = now
 
     # -- the end: everything let go returns to baseline ------------------------------------
+    @traced
     def teardown(self) -> None:
         try:
             self._let_go_and_check()
@@ -483,7 +519,16 @@ class SharingModel(RuleBasedStateMachine):
                     imp.flush(0.5)
                 for core in p.pools.values():
                     core.flush_cache()
+            exporters = {q.sim.ctx.exporter_address() for q in live} - {None}
             for p in live:
+                imp = p.sim.ctx._importer
+                if imp is not None:
+                    with imp.lock:
+                        # a gone exporter's connection, events and pools are forgotten
+                        if set(imp.clients) - exporters or imp._closing_pools:
+                            return False
+                        if any(q.client is None or q.client.closed for q in imp.pools.values()):
+                            return False
                 st_ = p.sim.stats()
                 if any(
                     st_.get(k, 0)
