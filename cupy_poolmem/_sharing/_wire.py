@@ -323,7 +323,8 @@ class Release(NamedTuple):
 
 class Idle(NamedTuple):
     """Receiver -> exporter: no array of mine uses this block; my last use precedes
-    ``event``.  From now on I claim (never hit) any message of life ``life`` or earlier."""
+    ``event``.  From now on I take a message without a claim only of life ``life + 1``
+    (P12)."""
 
     export_id: int
     life: int
