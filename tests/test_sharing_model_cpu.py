@@ -50,6 +50,7 @@ MAX_MSGS = 12  # messages remembered for late copies (oldest forgotten)
 STEP_LIMIT_S = 8.0  # I7: no step waits longer (claim_timeout is 1 s)
 PROC_SETTINGS = dict(claim_timeout=1.0, exit_timeout=0.02, inflight_timeout=30.0)
 STEPS_RUN = [0]  # steps taken in this session (the long search reports it)
+EXAMPLES_RUN = [0]
 RULES_RUN: Counter[str] = Counter()  # rule name -> times run (the long search reports it)
 
 
@@ -493,6 +494,11 @@ class SharingModel(RuleBasedStateMachine):
             self.blocks.clear()
             gc.collect(0)
             STEPS_RUN[0] += self.steps
+            EXAMPLES_RUN[0] += 1
+            out = os.environ.get("CUPY_POOLMEM_MODEL_REPORT")
+            if out and EXAMPLES_RUN[0] % 500 == 0:  # the long search's progress
+                with open(out, "a") as fh:
+                    fh.write(f"progress steps={STEPS_RUN[0]} at {time.ctime()}\n")
         left = lambda: [t for t in sharing_threads() if t not in self.threads_before]  # noqa: E731
         assert wait_for(lambda: not left(), 5.0), f"I6: threads left: {left()}"
         assert wait_for(lambda: open_fds() <= self.fds_before, 5.0), "I6: fds left open"
