@@ -38,13 +38,13 @@ from hypothesis.stateful import (  # noqa: E402
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
 )
 
 KB = 1024
 S0 = 0
 MAX_PROCS = 4
+IDX = st.integers(0, 15)  # an index into a list of the model (modulo its length)
 MAX_BLOCKS = 3  # blocks alive at once (allocation is always possible: capped)
 MAX_MSGS = 12  # messages remembered for late copies (oldest forgotten)
 STEP_LIMIT_S = 8.0  # I7: no step waits longer (claim_timeout is 1 s)
@@ -60,8 +60,7 @@ def counted(f: Any) -> Any:
     @functools.wraps(f)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         RULES_RUN[f.__name__] += 1
-        shown = {k: v for k, v in kwargs.items() if k != "data"}
-        self.trace.append(f"{f.__name__}({shown})")
+        self.trace.append(f"{f.__name__}({kwargs})")
         return traced(f)(self, *args, **kwargs)
 
     return run
@@ -92,16 +91,6 @@ def traced(f: Any) -> Any:
 
 
 FORGEABLE = ("ticket", "export_id", "size", "offset", "strides", "dtype", "life")
-
-
-class Script:
-    """Plays ``st.data()`` for a rule called by hand: each draw takes the next value."""
-
-    def __init__(self, *values: Any) -> None:
-        self.values = list(values)
-
-    def draw(self, strategy: Any) -> Any:
-        return self.values.pop(0)
 
 
 @dataclass
@@ -169,12 +158,9 @@ class SharingModel(RuleBasedStateMachine):
     def _live(self) -> list[Proc]:
         return [p for p in self.procs if p.alive]
 
-    def _pick(self, data: Any, among: list) -> Any:
-        # One draw of a fixed range (the lists' lengths may differ when Hypothesis
-        # replays a run: a frame that came a little later changes what was received).
-        i = data.draw(st.integers(0, 15))
-        self.trace.append(f"  draw {i}")
-        return among[i % len(among)]
+    def _pick(self, among: list, i: int) -> Any:
+        """``among[i]`` (modulo its length), None if empty."""
+        return among[i % len(among)] if among else None
 
     def _pool(self, p: Proc, recycle: bool) -> Any:
         core = p.pools.get(recycle)
@@ -256,110 +242,111 @@ class SharingModel(RuleBasedStateMachine):
         for _ in range(3):
             self._new_proc()
 
-    @precondition(lambda self: self.msgs)
+    # Every rule draws the same values whatever the state (no preconditions, indexes
+    # taken modulo the lists' lengths; a rule with nothing to act on does nothing): a
+    # replay whose threads answered in another order draws the same way.
     @rule(
-        data=st.data(),
         kind=st.sampled_from(("spawn", "fork", "trim", "trim_idle", "expire", "exit", "kill")),
+        i=IDX,
     )
     @counted
-    def disrupt(self, data: Any, kind: str) -> None:
+    def disrupt(self, kind: str, i: int) -> None:
         """One of the rarer events (one rule, so that the sharing rules get most steps):
         a new process, trims, ticket expiry, a normal exit, a SIGKILL."""
+        live = self._live()
         if kind in ("spawn", "fork"):
-            if len(self._live()) < MAX_PROCS:
-                self.spawn_or_fork(Script(kind == "fork"))
-        elif kind == "trim":
-            if any(p.pools for p in self._live()):
-                self.trim(data)
-        elif kind == "trim_idle":
-            self.trim_idle_mappings(data)
-        elif kind == "expire":
-            if any(p.pools for p in self._live()):
-                self.expire_tickets(data)
-        elif len(self._live()) > 1:
-            self.end_process(data, kind)
+            if len(live) < MAX_PROCS:
+                self._new_proc(forked=kind == "fork")
+        elif kind == "trim":  # recycled blocks to their final free
+            p = self._pick([p for p in live if p.pools], i)
+            for core in p.pools.values() if p is not None else ():
+                core.flush_cache()
+        elif kind == "trim_idle":  # a receiver unmaps its idle mappings
+            p = self._pick([p for p in live if not p.forked], i)
+            if p is not None:
+                p.sim.importer.trim_idle(0)
+        elif kind == "expire":  # every ticket out is older than inflight_timeout
+            p = self._pick([p for p in live if p.pools], i)
+            if p is not None:
+                p.expired_at = self.steps
+                p.sim.exporter.expire(now=time.monotonic() + 3600.0)
+        elif len(live) > 1:
+            self._end(self._pick(live, i), kind)
 
-    def spawn_or_fork(self, data: Any) -> None:
-        """A new process (spawned, or a fork child of a parent that used CUDA: fresh
-        empty state that refuses to share)."""
-        self._new_proc(forked=data.draw(st.booleans()))
-
-    @precondition(
-        lambda self: len(self.blocks) < MAX_BLOCKS and any(not p.forked for p in self._live())
-    )
     @rule(
-        data=st.data(),
         size=st.sampled_from((KB, KB, KB, 2 * KB)),
         recycle=st.sampled_from((True, True, True, False)),
+        i=IDX,
     )
     @counted
-    def allocate(self, data: Any, size: int, recycle: bool) -> None:
-        p = self._pick(data, [p for p in self._live() if not p.forked])
+    def allocate(self, size: int, recycle: bool, i: int) -> None:
+        p = self._pick([p for p in self._live() if not p.forked], i)
+        if p is None or len(self.blocks) >= MAX_BLOCKS:
+            return
         self.payloads += 1
         b = self._pool(p, recycle).alloc(size, payload=self.payloads)
         self.tokens += 1
         self.blocks.append((p, b, self.payloads, self.tokens))
 
-    @precondition(lambda self: self.blocks)
-    @rule(data=st.data())
+    @rule(i=IDX)
     @counted
-    def send(self, data: Any) -> None:
-        p, b, payload, tok = self._pick(data, self.blocks)
+    def send(self, i: int) -> None:
+        if not self.blocks:
+            return
+        p, b, payload, tok = self._pick(self.blocks, i)
         gen = b.read()[0]
         self._remember(Msg(p.sim.send(b), payload, gen, p, p, tok, self.steps))
 
-    @precondition(lambda self: any(isinstance(h.owner, Imported) for h in self.held))
-    @rule(data=st.data())
+    @rule(i=IDX)
     @counted
-    def forward(self, data: Any) -> None:
-        h = self._pick(data, [h for h in self.held if isinstance(h.owner, Imported)])
+    def forward(self, i: int) -> None:
+        h = self._pick([h for h in self.held if isinstance(h.owner, Imported)], i)
+        if h is None:
+            return
         try:
             msg = h.proc.sim.send(h.owner)
         except SharingError:
             assert not self._must_forward(h), "a live forward was refused"
             return
-        m = Msg(msg, h.payload, h.gen, h.msg.exporter, h.proc, h.tok, self.steps)
-        m.forged = h.msg.forged if h.payload is None else None
-        self._remember(m)
+        self._remember(Msg(msg, h.payload, h.gen, h.msg.exporter, h.proc, h.tok, self.steps))
 
     def _must_forward(self, h: Held) -> bool:
-        return h.payload is not None and h.msg.exporter.alive and h.proc.alive
+        return h.msg.exporter.alive and h.proc.alive
 
-    @precondition(lambda self: self.msgs and self._live())
-    @rule(data=st.data())
+    @rule(i=IDX)
     @counted
-    def deliver_newest(self, data: Any) -> None:
+    def deliver_newest(self, i: int) -> None:
         """The message just sent arrives somewhere (the common case)."""
-        m = self.msgs[-1]
-        p = self._pick(data, self._live())
-        self._take(p, m, m.data, m.payload if m.forged is None else None)
+        p = self._pick(self._live(), i)
+        if self.msgs and p is not None:
+            m = self.msgs[-1]
+            self._take(p, m, m.data, m.payload)
 
-    @precondition(lambda self: self.msgs and self._live())
-    @rule(data=st.data())
+    @rule(i=IDX, j=IDX)
     @counted
-    def deliver(self, data: Any) -> None:
+    def deliver(self, i: int, j: int) -> None:
         """A copy of a message (sent now, or kept: a second queue, a file) arrives."""
-        m = self._pick(data, self.msgs)
-        p = self._pick(data, self._live())
-        self._take(p, m, m.data, m.payload if m.forged is None else None)
+        m, p = self._pick(self.msgs, i), self._pick(self._live(), j)
+        if m is not None and p is not None:
+            self._take(p, m, m.data, m.payload)
 
-    @precondition(lambda self: self.msgs and self._live())
-    @rule(data=st.data(), what=st.sampled_from(FORGEABLE))
+    @rule(what=st.sampled_from(FORGEABLE), i=IDX, j=IDX, v=IDX)
     @counted
-    def forge(self, data: Any, what: str) -> None:
+    def forge(self, what: str, i: int, j: int, v: int) -> None:
         """A copy with one field changed arrives: its own data, or a refusal; a forged
-        life reads nothing but the block it names (I1, I5)."""
-        m = self._pick(data, self.msgs)
-        p = self._pick(data, self._live())
+        life maps nothing but the block it names (I1, I5)."""
+        m, p = self._pick(self.msgs, i), self._pick(self._live(), j)
+        if m is None or p is None:
+            return
         d = pickle.loads(m.data)
         change = {
             "ticket": lambda: {"ticket": os.urandom(16)},
-            "export_id": lambda: {"export_id": d.export_id + data.draw(st.sampled_from((1, 7)))},
+            "export_id": lambda: {"export_id": d.export_id + (1, 7)[v % 2]},
             "size": lambda: {"size": 64 * d.size, "shape": (64 * d.size,)},
             "offset": lambda: {"offset": d.size, "shape": (1,)},
             "strides": lambda: {"strides": (-1,)},
-            "dtype": lambda: {"dtype": data.draw(st.sampled_from(("|O", "<f8", "<u2")))},
-            "life": lambda: {"life": max(d.life + data.draw(st.sampled_from((-1, 1, 2))), 0)},
+            "dtype": lambda: {"dtype": ("|O", "<f8", "<u2")[v % 3]},
+            "life": lambda: {"life": max(d.life + (-1, 1, 2)[v % 3], 0)},
         }[what]()
         self.trace.append(f"  forged {change}")
         m.tainted = True  # a refused copy may give the genuine ticket back
@@ -368,25 +355,24 @@ class SharingModel(RuleBasedStateMachine):
         payload = None if what == "life" and change["life"] != d.life else m.payload
         self._take(p, m, forged, payload, genuine=False)
 
-    @precondition(lambda self: self.held)
-    @rule(data=st.data())
+    @rule(i=IDX)
     @counted
-    def drop_array(self, data: Any) -> None:
-        h = self._pick(data, self.held)
-        self.held.remove(h)
-        del h  # the last reference: its owner goes now (no cycle holds it)
+    def drop_array(self, i: int) -> None:
+        h = self._pick(self.held, i)
+        if h is not None:
+            self.held.remove(h)
+            del h  # the last reference: its owner goes now (no cycle holds it)
 
-    @precondition(lambda self: self.blocks)
-    @rule(data=st.data())
+    @rule(i=IDX)
     @counted
-    def drop_block(self, data: Any) -> None:
+    def drop_block(self, i: int) -> None:
         """The exporter lets go of its block: freed, limbo, or recycled (a later life)."""
-        b = self._pick(data, self.blocks)
-        self.blocks.remove(b)
-        del b
-        self._quiesce()  # its receivers may say Idle now: recycled before the next alloc
+        b = self._pick(self.blocks, i)
+        if b is not None:
+            self.blocks.remove(b)
+            del b
+            self._quiesce()  # its receivers may say Idle now: recycled before the next alloc
 
-    @precondition(lambda self: self.msgs)
     @rule()
     @counted
     def settle(self) -> None:
@@ -405,26 +391,6 @@ class SharingModel(RuleBasedStateMachine):
                     for peer in list(ctx._exporter.peers.values()):
                         peer.sender.flush(1.0)
             time.sleep(0.001)
-
-    def trim(self, data: Any) -> None:
-        """Trim: recycled blocks to their final free; idle mappings unmapped."""
-        p = self._pick(data, [p for p in self._live() if p.pools])
-        for core in p.pools.values():
-            core.flush_cache()
-
-    def trim_idle_mappings(self, data: Any) -> None:
-        p = self._pick(data, self._live())
-        if not p.forked:
-            p.sim.importer.trim_idle(0)
-
-    def expire_tickets(self, data: Any) -> None:
-        """Every ticket out is older than inflight_timeout (an injected clock)."""
-        p = self._pick(data, [p for p in self._live() if p.pools])
-        p.expired_at = self.steps
-        p.sim.exporter.expire(now=time.monotonic() + 3600.0)
-
-    def end_process(self, data: Any, how: str) -> None:
-        self._end(self._pick(data, self._live()), how)
 
     def check(self) -> None:
         """Every invariant (what Hypothesis runs after each step)."""
@@ -594,16 +560,14 @@ class TestSharingModel(SharingModel.TestCase):  # type: ignore[name-defined]
 
 
 # -- counter-examples the model found, kept as explicit sequences ----------------------------
-def _run(steps: list[tuple[str, tuple, dict]]) -> SharingModel:
-    """Run rules by name (their draws scripted), checking every invariant after each."""
+def _run(steps: list[tuple[str, dict]]) -> SharingModel:
+    """Run rules by name, checking every invariant after each."""
     m = SharingModel()
     ok = False
     try:
         m.start()
         m.check()
-        for name, draws, kw in steps:
-            if draws is not None:
-                kw = dict(kw, data=Script(*draws))
+        for name, kw in steps:
             getattr(m, name)(**kw)
             m.check()
         ok = True
@@ -620,16 +584,16 @@ def test_model_a_stale_copy_reaches_a_receiver_that_mapped_the_next_life_fresh()
     and sent in life 2 to p3, which maps it fresh; life 1's message then reaches p3."""
     _run(
         [
-            ("allocate", (0,), {"size": KB, "recycle": True}),  # p1's block, life 1
-            ("send", (0,), {}),  # msg 0
-            ("deliver", (0, 1), {}),  # p2 takes it
-            ("drop_array", (0,), {}),
-            ("drop_block", (0,), {}),  # p1 lets go: p2 asked to say Idle, recycled
-            ("settle", None, {}),
-            ("allocate", (0,), {"size": KB, "recycle": True}),  # the same block, life 2
-            ("send", (0,), {}),  # msg 1
-            ("deliver", (1, 2), {}),  # p3 maps life 2 fresh
-            ("deliver", (0, 2), {}),  # the copy of life 1 reaches p3: refused
+            ("allocate", {"size": KB, "recycle": True, "i": 0}),  # p1's block, life 1
+            ("send", {"i": 0}),  # msg 0
+            ("deliver", {"i": 0, "j": 1}),  # p2 takes it
+            ("drop_array", {"i": 0}),
+            ("drop_block", {"i": 0}),  # p1 lets go: p2 asked to say Idle, recycled
+            ("settle", {}),
+            ("allocate", {"size": KB, "recycle": True, "i": 0}),  # the same block, life 2
+            ("send", {"i": 0}),  # msg 1
+            ("deliver", {"i": 1, "j": 2}),  # p3 maps life 2 fresh
+            ("deliver", {"i": 0, "j": 2}),  # the copy of life 1 reaches p3: refused
         ]
     )
 
@@ -640,12 +604,15 @@ def test_model_a_forged_later_life_does_not_change_what_a_busy_mapping_serves():
     which must take it (the forward carried the forged life and was refused)."""
     _run(
         [
-            ("allocate", (0,), {"size": KB, "recycle": True}),
-            ("send", (0,), {}),
-            ("deliver", (0, 1), {}),  # p2 holds an array of life 1
-            ("forge", (0, 1, 1), {"what": "life"}),  # life 2 reaches p2: claimed, refused
-            ("forward", (0,), {}),  # p2 sends its genuine array on
-            ("deliver_newest", (0,), {}),  # back in p1: its own block, life 1
+            ("allocate", {"size": KB, "recycle": True, "i": 0}),
+            ("send", {"i": 0}),
+            ("deliver", {"i": 0, "j": 1}),  # p2 holds an array of life 1
+            (
+                "forge",
+                {"what": "life", "i": 0, "j": 1, "v": 1},
+            ),  # life 2 reaches p2: claimed, refused
+            ("forward", {"i": 0}),  # p2 sends its genuine array on
+            ("deliver_newest", {"i": 0}),  # back in p1: its own block, life 1
         ]
     )
 
@@ -658,16 +625,16 @@ def test_model_a_forged_next_life_maps_only_its_block_and_is_not_read():
     what a forged life names, it checks the block."""
     _run(
         [
-            ("allocate", (0,), {"size": KB, "recycle": True}),
-            ("send", (0,), {}),
-            ("deliver", (0, 1), {}),
-            ("drop_array", (0,), {}),
-            ("drop_block", (0,), {}),  # recycled once p2 said Idle for life 1
-            ("allocate", (0,), {"size": KB, "recycle": True}),  # reused, not sent yet
-            ("forge", (0, 1, 1), {"what": "life"}),
-            ("drop_block", (0,), {}),
-            ("allocate", (0,), {"size": KB, "recycle": True}),  # rewritten
-            ("forge", (0, 0, -1), {"what": "life"}),  # life 0 in p1: refused
+            ("allocate", {"size": KB, "recycle": True, "i": 0}),
+            ("send", {"i": 0}),
+            ("deliver", {"i": 0, "j": 1}),
+            ("drop_array", {"i": 0}),
+            ("drop_block", {"i": 0}),  # recycled once p2 said Idle for life 1
+            ("allocate", {"size": KB, "recycle": True, "i": 0}),  # reused, not sent yet
+            ("forge", {"what": "life", "i": 0, "j": 1, "v": 1}),
+            ("drop_block", {"i": 0}),
+            ("allocate", {"size": KB, "recycle": True, "i": 0}),  # rewritten
+            ("forge", {"what": "life", "i": 0, "j": 0, "v": 0}),  # life 0 in p1: refused
         ]
     )
 
