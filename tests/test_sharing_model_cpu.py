@@ -531,7 +531,7 @@ def _budget() -> tuple[int, int]:
     per = int(os.environ.get("CUPY_POOLMEM_MODEL_STEPS_PER_EXAMPLE", "40"))
     if total:
         return max(total // per, 1), per
-    return 100, 40
+    return 200, 40
 
 
 _EXAMPLES, _STEPS = _budget()
