@@ -246,3 +246,43 @@ def slow_reader(q_in, q_out, keep=None):
     del x  # let go now (unmapped, or kept idle), in order after the sum
     q_out.put("dropped")
     q_out.put(float(s))
+
+
+def descriptor_reader(q_in, q_out):
+    """Receive pickled descriptors (bytes, maybe stale or forged) and rebuild them here.
+
+    ``("load", key, data, want)``: rebuild, check every value equals ``want`` and hold
+    the array under ``key``; replies ``("ok", key, all equal, first value)`` or
+    ``("refused", key, error type, message)``.  ``("drop", key, None, None)`` lets it go.
+    """
+    import pickle
+
+    cupy, cpm = _setup()
+    from cupy_poolmem._sharing._reducers import rebuild
+
+    held = {}
+    try:
+        while True:
+            msg = q_in.get(timeout=120)
+            if msg is None:
+                break
+            cmd, key, data, want = msg
+            if cmd == "drop":
+                held.pop(key, None)
+                cupy.cuda.get_current_stream().synchronize()
+                q_out.put(("dropped", key, None, cpm.sharing.stats()))
+                continue
+            try:
+                arr = rebuild(pickle.loads(data))
+            except Exception as exc:
+                q_out.put(("refused", key, type(exc).__name__, str(exc)))
+                continue
+            if not isinstance(want, float):
+                want = cupy.asarray(want)  # a host copy of the expected values
+            ok = bool((arr == want).all())
+            first = float(arr.ravel()[0]) if arr.size else None
+            held[key] = arr
+            del arr
+            q_out.put(("ok", key, ok, first))
+    except Exception:
+        q_out.put(("error", None, traceback.format_exc(), None))

@@ -273,6 +273,24 @@ def test_header_round_trips_through_msgpack_and_is_checked():
     assert T.parse_header(h2)[0] == d
 
 
+def test_contiguous_layouts_of_every_order_are_accepted():
+    for offset, shape, strides in [
+        (0, (4, 4), (4, 1)),
+        (0, (4, 4), (1, 4)),
+        (0, (4, 1, 2), (2, 99, 1)),  # an axis of length 1 may have any stride
+        (0, (0, 3), (-5, 7)),  # empty
+        (5, (), ()),
+    ]:
+        h = T.make_header(tuple(_descriptor()), "tcp://h:1")
+        _layout(h, offset, shape, strides)
+        assert T.parse_header(h)[0].strides == strides
+
+
+def _layout(h, offset, shape, strides):
+    h["desc"][11:14] = [offset, shape, strides]
+    h["desc"][14] = "|u1"
+
+
 @pytest.mark.parametrize(
     "mutate,match",
     [
@@ -289,6 +307,10 @@ def test_header_round_trips_through_msgpack_and_is_checked():
         (lambda h: h["desc"].__setitem__(0, 1), "different cupy_poolmem version"),
         (lambda h: h["desc"].__setitem__(1, "numpy"), "not device memory"),
         (lambda h: h["desc"].__setitem__(4, ""), "not device memory"),
+        # within the block, but not one run of bytes: the cross-GPU copy would misread it
+        (lambda h: _layout(h, 10, (3,), (-1,)), "not a contiguous chunk"),
+        (lambda h: _layout(h, 0, (4, 4), (8, 1)), "not a contiguous chunk"),
+        (lambda h: _layout(h, 0, (8,), (2,)), "not a contiguous chunk"),
     ],
 )
 def test_malformed_headers_raise_protocol_errors_before_anything_is_mapped(mutate, match):

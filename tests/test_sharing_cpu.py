@@ -1133,7 +1133,7 @@ def test_a_claim_with_an_unknown_or_stale_ticket_is_refused_and_gets_no_fd(world
     ]:
 
         def claim(seq, eid=eid, ticket=ticket):
-            return _wire.Claim(seq, eid, ticket, True, False, False)
+            return _wire.Claim(seq, eid, ticket, True, False, False, d.life, d.size, d.size)
 
         reply, fd = c.request(claim, 5.0)
         assert (reply.status, reply.has_fd, fd) == (_wire.REFUSED, False, None)
@@ -1142,7 +1142,10 @@ def test_a_claim_with_an_unknown_or_stale_ticket_is_refused_and_gets_no_fd(world
     assert (st["leases"], st["tickets_out"]) == (0, 1)
     # the real ticket is granted, with the pool's descriptor
     reply, fd = c.request(
-        lambda seq: _wire.Claim(seq, d.export_id, d.ticket, True, False, False), 5.0
+        lambda seq: _wire.Claim(
+            seq, d.export_id, d.ticket, True, False, False, d.life, d.size, d.size
+        ),
+        5.0,
     )
     assert reply.status == _wire.OK and fd is not None
     os.close(fd)
@@ -1543,13 +1546,13 @@ def test_lazy_frames_keep_their_order_behind_and_before_urgent_ones():
             sent.append(_wire.decode(data))
 
     s = Sender(Conn(), "test", delay=60.0)  # lazy frames alone would wait a minute
-    s.post(_wire.Hit(1, b"a" * 16), lazy=True)
-    s.post(_wire.Hit(2, b"b" * 16), lazy=True)
+    s.post(_wire.Hit(1, b"a" * 16, 0), lazy=True)
+    s.post(_wire.Hit(2, b"b" * 16, 0), lazy=True)
     time.sleep(0.05)
     assert sent == []  # still gathering
     s.post(_wire.Unmap(1, None))  # urgent: goes now, behind the two Hits
     assert wait_for(lambda: sum(len(f) for f in sent) == 3)
-    s.post(_wire.Hit(3, b"c" * 16), lazy=True)
+    s.post(_wire.Hit(3, b"c" * 16, 0), lazy=True)
     assert not s.idle()
     assert s.flush(5.0)
     frames = [f for batch in sent for f in batch]
@@ -1559,7 +1562,7 @@ def test_lazy_frames_keep_their_order_behind_and_before_urgent_ones():
     fast = Sender(Conn(), "test", delay=0.001)
     sent.clear()
     for i in range(1, 1001):
-        fast.post(_wire.Hit(i, bytes(16)), lazy=True)
+        fast.post(_wire.Hit(i, bytes(16), 0), lazy=True)
     assert wait_for(lambda: sum(len(f) for f in sent) == 1000)  # no flush needed
     assert [f.export_id for batch in sent for f in batch] == list(range(1, 1001))
     assert len(sent) < 1000  # gathered into batches

@@ -618,7 +618,7 @@ def test_block_reused_after_unmap_waits_for_the_receivers_last_work(keep):
         _join(p)
 
 
-# -- recycled blocks (invariant 12): fresh arrays through the reuse cache ------------------------
+# -- recycled blocks (P12): fresh arrays through the reuse cache ------------------------
 @pytest.mark.parametrize("nbytes,n", [(1 << 20, 40), (256 << 20, 12)])
 def test_fresh_arrays_recycle_through_the_cache_with_their_data_checked(nbytes, n):
     """A fresh array per message, a different pattern each: the receiver checks every

@@ -1,4 +1,4 @@
-"""Exported blocks recycled through the pool's reuse cache (invariant 12), on a CPU.
+"""Exported blocks recycled through the pool's reuse cache (P12), on a CPU.
 
 A recyclable pool (``pool(recycle=True)``, like a DevicePool with its reuse cache)
 keeps an exported block's record when the block goes back to the cache: the next
@@ -406,10 +406,10 @@ def test_a_request_is_sent_behind_the_frames_queued_before_it():
     c.sender = Sender(c.conn, "cupy_poolmem-test", delay=60.0)
 
     def claim(seq):
-        return _wire.Claim(seq, 1, b"b" * 16, False, True, True)
+        return _wire.Claim(seq, 1, b"b" * 16, False, True, True, 1, 1024, 1024)
 
     c.sender.post(_wire.Idle(1, 1, b"\1" * 64))
-    c.sender.post(_wire.Hit(1, b"a" * 16), lazy=True)
+    c.sender.post(_wire.Hit(1, b"a" * 16, 1), lazy=True)
     with pytest.raises(SharingError, match="did not answer"):
         c.request(claim, 0.05)
     assert c.sender.flush(5.0)

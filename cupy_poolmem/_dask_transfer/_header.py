@@ -60,4 +60,32 @@ def parse_header(sub: Any) -> tuple[Any, str]:
     d = _wire.check_descriptor(_wire.Descriptor(*fields))
     if d.kind != "cupy" or d.pool_kind != _wire.POOL_DEVICE or not d.device_uuid:
         raise _bad(f"kind={d.kind!r}, pool_kind={d.pool_kind!r}: not device memory")
+    # The sender sends contiguous chunks only, and the cross-GPU receive copies the
+    # chunk's bytes as one run from its first byte: any other layout is refused.
+    if not _contiguous(d.shape, d.strides, _itemsize(d.dtype)):
+        raise _bad(f"shape={d.shape}, strides={d.strides}: not a contiguous chunk")
     return d, sender
+
+
+def _itemsize(dtype: str) -> int:
+    import numpy as np
+
+    return int(np.dtype(dtype).itemsize)
+
+
+def _contiguous(shape: tuple, strides: tuple, item: int) -> bool:
+    """Whether ``shape``/``strides`` is a C- or F-ordered run of ``item``-byte items
+    (axes of length 1 may have any stride; an empty array is)."""
+    if 0 in shape:
+        return True
+
+    def run(axes: list[int]) -> bool:
+        want = item
+        for i in axes:
+            if shape[i] != 1 and strides[i] != want:
+                return False
+            want *= shape[i]
+        return True
+
+    n = len(shape)
+    return run(list(range(n - 1, -1, -1))) or run(list(range(n)))

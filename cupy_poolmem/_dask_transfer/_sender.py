@@ -157,6 +157,6 @@ def _local_array(d: Any) -> Any:
     if ctx.exporter_address() != d.address:
         return None
     hold = ctx.exporter.hold_live(d.export_id, d.export_data, d.life)
-    if hold is None:
+    if hold is None or hold.size != d.size:  # the header names bytes outside the block
         return None
     return array_on(hold, d, hold.rec.dev)

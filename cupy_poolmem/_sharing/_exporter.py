@@ -38,11 +38,11 @@ class Record:
 
     ``tickets``: messages on their way (ticket -> time registered); ``claimed``:
     the last ``_CLAIMED_MAX`` tickets received (another copy of one of those messages
-    may still claim while the block lives; a copy of an older one is refused); ``leases``: mappings per receiver connection;
-    ``keepers``: receivers that may keep an idle mapping (asked to evict);
-    ``events``: receivers' unmap and idle events the final free (and a reuse) waits on.
+    may still claim while the block lives; a copy of an older one is refused); ``leases``:
+    mappings per receiver connection (each holder is asked to evict when the block is
+    freed); ``events``: receivers' unmap and idle events the final free (and a reuse) waits on.
 
-    Recycling (invariant 12): ``life`` numbers the block's lives in its pool's reuse
+    Recycling (P12): ``life`` numbers the block's lives in its pool's reuse
     cache (0: a block that is never recycled); ``idle``: per receiver connection, the
     life its last ``Idle`` said (its mapping unused, messages of that life or earlier
     claimed); ``released``: the life each receiver was asked to say ``Idle`` for;
@@ -72,7 +72,6 @@ class Record:
         "tickets",
         "claimed",
         "leases",
-        "keepers",
         "asked",
         "events",
         "local",
@@ -107,7 +106,6 @@ class Record:
         self.tickets: dict[bytes, float] = {}
         self.claimed: OrderedDict[bytes, None] = OrderedDict()
         self.leases: dict[int, int] = {}
-        self.keepers: set[int] = set()
         self.asked: set[int] = set()
         self.events: dict[tuple[int, bytes], Any] = {}
         self.local = 0  # round-tripped arrays alive in this process
@@ -217,6 +215,7 @@ class Exporter:
         self._syncing = 0  # host waits on receivers' events under way (lock not held)
         self.events_max = 64  # receivers' events kept open per receiver, oldest out first
         self._close_later: list[Any] = []  # events _reap closes once those are done
+        self.ignored_hits = 0  # Hits of a dead ticket or another life (acknowledge nothing)
         self._janitor: threading.Thread | None = None
         self._wake = threading.Event()
         self.closed = False
@@ -268,7 +267,7 @@ class Exporter:
                 block.share = rec
             elif rec.core is None:
                 # A block recycled through the reuse cache, sent in a new life: receivers
-                # that map it idle take its messages as hits (invariant 12).
+                # that map it idle take its messages as hits (P12).
                 rec.life += 1
                 rec.core, rec.stream = block.core, block.stream
                 rec.stream_ptr = int(block.stream_ptr)
@@ -533,9 +532,8 @@ class Exporter:
             if release is not None:
                 pass
             elif rec.leases:
-                keep = rec.leases.keys() if rec.life else rec.keepers
-                ask = [self.peers.get(c) for c in keep if c not in rec.asked]
-                rec.asked.update(keep)
+                ask = [self.peers.get(c) for c in rec.leases if c not in rec.asked]
+                rec.asked.update(rec.leases)
             else:
                 self.records.pop(rec.export_id, None)
                 host = self._wait_unmaps(rec, rec.stream_ptr, host=rec.orphan)
@@ -583,10 +581,25 @@ class Exporter:
         return dev if dev >= 0 else self.driver.current_device()
 
     # -- round trips (an array back in its exporter) ---------------------------------------
-    def take_local(self, export_id: int, ticket: bytes) -> LocalHold:
-        """A message came back to this process: hold the block for the new array."""
+    def take_local(
+        self, export_id: int, ticket: bytes, life: int | None = None, size: int | None = None
+    ) -> LocalHold:
+        """A message came back to this process: hold the block for the new array.
+
+        ``life`` and ``size``: the message's (its descriptor's), checked against the
+        block's before its ticket counts.
+        """
         with self.lock:
             rec = self.records.get(export_id)
+            if rec is not None and (
+                (size is not None and size != rec.size)
+                or (life is not None and (rec.core is None or life != rec.life))
+            ):
+                raise SharingError(
+                    f"an array came back to the process that shared it naming {size} bytes "
+                    f"in life {life} of a block of {rec.size} bytes in life {rec.life}: its "
+                    "memory was freed or reused since (a stale or forged message)"
+                )
             if rec is None or not self._claim_ticket(rec, ticket):
                 raise SharingError(
                     "an array came back to the process that shared it after its memory was "
@@ -671,7 +684,7 @@ class Exporter:
 
     def _reap(self, peer: Peer) -> None:
         """A receiver's connection closed: once its process (and GPU context) is gone,
-        give back its leases (invariant 3)."""
+        give back its leases (P4)."""
         if peer.conn.peer.pid <= 0:
             self._strand(peer)
             return
@@ -685,7 +698,6 @@ class Exporter:
                 if rec.leases.pop(peer.cid, None):
                     held.append(rec)
                 rec.asked.discard(peer.cid)
-                rec.keepers.discard(peer.cid)
                 rec.idle.pop(peer.cid, None)
                 rec.released.pop(peer.cid, None)
                 for key in [k for k in rec.events if k[0] == peer.cid]:
@@ -732,7 +744,7 @@ class Exporter:
                     # A Release sent between the grant and now reached a receiver that
                     # did not know the mapping yet (ignored): it is asked again.
                     rec.released.pop(cid, None)
-            # A claim may have taken a limbo block's last ticket: ask its keepers now
+            # A claim may have taken a limbo block's last ticket: ask its holders now
             # that the receiver knows the mapping (an Evict before it would be lost).
             if rec is not None:
                 self._settle(rec)
@@ -758,10 +770,11 @@ class Exporter:
             if rec is None:
                 return
             if isinstance(f, _wire.Hit):
-                # A block received again is kept when let go; the receiver keeps it even
-                # when the ticket is gone (expired, or too old to be remembered).
-                if self._claim_ticket(rec, f.ticket) or rec.leases.get(cid, 0) > 0:
-                    rec.keepers.add(cid)
+                # An acknowledgement only: a ticket of this life is received.  A dead
+                # ticket, or another life's, is ignored (it keeps nothing alive) and
+                # counted; the receiver refused such messages itself (I1).
+                if f.life != rec.life or not self._claim_ticket(rec, f.ticket):
+                    self.ignored_hits += 1
             elif isinstance(f, _wire.Drop):
                 rec.tickets.pop(f.ticket, None)
             elif isinstance(f, _wire.Unmap):
@@ -779,7 +792,6 @@ class Exporter:
                     rec.leases[cid] = n
                 else:
                     rec.leases.pop(cid, None)
-                    rec.keepers.discard(cid)
                     rec.idle.pop(cid, None)
                     rec.released.pop(cid, None)
                 rec.asked.discard(cid)
@@ -803,7 +815,16 @@ class Exporter:
         fd = None
         with self.lock:
             rec = self.records.get(f.export_id)
-            ok = rec is not None and self._claim_ticket(rec, f.ticket)
+            # The message's life and span are the block's (checked before its ticket is
+            # spent): nothing outside the block, nor another life of it, is granted.
+            outside = rec is not None and (f.size != rec.size or f.end > rec.size)
+            ok = (
+                rec is not None
+                and not outside
+                and rec.core is not None
+                and f.life == rec.life
+                and self._claim_ticket(rec, f.ticket)
+            )
             if ok:
                 assert rec is not None
                 if not f.held or rec.leases.get(peer.cid, 0) <= 0:
@@ -812,11 +833,10 @@ class Exporter:
                 rec.idle.pop(peer.cid, None)
                 rec.released.pop(peer.cid, None)
                 peer.mapping += 1  # the exit waits until the receiver has mapped it
-                if f.keep:
-                    rec.keepers.add(peer.cid)
                 if f.want_fd:  # the pool travels only to a peer with a live ticket for it
                     fd = int(rec.pool_mr.allocation_handle)
-        reply = _wire.Reply(f.seq, _wire.OK if ok else _wire.REFUSED, fd is not None)
+        status = _wire.OK if ok else _wire.OUT_OF_SPAN if outside else _wire.REFUSED
+        reply = _wire.Reply(f.seq, status, fd is not None)
         peer.conn.send(_wire.encode(reply), fd)
 
     # -- tickets nobody claims -------------------------------------------------------------
@@ -889,6 +909,7 @@ class Exporter:
                 "leases": sum(sum(r.leases.values()) for r in recs),
                 "peers": len(self.peers),
                 "recycled_blocks": self.recycled,
+                "ignored_hits": self.ignored_hits,
                 "dropped_frames_out": sum(p.sender.dropped for p in self.peers.values()),
             }
 

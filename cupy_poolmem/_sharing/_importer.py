@@ -3,7 +3,7 @@
 One :class:`Importer` per process (owned by the sharing context).  It keeps the only
 table of mappings and the only cache of imported pools in the process: the CuPy
 reducers and the Numba plugin both map through it, so one driver allocation is
-imported once however it arrives (invariant 7).  State changes happen under
+imported once however it arrives (P8).  State changes happen under
 ``Importer.lock``; the lock is never held while waiting for an exporter's reply.
 """
 
@@ -97,12 +97,12 @@ class Mapping:
         self.export_id = 0
         self.leased = False  # a lease at the exporter covers it (the CuPy protocol)
         self.users = 1  # live Imported owners and open Numba handles
-        self.keep = False  # received before: likely to come again (invariant 4)
+        self.keep = False  # received before: likely to come again (P5)
         self.evict = False  # the exporter asked for it back
         self.last_use: Any = None  # event recorded when the last user went (idle)
         self.last_stream = 0  # the stream ``last_use`` was recorded on
         self.waits: dict[int, Any] = {}  # stream -> event of earlier users' last use
-        # Recycled blocks (invariant 12): ``life``: the life of the messages its arrays
+        # Recycled blocks (P12): ``life``: the life of the messages its arrays
         # came from; ``fence``: messages of this life or earlier are claimed, never hit
         # (promised to the exporter by an Idle); ``told``: the life of the last Idle the
         # exporter still counts (a granted claim makes it count us busy again);
@@ -175,7 +175,7 @@ class Client:
             self._waiters[seq] = slot
         try:
             # In order after the frames posted before it: a claim must not overtake an
-            # Idle that said the mapping is unused (invariant 12).
+            # Idle that said the mapping is unused (P12).
             self._send_in_order(make(seq))
         except OSError as exc:
             with self._lock:
@@ -275,6 +275,44 @@ _STALE = (
     "for it (it was received already and every holder let go, or it waited longer than "
     "cupy_poolmem.sharing.inflight_timeout); nothing was mapped"
 )
+
+
+def _span_error(d: _wire.Descriptor, size: int) -> str:
+    return (
+        f"a message names a block of {d.size} bytes (an array of shape {d.shape}, strides "
+        f"{d.strides} at offset {d.offset}) where its exporter's block has {size}; it was "
+        "not mapped (a forged or corrupted message)"
+    )
+
+
+def _hit_life(m: Mapping) -> int:
+    """The one life whose messages ``m`` serves without a claim (I1): the life its
+    arrays came from while it is in use there; once we said Idle at ``fence`` (at or
+    after that), the next life only: the exporter recycles the block at most once
+    more before asking us again.  A block that is never recycled has life 0 only."""
+    if not m.life:
+        return 0
+    return m.fence + 1 if m.fence >= m.life else m.life
+
+
+def _refused(reply: _wire.Reply, d: _wire.Descriptor) -> None:
+    """Raise for a claim the exporter refused."""
+    if reply.status == _wire.OUT_OF_SPAN:
+        raise _wire.ProtocolError(
+            f"the exporter refused a message naming {d.size} bytes up to byte "
+            f"{_wire.span(d)[1]} of a block that is not that large; nothing was mapped "
+            "(a forged or corrupted message)"
+        )
+    raise SharingError(_STALE)
+
+
+def _span_end(d: _wire.Descriptor, m: Mapping | None) -> int:
+    """The end of the bytes ``d`` names, for its claim; :class:`ProtocolError` when they
+    are outside its block (``d.size``) or outside ``m``, a mapping made already."""
+    lo, end = _wire.span(d)
+    if lo < 0 or end > d.size or (m is not None and d.size != m.size):
+        raise _wire.ProtocolError(_span_error(d, m.size if m is not None else d.size))
+    return end
 
 
 class Importer:
@@ -435,14 +473,17 @@ class Importer:
                     raise _wire.ProtocolError(
                         "a message names memory this process maps for another export"
                     )
+                if d.size != m.size:
+                    raise _wire.ProtocolError(_span_error(d, m.size))
                 # Count the user before anything allocates: a garbage collection here
                 # may run dropped(), which must not unmap (or say Idle for) this mapping.
                 m.users += 1
                 self._wake(m)
                 m.keep = True
-                if d.life and d.life <= m.fence:
-                    # We told the exporter we are idle at this life: it may have
-                    # recycled the block since.  Ask (no new lease, no import).
+                if d.life != _hit_life(m):
+                    # Not the one life our mapping may serve without asking: we said
+                    # Idle at it (it may be recycled since), or it is older than our
+                    # arrays', or newer than the block can be: ask (no new lease).
                     if m.eager and d.life == m.life:
                         m.eager = False  # a block re-sent within one life
                     return m
@@ -455,7 +496,7 @@ class Importer:
             if isinstance(taken, Imported):
                 # Nobody waits for it: the sender thread takes it within a few ms, with
                 # the others posted meanwhile (the ticket pins the block until then).
-                c.sender.post(_wire.Hit(d.export_id, d.ticket), lazy=True)
+                c.sender.post(_wire.Hit(d.export_id, d.ticket, d.life), lazy=True)
                 return taken
             if isinstance(taken, Mapping):
                 told = True
@@ -507,10 +548,16 @@ class Importer:
             if m is None or not m.leased:
                 return None
             c = m.client
-            if c is None or c.closed or c.address != d.address or m.export_id != d.export_id:
+            if (
+                c is None
+                or c.closed
+                or c.address != d.address
+                or m.export_id != d.export_id
+                or d.size != m.size
+            ):
                 return None  # the full path tells these apart (gone, or a protocol error)
-            if d.life and d.life <= m.fence:
-                return None  # claimed on the full path (we said Idle at this life)
+            if d.life != _hit_life(m):
+                return None  # claimed on the full path (see receive)
             ev = None
             if d.event is not None:
                 ev = c.events.get(d.event)
@@ -536,7 +583,7 @@ class Importer:
             self._leave(c)
         # Nobody waits for it: the sender thread takes it within a few ms, with the
         # others posted meanwhile (the ticket pins the block until then).
-        c.sender.post(_wire.Hit(d.export_id, d.ticket), lazy=True)
+        c.sender.post(_wire.Hit(d.export_id, d.ticket, d.life), lazy=True)
         return hit
 
     def _claim_and_map(
@@ -554,15 +601,18 @@ class Importer:
         want_fd = raw is None and d.pool_uuid not in self.pools
         # A block its exporter recycles (life > 0) is kept: it comes back to be sent again.
         keep = d.life > 0 or (d.address, d.export_id) in self.seen
+        end = _span_end(d, None)  # (a Numba mapping's size is its handle's: not checked)
         reply, fd = c.request(
-            lambda seq: _wire.Claim(seq, d.export_id, d.ticket, want_fd, keep, False),
+            lambda seq: _wire.Claim(
+                seq, d.export_id, d.ticket, want_fd, keep, False, d.life, d.size, end
+            ),
             self.settings.claim_timeout,
             give_back=(_wire.Mapped(d.export_id), _wire.Unmap(d.export_id, None)),
         )
         if reply.status != _wire.OK:
             if fd is not None:
                 os.close(fd)
-            raise SharingError(_STALE)
+            _refused(reply, d)
         try:
             return self._map_granted(c, d, dev, key, raw, fd, keep)
         finally:  # mapped, or the lease given back: the exporter may exit now
@@ -574,11 +624,16 @@ class Importer:
         block may hold a later life's data)."""
         ok = False
         try:
+            end = _span_end(d, m)
             reply, _ = c.request(
-                lambda seq: _wire.Claim(seq, d.export_id, d.ticket, False, True, True),
+                lambda seq: _wire.Claim(
+                    seq, d.export_id, d.ticket, False, True, True, d.life, d.size, end
+                ),
                 self.settings.claim_timeout,
                 give_back=(_wire.Mapped(d.export_id),),
             )
+            if reply.status == _wire.OUT_OF_SPAN:
+                _refused(reply, d)
             if reply.status == _wire.OK:
                 try:
                     with self.lock:
@@ -586,8 +641,7 @@ class Importer:
                         # messages of this life are hits again, earlier ones claimed.
                         m.told = m.ask = 0
                         m.fence = d.life - 1
-                        if d.life > m.life:
-                            m.life = d.life
+                        m.life = d.life  # the block's life: the exporter checked it
                     ok = True
                 finally:
                     c.send_now(_wire.Mapped(d.export_id))
@@ -630,9 +684,13 @@ class Importer:
             else:  # mapped already through the Numba plugin: the lease now covers it too
                 m.users += 1
                 self._wake(m)
+                m.size = d.size  # the block's, as the exporter checked
             m.client, m.export_id, m.leased, m.keep = c, d.export_id, True, keep
+            # The life it was claimed for: a message of an earlier one is claimed (and
+            # refused), never a hit on this life's data (I1).
             m.life = d.life
-            m.fence = m.told = m.ask = 0
+            m.fence = max(d.life - 1, 0)
+            m.told = m.ask = 0
             c.keys.add(key)
             c.by_export[d.export_id] = key
         return m

@@ -129,7 +129,7 @@ def receive(ctx: Any, d: _wire.Descriptor) -> tuple[Any, int]:
     drv = ctx.driver
     exp = ctx._exporter
     if exp is not None and d.address == exp.own_address:  # back in the exporter: its own memory
-        hold = ctx.exporter.take_local(d.export_id, d.ticket)
+        hold = ctx.exporter.take_local(d.export_id, d.ticket, d.life, d.size)
         dev = hold.rec.dev if hold.rec.dev >= 0 else drv.current_device()
         if d.event is not None:
             with drv.on_device(dev):

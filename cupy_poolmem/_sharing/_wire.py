@@ -18,6 +18,7 @@ __all__ = [
     "VERSION",
     "Descriptor",
     "check_descriptor",
+    "span",
     "Claim",
     "Hit",
     "Drop",
@@ -38,9 +39,10 @@ __all__ = [
     "OK",
     "REFUSED",
     "NOT_HELD",
+    "OUT_OF_SPAN",
 ]
 
-VERSION = 4  # descriptor and frame format; a mismatch is a clear SharingError
+VERSION = 5  # descriptor and frame format; a mismatch is a clear SharingError
 POOL_DEVICE, POOL_PINNED, POOL_MANAGED = 0, 1, 2  # the hot path's KIND_* values
 TICKET_BYTES = 16
 HANDLE_BYTES = 64  # export records and IPC event handles
@@ -57,8 +59,8 @@ class Descriptor(NamedTuple):
     is the sender's IPC event handle covering the writes enqueued before the send
     (``None`` when the sender already waited for them, as a forwarder does).
     ``life`` numbers the block's lives in its pool's reuse cache (0: a block that is
-    never recycled); a receiver that told the exporter its mapping is idle at a life
-    claims any message of that life or an earlier one (invariant 12).
+    never recycled); a receiver takes a message without a claim for the one life its
+    mapping serves, and claims any other (P12).
     """
 
     version: int
@@ -105,7 +107,7 @@ def check_descriptor(d: object) -> Descriptor:
         and type(d.export_data) is bytes
         and len(d.export_data) == HANDLE_BYTES
         and type(d.size) is int
-        and d.size > 0
+        and 0 < d.size < 2**63
         and type(d.ticket) is bytes
         and len(d.ticket) == TICKET_BYTES
         and (d.event is None or (type(d.event) is bytes and len(d.event) == HANDLE_BYTES))
@@ -145,7 +147,7 @@ def _problem(d: object) -> str | None:
         ("pool_kind", lambda: d.pool_kind in _POOL_KINDS),
         ("export_id", lambda: _int(d.export_id) and 0 < d.export_id < 2**64),
         ("export_data", lambda: _bytes(d.export_data, HANDLE_BYTES)),
-        ("size", lambda: _int(d.size) and d.size > 0),
+        ("size", lambda: _int(d.size) and 0 < d.size < 2**63),
         ("ticket", lambda: _bytes(d.ticket, TICKET_BYTES)),
         ("event", lambda: d.event is None or _bytes(d.event, HANDLE_BYTES)),
         ("offset", lambda: _int(d.offset) and 0 <= d.offset <= d.size),
@@ -206,19 +208,27 @@ def _itemsize(dtype: object) -> int:
     return n
 
 
+def span(d: Descriptor, item: int = 0) -> tuple[int, int]:
+    """``(first, end)``: the bytes of its block the array ``d`` describes reaches, from
+    ``first`` to before ``end``, for any strides (negative ones reach below ``offset``);
+    ``(offset, offset)`` for an empty array.  ``item``: the item size, if known."""
+    if 0 in d.shape:
+        return d.offset, d.offset
+    lo = hi = d.offset
+    for n, st in zip(d.shape, d.strides):
+        reach = (n - 1) * st
+        if reach < 0:
+            lo += reach
+        else:
+            hi += reach
+    return lo, hi + (item or _itemsize(d.dtype))
+
+
 def _fits(d: Descriptor, item: int) -> bool:
     """Whether the array ``d`` describes (items of ``item`` bytes) lies within its block
     (an empty one always)."""
-    if 0 in d.shape:
-        return True
-    lo = hi = d.offset
-    for n, st in zip(d.shape, d.strides):
-        span = (n - 1) * st
-        if span < 0:
-            lo += span
-        else:
-            hi += span
-    return lo >= 0 and hi + item <= d.size
+    lo, end = span(d, item)
+    return lo >= 0 and end <= d.size
 
 
 # -- frames ---------------------------------------------------------------------------------
@@ -229,7 +239,10 @@ class Claim(NamedTuple):
     in this process); ``keep``: the receiver may keep the new mapping idle after use
     (the exporter then asks for it back when it frees it); ``held``: the receiver maps
     the block already (idle, at a life it told the exporter it is done with): no new
-    lease, and the exporter counts it busy again once granted (invariant 12).
+    lease, and the exporter counts it busy again once granted (P12).
+    ``life``, ``size`` and ``end``: the life, block size and end of the bytes the
+    message names (its descriptor's): the exporter grants nothing unless they are the
+    block's (I1, I5).
     """
 
     seq: int
@@ -238,13 +251,19 @@ class Claim(NamedTuple):
     want_fd: bool
     keep: bool
     held: bool
+    life: int
+    size: int
+    end: int
 
 
 class Hit(NamedTuple):
-    """Receiver -> exporter: ticket received; I hold a lease on this block already."""
+    """Receiver -> exporter: ticket received (a message of ``life``); I hold a lease on
+    this block already.  An acknowledgement only: a dead ticket or another life's is
+    ignored."""
 
     export_id: int
     ticket: bytes
+    life: int
 
 
 class Drop(NamedTuple):
@@ -304,20 +323,21 @@ class Release(NamedTuple):
 
 class Idle(NamedTuple):
     """Receiver -> exporter: no array of mine uses this block; my last use precedes
-    ``event``.  From now on I claim (never hit) any message of life ``life`` or earlier."""
+    ``event``.  From now on I take a message without a claim only of life ``life + 1``
+    (P12)."""
 
     export_id: int
     life: int
     event: bytes
 
 
-OK, REFUSED, NOT_HELD = 0, 1, 2  # Reply.status
+OK, REFUSED, NOT_HELD, OUT_OF_SPAN = 0, 1, 2, 3  # Reply.status
 
 _CLAIM, _HIT, _DROP, _UNMAP, _REGISTER, _MAPPED, _IDLE = 1, 2, 3, 4, 5, 6, 7
 _REPLY, _EVICT, _RELEASE, _BATCH = 16, 17, 18, 32
 _LAYOUT: dict[int, tuple[struct.Struct, type]] = {
-    _CLAIM: (struct.Struct("<BIQ16sBBB"), Claim),
-    _HIT: (struct.Struct("<BQ16s"), Hit),
+    _CLAIM: (struct.Struct("<BIQ16sBBBQQQ"), Claim),
+    _HIT: (struct.Struct("<BQ16sQ"), Hit),
     _DROP: (struct.Struct("<BQ16s"), Drop),
     _UNMAP: (struct.Struct("<BQ64sB"), Unmap),
     _REGISTER: (struct.Struct("<BIQ16s"), Register),
@@ -363,7 +383,7 @@ def _decode_one(buf: bytes) -> NamedTuple:
     if cls is Unmap:
         return Unmap(fields[0], fields[1] if fields[2] else None)
     if cls is Claim:
-        fields[-3:] = [bool(fields[-3]), bool(fields[-2]), bool(fields[-1])]
+        fields[3:6] = [bool(fields[3]), bool(fields[4]), bool(fields[5])]
     elif cls is Reply:
         fields[-1] = bool(fields[-1])
     return cls(*fields)
