@@ -228,6 +228,62 @@ def test_enabled_false_leaves_configured_workers_alone(tmp_path):
     assert "runs without cupy_poolmem" not in err
 
 
+_TYPE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from distributed import Client, LocalCluster, wait
+
+    TOPS = ("cudalike", "cupy", "cupy_backends", "cupy_poolmem", "cuda", "rmm", "numba")
+
+    def make():
+        import cudalike
+        return cudalike.Array()
+
+    def mods():
+        return sorted(m for m in sys.modules if m.split(".")[0] in TOPS)
+
+    if __name__ == "__main__":
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                          dashboard_address=None) as cluster, Client(cluster) as c:
+            c.wait_for_workers(1, timeout=60)
+            started = mods()
+            f = c.submit(make, pure=False)
+            wait(f, timeout=60)
+            held = mods()
+        print("RESULT " + json.dumps({"started": started, "held": held}))
+    """
+)
+
+
+@pytest.mark.parametrize("configured", [False, True], ids=["plain", "configured"])
+def test_a_client_holding_futures_imports_their_types_module_plugin_or_not(tmp_path, configured):
+    """Why the GPU deployment test compares the client's modules with a run without
+    the preload keys: distributed's client unpickles the type of each of its futures'
+    results (the scheduler's ``key-in-memory`` message), so a client holding futures
+    of CuPy arrays imports CuPy whatever the workers run.  ``cudalike`` stands for
+    CuPy here: a module only the task imports."""
+    (tmp_path / "cudalike.py").write_text("class Array:\n    pass\n")
+    script = tmp_path / "holding.py"
+    script.write_text(_TYPE_SCRIPT)
+    extra = dict(CONFIGURED) if configured else {}
+    env = _env(**extra, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    r = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+    )
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and line, r.stdout + r.stderr[-3000:]
+    got = json.loads(line[0][7:])
+    # The nanny hook and the worker preload brought nothing to the client ...
+    assert got["started"] == [], got
+    # ... the future of a cudalike.Array did, and nothing else did.
+    assert got["held"] == ["cudalike"], got
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
