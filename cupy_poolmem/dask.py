@@ -709,7 +709,9 @@ def transfer_stats(client: Any, *, workers: list[str] | None = None) -> dict[str
         that) and ``fallback``: ``{reason: count}`` of the chunks serialized
         through Dask's own path here (``"peer-without-plugin"`` for the client,
         ``"no-recipient"`` for spilling, ``"other-host"``, ``"small"`` ... see
-        ``cupy_poolmem._dask_transfer.REASONS``).
+        ``cupy_poolmem._dask_transfer.REASONS``); also ``timings`` (seconds per
+        step), ``warm`` (how each meeting with a same-host peer ended) and
+        ``met_peers`` (the workers whose blocks this one mapped at a meeting).
 
     Examples
     --------

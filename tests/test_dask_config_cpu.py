@@ -228,6 +228,62 @@ def test_enabled_false_leaves_configured_workers_alone(tmp_path):
     assert "runs without cupy_poolmem" not in err
 
 
+_TYPE_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from distributed import Client, LocalCluster, wait
+
+    TOPS = ("cudalike", "cupy", "cupy_backends", "cupy_poolmem", "cuda", "rmm", "numba")
+
+    def make():
+        import cudalike
+        return cudalike.Array()
+
+    def mods():
+        return sorted(m for m in sys.modules if m.split(".")[0] in TOPS)
+
+    if __name__ == "__main__":
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                          dashboard_address=None) as cluster, Client(cluster) as c:
+            c.wait_for_workers(1, timeout=60)
+            started = mods()
+            f = c.submit(make, pure=False)
+            wait(f, timeout=60)
+            held = mods()
+        print("RESULT " + json.dumps({"started": started, "held": held}))
+    """
+)
+
+
+@pytest.mark.parametrize("configured", [False, True], ids=["plain", "configured"])
+def test_a_client_holding_futures_imports_their_types_module_plugin_or_not(tmp_path, configured):
+    """Why the GPU deployment test compares the client's modules with a run without
+    the preload keys: distributed's client unpickles the type of each of its futures'
+    results (the scheduler's ``key-in-memory`` message), so a client holding futures
+    of CuPy arrays imports CuPy whatever the workers run.  ``cudalike`` stands for
+    CuPy here: a module only the task imports."""
+    (tmp_path / "cudalike.py").write_text("class Array:\n    pass\n")
+    script = tmp_path / "holding.py"
+    script.write_text(_TYPE_SCRIPT)
+    extra = dict(CONFIGURED) if configured else {}
+    env = _env(**extra, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    r = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+    )
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    assert r.returncode == 0 and line, r.stdout + r.stderr[-3000:]
+    got = json.loads(line[0][7:])
+    # The nanny hook and the worker preload brought nothing to the client ...
+    assert got["started"] == [], got
+    # ... the future of a cudalike.Array did, and nothing else did.
+    assert got["held"] == ["cudalike"], got
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -531,13 +587,16 @@ def state(monkeypatch):
     st.address = "tcp://10.0.0.1:4001"
     st.device_uuid = GPU_A
     received: list = []
+    steps: list = []
 
-    def receive(d):
+    def receive(d, step="receive"):
         received.append(d)
+        steps.append(step)
         return types.SimpleNamespace(nbytes=d.size), "view"
 
     monkeypatch.setattr(_receiver, "_receive", receive)
     st.received = received
+    st.steps = steps  # the timing prefix each receive was given
     return st
 
 
@@ -552,6 +611,15 @@ def test_meeting_a_peer_maps_its_blocks_and_counts_it(state):
     c = T.counters()
     assert c["warm"] == {"met": 1} and c["timings"]["warm"]["n"] == 1
     assert c["received_view"] == 0  # meetings are not chunks
+    assert c["met_peers"] == ["tcp://10.0.0.1:4002"]
+    # Its receives are timed as warm.<kind>: receive.<kind> stays the chunks'.
+    assert state.steps == ["warm"]
+
+
+def test_a_chunks_receive_is_timed_as_receive(state):
+    state.orig_deserialize = lambda h, f: None
+    T.deserialize(_header(), [])
+    assert state.steps == ["receive"] and T.counters()["met_peers"] == []
 
 
 @pytest.mark.parametrize(
@@ -567,6 +635,7 @@ def test_a_meeting_that_does_not_happen_says_why_and_maps_nothing(state, reply, 
     w = _Worker({"tcp://10.0.0.1:4002": reply})
     assert asyncio.run(_warm.meet(w, "tcp://10.0.0.1:4002")) == outcome
     assert state.received == [] and T.counters()["warm"] == {outcome: 1}
+    assert T.counters()["met_peers"] == []
 
 
 def test_a_peer_answering_with_another_identity_is_not_mapped(state):
@@ -583,7 +652,7 @@ def test_a_failed_mapping_during_a_meeting_is_counted_not_raised(state, monkeypa
     monkeypatch.setattr(_receiver, "_receive", fail)
     w = _Worker({"a": {"status": "OK", "identity": state.identity, "headers": [_header()]}})
     assert asyncio.run(_warm.meet(w, "a")) == "failed"
-    assert T.counters()["warm"] == {"failed": 1}
+    assert T.counters()["warm"] == {"failed": 1} and T.counters()["met_peers"] == []
 
 
 def test_a_worker_meets_the_workers_of_its_host_only(state):
@@ -629,6 +698,37 @@ def test_serving_a_meeting_exports_blocks_and_meets_the_caller_back(state, monke
     (addr, kw), = w.calls  # fmt: skip
     assert addr == "tcp://10.0.0.1:4009" and kw["reciprocate"] is False  # no ping-pong
     assert T.counters()["warm"] == {"served": 1, "met": 1}
+
+
+def test_the_served_side_has_met_the_caller_only_once_its_meeting_back_mapped(state, monkeypatch):
+    """Serving a meeting counts ``served`` at once; the caller's blocks are mapped by
+    the meeting back, later.  A wait on ``warm`` alone returns before it (a chunk
+    from the caller then makes the first contact); ``met_peers`` says when it is done."""
+    monkeypatch.setattr(_warm, "_export_blocks", lambda: [])
+    caller, addr = dict(state.identity, pid=99), "tcp://10.0.0.1:4009"
+
+    async def go():
+        gate = asyncio.Event()
+
+        class Rpc:  # the caller's handler, answering once the gate opens
+            def __init__(self, address):
+                assert address == addr
+
+            async def cupy_poolmem_warm(self, **kw):
+                await gate.wait()
+                return {"status": "OK", "identity": caller, "headers": [_header()]}
+
+        state.worker = types.SimpleNamespace(rpc=Rpc)
+        assert (await _warm.serve(identity=caller, address=addr))["status"] == "OK"
+        served = T.counters()
+        gate.set()
+        await asyncio.gather(*list(state.tasks))
+        return served, T.counters()
+
+    served, done = asyncio.run(go())
+    assert served["warm"] == {"served": 1} and served["met_peers"] == []
+    assert state.steps == ["warm"]  # mapped by the meeting back, after the gate
+    assert done["warm"] == {"served": 1, "met": 1} and done["met_peers"] == [addr]
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,9 @@ say which path it took (a test that passed without the IPC path would prove noth
 * ``LocalCUDACluster`` configured only by environment variables (in a process of its
   own, so they reach Dask's config at import): the workers meet at start, a chunk
   moves GPU 0 -> GPU 1 through IPC without a first contact; a worker restarted by its
-  nanny gets the plugin again; the client imported neither CuPy nor cupy_poolmem;
+  nanny gets the plugin again and meets the other; the client imported no CUDA
+  library beyond what the same script imports without the preload keys (holding
+  futures of CuPy arrays imports CuPy: distributed unpickles their type);
 * ``dask scheduler`` + one ``dask cuda worker`` command for both GPUs;
 * two separate ``dask cuda worker`` commands: with a per-host secret they share the
   IPC path, without it they fall back (``other-family``);
@@ -169,18 +171,28 @@ _LOCAL_SCRIPT = textwrap.dedent(
         return c.submit(total, y, workers=[b], pure=False).result(timeout=120) == expected(n, seed)
 
     def met(c):
+        # Every worker has mapped the blocks of every other one (met_peers): "served"
+        # in warm says only that a peer met it, not that its meeting back is done.
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             cs = c.run(counters)
-            if all(s["installed"] and sum(s["warm"].values()) for s in cs.values()):
+            if all(s["installed"] and set(cs) - {w} <= set(s["met_peers"])
+                   for w, s in cs.items()):
                 break
             time.sleep(0.2)
         return c.run(counters)
+
+    CUDA_TOPS = ("cupy", "cupy_backends", "cupy_poolmem", "cuda", "rmm")
+
+    def cuda_modules():
+        return sorted(m for m in sys.modules if m.split(".")[0] in CUDA_TOPS
+                      or m == "numba.cuda" or m.startswith("numba.cuda."))
 
     if __name__ == "__main__":
         from dask_cuda import LocalCUDACluster
         from distributed import Client
         protocol, restart = sys.argv[1], sys.argv[2] == "1"
+        configured = sys.argv[3] == "configured"  # else plain: no preload keys, no plugin
         out = {}
         with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,1", n_workers=2, threads_per_worker=1,
                               protocol=protocol, dashboard_address=None) as cluster, \\
@@ -189,9 +201,11 @@ _LOCAL_SCRIPT = textwrap.dedent(
             a, b = sorted(c.scheduler_info()["workers"])
             out["a"], out["b"] = a, b
             out["preloads"] = c.run(preloads)
-            out["before"] = met(c)
+            out["before"] = met(c) if configured else None
+            # Nannies, preloads and meetings done; no future of a CuPy array yet.
+            out["client_cuda_started"] = cuda_modules()
             out["ok"] = [move(c, a, b, 64 << 20, 3), move(c, a, b, 64 << 20, 4)]
-            out["after"] = c.run(counters)
+            out["after"] = c.run(counters) if configured else None
             if restart:
                 c.restart_workers([a], timeout=120)
                 deadline = time.monotonic() + 120
@@ -203,24 +217,37 @@ _LOCAL_SCRIPT = textwrap.dedent(
                 a2 = next(w for w in c.scheduler_info()["workers"] if w != b)
                 out["a2"] = a2
                 out["preloads2"] = c.run(preloads, workers=[a2])[a2]
-                out["before2"] = met(c)
+                out["before2"] = met(c) if configured else None
                 out["ok2"] = move(c, a2, b, 64 << 20, 5)
-                out["after2"] = c.run(counters)
-            out["client_modules"] = sorted(
-                m for m in sys.modules if m.split(".")[0] in ("cupy", "cupy_poolmem"))
+                out["after2"] = c.run(counters) if configured else None
+            # The client unpickles the type of each future's result (distributed's
+            # key-in-memory message): holding futures of CuPy arrays imports CuPy,
+            # plugin or not.  So the test compares with a plain run.
+            out["client_cuda"] = cuda_modules()
         print("RESULT " + json.dumps(out), flush=True)
     """
 )
 
 
-def _run_local(tmp_path, protocol: str, restart: bool, timeout: float = 170) -> dict:
+def _run_local(
+    tmp_path, protocol: str, restart: bool, timeout: float = 170, configured: bool = True
+) -> dict:
+    """Run the cluster script; ``configured=False``: the same script without the
+    preload keys in its environment (no plugin anywhere)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     script = tmp_path / "local.py"
     script.write_text(_LOCAL_SCRIPT)
     log = tmp_path / "local.log"
     with open(log, "w") as f:
         p = subprocess.Popen(
-            [sys.executable, str(script), protocol, "1" if restart else "0"],
-            env=_env(**CONFIGURED),
+            [
+                sys.executable,
+                str(script),
+                protocol,
+                "1" if restart else "0",
+                "configured" if configured else "plain",
+            ],
+            env=_env(**CONFIGURED) if configured else _env(),
             stdout=f,
             stderr=subprocess.STDOUT,
             cwd=str(tmp_path),
@@ -239,11 +266,19 @@ def _run_local(tmp_path, protocol: str, restart: bool, timeout: float = 170) -> 
 
 
 def _first_contacts(counters: dict) -> int:
+    """The chunks' receives that connected to their sender (a meeting's are
+    ``warm.first-contact``)."""
     return counters["timings"].get("receive.first-contact", {}).get("n", 0)
 
 
+def _meetings(cs: dict) -> dict:
+    """What each worker's counters say of its meetings (for failure messages)."""
+    keys = ("installed", "warm", "met_peers", "timings")
+    return {w: {k: c.get(k) for k in keys} for w, c in cs.items()}
+
+
 def test_local_cuda_cluster_configured_by_environment_only(tmp_path):
-    got = _run_local(tmp_path, "tcp", restart=True)
+    got = _run_local(tmp_path / "configured", "tcp", restart=True, timeout=150)
     a, b = got["a"], got["b"]
     for w, pre in got["preloads"].items():
         assert pre == ["dask_cuda.initialize", "cupy_poolmem.dask"], (w, pre)
@@ -252,16 +287,32 @@ def test_local_cuda_cluster_configured_by_environment_only(tmp_path):
     assert before[a]["installed"] and before[b]["installed"], before
     assert after[a]["sent_ipc"] - before[a]["sent_ipc"] == 2, after[a]
     assert after[b]["received_copy"] - before[b]["received_copy"] == 2, after[b]
-    # The workers met at start: the chunks made no first contact of their own.
-    assert sum(before[b]["warm"].values()) and sum(before[a]["warm"].values()), before
-    assert _first_contacts(after[b]) == _first_contacts(before[b]), after[b]["timings"]
-    # A worker restarted by its nanny gets the preload and the plugin again.
+    # The workers met at start (each mapped the other's blocks): the chunks made
+    # no first contact.
+    assert a in before[b]["met_peers"] and b in before[a]["met_peers"], _meetings(before)
+    assert _first_contacts(after[b]) == 0, _meetings(after)
+    # A worker restarted by its nanny gets the preload and the plugin again, and
+    # meets the running one.
     a2 = got["a2"]
     assert got["preloads2"] == ["dask_cuda.initialize", "cupy_poolmem.dask"]
     assert got["ok2"] is True
-    assert got["after2"][a2]["installed"] and got["after2"][a2]["sent_ipc"] >= 1, got["after2"]
-    # The nannies live in the client's process: the hook brought no CuPy there.
-    assert got["client_modules"] == [], got["client_modules"]
+    after2 = got["after2"]
+    assert after2[a2]["installed"] and after2[a2]["sent_ipc"] >= 1, after2
+    assert a2 in got["before2"][b]["met_peers"], _meetings(got["before2"])
+    assert _first_contacts(after2[b]) == 0, _meetings(after2)
+    # The nannies live in the client's process: the hook and the plugin brought no
+    # CUDA library there.  Before any CuPy result exists, and at the end compared
+    # with the same script without the preload keys (a client holding futures of
+    # CuPy arrays imports CuPy to unpickle their type, plugin or not).
+    plain = _run_local(tmp_path / "plain", "tcp", restart=True, timeout=120, configured=False)
+    assert plain["ok"] == [True, True] and plain["ok2"] is True, plain
+    assert plain["preloads"] and all(
+        p == ["dask_cuda.initialize"] for p in plain["preloads"].values()
+    )
+    for when in ("client_cuda_started", "client_cuda"):
+        added = sorted(set(got[when]) - set(plain[when]))
+        assert added == [], (when, added)
+    assert [m for m in got["client_cuda"] if m.split(".")[0] == "cupy_poolmem"] == []
 
 
 def test_ucxx_cluster_with_the_plugin_moves_chunks_right(tmp_path):
@@ -334,11 +385,17 @@ def _by_name(client, n: int) -> dict[str, str]:
     return {w["name"]: addr for addr, w in info.items()}
 
 
-def _wait_met(client, timeout: float = 30) -> dict:
+def _wait_met(client, pairs=(), timeout: float = 30) -> dict:
+    """Every worker's counters once all have the plugin and, for each ``(receiver,
+    sender)`` of ``pairs``, the receiver has mapped the sender's blocks at a meeting
+    (``met_peers``; ``warm`` counts ``served`` before the meeting back is done).
+    At ``timeout``, the counters as they are: the caller's asserts say what is missing."""
     deadline = time.monotonic() + timeout
     while True:
         cs = client.run(_counters)
-        if all(s["installed"] and sum(s["warm"].values()) for s in cs.values()):
+        if all(s["installed"] for s in cs.values()) and all(
+            snd in cs.get(rcv, {}).get("met_peers", ()) for rcv, snd in pairs
+        ):
             return cs
         if time.monotonic() > deadline:
             return cs
@@ -355,13 +412,14 @@ def test_one_dask_cuda_worker_command_for_two_gpus_preloaded_by_configuration(tm
             a, b = names["w-0"], names["w-1"]
             gpus = client.run(_gpu)
             assert gpus[a] != gpus[b], gpus
-            before = _wait_met(client)
+            before = _wait_met(client, [(b, a), (a, b)])
             assert before[a]["installed"] and before[b]["installed"], dep.logs()
+            assert a in before[b]["met_peers"], (_meetings(before), dep.logs())
             assert _move(client, a, b, 64 * MiB, 7) == _expected(64 * MiB, 7)
             after = client.run(_counters)
             assert after[a]["sent_ipc"] - before[a]["sent_ipc"] == 1, after[a]
             assert after[b]["received_copy"] - before[b]["received_copy"] == 1, after[b]
-            assert _first_contacts(after[b]) == _first_contacts(before[b]), after[b]
+            assert _first_contacts(after[b]) == 0, _meetings(after)
     finally:
         dep.close()
 
@@ -387,7 +445,7 @@ def test_two_dask_cuda_worker_commands_share_ipc_only_with_the_per_host_secret(t
             gpus = client.run(_gpu, workers=[src, dst])
             assert gpus[src] != gpus[dst], gpus
             pids = client.run(os.getppid, workers=[src, dst])  # their nannies' commands
-            before = _wait_met(client)
+            before = _wait_met(client, [(dst, src)] if secret else [])
             assert _move(client, src, dst, 64 * MiB, 9) == _expected(64 * MiB, 9)
             after = client.run(_counters)
             sent = after[src]["sent_ipc"] - before[src]["sent_ipc"]
@@ -396,6 +454,9 @@ def test_two_dask_cuda_worker_commands_share_ipc_only_with_the_per_host_secret(t
                 assert sent == 1, (after[src], dep.logs())
                 assert after[dst]["received_copy"] - before[dst]["received_copy"] == 1
                 assert fell == 0, after[src]
+                # The two commands' workers met through the secret's key, too.
+                assert src in before[dst]["met_peers"], _meetings(before)
+                assert _first_contacts(after[dst]) == 0, _meetings(after)
             else:
                 assert sent == 0 and fell >= 1, after[src]
                 assert after[dst]["received_copy"] == before[dst]["received_copy"]

@@ -540,7 +540,7 @@ def test_install_with_ipc_off_installs_nothing(monkeypatch):
     w = FakeWorker()
     assert not T.install(w, 0, T.TransferConfig(ipc=False), devices=[GPU_A])
     assert "handshake_overrides" not in w.connection_args and T.REFETCH_OP not in w.handlers
-    assert T.counters() == dict(T.Counters().to_dict(), installed=False, ipc=False)
+    assert T.counters() == dict(T.Counters().to_dict(), installed=False, ipc=False, met_peers=[])
 
 
 def test_plugin_teardown_uninstalls_the_transfer_path(monkeypatch):

@@ -106,8 +106,12 @@ _state = _State()
 
 
 def counters() -> dict[str, Any]:
-    """This process's transfer counters (see :func:`cupy_poolmem.dask.transfer_stats`)."""
+    """This process's transfer counters (see :func:`cupy_poolmem.dask.transfer_stats`),
+    with ``installed``, ``ipc`` and ``met_peers`` (the addresses of the workers whose
+    blocks this worker mapped at a meeting: its receives from them make no first
+    contact)."""
     out = _state.counters.to_dict()
     out["installed"] = _state.identity is not None
     out["ipc"] = bool(_state.config is not None and _state.config.ipc)
+    out["met_peers"] = sorted(_state.met)
     return out

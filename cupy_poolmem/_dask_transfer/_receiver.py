@@ -52,11 +52,13 @@ def first_steps(ctx: Any, d: Any) -> str:
     return "claim"
 
 
-def _receive(d: Any) -> tuple[Any, str]:
+def _receive(d: Any, step: str = "receive") -> tuple[Any, str]:
     """Map the block of ``d``: ``(array, "view" | "copy")`` on this worker's GPU.
 
-    The seconds each step took go to the counters' ``timings``: ``receive.<kind>``
-    (:func:`first_steps`) and ``copy`` (the device-to-device copy from another GPU).
+    The seconds each step took go to the counters' ``timings``: ``<step>.<kind>``
+    (:func:`first_steps`; ``step`` is ``"receive"`` for a chunk, ``"warm"`` for a
+    meeting's block, so ``receive.first-contact`` counts chunks only) and ``copy``
+    (the device-to-device copy from another GPU).
     """
     import cupy
 
@@ -68,7 +70,7 @@ def _receive(d: Any) -> tuple[Any, str]:
     kind = first_steps(ctx, d)
     t0 = time.perf_counter()
     owner, dev = receive(ctx, d)
-    counters.timed("receive." + kind, time.perf_counter() - t0)
+    counters.timed(f"{step}.{kind}", time.perf_counter() - t0)
     view = array_on(owner, d, dev)
     mine = _process._state.device
     if dev == mine:

@@ -14,7 +14,10 @@ claim) and lets them go at once: the connection and the imported pools stay.
 Workers that start later meet the ones already running, so every pair meets once.
 
 How each meeting ended is counted (``warm`` in the transfer counters: ``met``, or
-the reason it did not happen), and its seconds go to ``timings["warm"]``.
+the reason it did not happen; ``served`` on the side that was met, whose own
+meeting back may still be under way), the peers whose blocks this worker mapped are
+listed (``met_peers``), and the seconds go to ``timings["warm"]`` (each meeting)
+and ``timings["warm.<kind>"]`` (its receives, apart from the chunks' ``receive.*``).
 """
 
 from __future__ import annotations
@@ -86,11 +89,14 @@ def _export_blocks() -> list[dict[str, Any]]:
 
 
 def _receive_blocks(headers: list[Any]) -> int:
-    """Map each block of ``headers`` and let it go; how many were received."""
+    """Map each block of ``headers`` and let it go; how many were received.
+
+    Their steps are timed as ``warm.<kind>``, apart from the chunks' ``receive.<kind>``.
+    """
     n = 0
     for h in headers:
         d, _ = parse_header(h)
-        arr, _how = _receiver._receive(d)
+        arr, _how = _receiver._receive(d, step="warm")
         del arr
         n += 1
     return n
