@@ -269,50 +269,77 @@ def _event(row: list[str], idx: list[int]) -> LogEvent:
     )
 
 
-def iter_events(src: LogSource, bad: BadRows) -> Iterator[LogEvent]:
+def iter_events(src: LogSource, bad: BadRows, chunk: int | None = None) -> Iterator[LogEvent]:
     """The events of one log in file order; invalid rows are counted in ``bad``.
 
     Repeated header lines (several processes appending to one file) are not events.
     A row is invalid when its number of fields differs from the header's, a value
     does not parse or is out of range (negative sizes, times that are not finite,
     numbers above ``2**64 - 1``), it holds bytes that are not UTF-8, or the CSV
-    module cannot split it (a field over its size limit).
+    module cannot split it (a field over its size limit).  With ``chunk``, the file
+    is open only while ``chunk`` rows are read (merging more logs than a process may
+    open at once).
     """
     header = check_header(src.path, src.name)
     idx = [header.index(c) for c in LOG_COLUMNS]
+    pos: int | None = None  # where the next chunk starts; None: at the header
+    lines = 0  # lines read before this chunk
+    while True:
+        buf: list[LogEvent] = []
+        done = True
+        f: IO[str]
+        with open(src.path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
+            if pos is not None:
+                f.seek(pos)
+            reader = csv.reader(iter(f.readline, ""))  # readline: tell() stays usable
+            if pos is None:
+                try:
+                    next(reader, None)
+                except csv.Error:
+                    pass
+            for ev in _rows(reader, header, idx, src.name, lines, bad):
+                if chunk is None:
+                    yield ev
+                    continue
+                buf.append(ev)
+                if len(buf) >= chunk:
+                    pos, lines, done = f.tell(), lines + reader.line_num, False
+                    break
+        yield from buf
+        if done:
+            return
+
+
+def _rows(
+    reader: Any, header: list[str], idx: list[int], name: str, lines: int, bad: BadRows
+) -> Iterator[LogEvent]:
+    """The valid events of ``reader``'s rows (line numbers counted from ``lines``)."""
     ncol = len(header)
-    f: IO[str]
-    with open(src.path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
-        reader = csv.reader(f)
+    while True:
         try:
-            next(reader, None)
-        except csv.Error:
-            pass
-        while True:
-            try:
-                row = next(reader)
-            except StopIteration:
-                return
-            except csv.Error as exc:
-                bad.add(f"{src.name} line {reader.line_num}", str(exc))
-                continue
-            if len(row) != ncol:
-                if row:
-                    bad.add(
-                        f"{src.name} line {reader.line_num}",
-                        f"{len(row)} fields, the header has {ncol}",
-                    )
-                continue
-            if row == header:
-                continue
-            try:
-                ev = _event(row, idx)
-                if not (ev.thread + ev.tag + ev.callsite + ev.op).isascii():
-                    (ev.thread + ev.tag + ev.callsite).encode("utf-8")
-            except UnicodeEncodeError:
-                bad.add(f"{src.name} line {reader.line_num}", "bytes that are not UTF-8")
-                continue
-            except ValueError as exc:
-                bad.add(f"{src.name} line {reader.line_num}", str(exc))
-                continue
-            yield ev
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            bad.add(f"{name} line {lines + reader.line_num}", str(exc))
+            continue
+        if len(row) != ncol:
+            if row:
+                bad.add(
+                    f"{name} line {lines + reader.line_num}",
+                    f"{len(row)} fields, the header has {ncol}",
+                )
+            continue
+        if row == header:
+            continue
+        try:
+            ev = _event(row, idx)
+            if not (ev.thread + ev.tag + ev.callsite + ev.op).isascii():
+                (ev.thread + ev.tag + ev.callsite).encode("utf-8")
+        except UnicodeEncodeError:
+            bad.add(f"{name} line {lines + reader.line_num}", "bytes that are not UTF-8")
+            continue
+        except ValueError as exc:
+            bad.add(f"{name} line {lines + reader.line_num}", str(exc))
+            continue
+        yield ev

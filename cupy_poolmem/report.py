@@ -120,6 +120,10 @@ def read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
     return events, bad.n
 
 
+_MAX_OPEN = 64
+_MERGE_ROWS = 1 << 16
+
+
 @dataclass
 class _Loaded:
     """The logs to read, and what reading them found wrong.  :meth:`events` reads them
@@ -137,7 +141,11 @@ class _Loaded:
     def events(self) -> Iterator[LogEvent]:
         """All events, merged by time (each file's own order kept)."""
         self.bad = BadRows()
-        its = [iter_events(s, self.bad) for s in self.sources]
+        n = len(self.sources)
+        # Beyond _MAX_OPEN logs, each is opened only to read a chunk of rows (a process
+        # may open about 1024 files at once); the chunks together hold _MERGE_ROWS rows.
+        chunk = None if n <= _MAX_OPEN else max(16, _MERGE_ROWS // n)
+        its = [iter_events(s, self.bad, chunk) for s in self.sources]
         return heapq.merge(*its, key=lambda e: e.time) if len(its) > 1 else its[0]
 
 

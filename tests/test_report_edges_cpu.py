@@ -312,3 +312,61 @@ def test_summary_memory_does_not_grow_with_the_log(tmp_path):
         tracemalloc.stop()
     assert s.n_events == 40_000
     assert peak < size / 2, (peak, size)  # a list of the rows would take several times `size`
+
+
+# -- many files, the same file twice -----------------------------------------------------
+@pytest.mark.skipif(sys.platform == "win32", reason="needs POSIX resource limits")
+def test_more_logs_than_the_open_file_limit(tmp_path):
+    """A directory of more logs than files a process may open at once still merges."""
+    d = tmp_path / "logs"
+    d.mkdir()
+    n = 300
+    for pid in range(1, n + 1):
+        rows = [row(f"{T0 + i + pid / 1000:.6f}", "alloc", 0x100 * (i + 1), 64, pid=pid)
+                for i in range(5)]  # fmt: skip
+        write_log(d / f"alloc-{pid}.csv", rows)
+    code = (
+        "import resource, sys, json\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit("
+        "resource.RLIMIT_NOFILE)[1]))\n"
+        "from cupy_poolmem import report\n"
+        f"s = report.summarize({str(d)!r})\n"
+        "times = [lk.time for lk in s.leaks]\n"
+        "print(json.dumps([s.n_events, len(s.pids), s.leaked_bytes, s.end_time]))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert json.loads(r.stdout) == [5 * n, n, 5 * n * 64, T0 + 4 + n / 1000]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_reading_in_chunks_gives_the_same_rows_and_reasons(tmp_path, chunk):
+    from cupy_poolmem._report_read import BadRows, LogSource, iter_events
+
+    head = ",".join(LOG_COLUMNS).encode()
+    body = [
+        b"\xef\xbb\xbf" + head,
+        b'1.0,1,T,0,0,alloc,0x10,100,"multi\r\nline, tag",,,',
+        b"2.0,1,T\xff,0,0,alloc,0x20,100,x,,,",
+        b"3.0,1,T,0,0,alloc,0x30,-5,x,,,",
+        head,
+        "4.0,1,T,0,0,alloc,0x40,100,modèle,,,".encode(),
+        b"5.0,1,T,0,0,free,0x10,100",
+        b"6.0,1,T,0,0,free,0x10,100,,,,",
+    ]
+    path = tmp_path / "a.csv"
+    path.write_bytes(b"\r\n".join(body) + b"\r\n")
+    src = LogSource(str(path), str(path))
+
+    class Every(BadRows):
+        def add(self, where: str, reason: str) -> None:
+            super().add(where, reason)
+            self.where = [*getattr(self, "where", []), where.rsplit(" ", 1)[1]]
+
+    whole, parts = Every(), Every()
+    expect = list(iter_events(src, whole))
+    assert [e.time for e in expect] == [1.0, 4.0, 6.0] and expect[0].tag == "multi\r\nline, tag"
+    assert list(iter_events(src, parts, chunk)) == expect
+    assert whole.first == f"{path} line 4: bytes that are not UTF-8"
+    assert parts.where == whole.where == ["4", "5", "8"] and parts.first == whole.first
