@@ -171,11 +171,23 @@ def expand(
     A file named explicitly must be a log (:class:`LogFormatError` otherwise; an
     :class:`OSError` when it cannot be opened).  In a directory (its ``*.csv``) or a
     glob's matches, a file that cannot be opened or is not a log is skipped: it comes
-    back as ``(name, reason)`` in the second list.  ``-`` is standard input.
+    back as ``(name, reason)`` in the second list, as does a file named again (by
+    another path, a link, a directory or a glob).  ``-`` is standard input.
     """
     out: list[LogSource] = []
     skipped: list[tuple[str, str]] = []
     stdin_used = False
+    seen: dict[tuple[int, int], str] = {}  # (device, inode) -> the name read
+
+    def add(src: LogSource) -> None:
+        st = os.stat(src.path)
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            skipped.append((src.name, f"same file as {seen[key]} (read once)"))
+        else:
+            seen[key] = src.name
+            out.append(src)
+
     for p in paths:
         name = str(os.fspath(p))
         if name == "-":
@@ -194,7 +206,7 @@ def expand(
             what = "no file matches this pattern"
         else:
             check_header(name, name)  # an OSError or LogFormatError goes to the caller
-            out.append(LogSource(name, name))
+            add(LogSource(name, name))
             continue
         found = 0
         for m in members:
@@ -206,7 +218,7 @@ def expand(
             except OSError as exc:
                 skipped.append((m, exc.strerror or str(exc)))
                 continue
-            out.append(LogSource(m, m))
+            add(LogSource(m, m))
             found += 1
         if not found:
             if members:

@@ -331,7 +331,7 @@ class Summary:
         ]
         if self.skipped_files:
             out.append(
-                f"  {len(self.skipped_files)} file(s) skipped (not allocation logs): "
+                f"  {len(self.skipped_files)} file(s) skipped: "
                 + "; ".join(p(f) for f in self.skipped_files[:3])
                 + (" ..." if len(self.skipped_files) > 3 else "")
             )

@@ -370,3 +370,14 @@ def test_reading_in_chunks_gives_the_same_rows_and_reasons(tmp_path, chunk):
     assert list(iter_events(src, parts, chunk)) == expect
     assert whole.first == f"{path} line 4: bytes that are not UTF-8"
     assert parts.where == whole.where == ["4", "5", "8"] and parts.first == whole.first
+
+
+def test_a_file_named_twice_is_read_once(tmp_path, capsys):
+    path = write_log(tmp_path / "alloc-1.csv", good_rows())
+    os.symlink(path, tmp_path / "link.csv")
+    r = cli(str(tmp_path), path, str(tmp_path / "link.csv"), "--json")
+    assert r.returncode == 0, r.stderr
+    d = strict_json(r.stdout.decode())
+    assert d["n_events"] == 3 and d["n_allocs"] == 2 and d["leaked_bytes"] == 512
+    assert len(d["files"]) == 1
+    assert b"warning: skipped" in r.stderr and b"same file as" in r.stderr
