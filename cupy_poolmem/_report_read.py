@@ -3,8 +3,8 @@
 What this module owns:
 
 * which files a command line names: files, directories of ``*.csv``, quoted globs
-  (``'alloc-*.csv'``) and ``-`` (standard input, spooled to a temporary file so that a
-  plot can read it a second time);
+  (``'alloc-*.csv'``) and ``-`` (standard input; it and named pipes are spooled to a
+  temporary file so that a plot can read them a second time);
 * the checks of a file before any row is read (text, UTF-8, the log's header; a UTF-8
   byte order mark is allowed, as spreadsheet programs write one);
 * the rows, parsed and checked one at a time (:func:`iter_events`), so memory does not
@@ -20,6 +20,7 @@ import glob
 import math
 import os
 import shutil
+import stat
 import sys
 import tempfile
 import weakref
@@ -153,12 +154,13 @@ def check_header(path: str, name: str) -> list[str]:
     return header
 
 
-def _spool_stdin() -> LogSource:
-    """Standard input copied to a temporary file (removed when the source is dropped)."""
-    tmp = tempfile.NamedTemporaryFile(prefix="cupy_poolmem-stdin-", suffix=".csv", delete=False)
+def _spool(name: str, stream: IO[bytes]) -> LogSource:
+    """``stream`` (standard input, a pipe) copied to a temporary file, which is removed
+    when the source is dropped: the reader reads a log more than once."""
+    tmp = tempfile.NamedTemporaryFile(prefix="cupy_poolmem-log-", suffix=".csv", delete=False)
     with tmp:
-        shutil.copyfileobj(sys.stdin.buffer, tmp, 1 << 20)
-    src = LogSource("<stdin>", tmp.name)
+        shutil.copyfileobj(stream, tmp, 1 << 20)
+    src = LogSource(name, tmp.name)
     src._keep = weakref.finalize(src, os.unlink, tmp.name)
     return src
 
@@ -194,7 +196,7 @@ def expand(
             if stdin_used:
                 raise InvalidOptionError("'-' (standard input) is named twice; name it once")
             stdin_used = True
-            src = _spool_stdin()
+            src = _spool("<stdin>", sys.stdin.buffer)
             check_header(src.path, src.name)
             out.append(src)
             continue
@@ -204,6 +206,12 @@ def expand(
         elif not os.path.exists(name) and _has_glob(name):
             members = sorted(m for m in glob.glob(name) if not os.path.isdir(m))
             what = "no file matches this pattern"
+        elif os.path.exists(name) and not stat.S_ISREG(os.stat(name).st_mode):
+            with open(name, "rb") as pipe:  # a pipe (<(zcat log.gz), /dev/stdin): read once
+                src = _spool(name, pipe)
+            check_header(src.path, name)
+            out.append(src)
+            continue
         else:
             check_header(name, name)  # an OSError or LogFormatError goes to the caller
             add(LogSource(name, name))
@@ -211,6 +219,9 @@ def expand(
         found = 0
         for m in members:
             try:
+                if not stat.S_ISREG(os.stat(m).st_mode):
+                    skipped.append((m, "not a regular file"))
+                    continue
                 check_header(m, m)
             except LogFormatError as exc:
                 skipped.append((m, str(exc)[len(m) + 2 :]))

@@ -381,3 +381,41 @@ def test_a_file_named_twice_is_read_once(tmp_path, capsys):
     assert d["n_events"] == 3 and d["n_allocs"] == 2 and d["leaked_bytes"] == 512
     assert len(d["files"]) == 1
     assert b"warning: skipped" in r.stderr and b"same file as" in r.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_named_pipe_is_read_once(tmp_path):
+    """``report <(zcat alloc.csv.gz)`` and ``report /dev/stdin``: a pipe can be read once."""
+    data = open(write_log(tmp_path / "a.csv", good_rows()), "rb").read()
+    r = cli("/dev/stdin", "--json", stdin=data)
+    assert r.returncode == 0, r.stderr
+    assert strict_json(r.stdout.decode())["n_events"] == 3
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "logs").mkdir()
+    os.mkfifo(tmp_path / "logs" / "b.csv")  # in a directory: skipped, never waited on
+    write_log(tmp_path / "logs" / "a.csv", good_rows(pid=2))
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cupy_poolmem",
+            "report",
+            str(fifo),
+            str(tmp_path / "logs"),
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        with open(fifo, "wb") as w:
+            w.write(data)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert strict_json(out.decode())["n_events"] == 6
+    assert b"b.csv: not a regular file" in err
