@@ -3,10 +3,12 @@
 ``torch-snapshot``
     A pickle in the format of ``torch.cuda.memory._snapshot()``, which PyTorch's
     memory viewer (``memory_viz``) opens: ``device_traces`` holds every allocation and
-    free of the log in time order (``alloc``, then ``free_requested`` and
-    ``free_completed``), each with the logged call site as its frame and the tag as an
-    outer frame; ``segments`` holds the blocks still allocated at the end of the log,
-    one segment each (the log does not say how the pool laid them out).
+    free of the log in time order, each with the logged call site as its frame and the
+    tag as an outer frame; ``segments`` holds the blocks still allocated at the end of
+    the log.  The log does not say how the pool laid its blocks out, so each block is
+    a segment of its own, in the trace too (``segment_alloc``, ``alloc``; then
+    ``free_requested``, ``free_completed``, ``segment_free``): the viewer's allocator
+    history finds every block in a segment at every event.
 ``rmm-log``
     The CSV file RMM's ``logging_resource_adaptor`` writes
     (``Thread,Time,Action,Pointer,Size,Stream``), which RMM's replay benchmark reads.
@@ -48,6 +50,7 @@ RMM_HEADER = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
 
 _SMALL_SEGMENT = 1 << 20  # torch calls segments up to 1 MiB "small"
 _TAG_FILE = "<cupy_poolmem tag>"
+_LOGGED = ("alloc", "free_completed")  # the trace entries that are events of the log
 
 
 def check_export(fmt: str, out: str | os.PathLike) -> None:
@@ -129,6 +132,7 @@ def torch_snapshots(events: Iterable[LogEvent]) -> dict[int, dict[str, Any]]:
             "time_us": int(e.time * 1e6),
         }
         if action == "alloc":
+            traces[e.device].append({"action": "segment_alloc", **entry})
             traces[e.device].append({"action": "alloc", **entry})
             live[e.pid][(e.device, e.ptr)] = {
                 "size": e.size,
@@ -141,6 +145,7 @@ def torch_snapshots(events: Iterable[LogEvent]) -> dict[int, dict[str, Any]]:
         else:
             traces[e.device].append({"action": "free_requested", **entry})
             traces[e.device].append({"action": "free_completed", **entry})
+            traces[e.device].append({"action": "segment_free", **entry})
             live[e.pid].pop((e.device, e.ptr), None)
     for pid, snap in snaps.items():
         for (dev, addr), block in sorted(live[pid].items()):
@@ -198,7 +203,8 @@ def export(
     loaded: Any, fmt: str, out: str | os.PathLike, *, tag_depth: int | None = None
 ) -> tuple[int, list[str]]:
     """Write ``loaded``'s events in ``fmt`` to ``out`` (or one file per process, see the
-    module's docstring); return the number of events written and the files."""
+    module's docstring); return the number of allocations and frees written, and the
+    files."""
     from ._report_read import _tag_key
 
     check_export(fmt, out)
@@ -217,7 +223,7 @@ def export(
             target = path if len(snaps) == 1 else _per(path, [f"pid{pid}"], ext)
             with open(target, "wb") as fb:
                 pickle.dump(snap, fb)
-            n += sum(len(t) for t in snap["device_traces"])
+            n += sum(e["action"] in _LOGGED for t in snap["device_traces"] for e in t)
             written.append(target)
         return n, written
     # rmm-log: rows stream to their files; the names are known at the end only.
