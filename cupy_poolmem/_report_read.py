@@ -18,13 +18,14 @@ from __future__ import annotations
 import csv
 import glob
 import math
+import operator
 import os
 import shutil
 import stat
 import sys
 import tempfile
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any, NamedTuple
 
@@ -38,6 +39,7 @@ _MAX_U64 = 2**64 - 1
 _MAX_TIME = 1e11  # seconds since 1970: the year 5138; beyond it a time is damage
 _GLOB_CHARS = frozenset("*?[")
 _HEAD = 8192
+_MAX_DIGITS = 40  # a number longer than this is damage, whatever its value
 
 
 class LogEvent(NamedTuple):
@@ -242,7 +244,7 @@ def expand(
 
 def _uint(text: str, column: str, base: int = 10) -> int:
     s = text.strip()
-    if len(s) > 40:  # far more digits than any 64-bit value: damage (int() of them is slow)
+    if len(s) > _MAX_DIGITS:  # far more digits than any 64-bit value: damage (slow to int())
         raise ValueError(f"{column} {s[:20]!r}... is too long for a 64-bit value")
     try:
         v = int(s, base)
@@ -259,9 +261,38 @@ def _opt_uint(text: str, column: str) -> int | None:
     return _uint(text, column) if text.strip() else None
 
 
-def _event(row: list[str], idx: list[int]) -> LogEvent:
+def _event(row: list[str], pick: Callable[[list[str]], tuple[str, ...]]) -> LogEvent:
     """The event of one row, or ``ValueError`` naming the first invalid value."""
-    (t, pid, thread, dev, stream, op, ptr, size, tag, site, used, res) = (row[i] for i in idx)
+    fields = pick(row)
+    (t, pid, thread, dev, stream, op, ptr, size, tag, site, used, res) = fields
+    # The rows a writer wrote, quickly; anything else is decided by _checked_event.
+    if max(len(pid), len(stream), len(ptr), len(size), len(used), len(res)) > _MAX_DIGITS:
+        return _checked_event(fields)
+    try:
+        time = float(t)
+        ev = LogEvent(time, int(pid), thread, int(dev), int(stream, 0), op, int(ptr, 0),
+                      int(size), tag, site, int(used) if used else None,
+                      int(res) if res else None)  # fmt: skip
+    except ValueError:
+        return _checked_event(fields)
+    if (
+        0 <= time < _MAX_TIME  # False for nan
+        and (op == "alloc" or op == "free" or op.startswith("guard:"))
+        and -1 <= ev.device < 2**31
+        and 0 <= ev.pid <= _MAX_U64
+        and 0 <= ev.stream <= _MAX_U64
+        and 0 <= ev.ptr <= _MAX_U64
+        and 0 <= ev.size <= _MAX_U64
+        and (ev.used is None or 0 <= ev.used <= _MAX_U64)
+        and (ev.reserved is None or 0 <= ev.reserved <= _MAX_U64)
+    ):
+        return ev
+    return _checked_event(fields)
+
+
+def _checked_event(fields: tuple[str, ...]) -> LogEvent:
+    """:func:`_event`, one value at a time: the event, or the first invalid value."""
+    (t, pid, thread, dev, stream, op, ptr, size, tag, site, used, res) = fields
     try:
         time = float(t)
     except ValueError:
@@ -304,7 +335,7 @@ def iter_events(src: LogSource, bad: BadRows, chunk: int | None = None) -> Itera
     open at once).
     """
     header = check_header(src.path, src.name)
-    idx = [header.index(c) for c in LOG_COLUMNS]
+    pick = operator.itemgetter(*(header.index(c) for c in LOG_COLUMNS))
     pos: int | None = None  # where the next chunk starts; None: at the header
     lines = 0  # lines read before this chunk
     while True:
@@ -320,7 +351,7 @@ def iter_events(src: LogSource, bad: BadRows, chunk: int | None = None) -> Itera
                     next(reader, None)
                 except csv.Error:
                     pass
-            for ev in _rows(reader, header, idx, src.name, lines, bad):
+            for ev in _rows(reader, header, pick, src.name, lines, bad):
                 if chunk is None:
                     yield ev
                     continue
@@ -334,7 +365,12 @@ def iter_events(src: LogSource, bad: BadRows, chunk: int | None = None) -> Itera
 
 
 def _rows(
-    reader: Any, header: list[str], idx: list[int], name: str, lines: int, bad: BadRows
+    reader: Any,
+    header: list[str],
+    pick: Callable[[list[str]], tuple[str, ...]],
+    name: str,
+    lines: int,
+    bad: BadRows,
 ) -> Iterator[LogEvent]:
     """The valid events of ``reader``'s rows (line numbers counted from ``lines``)."""
     ncol = len(header)
@@ -356,7 +392,7 @@ def _rows(
         if row == header:
             continue
         try:
-            ev = _event(row, idx)
+            ev = _event(row, pick)
             if not (ev.thread + ev.tag + ev.callsite + ev.op).isascii():
                 (ev.thread + ev.tag + ev.callsite).encode("utf-8")
         except UnicodeEncodeError:

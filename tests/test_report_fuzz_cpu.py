@@ -136,6 +136,23 @@ def test_csv_like_logs_of_the_real_columns(rows, bom, header_again):
     _check_reads((b"\xef\xbb\xbf" if bom else b"") + data)
 
 
+@settings(max_examples=300, deadline=None, database=None)
+@given(_ROW)
+def test_the_quick_row_parse_agrees_with_the_checked_one(row):
+    """Rows as the writer writes them take a quick path; any row gets the same event
+    or is refused, whichever path reads it."""
+    from cupy_poolmem._report_read import _checked_event, _event
+
+    def outcome(fn, arg):
+        try:
+            return fn(*arg)
+        except ValueError:
+            return ValueError
+
+    fields = tuple(row)
+    assert outcome(_event, (row, tuple)) == outcome(_checked_event, (fields,))
+
+
 # -- parse_bytes --------------------------------------------------------------------------
 _NUMBERISH = st.from_regex(
     r"\A\s?[0-9]{0,30}(\.[0-9]{0,10})?([eE][+-]?[0-9]{1,12})?\s?"
