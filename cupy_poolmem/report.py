@@ -845,7 +845,7 @@ Rows with an invalid value are skipped and counted; files in a directory (or a
 quoted glob) that are not logs are skipped with a warning on stderr.
 
 exit status: 0 done, 1 the plot could not be drawn (matplotlib missing) or the output
-was closed early (| head), 2 bad input
+was closed early (| head) or could not be written (a full disk), 2 bad input
 """
 
 
@@ -964,7 +964,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG)
     add_arguments(ap)
     args = ap.parse_args(list(argv) if argv is not None else None)
-    return guard_pipe(run, args)
+    return guard_pipe(run, args, prog=PROG)
 
 
 if __name__ == "__main__":

@@ -419,3 +419,23 @@ def test_a_named_pipe_is_read_once(tmp_path):
     assert proc.returncode == 0, err
     assert strict_json(out.decode())["n_events"] == 6
     assert b"b.csv: not a regular file" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_for_the_output_is_one_line_not_a_traceback(tmp_path):
+    path = write_log(tmp_path / "a.csv", good_rows())
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for extra in ([], ["--json"]):
+        with open("/dev/full", "w") as full:
+            r = subprocess.run(
+                [sys.executable, "-m", "cupy_poolmem", "report", path, *extra],
+                stdout=full,
+                stderr=subprocess.PIPE,
+                timeout=120,
+                env=env,
+            )
+        err = r.stderr.decode()
+        assert r.returncode == 1, err
+        assert err.splitlines() == [
+            "python -m cupy_poolmem report: error: cannot write the output: No space left on device"
+        ]
