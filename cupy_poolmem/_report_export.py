@@ -171,7 +171,8 @@ def rmm_rows(events: Iterable[LogEvent]) -> Iterator[tuple[tuple[int, int], list
 
     ``Thread`` is a number per (process, thread name), in order of appearance (RMM
     logs the thread id); ``Time`` is the local time of day as RMM writes it
-    (``HH:MM:SS.ffffff``); ``Pointer`` and ``Stream`` are hexadecimal (``0x...``).
+    (``HH:MM:SS.ffffff``); ``Pointer`` and ``Stream`` are hexadecimal (``0x...``; the
+    default stream ``0``).
     """
     threads: dict[tuple[int, str], int] = {}
     for action, e, size, _tag, _site in _matched(events):
@@ -189,7 +190,7 @@ def rmm_rows(events: Iterable[LogEvent]) -> Iterator[tuple[tuple[int, int], list
                 "allocate" if action == "alloc" else "free",
                 hex(e.ptr),
                 str(size),
-                hex(e.stream),
+                hex(e.stream) if e.stream else "0",  # as RMM prints a null cudaStream_t
             ],
         )
 
