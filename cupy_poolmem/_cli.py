@@ -51,8 +51,9 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 def fail(prog: str, message: str, code: int = 2) -> int:
     """Print ``PROG: error: MESSAGE`` on stderr (one line) and return ``code``."""
-    text = " ".join(str(message).split())
-    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)  # no escapes
+    from ._report_read import printable
+
+    text = printable(" ".join(str(message).split()))  # no escape sequences
     print(f"{prog}: error: {text}", file=sys.stderr)
     return code
 

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 from ._errors import InvalidOptionError
-from ._report_read import LogEvent
+from ._report_read import LogEvent, _tag_key
 
 __all__ = ["EXPORT_FORMATS", "check_export", "export", "torch_snapshots", "rmm_rows"]
 
@@ -206,8 +206,6 @@ def export(
     """Write ``loaded``'s events in ``fmt`` to ``out`` (or one file per process, see the
     module's docstring); return the number of allocations and frees written, and the
     files."""
-    from ._report_read import _tag_key
-
     check_export(fmt, out)
     path = os.fspath(out)
     ext = os.path.splitext(path)[1]
