@@ -907,6 +907,11 @@ def run(args: argparse.Namespace) -> int:
         if to:
             check_export(*to)
         loaded = load(args.logs)
+        for option, out in (("--plot", args.plot), ("--to", to[1] if to else None)):
+            if out and any(_same_file(out, s.path) for s in loaded.sources):
+                raise InvalidOptionError(
+                    f"{option} {out}: that file is a log being read; write to another file"
+                )
         summ = _summarize(loaded, args.top, args.tag_depth)
     except OSError as exc:
         return fail(PROG, describe_os_error(exc))
@@ -947,6 +952,13 @@ def run(args: argparse.Namespace) -> int:
     for message, code in errors:
         fail(PROG, message, code=code)
     return max((code for _, code in errors), default=0)
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # ``a`` does not exist yet
+        return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -244,3 +244,16 @@ def test_cli_to(log, tmp_path):
     assert report.main([log, "--to", "pprof", str(out)]) == 2
     assert report.main([log, "--to", "rmm-log", str(tmp_path / "no" / "r.csv")]) == 2
     assert not (tmp_path / "no").exists()
+
+
+def test_an_output_that_is_one_of_the_logs_is_refused(log, tmp_path, capsys):
+    """``report alloc.csv --to rmm-log alloc.csv`` (both are .csv) must not replace the log."""
+    before = open(log, "rb").read()
+    os.symlink(log, tmp_path / "link.csv")
+    for args in (
+        [log, "--to", "rmm-log", log],
+        [str(tmp_path), "--to", "torch-snapshot", str(tmp_path / "link.csv")],
+    ):
+        assert report.main(args) == 2
+        assert "that file is a log being read" in capsys.readouterr().err
+        assert open(log, "rb").read() == before
