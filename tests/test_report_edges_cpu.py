@@ -439,3 +439,19 @@ def test_a_full_disk_for_the_output_is_one_line_not_a_traceback(tmp_path):
         assert err.splitlines() == [
             "python -m cupy_poolmem report: error: cannot write the output: No space left on device"
         ]
+
+
+def test_plot_samples_stay_bounded_when_times_go_back():
+    """Processes appending to one file write their batches out of time order: times
+    before the first event or after the last still land in the first or last bucket."""
+    from cupy_poolmem._report_read import LogEvent
+    from cupy_poolmem._report_series import sample_series
+
+    events = [
+        LogEvent(T0 - i if i % 2 else T0 + i / 1000, 1, "T", 0, 0, "alloc", 64 * (i + 1), 64,
+                 "a", "", None, None)
+        for i in range(2000)
+    ]  # fmt: skip
+    (panel,) = sample_series(events, [(1, 0)], ["a"], T0, T0 + 2, n_buckets=4)
+    assert len(panel.moments) <= 8
+    assert max(m[1] for m in panel.moments) == 2000 * 64
