@@ -20,6 +20,7 @@ import glob
 import math
 import operator
 import os
+import shlex
 import shutil
 import stat
 import sys
@@ -39,6 +40,12 @@ _MAX_U64 = 2**64 - 1
 _MAX_TIME = 1e11  # seconds since 1970: the year 5138; beyond it a time is damage
 _GLOB_CHARS = frozenset("*?[")
 _HEAD = 8192
+_COMPRESSED = {  # magic bytes: (format, the command that decompresses it to stdout)
+    b"\x1f\x8b": ("gzip", "zcat"),
+    b"BZh": ("bzip2", "bzcat"),
+    b"\xfd7zXZ\x00": ("xz", "xzcat"),
+    b"\x28\xb5\x2f\xfd": ("zstd", "zstdcat"),
+}
 _MAX_DIGITS = 40  # a number longer than this is damage, whatever its value
 
 
@@ -123,6 +130,14 @@ def check_header(path: str, name: str) -> list[str]:
         raise LogFormatError(
             name, "empty file: an allocation log starts with a header line (see start_log)"
         )
+    for magic, (kind, tool) in _COMPRESSED.items():
+        if head.startswith(magic):
+            cmd = f"{tool} {shlex.quote(name)}"
+            raise LogFormatError(
+                name,
+                f"{kind}-compressed: decompress it first (python -m cupy_poolmem report "
+                f"<({cmd}), or {cmd} | python -m cupy_poolmem report -)",
+            )
     if b"\x00" in head:
         raise LogFormatError(name, "binary file, not an allocation log (CSV text)")
     bad: UnicodeDecodeError | None = None

@@ -455,3 +455,15 @@ def test_plot_samples_stay_bounded_when_times_go_back():
     (panel,) = sample_series(events, [(1, 0)], ["a"], T0, T0 + 2, n_buckets=4)
     assert len(panel.moments) <= 8
     assert max(m[1] for m in panel.moments) == 2000 * 64
+
+
+def test_a_compressed_log_names_how_to_read_it(tmp_path):
+    import gzip
+
+    path = tmp_path / "alloc.csv.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(open(write_log(tmp_path / "a.csv", good_rows()), "rb").read())
+    r = cli(str(path))
+    assert r.returncode == 2
+    assert b"alloc.csv.gz: gzip-compressed: decompress it first" in r.stderr
+    assert b"<(zcat " in r.stderr
