@@ -26,13 +26,14 @@ would fail on it.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
 import os
 import pickle
 import time as _time
 from collections.abc import Iterable, Iterator
-from typing import IO, Any
+from typing import Any
 
 from ._errors import InvalidOptionError
 from ._report_read import LogEvent, _tag_key
@@ -51,6 +52,7 @@ RMM_HEADER = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
 _SMALL_SEGMENT = 1 << 20  # torch calls segments up to 1 MiB "small"
 _TAG_FILE = "<cupy_poolmem tag>"
 _LOGGED = ("alloc", "free_completed")  # the trace entries that are events of the log
+_BLOCK_ROWS = 1 << 16  # RMM rows held before they are written
 
 
 def check_export(fmt: str, out: str | os.PathLike) -> None:
@@ -225,30 +227,47 @@ def export(
             n += sum(e["action"] in _LOGGED for t in snap["device_traces"] for e in t)
             written.append(target)
         return n, written
-    # rmm-log: rows stream to their files; the names are known at the end only.
-    files: dict[tuple[int, int], IO[str]] = {}
-    writers: dict[tuple[int, int], Any] = {}
+    # rmm-log: rows go to a part file per (pid, device), written in blocks (a file is
+    # open only while a block is written: thousands of processes, few open files); the
+    # final names are known at the end only.
+    index: dict[tuple[int, int], int] = {}  # -> its part file, in order of appearance
+    pending: dict[tuple[int, int], list[Any]] = {}
     tmp = path + ".part"
     n = 0
+
+    def flush() -> None:
+        for key, rows in pending.items():
+            with open(f"{tmp}.{index[key]}", "a", newline="") as f:
+                csv.writer(f, lineterminator="\n").writerows(rows)
+        pending.clear()
+
     try:
         for key, row in rmm_rows(events):
-            w = writers.get(key)
-            if w is None:
-                f = files[key] = open(f"{tmp}.{len(files)}", "w", newline="")
-                w = writers[key] = csv.writer(f, lineterminator="\n")
-                w.writerow(RMM_HEADER)
-            w.writerow(row)
+            rows = pending.get(key)
+            if rows is None:
+                if key not in index:
+                    index[key] = len(index)
+                    open(f"{tmp}.{index[key]}", "w").close()  # no stale part file
+                    rows = pending[key] = [RMM_HEADER]
+                else:
+                    rows = pending[key] = []
+            rows.append(row)
             n += 1
-    finally:
-        for opened in files.values():
-            opened.close()
-    if not files:
+            if n % _BLOCK_ROWS == 0:
+                flush()
+        flush()
+    except BaseException:
+        for i in index.values():
+            with contextlib.suppress(OSError):
+                os.unlink(f"{tmp}.{i}")
+        raise
+    if not index:
         with open(path, "w", newline="") as empty:
             empty.write(",".join(RMM_HEADER) + "\n")
         return 0, [path]
     written = []
-    for i, (pid, dev) in enumerate(files):
-        target = path if len(files) == 1 else _per(path, [f"pid{pid}", f"dev{dev}"], ext)
+    for (pid, dev), i in index.items():
+        target = path if len(index) == 1 else _per(path, [f"pid{pid}", f"dev{dev}"], ext)
         os.replace(f"{tmp}.{i}", target)
         written.append(target)
     return n, written

@@ -257,3 +257,48 @@ def test_an_output_that_is_one_of_the_logs_is_refused(log, tmp_path, capsys):
         assert report.main(args) == 2
         assert "that file is a log being read" in capsys.readouterr().err
         assert open(log, "rb").read() == before
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs POSIX resource limits")
+def test_rmm_logs_of_more_processes_than_open_files(tmp_path):
+    """One RMM log per process: 300 processes under a limit of 100 open files."""
+    import json
+    import subprocess
+    import sys
+
+    import cupy_poolmem
+
+    d = tmp_path / "logs"
+    d.mkdir()
+    for pid in range(1, 301):
+        write_log(d / f"a-{pid}.csv", [ev(pid / 1000, "alloc", 0x10, 8, pid=pid),
+                                        ev(1 + pid / 1000, "free", 0x10, 8, pid=pid)])  # fmt: skip
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(cupy_poolmem.__file__)))
+    code = (
+        "import resource, json\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit("
+        "resource.RLIMIT_NOFILE)[1]))\n"
+        "from cupy_poolmem import report\n"
+        "from cupy_poolmem._report_export import export\n"
+        f"print(json.dumps(export(report.load({str(d)!r}), 'rmm-log', {str(tmp_path / 'r.csv')!r})))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=parent + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    n, files = json.loads(r.stdout)
+    assert n == 600 and len(files) == 300
+    with open(tmp_path / "r.pid7.dev0.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert tuple(rows[0]) == RMM_HEADER and [r[2] for r in rows[1:]] == ["allocate", "free"]
+    assert not [p for p in os.listdir(tmp_path) if ".part" in p]
+
+
+def test_a_failed_rmm_export_leaves_no_part_files(log, tmp_path):
+    class Failing:
+        def events(self):
+            yield from report.load(log).events()
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        export(Failing(), "rmm-log", tmp_path / "r.csv")
+    assert [p for p in os.listdir(tmp_path) if p != "alloc-1.csv"] == []
