@@ -22,6 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 from cupy_poolmem import parse_bytes, report  # noqa: E402
 from cupy_poolmem._errors import PoolmemError  # noqa: E402
 from cupy_poolmem._report_export import rmm_rows, torch_snapshots  # noqa: E402
+from cupy_poolmem._report_read import BadRows, iter_events  # noqa: E402
 from cupy_poolmem._report_series import sample_series  # noqa: E402
 from cupy_poolmem.stats import LOG_COLUMNS  # noqa: E402
 
@@ -50,6 +51,9 @@ def _check_reads(data: bytes) -> None:
     assert not any(c in printed for c in "\x1b\x07\r\x00")
     events = list(loaded.events())
     assert len(events) == s.n_events
+    chunked = BadRows()  # many logs are read a few rows at a time: the same rows
+    assert list(iter_events(loaded.sources[0], chunked, chunk=2)) == events
+    assert (chunked.n, chunked.first) == (s.n_bad_lines, s.first_bad_line)
     torch_snapshots(events)
     list(rmm_rows(events))
     if s.series:
