@@ -351,13 +351,13 @@ class Summary:
             out += [
                 "",
                 f"Guard reports: {len(self.guard_reports)} ("
-                + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+                + ", ".join(f"{p(k)} {v}" for k, v in sorted(kinds.items()))
                 + ")",
             ]
             for g in self.guard_reports[:top]:
                 dev = "pinned" if g.device < 0 else f"device {g.device}"
                 out.append(
-                    f"  {g.kind:<17} at {g.time:.3f} s  pid {g.pid} {dev}  0x{g.ptr:x} "
+                    f"  {p(g.kind):<17} at {g.time:.3f} s  pid {g.pid} {dev}  0x{g.ptr:x} "
                     f"({format_bytes(g.size)})  {p(g.tag or UNTAGGED)}  {p(g.callsite or '-')}"
                 )
             if len(self.guard_reports) > top:

@@ -148,7 +148,10 @@ def test_long_tags_print_whole_and_distinct(tmp_path):
 
 def test_control_characters_never_reach_the_terminal(tmp_path):
     evil = "x\x1b]0;pwned\x07\x1b[2J\r\u202eok"
-    rows = [row(f"{T0 + 1:.6f}", tag=evil, site=evil + ".py:1 in f")]
+    rows = [
+        row(f"{T0 + 1:.6f}", tag=evil, site=evil + ".py:1 in f"),
+        row(f"{T0 + 2:.6f}", "guard:" + evil, tag=evil, site=evil),  # a guard report's kind
+    ]
     path = write_log(tmp_path / "a.csv", rows, quote_all=True)  # "\r" in quotes, as logs have
     r = cli(path, "--top", "5")
     assert r.returncode == 0, r.stderr
