@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import subprocess
 import sys
+import threading
 import tracemalloc
 
 import pytest
@@ -413,12 +415,19 @@ def test_a_named_pipe_is_read_once(tmp_path):
         stderr=subprocess.PIPE,
         env=env,
     )
-    try:
-        with open(fifo, "wb") as w:
+
+    def feed() -> None:  # blocks until the report opens the pipe: a thread, not the test
+        with contextlib.suppress(OSError), open(fifo, "wb") as w:
             w.write(data)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # frees a feeder still waiting
+        feeder.join(timeout=10)
     assert proc.returncode == 0, err
     assert strict_json(out.decode())["n_events"] == 6
     assert b"b.csv: not a regular file" in err
