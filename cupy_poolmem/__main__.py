@@ -250,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(["doctor", *argv])
     prog = f"{PROG} {args.command}"
     try:
-        return guard_pipe(args.func, args)
+        return guard_pipe(args.func, args, prog=prog)
     except (MissingDependencyError, NoGPUError) as exc:
         return fail(prog, str(exc))
     except KeyboardInterrupt:

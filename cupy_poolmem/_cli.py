@@ -9,6 +9,7 @@ self-check, a plot that could not be drawn for want of matplotlib); ``2`` bad in
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -50,8 +51,9 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 def fail(prog: str, message: str, code: int = 2) -> int:
     """Print ``PROG: error: MESSAGE`` on stderr (one line) and return ``code``."""
-    text = " ".join(str(message).split())
-    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)  # no escapes
+    from ._report_read import printable
+
+    text = printable(" ".join(str(message).split()))  # no escape sequences
     print(f"{prog}: error: {text}", file=sys.stderr)
     return code
 
@@ -63,20 +65,36 @@ def describe_os_error(exc: OSError) -> str:
     return str(exc)
 
 
-def guard_pipe(fn: Callable[..., int], *args: Any) -> int:
-    """Run ``fn(*args)``; a reader that closes the pipe early (``| head``) ends it quietly.
+def guard_pipe(fn: Callable[..., int], *args: Any, prog: str = "python -m cupy_poolmem") -> int:
+    """Run ``fn(*args)``; a reader that closes the pipe early (``| head``) ends it quietly,
+    and output that cannot be written (a full disk) is a one-line error; both exit 1.
 
     Python's documented recipe: point stdout at ``/dev/null`` so that the flush at exit
-    does not raise again, and exit with status 1.
+    does not raise again.
     """
     try:
         rc = fn(*args)
         sys.stdout.flush()
         return rc
     except BrokenPipeError:
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-        except (OSError, ValueError, AttributeError):  # stdout replaced (tests): nothing to do
-            pass
+        _stdout_to_devnull()
         return 1
+    except OSError as exc:
+        if exc.errno not in _OUTPUT_ERRORS:
+            raise
+        _stdout_to_devnull()
+        return fail(prog, f"cannot write the output: {exc.strerror}", code=1)
+
+
+# What a write to a redirected stdout meets on a full or failing disk.
+_OUTPUT_ERRORS = {
+    getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG", "EIO") if hasattr(errno, n)
+}
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout replaced (tests): nothing to do
+        pass

@@ -3,10 +3,12 @@
 ``torch-snapshot``
     A pickle in the format of ``torch.cuda.memory._snapshot()``, which PyTorch's
     memory viewer (``memory_viz``) opens: ``device_traces`` holds every allocation and
-    free of the log in time order (``alloc``, then ``free_requested`` and
-    ``free_completed``), each with the logged call site as its frame and the tag as an
-    outer frame; ``segments`` holds the blocks still allocated at the end of the log,
-    one segment each (the log does not say how the pool laid them out).
+    free of the log in time order, each with the logged call site as its frame and the
+    tag as an outer frame; ``segments`` holds the blocks still allocated at the end of
+    the log.  The log does not say how the pool laid its blocks out, so each block is
+    a segment of its own, in the trace too (``segment_alloc``, ``alloc``; then
+    ``free_requested``, ``free_completed``, ``segment_free``): the viewer's allocator
+    history finds every block in a segment at every event.
 ``rmm-log``
     The CSV file RMM's ``logging_resource_adaptor`` writes
     (``Thread,Time,Action,Pointer,Size,Stream``), which RMM's replay benchmark reads.
@@ -24,16 +26,17 @@ would fail on it.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
 import os
 import pickle
 import time as _time
 from collections.abc import Iterable, Iterator
-from typing import IO, Any
+from typing import Any
 
 from ._errors import InvalidOptionError
-from ._report_read import LogEvent
+from ._report_read import LogEvent, _tag_key
 
 __all__ = ["EXPORT_FORMATS", "check_export", "export", "torch_snapshots", "rmm_rows"]
 
@@ -48,6 +51,8 @@ RMM_HEADER = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
 
 _SMALL_SEGMENT = 1 << 20  # torch calls segments up to 1 MiB "small"
 _TAG_FILE = "<cupy_poolmem tag>"
+_LOGGED = ("alloc", "free_completed")  # the trace entries that are events of the log
+_BLOCK_ROWS = 1 << 16  # RMM rows held before they are written
 
 
 def check_export(fmt: str, out: str | os.PathLike) -> None:
@@ -129,6 +134,7 @@ def torch_snapshots(events: Iterable[LogEvent]) -> dict[int, dict[str, Any]]:
             "time_us": int(e.time * 1e6),
         }
         if action == "alloc":
+            traces[e.device].append({"action": "segment_alloc", **entry})
             traces[e.device].append({"action": "alloc", **entry})
             live[e.pid][(e.device, e.ptr)] = {
                 "size": e.size,
@@ -141,6 +147,7 @@ def torch_snapshots(events: Iterable[LogEvent]) -> dict[int, dict[str, Any]]:
         else:
             traces[e.device].append({"action": "free_requested", **entry})
             traces[e.device].append({"action": "free_completed", **entry})
+            traces[e.device].append({"action": "segment_free", **entry})
             live[e.pid].pop((e.device, e.ptr), None)
     for pid, snap in snaps.items():
         for (dev, addr), block in sorted(live[pid].items()):
@@ -166,7 +173,8 @@ def rmm_rows(events: Iterable[LogEvent]) -> Iterator[tuple[tuple[int, int], list
 
     ``Thread`` is a number per (process, thread name), in order of appearance (RMM
     logs the thread id); ``Time`` is the local time of day as RMM writes it
-    (``HH:MM:SS.ffffff``); ``Pointer`` and ``Stream`` are hexadecimal (``0x...``).
+    (``HH:MM:SS.ffffff``); ``Pointer`` and ``Stream`` are hexadecimal (``0x...``; the
+    default stream ``0``).
     """
     threads: dict[tuple[int, str], int] = {}
     for action, e, size, _tag, _site in _matched(events):
@@ -184,7 +192,7 @@ def rmm_rows(events: Iterable[LogEvent]) -> Iterator[tuple[tuple[int, int], list
                 "allocate" if action == "alloc" else "free",
                 hex(e.ptr),
                 str(size),
-                hex(e.stream),
+                hex(e.stream) if e.stream else "0",  # as RMM prints a null cudaStream_t
             ],
         )
 
@@ -198,9 +206,8 @@ def export(
     loaded: Any, fmt: str, out: str | os.PathLike, *, tag_depth: int | None = None
 ) -> tuple[int, list[str]]:
     """Write ``loaded``'s events in ``fmt`` to ``out`` (or one file per process, see the
-    module's docstring); return the number of events written and the files."""
-    from ._report_read import _tag_key
-
+    module's docstring); return the number of allocations and frees written, and the
+    files."""
     check_export(fmt, out)
     path = os.fspath(out)
     ext = os.path.splitext(path)[1]
@@ -217,33 +224,50 @@ def export(
             target = path if len(snaps) == 1 else _per(path, [f"pid{pid}"], ext)
             with open(target, "wb") as fb:
                 pickle.dump(snap, fb)
-            n += sum(len(t) for t in snap["device_traces"])
+            n += sum(e["action"] in _LOGGED for t in snap["device_traces"] for e in t)
             written.append(target)
         return n, written
-    # rmm-log: rows stream to their files; the names are known at the end only.
-    files: dict[tuple[int, int], IO[str]] = {}
-    writers: dict[tuple[int, int], Any] = {}
+    # rmm-log: rows go to a part file per (pid, device), written in blocks (a file is
+    # open only while a block is written: thousands of processes, few open files); the
+    # final names are known at the end only.
+    index: dict[tuple[int, int], int] = {}  # -> its part file, in order of appearance
+    pending: dict[tuple[int, int], list[Any]] = {}
     tmp = path + ".part"
     n = 0
+
+    def flush() -> None:
+        for key, rows in pending.items():
+            with open(f"{tmp}.{index[key]}", "a", newline="") as f:
+                csv.writer(f, lineterminator="\n").writerows(rows)
+        pending.clear()
+
     try:
         for key, row in rmm_rows(events):
-            w = writers.get(key)
-            if w is None:
-                f = files[key] = open(f"{tmp}.{len(files)}", "w", newline="")
-                w = writers[key] = csv.writer(f, lineterminator="\n")
-                w.writerow(RMM_HEADER)
-            w.writerow(row)
+            rows = pending.get(key)
+            if rows is None:
+                if key not in index:
+                    index[key] = len(index)
+                    open(f"{tmp}.{index[key]}", "w").close()  # no stale part file
+                    rows = pending[key] = [RMM_HEADER]
+                else:
+                    rows = pending[key] = []
+            rows.append(row)
             n += 1
-    finally:
-        for opened in files.values():
-            opened.close()
-    if not files:
+            if n % _BLOCK_ROWS == 0:
+                flush()
+        flush()
+    except BaseException:
+        for i in index.values():
+            with contextlib.suppress(OSError):
+                os.unlink(f"{tmp}.{i}")
+        raise
+    if not index:
         with open(path, "w", newline="") as empty:
             empty.write(",".join(RMM_HEADER) + "\n")
         return 0, [path]
     written = []
-    for i, (pid, dev) in enumerate(files):
-        target = path if len(files) == 1 else _per(path, [f"pid{pid}", f"dev{dev}"], ext)
+    for (pid, dev), i in index.items():
+        target = path if len(index) == 1 else _per(path, [f"pid{pid}", f"dev{dev}"], ext)
         os.replace(f"{tmp}.{i}", target)
         written.append(target)
     return n, written

@@ -3,8 +3,8 @@
 What this module owns:
 
 * which files a command line names: files, directories of ``*.csv``, quoted globs
-  (``'alloc-*.csv'``) and ``-`` (standard input, spooled to a temporary file so that a
-  plot can read it a second time);
+  (``'alloc-*.csv'``) and ``-`` (standard input; it and named pipes are spooled to a
+  temporary file so that a plot can read them a second time);
 * the checks of a file before any row is read (text, UTF-8, the log's header; a UTF-8
   byte order mark is allowed, as spreadsheet programs write one);
 * the rows, parsed and checked one at a time (:func:`iter_events`), so memory does not
@@ -18,12 +18,15 @@ from __future__ import annotations
 import csv
 import glob
 import math
+import operator
 import os
+import shlex
 import shutil
+import stat
 import sys
 import tempfile
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any, NamedTuple
 
@@ -37,6 +40,13 @@ _MAX_U64 = 2**64 - 1
 _MAX_TIME = 1e11  # seconds since 1970: the year 5138; beyond it a time is damage
 _GLOB_CHARS = frozenset("*?[")
 _HEAD = 8192
+_COMPRESSED = {  # magic bytes: (format, the command that decompresses it to stdout)
+    b"\x1f\x8b": ("gzip", "zcat"),
+    b"BZh": ("bzip2", "bzcat"),
+    b"\xfd7zXZ\x00": ("xz", "xzcat"),
+    b"\x28\xb5\x2f\xfd": ("zstd", "zstdcat"),
+}
+_MAX_DIGITS = 40  # a number longer than this is damage, whatever its value
 
 
 class LogEvent(NamedTuple):
@@ -152,6 +162,14 @@ def check_header(path: str, name: str) -> list[str]:
         raise LogFormatError(
             name, "empty file: an allocation log starts with a header line (see start_log)"
         )
+    for magic, (kind, tool) in _COMPRESSED.items():
+        if head.startswith(magic):
+            cmd = f"{tool} {shlex.quote(name)}"
+            raise LogFormatError(
+                name,
+                f"{kind}-compressed: decompress it first (python -m cupy_poolmem report "
+                f"<({cmd}), or {cmd} | python -m cupy_poolmem report -)",
+            )
     if b"\x00" in head:
         raise LogFormatError(name, "binary file, not an allocation log (CSV text)")
     bad: UnicodeDecodeError | None = None
@@ -185,12 +203,13 @@ def check_header(path: str, name: str) -> list[str]:
     return header
 
 
-def _spool_stdin() -> LogSource:
-    """Standard input copied to a temporary file (removed when the source is dropped)."""
-    tmp = tempfile.NamedTemporaryFile(prefix="cupy_poolmem-stdin-", suffix=".csv", delete=False)
+def _spool(name: str, stream: IO[bytes]) -> LogSource:
+    """``stream`` (standard input, a pipe) copied to a temporary file, which is removed
+    when the source is dropped: the reader reads a log more than once."""
+    tmp = tempfile.NamedTemporaryFile(prefix="cupy_poolmem-log-", suffix=".csv", delete=False)
     with tmp:
-        shutil.copyfileobj(sys.stdin.buffer, tmp, 1 << 20)
-    src = LogSource("<stdin>", tmp.name)
+        shutil.copyfileobj(stream, tmp, 1 << 20)
+    src = LogSource(name, tmp.name)
     src._keep = weakref.finalize(src, os.unlink, tmp.name)
     return src
 
@@ -203,18 +222,30 @@ def expand(
     A file named explicitly must be a log (:class:`LogFormatError` otherwise; an
     :class:`OSError` when it cannot be opened).  In a directory (its ``*.csv``) or a
     glob's matches, a file that cannot be opened or is not a log is skipped: it comes
-    back as ``(name, reason)`` in the second list.  ``-`` is standard input.
+    back as ``(name, reason)`` in the second list, as does a file named again (by
+    another path, a link, a directory or a glob).  ``-`` is standard input.
     """
     out: list[LogSource] = []
     skipped: list[tuple[str, str]] = []
     stdin_used = False
+    seen: dict[tuple[int, int], str] = {}  # (device, inode) -> the name read
+
+    def add(src: LogSource) -> None:
+        st = os.stat(src.path)
+        key = (st.st_dev, st.st_ino)
+        if key in seen:
+            skipped.append((src.name, f"same file as {seen[key]} (read once)"))
+        else:
+            seen[key] = src.name
+            out.append(src)
+
     for p in paths:
         name = str(os.fspath(p))
         if name == "-":
             if stdin_used:
                 raise InvalidOptionError("'-' (standard input) is named twice; name it once")
             stdin_used = True
-            src = _spool_stdin()
+            src = _spool("<stdin>", sys.stdin.buffer)
             check_header(src.path, src.name)
             out.append(src)
             continue
@@ -224,13 +255,22 @@ def expand(
         elif not os.path.exists(name) and _has_glob(name):
             members = sorted(m for m in glob.glob(name) if not os.path.isdir(m))
             what = "no file matches this pattern"
+        elif os.path.exists(name) and not stat.S_ISREG(os.stat(name).st_mode):
+            with open(name, "rb") as pipe:  # a pipe (<(zcat log.gz), /dev/stdin): read once
+                src = _spool(name, pipe)
+            check_header(src.path, name)
+            out.append(src)
+            continue
         else:
             check_header(name, name)  # an OSError or LogFormatError goes to the caller
-            out.append(LogSource(name, name))
+            add(LogSource(name, name))
             continue
         found = 0
         for m in members:
             try:
+                if not stat.S_ISREG(os.stat(m).st_mode):
+                    skipped.append((m, "not a regular file"))
+                    continue
                 check_header(m, m)
             except LogFormatError as exc:
                 skipped.append((m, str(exc)[len(m) + 2 :]))
@@ -238,7 +278,7 @@ def expand(
             except OSError as exc:
                 skipped.append((m, exc.strerror or str(exc)))
                 continue
-            out.append(LogSource(m, m))
+            add(LogSource(m, m))
             found += 1
         if not found:
             if members:
@@ -251,7 +291,7 @@ def expand(
 
 def _uint(text: str, column: str, base: int = 10) -> int:
     s = text.strip()
-    if len(s) > 40:  # far more digits than any 64-bit value: damage (int() of them is slow)
+    if len(s) > _MAX_DIGITS:  # far more digits than any 64-bit value: damage (slow to int())
         raise ValueError(f"{column} {s[:20]!r}... is too long for a 64-bit value")
     try:
         v = int(s, base)
@@ -268,9 +308,38 @@ def _opt_uint(text: str, column: str) -> int | None:
     return _uint(text, column) if text.strip() else None
 
 
-def _event(row: list[str], idx: list[int]) -> LogEvent:
+def _event(row: list[str], pick: Callable[[list[str]], tuple[str, ...]]) -> LogEvent:
     """The event of one row, or ``ValueError`` naming the first invalid value."""
-    (t, pid, thread, dev, stream, op, ptr, size, tag, site, used, res) = (row[i] for i in idx)
+    fields = pick(row)
+    (t, pid, thread, dev, stream, op, ptr, size, tag, site, used, res) = fields
+    # The rows a writer wrote, quickly; anything else is decided by _checked_event.
+    if max(len(pid), len(stream), len(ptr), len(size), len(used), len(res)) > _MAX_DIGITS:
+        return _checked_event(fields)
+    try:
+        time = float(t)
+        ev = LogEvent(time, int(pid), thread, int(dev), int(stream, 0), op, int(ptr, 0),
+                      int(size), tag, site, int(used) if used else None,
+                      int(res) if res else None)  # fmt: skip
+    except ValueError:
+        return _checked_event(fields)
+    if (
+        0 <= time < _MAX_TIME  # False for nan
+        and (op == "alloc" or op == "free" or op.startswith("guard:"))
+        and -1 <= ev.device < 2**31
+        and 0 <= ev.pid <= _MAX_U64
+        and 0 <= ev.stream <= _MAX_U64
+        and 0 <= ev.ptr <= _MAX_U64
+        and 0 <= ev.size <= _MAX_U64
+        and (ev.used is None or 0 <= ev.used <= _MAX_U64)
+        and (ev.reserved is None or 0 <= ev.reserved <= _MAX_U64)
+    ):
+        return ev
+    return _checked_event(fields)
+
+
+def _checked_event(fields: tuple[str, ...]) -> LogEvent:
+    """:func:`_event`, one value at a time: the event, or the first invalid value."""
+    (t, pid, thread, dev, stream, op, ptr, size, tag, site, used, res) = fields
     try:
         time = float(t)
     except ValueError:
@@ -301,50 +370,82 @@ def _event(row: list[str], idx: list[int]) -> LogEvent:
     )
 
 
-def iter_events(src: LogSource, bad: BadRows) -> Iterator[LogEvent]:
+def iter_events(src: LogSource, bad: BadRows, chunk: int | None = None) -> Iterator[LogEvent]:
     """The events of one log in file order; invalid rows are counted in ``bad``.
 
     Repeated header lines (several processes appending to one file) are not events.
     A row is invalid when its number of fields differs from the header's, a value
     does not parse or is out of range (negative sizes, times that are not finite,
     numbers above ``2**64 - 1``), it holds bytes that are not UTF-8, or the CSV
-    module cannot split it (a field over its size limit).
+    module cannot split it (a field over its size limit).  With ``chunk``, the file
+    is open only while ``chunk`` rows are read (merging more logs than a process may
+    open at once).
     """
     header = check_header(src.path, src.name)
-    idx = [header.index(c) for c in LOG_COLUMNS]
+    pick = operator.itemgetter(*(header.index(c) for c in LOG_COLUMNS))
+    pos: int | None = None  # where the next chunk starts; None: at the header
+    lines = 0  # lines read before this chunk
+    while True:
+        buf: list[LogEvent] = []
+        done = True
+        f: IO[str]
+        with open(src.path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
+            if pos is not None:
+                f.seek(pos)
+            reader = csv.reader(iter(f.readline, ""))  # readline: tell() stays usable
+            if pos is None:
+                try:
+                    next(reader, None)
+                except csv.Error:
+                    pass
+            for ev in _rows(reader, header, pick, src.name, lines, bad):
+                if chunk is None:
+                    yield ev
+                    continue
+                buf.append(ev)
+                if len(buf) >= chunk:
+                    pos, lines, done = f.tell(), lines + reader.line_num, False
+                    break
+        yield from buf
+        if done:
+            return
+
+
+def _rows(
+    reader: Any,
+    header: list[str],
+    pick: Callable[[list[str]], tuple[str, ...]],
+    name: str,
+    lines: int,
+    bad: BadRows,
+) -> Iterator[LogEvent]:
+    """The valid events of ``reader``'s rows (line numbers counted from ``lines``)."""
     ncol = len(header)
-    f: IO[str]
-    with open(src.path, newline="", encoding="utf-8-sig", errors="surrogateescape") as f:
-        reader = csv.reader(f)
+    while True:
         try:
-            next(reader, None)
-        except csv.Error:
-            pass
-        while True:
-            try:
-                row = next(reader)
-            except StopIteration:
-                return
-            except csv.Error as exc:
-                bad.add(f"{src.name} line {reader.line_num}", str(exc))
-                continue
-            if len(row) != ncol:
-                if row:
-                    bad.add(
-                        f"{src.name} line {reader.line_num}",
-                        f"{len(row)} fields, the header has {ncol}",
-                    )
-                continue
-            if row == header:
-                continue
-            try:
-                ev = _event(row, idx)
-                if not (ev.thread + ev.tag + ev.callsite + ev.op).isascii():
-                    (ev.thread + ev.tag + ev.callsite).encode("utf-8")
-            except UnicodeEncodeError:
-                bad.add(f"{src.name} line {reader.line_num}", "bytes that are not UTF-8")
-                continue
-            except ValueError as exc:
-                bad.add(f"{src.name} line {reader.line_num}", str(exc))
-                continue
-            yield ev
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            bad.add(f"{name} line {lines + reader.line_num}", str(exc))
+            continue
+        if len(row) != ncol:
+            if row:
+                bad.add(
+                    f"{name} line {lines + reader.line_num}",
+                    f"{len(row)} fields, the header has {ncol}",
+                )
+            continue
+        if row == header:
+            continue
+        try:
+            ev = _event(row, pick)
+            if not (ev.thread + ev.tag + ev.callsite + ev.op).isascii():
+                (ev.thread + ev.tag + ev.callsite).encode("utf-8")
+        except UnicodeEncodeError:
+            bad.add(f"{name} line {lines + reader.line_num}", "bytes that are not UTF-8")
+            continue
+        except ValueError as exc:
+            bad.add(f"{name} line {lines + reader.line_num}", str(exc))
+            continue
+        yield ev

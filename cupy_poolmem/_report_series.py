@@ -67,7 +67,7 @@ def sample_series(
         st = states.get((e.pid, e.device))
         if st is None:
             continue
-        b = min(int((e.time - t0) / span * n_buckets), last_bucket)
+        b = min(max(int((e.time - t0) / span * n_buckets), 0), last_bucket)
         if st.bucket is not None and b != st.bucket:
             # The panel leaves a bucket: freeze its last moment before this event
             # changes the state it refers to.

@@ -1,6 +1,6 @@
 """Byte sizes: one rule for every size option of the package.
 
-* An ``int`` is a number of bytes.
+* An ``int`` (or a numpy integer) is a number of bytes.
 * A ``str`` is a number of bytes with an optional unit, read as dask's
   ``dask.utils.parse_bytes`` reads it: decimal units ``B``, ``kB``, ``MB``, ``GB``,
   ``TB``, ``PB`` (also ``k``, ``M``, ``G``...), binary units ``KiB``, ``MiB``,
@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
@@ -73,7 +74,7 @@ def parse_bytes(
     Parameters
     ----------
     value : int, float or str
-        An ``int``: bytes.  A ``str``: bytes with an optional unit, as
+        An ``int`` (or numpy integer): bytes.  A ``str``: bytes with an optional unit, as
         ``dask.utils.parse_bytes`` reads it (``"40GB"``, ``"512 MiB"``, ``"1.5kB"``);
         without a unit it must be a whole number (``"2048"``, ``"1e9"``).  A fraction
         of ``total``: a ``float`` in ``(0, 1]`` (``0.9``) or a percentage string
@@ -117,6 +118,8 @@ def parse_bytes(
     """
     if value is None and allow_none:
         return None
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+        value = int(value)  # numpy's integers (np.prod(shape) * 4, arr.size * itemsize)
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise OptionTypeError(
             f"{name} must be an int, float or str; got {value!r} of type "

@@ -120,6 +120,10 @@ def read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
     return events, bad.n
 
 
+_MAX_OPEN = 64
+_MERGE_ROWS = 1 << 16
+
+
 @dataclass
 class _Loaded:
     """The logs to read, and what reading them found wrong.  :meth:`events` reads them
@@ -137,7 +141,11 @@ class _Loaded:
     def events(self) -> Iterator[LogEvent]:
         """All events, merged by time (each file's own order kept)."""
         self.bad = BadRows()
-        its = [iter_events(s, self.bad) for s in self.sources]
+        n = len(self.sources)
+        # Beyond _MAX_OPEN logs, each is opened only to read a chunk of rows (a process
+        # may open about 1024 files at once); the chunks together hold _MERGE_ROWS rows.
+        chunk = None if n <= _MAX_OPEN else max(16, _MERGE_ROWS // n)
+        its = [iter_events(s, self.bad, chunk) for s in self.sources]
         return heapq.merge(*its, key=lambda e: e.time) if len(its) > 1 else its[0]
 
 
@@ -512,7 +520,7 @@ class Summary:
         ]
         if self.skipped_files:
             out.append(
-                f"  {len(self.skipped_files)} file(s) skipped (not allocation logs): "
+                f"  {len(self.skipped_files)} file(s) skipped: "
                 + "; ".join(p(f) for f in self.skipped_files[:3])
                 + (" ..." if len(self.skipped_files) > 3 else "")
             )
@@ -532,13 +540,13 @@ class Summary:
             out += [
                 "",
                 f"Guard reports: {len(self.guard_reports)} ("
-                + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+                + ", ".join(f"{p(k)} {v}" for k, v in sorted(kinds.items()))
                 + ")",
             ]
             for g in self.guard_reports[:top]:
                 dev = "pinned" if g.device < 0 else f"device {g.device}"
                 out.append(
-                    f"  {g.kind:<17} at {g.time:.3f} s  pid {g.pid} {dev}  0x{g.ptr:x} "
+                    f"  {p(g.kind):<17} at {g.time:.3f} s  pid {g.pid} {dev}  0x{g.ptr:x} "
                     f"({format_bytes(g.size)})  {p(g.tag or UNTAGGED)}  {p(g.callsite or '-')}"
                 )
             if len(self.guard_reports) > top:
@@ -1037,7 +1045,7 @@ Rows with an invalid value are skipped and counted; files in a directory (or a
 quoted glob) that are not logs are skipped with a warning on stderr.
 
 exit status: 0 done, 1 the plot could not be drawn (matplotlib missing) or the output
-was closed early (| head), 2 bad input
+was closed early (| head) or could not be written (a full disk), 2 bad input
 """
 
 
@@ -1099,6 +1107,11 @@ def run(args: argparse.Namespace) -> int:
         if to:
             check_export(*to)
         loaded = load(args.logs)
+        for option, out in (("--plot", args.plot), ("--to", to[1] if to else None)):
+            if out and any(_same_file(out, s.path) for s in loaded.sources):
+                raise InvalidOptionError(
+                    f"{option} {out}: that file is a log being read; write to another file"
+                )
         summ = _summarize(loaded, args.top, args.tag_depth)
     except OSError as exc:
         return fail(PROG, describe_os_error(exc))
@@ -1141,6 +1154,13 @@ def run(args: argparse.Namespace) -> int:
     return max((code for _, code in errors), default=0)
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # ``a`` does not exist yet
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m cupy_poolmem report LOG [LOG ...] [--plot FILE]``; returns the exit code.
 
@@ -1166,7 +1186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG)
     add_arguments(ap)
     args = ap.parse_args(list(argv) if argv is not None else None)
-    return guard_pipe(run, args)
+    return guard_pipe(run, args, prog=PROG)
 
 
 if __name__ == "__main__":

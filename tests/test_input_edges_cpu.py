@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cupy_poolmem import GuardOptions, parse_bytes
-from cupy_poolmem._errors import InvalidOptionError, PoolmemError
+from cupy_poolmem._errors import InvalidOptionError, OptionTypeError, PoolmemError
 from cupy_poolmem._sharing._settings import SharingSettings
 
 
@@ -72,3 +72,15 @@ def test_non_finite_timeouts_set_in_code_are_refused(value):
     s.exit_timeout = 2.5
     s.inflight_timeout = None
     assert (s.exit_timeout, s.inflight_timeout) == (2.5, None)
+
+
+def test_parse_bytes_takes_numpy_integers_as_ints():
+    np = pytest.importorskip("numpy")
+    assert parse_bytes(np.int64(4096)) == 4096 and type(parse_bytes(np.int64(1))) is int
+    assert parse_bytes(np.uint64(2**64 - 1)) == 2**64 - 1
+    assert parse_bytes(np.prod([2, 1024], dtype=np.int32), name="max_size") == 2048
+    with pytest.raises(InvalidOptionError, match="max_size must be >= 0 bytes; got -1"):
+        parse_bytes(np.int8(-1), name="max_size")
+    with pytest.raises(OptionTypeError):
+        parse_bytes(np.bool_(True))
+    assert parse_bytes(np.float64(0.5), total=1000) == 500  # a float: a fraction, as before

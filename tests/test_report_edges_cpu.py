@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import subprocess
 import sys
+import threading
 import tracemalloc
 
 import pytest
@@ -148,7 +150,10 @@ def test_long_tags_print_whole_and_distinct(tmp_path):
 
 def test_control_characters_never_reach_the_terminal(tmp_path):
     evil = "x\x1b]0;pwned\x07\x1b[2J\r\u202eok"
-    rows = [row(f"{T0 + 1:.6f}", tag=evil, site=evil + ".py:1 in f")]
+    rows = [
+        row(f"{T0 + 1:.6f}", tag=evil, site=evil + ".py:1 in f"),
+        row(f"{T0 + 2:.6f}", "guard:" + evil, tag=evil, site=evil),  # a guard report's kind
+    ]
     path = write_log(tmp_path / "a.csv", rows, quote_all=True)  # "\r" in quotes, as logs have
     r = cli(path, "--top", "5")
     assert r.returncode == 0, r.stderr
@@ -312,3 +317,165 @@ def test_summary_memory_does_not_grow_with_the_log(tmp_path):
         tracemalloc.stop()
     assert s.n_events == 40_000
     assert peak < size / 2, (peak, size)  # a list of the rows would take several times `size`
+
+
+# -- many files, the same file twice -----------------------------------------------------
+@pytest.mark.skipif(sys.platform == "win32", reason="needs POSIX resource limits")
+def test_more_logs_than_the_open_file_limit(tmp_path):
+    """A directory of more logs than files a process may open at once still merges."""
+    d = tmp_path / "logs"
+    d.mkdir()
+    n = 300
+    for pid in range(1, n + 1):
+        rows = [row(f"{T0 + i + pid / 1000:.6f}", "alloc", 0x100 * (i + 1), 64, pid=pid)
+                for i in range(5)]  # fmt: skip
+        write_log(d / f"alloc-{pid}.csv", rows)
+    code = (
+        "import resource, sys, json\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit("
+        "resource.RLIMIT_NOFILE)[1]))\n"
+        "from cupy_poolmem import report\n"
+        f"s = report.summarize({str(d)!r})\n"
+        "times = [lk.time for lk in s.leaks]\n"
+        "print(json.dumps([s.n_events, len(s.pids), s.leaked_bytes, s.end_time]))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert json.loads(r.stdout) == [5 * n, n, 5 * n * 64, T0 + 4 + n / 1000]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_reading_in_chunks_gives_the_same_rows_and_reasons(tmp_path, chunk):
+    from cupy_poolmem._report_read import BadRows, LogSource, iter_events
+
+    head = ",".join(LOG_COLUMNS).encode()
+    body = [
+        b"\xef\xbb\xbf" + head,
+        b'1.0,1,T,0,0,alloc,0x10,100,"multi\r\nline, tag",,,',
+        b"2.0,1,T\xff,0,0,alloc,0x20,100,x,,,",
+        b"3.0,1,T,0,0,alloc,0x30,-5,x,,,",
+        head,
+        "4.0,1,T,0,0,alloc,0x40,100,modèle,,,".encode(),
+        b"5.0,1,T,0,0,free,0x10,100",
+        b"6.0,1,T,0,0,free,0x10,100,,,,",
+    ]
+    path = tmp_path / "a.csv"
+    path.write_bytes(b"\r\n".join(body) + b"\r\n")
+    src = LogSource(str(path), str(path))
+
+    class Every(BadRows):
+        def add(self, where: str, reason: str) -> None:
+            super().add(where, reason)
+            self.where = [*getattr(self, "where", []), where.rsplit(" ", 1)[1]]
+
+    whole, parts = Every(), Every()
+    expect = list(iter_events(src, whole))
+    assert [e.time for e in expect] == [1.0, 4.0, 6.0] and expect[0].tag == "multi\r\nline, tag"
+    assert list(iter_events(src, parts, chunk)) == expect
+    assert whole.first == f"{path} line 4: bytes that are not UTF-8"
+    assert parts.where == whole.where == ["4", "5", "8"] and parts.first == whole.first
+
+
+def test_a_file_named_twice_is_read_once(tmp_path, capsys):
+    path = write_log(tmp_path / "alloc-1.csv", good_rows())
+    os.symlink(path, tmp_path / "link.csv")
+    r = cli(str(tmp_path), path, str(tmp_path / "link.csv"), "--json")
+    assert r.returncode == 0, r.stderr
+    d = strict_json(r.stdout.decode())
+    assert d["n_events"] == 3 and d["n_allocs"] == 2 and d["leaked_bytes"] == 512
+    assert len(d["files"]) == 1
+    assert b"warning: skipped" in r.stderr and b"same file as" in r.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_named_pipe_is_read_once(tmp_path):
+    """``report <(zcat alloc.csv.gz)`` and ``report /dev/stdin``: a pipe can be read once."""
+    data = open(write_log(tmp_path / "a.csv", good_rows()), "rb").read()
+    r = cli("/dev/stdin", "--json", stdin=data)
+    assert r.returncode == 0, r.stderr
+    assert strict_json(r.stdout.decode())["n_events"] == 3
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "logs").mkdir()
+    os.mkfifo(tmp_path / "logs" / "b.csv")  # in a directory: skipped, never waited on
+    write_log(tmp_path / "logs" / "a.csv", good_rows(pid=2))
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cupy_poolmem",
+            "report",
+            str(fifo),
+            str(tmp_path / "logs"),
+            "--json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+
+    def feed() -> None:  # blocks until the report opens the pipe: a thread, not the test
+        with contextlib.suppress(OSError), open(fifo, "wb") as w:
+            w.write(data)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # frees a feeder still waiting
+        feeder.join(timeout=10)
+    assert proc.returncode == 0, err
+    assert strict_json(out.decode())["n_events"] == 6
+    assert b"b.csv: not a regular file" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_for_the_output_is_one_line_not_a_traceback(tmp_path):
+    path = write_log(tmp_path / "a.csv", good_rows())
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for extra in ([], ["--json"]):
+        with open("/dev/full", "w") as full:
+            r = subprocess.run(
+                [sys.executable, "-m", "cupy_poolmem", "report", path, *extra],
+                stdout=full,
+                stderr=subprocess.PIPE,
+                timeout=120,
+                env=env,
+            )
+        err = r.stderr.decode()
+        assert r.returncode == 1, err
+        assert err.splitlines() == [
+            "python -m cupy_poolmem report: error: cannot write the output: No space left on device"
+        ]
+
+
+def test_plot_samples_stay_bounded_when_times_go_back():
+    """Processes appending to one file write their batches out of time order: times
+    before the first event or after the last still land in the first or last bucket."""
+    from cupy_poolmem._report_read import LogEvent
+    from cupy_poolmem._report_series import sample_series
+
+    events = [
+        LogEvent(T0 - i if i % 2 else T0 + i / 1000, 1, "T", 0, 0, "alloc", 64 * (i + 1), 64,
+                 "a", "", None, None)
+        for i in range(2000)
+    ]  # fmt: skip
+    (panel,) = sample_series(events, [(1, 0)], ["a"], T0, T0 + 2, n_buckets=4)
+    assert len(panel.moments) <= 8
+    assert max(m[1] for m in panel.moments) == 2000 * 64
+
+
+def test_a_compressed_log_names_how_to_read_it(tmp_path):
+    import gzip
+
+    path = tmp_path / "alloc.csv.gz"
+    with gzip.open(path, "wb") as f:
+        f.write(open(write_log(tmp_path / "a.csv", good_rows()), "rb").read())
+    r = cli(str(path))
+    assert r.returncode == 2
+    assert b"alloc.csv.gz: gzip-compressed: decompress it first" in r.stderr
+    assert b"<(zcat " in r.stderr

@@ -22,6 +22,7 @@ from hypothesis import strategies as st  # noqa: E402
 from cupy_poolmem import parse_bytes, report  # noqa: E402
 from cupy_poolmem._errors import PoolmemError  # noqa: E402
 from cupy_poolmem._report_export import rmm_rows, torch_snapshots  # noqa: E402
+from cupy_poolmem._report_read import BadRows, iter_events  # noqa: E402
 from cupy_poolmem._report_series import sample_series  # noqa: E402
 from cupy_poolmem.stats import LOG_COLUMNS  # noqa: E402
 
@@ -50,6 +51,9 @@ def _check_reads(data: bytes) -> None:
     assert not any(c in printed for c in "\x1b\x07\r\x00")
     events = list(loaded.events())
     assert len(events) == s.n_events
+    chunked = BadRows()  # many logs are read a few rows at a time: the same rows
+    assert list(iter_events(loaded.sources[0], chunked, chunk=2)) == events
+    assert (chunked.n, chunked.first) == (s.n_bad_lines, s.first_bad_line)
     torch_snapshots(events)
     list(rmm_rows(events))
     if s.series:
@@ -134,6 +138,23 @@ def test_csv_like_logs_of_the_real_columns(rows, bom, header_again):
             w.writerow(LOG_COLUMNS)
     data = buf.getvalue().encode("utf-8", "surrogatepass")
     _check_reads((b"\xef\xbb\xbf" if bom else b"") + data)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(_ROW)
+def test_the_quick_row_parse_agrees_with_the_checked_one(row):
+    """Rows as the writer writes them take a quick path; any row gets the same event
+    or is refused, whichever path reads it."""
+    from cupy_poolmem._report_read import _checked_event, _event
+
+    def outcome(fn, arg):
+        try:
+            return fn(*arg)
+        except ValueError:
+            return ValueError
+
+    fields = tuple(row)
+    assert outcome(_event, (row, tuple)) == outcome(_checked_event, (fields,))
 
 
 # -- parse_bytes --------------------------------------------------------------------------
