@@ -486,6 +486,8 @@ def test_rounds_with_kills_forgeries_and_replays_count_nothing_when_promises_hol
     kinds = set().union(*map(chaos.kinds_of, plans))
     assert {"kill_consumer", "kill_producer", "kill_forwarder", "killed_writer"} <= kinds
     assert {"forge", "replay_stale", "forward", "round_trip", "hub_load"} <= kinds
+    # The hub holds its own arrays in some rounds: all let go before the leak check.
+    assert any(b.producer == chaos.HUB and b.then == "hold" for p in plans for b in p.batches)
     counts, rc, err = run_fake("fake", 12)
     assert rc == 0, err[-3000:]
     assert counts["rounds"] == counts["asked"] == 12
@@ -504,7 +506,7 @@ def test_a_receiver_that_sees_other_data_is_counted_and_fails_the_run():
 def test_a_hub_that_keeps_descriptors_is_counted_as_leaking_every_round():
     counts, rc, err = run_fake("fake-leaky", 3)
     assert rc == 1 and counts["leaks"] == 3 and counts["wrong_data"] == 0, err[-2000:]
-    assert "fds[pipe]" in err
+    assert "fds[pipe]" in err and "pool used_bytes=" in err
 
 
 def test_refusals_are_typed_errors_counted_by_type_and_anything_else_is_an_error():
