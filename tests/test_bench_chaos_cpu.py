@@ -394,6 +394,13 @@ def test_pool_bytes_threads_and_descriptors_beyond_their_allowance_are_leaks():
     assert any("fds[other]" in f for f in chaos.leaks(BASE, _now(fds=driver)))
 
 
+def test_a_leak_report_says_what_the_hub_holds():
+    text = chaos.holding(_now(tickets_out=2, leases=1), "used_bytes=4096")
+    assert "tickets_out=2" in text and "leases=1" in text and "used_bytes=4096" in text
+    assert "limbo_blocks" not in text  # zero counters are left out
+    assert "all zero" in chaos.holding(_now(exported_blocks=0, recycled_blocks=0), "")
+
+
 def test_descriptor_kinds():
     assert chaos.fd_kind("socket:[123]") == "socket"
     assert chaos.fd_kind("pipe:[9]") == "pipe"
@@ -506,7 +513,7 @@ def test_a_receiver_that_sees_other_data_is_counted_and_fails_the_run():
 def test_a_hub_that_keeps_descriptors_is_counted_as_leaking_every_round():
     counts, rc, err = run_fake("fake-leaky", 3)
     assert rc == 1 and counts["leaks"] == 3 and counts["wrong_data"] == 0, err[-2000:]
-    assert "fds[pipe]" in err and "pool used_bytes=" in err
+    assert "fds[pipe]" in err and "pool used_bytes=" in err and "holding: sharing" in err
 
 
 def test_refusals_are_typed_errors_counted_by_type_and_anything_else_is_an_error():

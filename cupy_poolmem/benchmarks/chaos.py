@@ -667,6 +667,13 @@ def leaks(base: Counters, now: Counters) -> list[str]:
     return out
 
 
+def holding(now: Counters, pool: str) -> str:
+    """What the hub holds, for a leak's report: the sharing counters that are not zero
+    (tickets, leases, limbo, exported and imported blocks, peers...) and the pool's."""
+    s = ", ".join(f"{k}={v}" for k, v in sorted(now.sharing.items()) if v)
+    return f"holding: sharing {{{s or 'all zero'}}}, pool {{{pool}}}"
+
+
 # -- the worker processes ----------------------------------------------------------------------------
 WORKER_SETTINGS = {"exit_timeout": 3.0, "inflight_timeout": 1.0, "claim_timeout": 5.0}
 IDLE_EXIT_S = 300.0  # a worker whose hub went silent this long exits
@@ -781,6 +788,14 @@ class GPU:
         """The allocator pool's ``used_bytes`` and ``held_for_sharing_bytes``."""
         st = self.cpm.get_pool().stats()
         return st.used_bytes, st.held_for_sharing_bytes
+
+    def pool_detail(self) -> str:
+        """The allocator pool's counters, for a leak's report."""
+        st = self.cpm.get_pool().stats()
+        return (
+            f"used_bytes={st.used_bytes}, live_allocs={st.live_allocs}, "
+            f"held_for_sharing_bytes={st.held_for_sharing_bytes}, cached_bytes={st.cached_bytes}"
+        )
 
     def write_late(self, arr: Any) -> None:
         """Queue a write of ``arr`` behind a long kernel."""
@@ -927,6 +942,9 @@ class FakeGPU:
 
     def pool_bytes(self) -> tuple[int, int]:
         return self.used_bytes, 0
+
+    def pool_detail(self) -> str:
+        return f"used_bytes={self.used_bytes}"
 
     def write_late(self, arr: FakeArray) -> None:
         arr.data[...] = -1  # its own copy: nobody else sees it
@@ -1728,6 +1746,7 @@ class Hub:
         if found:
             if any(f.startswith("fds[") for f in found):
                 found.append(f"open: {fd_targets()}")
+            found.append(holding(self.counters(), self.be.pool_detail()))
             self.r.note("leaks", plan.number, "; ".join(found))
 
     def recheck_own(self) -> None:
