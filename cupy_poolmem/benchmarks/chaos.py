@@ -1106,7 +1106,11 @@ def worker_main(conn: Any, wid: int, backend: str = "gpu") -> None:
 # -- the hub ---------------------------------------------------------------------------------------
 HUB_SETTINGS = {"exit_timeout": 1.0, "inflight_timeout": 1.0, "claim_timeout": 5.0}
 ROUND_TIMEOUT_S = 30.0  # an answer later than this is a hang
-SETTLE_S = 5.0  # how long the hub's counters may take to come back after a round
+# How long the hub's counters may take to come back after a round: well past the hub's
+# inflight_timeout and a sweep of its janitor (a message nobody read, to a receiver
+# killed before it read it, pins its block that long) and a killed receiver's reaping
+# (its leases go once its process is gone).  What is still held after it is a leak.
+SETTLE_S = 5.0
 SPARES = 3  # workers started ahead, to replace killed ones at once
 STUCK_S = 120.0  # the hub itself making no progress this long: the run is aborted
 
