@@ -7,9 +7,15 @@ fields, drops in any process, recycling and trims, ticket expiry, normal exits, 
 and forks.  After every step the invariants at the top of ``cupy_poolmem._sharing``
 are checked; each check names the invariant (I1..I7) it covers.
 
-CI runs a small budget.  ``CUPY_POOLMEM_MODEL_STEPS=1000000`` runs a long search (that
-many steps in all, in examples of ``CUPY_POOLMEM_MODEL_STEPS_PER_EXAMPLE``, 40 by
-default).  Every counter-example found stays below as an explicit regression test.
+CI runs a small budget.  A long search::
+
+    CUPY_POOLMEM_MODEL_STEPS=1000000 CUPY_POOLMEM_MODEL_STEPS_PER_EXAMPLE=100 \
+    CUPY_POOLMEM_MODEL_NO_SHRINK=1 CUPY_POOLMEM_MODEL_REPORT=model.log \
+    python -m pytest --timeout=0 tests/test_sharing_model_cpu.py -k TestSharing
+
+(about 1,000 steps a second on one core; the report file gets its progress, and a
+failure's steps and traceback even when Hypothesis's replay of it takes another path).
+Every counter-example found stays below as an explicit regression test.
 """
 
 from __future__ import annotations
