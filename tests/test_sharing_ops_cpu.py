@@ -685,3 +685,42 @@ def test_an_event_taken_out_of_the_receivers_cache_is_not_closed_under_a_hit_wai
     assert wait_for(lambda: _opened_not_closed(world.gpu, "receiver") <= 1, 5.0)
     got.clear()
     del first, other
+
+
+def test_a_finalized_pools_block_goes_to_the_retirer_once_though_settled_during_its_wait(world):
+    """A finalized pool's block is waited for on the host (no lock held) before it goes
+    to the retirer: a second settle meanwhile (the ticket sweep drops a ticket it listed
+    before a receiver claimed it) handed it to the retirer twice, a double free."""
+    e = world.proc("exporter")
+    r = world.proc("receiver")
+    core = e.pool(recycle=True)
+    for i in range(1, 3):  # received twice: the receiver keeps an idle mapping
+        b = core.alloc(KB, payload=i)
+        msg = e.send(b)
+        del b
+        own = r.recv(msg)
+        assert r.read(own, 0)[1] == i
+        del own
+        assert wait_for(lambda: core.cached_blocks() == 1, 5.0)
+    (rec,) = e.exporter.records.values()
+    gate, waiting = threading.Event(), threading.Event()
+
+    def long_kernel(ev):  # the receiver's unmap is not done yet
+        waiting.set()
+        assert gate.wait(10.0)
+
+    e.driver._hooks["sync_event"] = long_kernel
+    try:
+        core.finalize()  # the receiver is asked to unmap; its Unmap starts the wait
+        assert waiting.wait(5.0)
+        e.exporter.drop_ticket(rec, bytes(16))  # a listed ticket, claimed since
+    finally:
+        gate.set()
+        e.driver._hooks.pop("sync_event", None)
+    assert wait_for(lambda: core.leftovers, 5.0)
+    time.sleep(0.1)
+    assert core.leftovers == [rec.ptr]  # once
+    st = e.stats()
+    assert (st["exported_blocks"], st["limbo_bytes"], core._held_for_sharing) == (0, 0, 0)
+    core.retirer_frees()
+    assert len(_frees(world.gpu, "exporter")) == 1
