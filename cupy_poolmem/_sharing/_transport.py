@@ -4,8 +4,9 @@
   socket, on every Python version; under a shorter base when ``TMPDIR``'s path is too
   long for one), removed at exit, with a real backlog; each accepted connection is
   authenticated (multiprocessing's HMAC challenge with the process family's authkey,
-  both ways) in a thread of its own, by a deadline from its arrival, a bounded number
-  at once, so a peer that connects and says nothing, or trickles, blocks nobody.
+  both ways) in a thread of its own, by a deadline from its acceptance, a bounded
+  number at once (more wait in the backlog), so a peer that connects and says
+  nothing, or trickles, holds a slot for that deadline at most.
 - The kernel tells each end who the other is (``SO_PEERCRED``): peers of another user
   are refused, and the exporter keeps a pidfd of each receiver so that it can tell
   when the receiver's process, and with it its GPU context, is really gone (pid 0, a
@@ -310,12 +311,14 @@ class Listener:
     """The exporter's listening socket; ``on_conn(conn)`` runs in the connection's thread.
 
     Each accepted connection is authenticated in a thread of its own, within
-    ``handshake_timeout`` seconds of its arrival whatever the peer sends meanwhile (the
-    accept thread shuts down a connection past its deadline).  At most
-    ``max_handshakes`` connections authenticate at once: more are closed at once and
-    counted in ``refused``, as are those that fail, and those whose thread could not be
-    started (``thread_factory``, ``threading.Thread`` by default); the listener keeps
-    accepting in every case.  ``peer_cred(sock) -> (pid, uid)``: the kernel's
+    ``handshake_timeout`` seconds of its acceptance whatever the peer sends meanwhile
+    (the accept thread shuts down a connection past its deadline).  At most
+    ``max_handshakes`` connections authenticate at once: more wait in the kernel's
+    backlog, not accepted, until a handshake ends or its deadline passes (bounded by
+    their own connect timeout), so a burst of receivers is served, not refused.  Those
+    that fail or pass their deadline are counted in ``refused``, as are those whose
+    thread could not be started (``thread_factory``, ``threading.Thread`` by default);
+    the listener keeps accepting in every case.  ``peer_cred(sock) -> (pid, uid)``: the kernel's
     ``SO_PEERCRED`` unless a test says otherwise.
 
     The socket's directory is removed by :meth:`close`, and at the exit of the process
@@ -354,6 +357,7 @@ class Listener:
         self._peer_cred = peer_cred
         self._pending: dict[socket.socket, float] = {}  # authenticating -> deadline
         self._plock = threading.Lock()
+        self._slot = threading.Condition(self._plock)  # a handshake ended, or close()
         self.closed = False
         self.refused = 0
         threading.Thread(target=self._accept, name="cupy_poolmem-listen", daemon=True).start()
@@ -366,6 +370,11 @@ class Listener:
     def _accept(self) -> None:
         while not self.closed:
             wait = self._expire()
+            with self._plock:
+                if len(self._pending) >= self._max and not self.closed:
+                    # Full: new arrivals stay in the backlog until a slot frees.
+                    self._slot.wait(wait)
+                    continue
             try:
                 # Through the socket object, never its bare descriptor number: once
                 # closed (close(), a fork child's abandon()) it fails here at once.
@@ -381,14 +390,8 @@ class Listener:
             if self.closed:  # accepted as close() ran: nobody serves it
                 sock.close()
                 return
-            with self._plock:
-                full = len(self._pending) >= self._max
-                if not full:
-                    self._pending[sock] = time.monotonic() + self._timeout
-            if full:  # too many unauthenticated peers: refused now
-                self.refused += 1
-                sock.close()
-                continue
+            with self._plock:  # (a slot is free: only this thread takes one)
+                self._pending[sock] = time.monotonic() + self._timeout
             try:
                 self._thread(
                     target=self._handshake, args=(sock,), name="cupy_poolmem-peer", daemon=True
@@ -415,6 +418,7 @@ class Listener:
     def _done(self, sock: socket.socket) -> bool:
         """The handshake of ``sock`` ended; False when its deadline had shut it down."""
         with self._plock:
+            self._slot.notify_all()
             return self._pending.pop(sock, None) is not None
 
     def _handshake(self, sock: socket.socket) -> None:
@@ -433,6 +437,8 @@ class Listener:
 
     def close(self) -> None:
         self.closed = True
+        with self._plock:
+            self._slot.notify_all()
         try:
             # close() alone leaves a thread blocked in accept() holding the socket open
             # (still listening); shutdown() wakes it.
