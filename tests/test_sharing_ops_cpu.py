@@ -195,6 +195,32 @@ def test_honest_peers_beyond_the_cap_wait_for_a_slot_instead_of_being_refused():
         lst.close()
 
 
+def test_a_closed_listeners_thread_ends_at_once_and_polls_no_reused_descriptor():
+    """close() closed the listening socket under its accept thread: a thread between
+    reading the descriptor and polling it then polled whatever reused the number (a
+    handshake's duplicate) until the next handshake deadline (1 close in several
+    hundred, with a handshake just done).  Now the thread closes it, and sees close()
+    soon although a shutdown does not wake a poll of a listening socket.  Timing
+    dependent: many cycles, each thread must end within a second of close()."""
+    slow = 0
+    for _ in range(300):
+        served = []
+        lst = _transport.Listener(KEY, served.append, handshake_timeout=30.0)
+        conn = _transport.connect(lst.address, KEY, timeout=5.0)
+        threads = [
+            t for t in threading.enumerate() if t.name == "cupy_poolmem-listen" and t.is_alive()
+        ]
+        lst.close()  # the server's handshake may still be under way
+        conn.close()
+        for t in threads:
+            t.join(1.0)
+            slow += t.is_alive()
+        assert lst._sock.fileno() == -1 or any(t.is_alive() for t in threads)
+        assert wait_for(lambda s=served: s, 5.0)
+        served[0].close()
+    assert slow == 0, f"{slow} accept threads outlived close() by a second"
+
+
 def test_the_accept_loop_survives_a_failed_thread_start():
     """A Thread.start failure in the accept loop ended accepting for good: every
     receiver then saw "the exporter has exited"."""

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import select
 import shutil
@@ -307,6 +308,11 @@ def _remove_dir(path: str, pid: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+# Longest an accept thread waits while handshakes are under way before it looks at
+# ``closed`` again (a shutdown does not wake a poll of a listening Unix socket).
+_CLOSE_SEEN = 0.1
+
+
 class Listener:
     """The exporter's listening socket; ``on_conn(conn)`` runs in the connection's thread.
 
@@ -368,6 +374,13 @@ class Listener:
         return len(self._pending)
 
     def _accept(self) -> None:
+        try:
+            self._accept_loop()
+        finally:
+            with self._plock:  # the only close of the socket while this thread runs
+                self._sock.close()
+
+    def _accept_loop(self) -> None:
         while not self.closed:
             wait = self._expire()
             with self._plock:
@@ -376,9 +389,11 @@ class Listener:
                     self._slot.wait(wait)
                     continue
             try:
-                # Through the socket object, never its bare descriptor number: once
-                # closed (close(), a fork child's abandon()) it fails here at once.
-                self._sock.settimeout(None if wait is None else max(wait, 0.001))
+                # Only this thread closes the socket: one closed under a thread about
+                # to poll it left it polling whatever reused the number.  close()'s
+                # shutdown wakes a blocking accept (EINVAL) but not a poll: a wait
+                # with a deadline ahead sees ``closed`` within _CLOSE_SEEN.
+                self._sock.settimeout(None if wait is None else min(max(wait, 0.001), _CLOSE_SEEN))
                 sock, _ = self._sock.accept()
             except TimeoutError:
                 continue  # a deadline passed: _expire at the top
@@ -436,17 +451,22 @@ class Listener:
         self._on_conn(conn)
 
     def close(self) -> None:
+        """Stop listening: the socket is shut down (the accept thread wakes and closes
+        it) and its directory removed."""
         self.closed = True
-        with self._plock:
-            self._slot.notify_all()
         try:
-            # close() alone leaves a thread blocked in accept() holding the socket open
-            # (still listening); shutdown() wakes it.
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._sock.close()
+            # A connection wakes the accept thread's poll (a shutdown does not); it
+            # sees ``closed`` and closes the socket.
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as knock:
+                knock.setblocking(False)
+                with contextlib.suppress(OSError):  # (a full backlog wakes it anyway)
+                    knock.connect(self.address)
+            with self._plock:  # (not while the accept thread closes it)
+                self._slot.notify_all()
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         finally:
             self._cleanup()
 
