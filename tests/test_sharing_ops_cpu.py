@@ -506,6 +506,43 @@ def test_a_descriptor_lost_for_want_of_free_descriptors_is_named_and_the_connect
         receiver.close()
 
 
+def test_an_exporter_out_of_descriptors_sends_a_reply_and_its_descriptor_in_step():
+    """send_handle duplicated the socket to send the descriptor: an exporter out of
+    descriptors sent the reply (saying a descriptor follows) and then failed, so the
+    receiver took the next frame's first byte for the descriptor's (out of step)."""
+    import resource
+
+    sender, receiver = _socketpair_conns()
+    r, w = os.pipe()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        try:
+            while True:
+                fillers.append(os.dup(w))
+        except OSError:
+            pass
+        sender.send(b"reply", r)  # no descriptor free in the sender
+        sender.send(b"next")
+        for fd in fillers:
+            os.close(fd)
+        fillers = []
+        assert receiver.recv() == b"reply"
+        fd = receiver.recv_fd()
+        assert os.path.sameopenfile(fd, r)
+        os.close(fd)
+        assert receiver.recv() == b"next"
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        os.close(r)
+        os.close(w)
+        sender.close()
+        receiver.close()
+
+
 def test_a_receiver_that_lost_a_pool_descriptor_takes_the_next_message(world):
     """A receiver out of descriptors treated its live exporter as gone, and refused
     its messages until its old arrays were dropped."""

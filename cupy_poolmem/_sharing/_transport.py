@@ -33,7 +33,6 @@ from collections import deque
 from collections.abc import Callable
 from multiprocessing import connection as _mpc
 from multiprocessing import util as _mp_util
-from multiprocessing.reduction import send_handle
 from typing import Any
 
 from .._errors import SharingError
@@ -143,7 +142,18 @@ class Conn:
                 raise OSError("sharing connection closed")
             self._c.send_bytes(data)
             if fd is not None:
-                send_handle(self._c, fd, self.peer.pid)
+                self._send_fd(fd)
+
+    def _send_fd(self, fd: int) -> None:
+        """The descriptor, through the connection's own socket (send lock held): with no
+        duplicate of the socket (multiprocessing's send_handle makes one), a process
+        out of descriptors could not, and the frame just sent said one follows."""
+        s = socket.socket(fileno=self._c.fileno())
+        try:
+            s.settimeout(None)  # blocking, as the connection is
+            s.sendmsg([b"\x01"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _FD.pack(fd))])
+        finally:
+            s.detach()
 
     def try_send(self, data: bytes) -> bool:
         """Send now if no other thread is sending on this connection; else False."""
