@@ -539,6 +539,8 @@ class Exporter:
                 host = self._wait_unmaps(rec, rec.stream_ptr, host=rec.orphan)
                 if not rec.orphan:
                     self._out_of_limbo(rec)
+                else:  # still counted until the retirer has it; settled by this call only
+                    rec.in_limbo = False
         if host is not None:  # its final free: after the receivers' work, lock let go
             self._sync_host(rec, host)
             if rec.orphan:  # to the retirer while still counted: the pool waits for it

@@ -4,8 +4,9 @@
   socket, on every Python version; under a shorter base when ``TMPDIR``'s path is too
   long for one), removed at exit, with a real backlog; each accepted connection is
   authenticated (multiprocessing's HMAC challenge with the process family's authkey,
-  both ways) in a thread of its own, by a deadline from its arrival, a bounded number
-  at once, so a peer that connects and says nothing, or trickles, blocks nobody.
+  both ways) in a thread of its own, by a deadline from its acceptance, a bounded
+  number at once (more wait in the backlog), so a peer that connects and says
+  nothing, or trickles, holds a slot for that deadline at most.
 - The kernel tells each end who the other is (``SO_PEERCRED``): peers of another user
   are refused, and the exporter keeps a pidfd of each receiver so that it can tell
   when the receiver's process, and with it its GPU context, is really gone (pid 0, a
@@ -18,6 +19,7 @@
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import select
 import shutil
@@ -31,7 +33,6 @@ from collections import deque
 from collections.abc import Callable
 from multiprocessing import connection as _mpc
 from multiprocessing import util as _mp_util
-from multiprocessing.reduction import send_handle
 from typing import Any
 
 from .._errors import SharingError
@@ -141,7 +142,18 @@ class Conn:
                 raise OSError("sharing connection closed")
             self._c.send_bytes(data)
             if fd is not None:
-                send_handle(self._c, fd, self.peer.pid)
+                self._send_fd(fd)
+
+    def _send_fd(self, fd: int) -> None:
+        """The descriptor, through the connection's own socket (send lock held): with no
+        duplicate of the socket (multiprocessing's send_handle makes one), a process
+        out of descriptors could not, and the frame just sent said one follows."""
+        s = socket.socket(fileno=self._c.fileno())
+        try:
+            s.settimeout(None)  # blocking, as the connection is
+            s.sendmsg([b"\x01"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _FD.pack(fd))])
+        finally:
+            s.detach()
 
     def try_send(self, data: bytes) -> bool:
         """Send now if no other thread is sending on this connection; else False."""
@@ -306,16 +318,23 @@ def _remove_dir(path: str, pid: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+# Longest an accept thread waits while handshakes are under way before it looks at
+# ``closed`` again (a shutdown does not wake a poll of a listening Unix socket).
+_CLOSE_SEEN = 0.1
+
+
 class Listener:
     """The exporter's listening socket; ``on_conn(conn)`` runs in the connection's thread.
 
     Each accepted connection is authenticated in a thread of its own, within
-    ``handshake_timeout`` seconds of its arrival whatever the peer sends meanwhile (the
-    accept thread shuts down a connection past its deadline).  At most
-    ``max_handshakes`` connections authenticate at once: more are closed at once and
-    counted in ``refused``, as are those that fail, and those whose thread could not be
-    started (``thread_factory``, ``threading.Thread`` by default); the listener keeps
-    accepting in every case.  ``peer_cred(sock) -> (pid, uid)``: the kernel's
+    ``handshake_timeout`` seconds of its acceptance whatever the peer sends meanwhile
+    (the accept thread shuts down a connection past its deadline).  At most
+    ``max_handshakes`` connections authenticate at once: more wait in the kernel's
+    backlog, not accepted, until a handshake ends or its deadline passes (bounded by
+    their own connect timeout), so a burst of receivers is served, not refused.  Those
+    that fail or pass their deadline are counted in ``refused``, as are those whose
+    thread could not be started (``thread_factory``, ``threading.Thread`` by default);
+    the listener keeps accepting in every case.  ``peer_cred(sock) -> (pid, uid)``: the kernel's
     ``SO_PEERCRED`` unless a test says otherwise.
 
     The socket's directory is removed by :meth:`close`, and at the exit of the process
@@ -354,6 +373,7 @@ class Listener:
         self._peer_cred = peer_cred
         self._pending: dict[socket.socket, float] = {}  # authenticating -> deadline
         self._plock = threading.Lock()
+        self._slot = threading.Condition(self._plock)  # a handshake ended, or close()
         self.closed = False
         self.refused = 0
         threading.Thread(target=self._accept, name="cupy_poolmem-listen", daemon=True).start()
@@ -364,12 +384,26 @@ class Listener:
         return len(self._pending)
 
     def _accept(self) -> None:
+        try:
+            self._accept_loop()
+        finally:
+            with self._plock:  # the only close of the socket while this thread runs
+                self._sock.close()
+
+    def _accept_loop(self) -> None:
         while not self.closed:
             wait = self._expire()
+            with self._plock:
+                if len(self._pending) >= self._max and not self.closed:
+                    # Full: new arrivals stay in the backlog until a slot frees.
+                    self._slot.wait(wait)
+                    continue
             try:
-                # Through the socket object, never its bare descriptor number: once
-                # closed (close(), a fork child's abandon()) it fails here at once.
-                self._sock.settimeout(None if wait is None else max(wait, 0.001))
+                # Only this thread closes the socket: one closed under a thread about
+                # to poll it left it polling whatever reused the number.  close()'s
+                # shutdown wakes a blocking accept (EINVAL) but not a poll: a wait
+                # with a deadline ahead sees ``closed`` within _CLOSE_SEEN.
+                self._sock.settimeout(None if wait is None else min(max(wait, 0.001), _CLOSE_SEEN))
                 sock, _ = self._sock.accept()
             except TimeoutError:
                 continue  # a deadline passed: _expire at the top
@@ -381,14 +415,8 @@ class Listener:
             if self.closed:  # accepted as close() ran: nobody serves it
                 sock.close()
                 return
-            with self._plock:
-                full = len(self._pending) >= self._max
-                if not full:
-                    self._pending[sock] = time.monotonic() + self._timeout
-            if full:  # too many unauthenticated peers: refused now
-                self.refused += 1
-                sock.close()
-                continue
+            with self._plock:  # (a slot is free: only this thread takes one)
+                self._pending[sock] = time.monotonic() + self._timeout
             try:
                 self._thread(
                     target=self._handshake, args=(sock,), name="cupy_poolmem-peer", daemon=True
@@ -415,6 +443,7 @@ class Listener:
     def _done(self, sock: socket.socket) -> bool:
         """The handshake of ``sock`` ended; False when its deadline had shut it down."""
         with self._plock:
+            self._slot.notify_all()
             return self._pending.pop(sock, None) is not None
 
     def _handshake(self, sock: socket.socket) -> None:
@@ -432,15 +461,22 @@ class Listener:
         self._on_conn(conn)
 
     def close(self) -> None:
+        """Stop listening: the socket is shut down (the accept thread wakes and closes
+        it) and its directory removed."""
         self.closed = True
         try:
-            # close() alone leaves a thread blocked in accept() holding the socket open
-            # (still listening); shutdown() wakes it.
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._sock.close()
+            # A connection wakes the accept thread's poll (a shutdown does not); it
+            # sees ``closed`` and closes the socket.
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as knock:
+                knock.setblocking(False)
+                with contextlib.suppress(OSError):  # (a full backlog wakes it anyway)
+                    knock.connect(self.address)
+            with self._plock:  # (not while the accept thread closes it)
+                self._slot.notify_all()
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         finally:
             self._cleanup()
 
