@@ -41,7 +41,12 @@ EDITS = [
      '[tool.setuptools.packages.find]\ninclude = ["cupy_poolmem", "cupy_poolmem.*"]',
      '[tool.setuptools.packages.find]\nwhere = ["src"]\ninclude = ["cupy_poolmem", "cupy_poolmem.*"]',
      1),
-    ("pyproject.toml", 'files = ["cupy_poolmem"]', 'files = ["src/cupy_poolmem"]', 1),
+    ("pyproject.toml", 'files = ["cupy_poolmem", "cupy_poolmem_dask.py"]',
+     'files = ["src/cupy_poolmem", "src/cupy_poolmem_dask.py"]', 1),
+    # The configuration-only Dask preload module sits beside the package.
+    ("MANIFEST.in", "include cupy_poolmem_dask.py", "include src/cupy_poolmem_dask.py", 1),
+    ("tools/gpu_dask.sh", 'export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"',
+     'export PYTHONPATH="/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"', 1),
     # setup.py: the extension modules' sources.
     ("setup.py", '["cupy_poolmem/_arena.pyx"]', '["src/cupy_poolmem/_arena.pyx"]', 1),
     ("setup.py", '["cupy_poolmem/_hotpath.pyx"]', '["src/cupy_poolmem/_hotpath.pyx"]', 1),
@@ -156,6 +161,7 @@ PYEOF
 edits check
 mkdir -p src
 git mv cupy_poolmem src/cupy_poolmem
+git mv cupy_poolmem_dask.py src/cupy_poolmem_dask.py
 # Build outputs git does not track (an in-place build's .so, Cython's .c) stay behind.
 if [ -d cupy_poolmem ]; then
   echo "move_to_src: left in cupy_poolmem/ (untracked build outputs, removed):"
