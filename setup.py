@@ -3,7 +3,7 @@
 The extension needs only Cython and a C compiler: it takes its three driver calls from
 cuda.bindings' compiled ``cydriver`` module at import time, so no CUDA header or
 toolkit is needed to build it.  When it cannot be built, the package installs
-without it and uses the pure-Python hot path in ``cupy_poolmem/_hotpath_py.py``.
+without it and uses the pure-Python hot path in ``src/cupy_poolmem/_hotpath_py.py``.
 """
 
 import os
@@ -55,8 +55,8 @@ def _extensions():
 
     # The arena first: the hot path cimports it (and imports it at run time).
     exts = [
-        Extension("cupy_poolmem._arena", ["cupy_poolmem/_arena.pyx"], **_STRIPPED),
-        Extension("cupy_poolmem._hotpath", ["cupy_poolmem/_hotpath.pyx"], **_STRIPPED),
+        Extension("cupy_poolmem._arena", ["src/cupy_poolmem/_arena.pyx"], **_STRIPPED),
+        Extension("cupy_poolmem._hotpath", ["src/cupy_poolmem/_hotpath.pyx"], **_STRIPPED),
     ]
     try:
         return cythonize(exts, compiler_directives={"language_level": "3"}, quiet=True)

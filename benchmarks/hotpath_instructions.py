@@ -30,7 +30,8 @@ import tempfile
 import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PYX = os.path.join(ROOT, "cupy_poolmem", "_hotpath.pyx")
+SRC = os.path.join(ROOT, "src")
+PYX = os.path.join(SRC, "cupy_poolmem", "_hotpath.pyx")
 SIZES = [1 << 10, 1 << 20, 64 << 20]
 N_SHORT, N_LONG = 2000, 22000
 
@@ -213,7 +214,7 @@ def main(argv: list[str]) -> None:
         if "--pure" in argv:
             script = os.path.join(tmp, "drive_pure.py")
             with open(script, "w") as f:
-                f.write(DRIVE.format(where=ROOT, setup=SETUP_PURE))
+                f.write(DRIVE.format(where=SRC, setup=SETUP_PURE))
             rows.append(measure("pure-Python twin (this checkout)", script))
     head = ["hot path", "1 KiB hit", "1 MiB hit", "64 MiB hit", "1 MiB, cache off"]
     print("CPU instructions per malloc + free (callgrind, loop included)")
@@ -223,13 +224,13 @@ def main(argv: list[str]) -> None:
 
 
 def _at_rev(rev: str) -> str:
-    return subprocess.run(
-        ["git", "show", f"{rev}:cupy_poolmem/_hotpath.pyx"],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
+    for path in ("src/cupy_poolmem/_hotpath.pyx", "cupy_poolmem/_hotpath.pyx"):
+        r = subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True
+        )
+        if r.returncode == 0:
+            return r.stdout
+    raise SystemExit(f"{rev}: no _hotpath.pyx ({r.stderr.strip()})")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ import runpy
 import sys
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    )
     runpy.run_module(
         "cupy_poolmem.benchmarks.pinned_bandwidth", run_name="__main__", alter_sys=True
     )

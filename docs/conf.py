@@ -12,7 +12,7 @@ import re
 import sys
 
 # Document the checkout this file belongs to, installed or not.
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "src")))
 
 import cupy_poolmem  # noqa: E402  (importing works without a GPU)
 

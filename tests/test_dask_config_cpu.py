@@ -42,13 +42,15 @@ from cupy_poolmem._dask_transfer import _process, _receiver, _secret, _warm  # n
 from cupy_poolmem._sharing import _wire  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where the package under test (and cupy_poolmem_dask beside it) is imported from.
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(cpm.__file__)))
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
 NO_GPU = cpm.device_count() == 0
 
 
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = PKG_PARENT + os.pathsep + env.get("PYTHONPATH", "")
     for k in [k for k in env if k.startswith("DASK_")]:
         del env[k]
     env.update(extra)
@@ -266,7 +268,7 @@ def test_a_client_holding_futures_imports_their_types_module_plugin_or_not(tmp_p
     script = tmp_path / "holding.py"
     script.write_text(_TYPE_SCRIPT)
     extra = dict(CONFIGURED) if configured else {}
-    env = _env(**extra, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    env = _env(**extra, PYTHONPATH=os.pathsep.join([str(tmp_path), PKG_PARENT]))
     r = subprocess.run(
         [sys.executable, str(script)],
         env=env,

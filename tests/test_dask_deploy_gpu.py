@@ -49,6 +49,8 @@ pytest.importorskip("distributed", reason="distributed is not installed")
 from distributed import Client, wait  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where the package under test (and cupy_poolmem_dask beside it) is imported from.
+PKG_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(cpm.__file__)))
 MiB = 1 << 20
 TIMEOUT = 120
 CONFIGURED = {
@@ -61,7 +63,7 @@ def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_")}
     # The package under test, and this module (tasks defined here are pickled by name).
     here = os.path.join(ROOT, "tests")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, here, env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([PKG_PARENT, here, env.get("PYTHONPATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env

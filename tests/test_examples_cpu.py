@@ -51,7 +51,12 @@ def test_example_compiles_and_is_documented(path, tmp_path):
 )
 @pytest.mark.parametrize("path", EXAMPLES, ids=IDS)
 def test_example_without_gpu_exits_with_a_message(path, tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.path.dirname(os.path.dirname(cupy_poolmem.__file__))
+        + os.pathsep
+        + os.environ.get("PYTHONPATH", ""),
+    )
     r = subprocess.run(
         [sys.executable, path], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300
     )
@@ -75,7 +80,12 @@ def test_example_without_gpu_exits_with_a_message(path, tmp_path):
 )
 def test_example_runs_on_a_gpu(name, args, tmp_path):
     """On a GPU machine the new examples run to the end and report success (status 0)."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.path.dirname(os.path.dirname(cupy_poolmem.__file__))
+        + os.pathsep
+        + os.environ.get("PYTHONPATH", ""),
+    )
     r = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", name), *args],
         capture_output=True,

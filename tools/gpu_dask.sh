@@ -22,7 +22,7 @@ set -u
 OUTDIR="${OUT:-$PWD/gpu_dask_out}"
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="/tmp/site/bin:$PATH"
 what="${1:-all}"
 status=0
