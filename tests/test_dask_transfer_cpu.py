@@ -156,6 +156,23 @@ def test_config_ipc_switch_reads_env_style_values(value, expected):
         assert T.TransferConfig.from_dask_config().ipc is expected
 
 
+def test_config_keys_from_environment_variables_are_read_with_underscores(tmp_path):
+    # DASK_DISTRIBUTED__COMM__CUPY_POOLMEM__MIN_BYTES gives the key "min_bytes"; Dask
+    # treats it as "min-bytes", and so must we (it was refused as unknown).
+    env = {
+        "DASK_DISTRIBUTED__COMM__CUPY_POOLMEM__MIN_BYTES": "4MiB",
+        "DASK_DISTRIBUTED__COMM__CUPY_POOLMEM__COUNTERS_DIR": str(tmp_path),
+    }
+    with dask.config.set(dask.config.collect_env(env)):
+        cfg = T.TransferConfig.from_dask_config()
+    assert cfg.min_bytes == 4 * 2**20
+    assert cfg.counters_dir == str(tmp_path)
+    with dask.config.set(
+        {"distributed.comm.cupy-poolmem": {"min-bytes": "1MiB", "min_bytes": "8MiB"}}
+    ):
+        assert T.TransferConfig.from_dask_config().min_bytes == 8 * 2**20
+
+
 def test_config_errors_name_the_key():
     with dask.config.set({"distributed.comm.cupy-poolmem.ipc": "maybe"}):
         with pytest.raises(cpm.OptionTypeError, match=r"cupy-poolmem\.ipc='maybe'"):

@@ -95,6 +95,15 @@ class TransferConfig:
         cfg = dask.config.get(CONFIG_KEY, default={}) or {}
         if not isinstance(cfg, dict):
             raise OptionTypeError(f"dask config {CONFIG_KEY}={cfg!r} must be a mapping")
+        # Dask treats "_" and "-" in keys alike (an environment variable gives
+        # ``min_bytes``, beside the default's ``min-bytes``): so do we, and a value
+        # set either way wins over the default.
+        spelled: dict[str, Any] = {}
+        for k, v in cfg.items():
+            name = str(k).replace("_", "-")
+            if name not in spelled or spelled[name] == CONFIG_DEFAULTS.get(name):
+                spelled[name] = v
+        cfg = spelled
         unknown = set(cfg) - set(CONFIG_DEFAULTS)
         if unknown:
             raise InvalidOptionError(
