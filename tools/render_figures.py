@@ -290,6 +290,15 @@ def render_figure(fig: Figure, results: list[dict[str, Any]]) -> str:
 
 
 # -- README (Markdown) ----------------------------------------------------------------------
+def _is_goal(line: str) -> bool:
+    """A verdict line: ``goal ...: met``, or ``PASS``/``FAIL`` under a list of goals (not
+    the list's heading)."""
+    text = line.strip()
+    if text.lower().startswith("goal"):
+        return not text.endswith(":")
+    return text.startswith(("PASS ", "FAIL "))
+
+
 def render_readme_block(results: list[dict[str, Any]]) -> str:
     out = [START]
     if not results:
@@ -302,13 +311,13 @@ def render_readme_block(results: list[dict[str, Any]]) -> str:
         "",
     ]
     for r in results:
-        goals = [line for line in r["after"] if line.lower().startswith("goal")]
+        goals = [line for line in r["after"] if _is_goal(line)]
         for t in r["tables"]:
-            goals += [line for line in t["before"] if line.lower().startswith("goal")]
+            goals += [line for line in t["before"] if _is_goal(line)]
         head = f"- {TITLES[r['bench']]} (`{command(r)}`), {measured_on(r)}"
         if goals:
             out.append(head + ":")
-            out += [f"  - `{g}`" if "`" not in g else f"  - {g}" for g in goals]
+            out += [f"  - `{g.strip()}`" if "`" not in g else f"  - {g.strip()}" for g in goals]
         else:
             out.append(head + ": tables in `docs/_measured.rst`.")
     out.append(END)
