@@ -1133,7 +1133,18 @@ def test_a_claim_with_an_unknown_or_stale_ticket_is_refused_and_gets_no_fd(world
     ]:
 
         def claim(seq, eid=eid, ticket=ticket):
-            return _wire.Claim(seq, eid, ticket, True, False, False, d.life, d.size, d.size)
+            return _wire.Claim(
+                seq,
+                eid,
+                ticket,
+                True,
+                False,
+                False,
+                d.life,
+                d.size,
+                d.size,
+                _wire.block_id(d.pool_uuid, d.export_data),
+            )
 
         reply, fd = c.request(claim, 5.0)
         assert (reply.status, reply.has_fd, fd) == (_wire.REFUSED, False, None)
@@ -1143,7 +1154,16 @@ def test_a_claim_with_an_unknown_or_stale_ticket_is_refused_and_gets_no_fd(world
     # the real ticket is granted, with the pool's descriptor
     reply, fd = c.request(
         lambda seq: _wire.Claim(
-            seq, d.export_id, d.ticket, True, False, False, d.life, d.size, d.size
+            seq,
+            d.export_id,
+            d.ticket,
+            True,
+            False,
+            False,
+            d.life,
+            d.size,
+            d.size,
+            _wire.block_id(d.pool_uuid, d.export_data),
         ),
         5.0,
     )

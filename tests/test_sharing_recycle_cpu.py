@@ -406,7 +406,7 @@ def test_a_request_is_sent_behind_the_frames_queued_before_it():
     c.sender = Sender(c.conn, "cupy_poolmem-test", delay=60.0)
 
     def claim(seq):
-        return _wire.Claim(seq, 1, b"b" * 16, False, True, True, 1, 1024, 1024)
+        return _wire.Claim(seq, 1, b"b" * 16, False, True, True, 1, 1024, 1024, b"c" * 16)
 
     c.sender.post(_wire.Idle(1, 1, b"\1" * 64))
     c.sender.post(_wire.Hit(1, b"a" * 16, 1), lazy=True)

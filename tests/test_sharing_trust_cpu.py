@@ -148,16 +148,19 @@ def test_the_exporter_refuses_a_claim_whose_span_is_past_the_block(world):
     b = core.alloc(KB, payload=1)
     d = pickle.loads(e.send(b))
     c = r.importer.client(d.address)
+    blk = _wire.block_id(d.pool_uuid, d.export_data)
     for size, end in ((KB, KB + 1), (2 * KB, KB), (KB // 2, KB // 2)):
         reply, fd = c.request(
             lambda seq, size=size, end=end: _wire.Claim(
-                seq, d.export_id, d.ticket, True, False, False, d.life, size, end
+                seq, d.export_id, d.ticket, True, False, False, d.life, size, end, blk
             ),
             5.0,
         )
         assert fd is None and reply.status == _wire.OUT_OF_SPAN, (size, end)
     reply, fd = c.request(
-        lambda seq: _wire.Claim(seq, d.export_id, d.ticket, True, False, False, d.life, KB, KB),
+        lambda seq: _wire.Claim(
+            seq, d.export_id, d.ticket, True, False, False, d.life, KB, KB, blk
+        ),
         5.0,
     )
     assert reply.status == _wire.OK and fd is not None
@@ -179,7 +182,18 @@ def test_the_exporter_refuses_a_claim_of_another_life(world):
     d = pickle.loads(e.send(b2))
     c = r.importer.client(d.address)
     reply, _ = c.request(
-        lambda seq: _wire.Claim(seq, d.export_id, d.ticket, False, True, True, d.life + 5, KB, KB),
+        lambda seq: _wire.Claim(
+            seq,
+            d.export_id,
+            d.ticket,
+            False,
+            True,
+            True,
+            d.life + 5,
+            KB,
+            KB,
+            _wire.block_id(d.pool_uuid, d.export_data),
+        ),
         5.0,
     )
     assert reply.status == _wire.REFUSED

@@ -69,6 +69,7 @@ class Record:
         "data",
         "pool_uuid",
         "pool_mr",
+        "ident",
         "tickets",
         "claimed",
         "leases",
@@ -103,6 +104,7 @@ class Record:
         # The CUDA pool that holds the block (a DevicePool may have two): its uuid goes
         # in every message, its descriptor to a receiver that has not imported it.
         self.pool_uuid, self.pool_mr = pool
+        self.ident = _wire.block_id(self.pool_uuid, data)  # what a claim must name
         self.tickets: dict[bytes, float] = {}
         self.claimed: OrderedDict[bytes, None] = OrderedDict()
         self.leases: dict[int, int] = {}
@@ -819,9 +821,13 @@ class Exporter:
             rec = self.records.get(f.export_id)
             # The message's life and span are the block's (checked before its ticket is
             # spent): nothing outside the block, nor another life of it, is granted.
+            # The allocation the receiver will map is this block's (its pool and export
+            # data): a live ticket of one block never maps another.
+            other = rec is not None and f.block != rec.ident
             outside = rec is not None and (f.size != rec.size or f.end > rec.size)
             ok = (
                 rec is not None
+                and not other
                 and not outside
                 and rec.core is not None
                 and f.life == rec.life
@@ -837,7 +843,15 @@ class Exporter:
                 peer.mapping += 1  # the exit waits until the receiver has mapped it
                 if f.want_fd:  # the pool travels only to a peer with a live ticket for it
                     fd = int(rec.pool_mr.allocation_handle)
-        status = _wire.OK if ok else _wire.OUT_OF_SPAN if outside else _wire.REFUSED
+        status = (
+            _wire.OK
+            if ok
+            else _wire.OTHER_BLOCK
+            if other
+            else _wire.OUT_OF_SPAN
+            if outside
+            else _wire.REFUSED
+        )
         reply = _wire.Reply(f.seq, status, fd is not None)
         peer.conn.send(_wire.encode(reply), fd)
 

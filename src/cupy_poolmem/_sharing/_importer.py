@@ -297,6 +297,12 @@ def _hit_life(m: Mapping) -> int:
 
 def _refused(reply: _wire.Reply, d: _wire.Descriptor) -> None:
     """Raise for a claim the exporter refused."""
+    if reply.status == _wire.OTHER_BLOCK:
+        raise _wire.ProtocolError(
+            f"the exporter refused a message whose pool and allocation (pool "
+            f"{d.pool_uuid}) are not those of the block it names (export {d.export_id}); "
+            "nothing was mapped (a forged or corrupted message)"
+        )
     if reply.status == _wire.OUT_OF_SPAN:
         raise _wire.ProtocolError(
             f"the exporter refused a message naming {d.size} bytes up to byte "
@@ -604,7 +610,16 @@ class Importer:
         end = _span_end(d, None)  # (a Numba mapping's size is its handle's: not checked)
         reply, fd = c.request(
             lambda seq: _wire.Claim(
-                seq, d.export_id, d.ticket, want_fd, keep, False, d.life, d.size, end
+                seq,
+                d.export_id,
+                d.ticket,
+                want_fd,
+                keep,
+                False,
+                d.life,
+                d.size,
+                end,
+                _wire.block_id(d.pool_uuid, d.export_data),
             ),
             self.settings.claim_timeout,
             give_back=(_wire.Mapped(d.export_id), _wire.Unmap(d.export_id, None)),
@@ -627,12 +642,21 @@ class Importer:
             end = _span_end(d, m)
             reply, _ = c.request(
                 lambda seq: _wire.Claim(
-                    seq, d.export_id, d.ticket, False, True, True, d.life, d.size, end
+                    seq,
+                    d.export_id,
+                    d.ticket,
+                    False,
+                    True,
+                    True,
+                    d.life,
+                    d.size,
+                    end,
+                    _wire.block_id(d.pool_uuid, d.export_data),
                 ),
                 self.settings.claim_timeout,
                 give_back=(_wire.Mapped(d.export_id),),
             )
-            if reply.status == _wire.OUT_OF_SPAN:
+            if reply.status in (_wire.OUT_OF_SPAN, _wire.OTHER_BLOCK):
                 _refused(reply, d)
             if reply.status == _wire.OK:
                 try:

@@ -40,9 +40,11 @@ __all__ = [
     "REFUSED",
     "NOT_HELD",
     "OUT_OF_SPAN",
+    "OTHER_BLOCK",
+    "block_id",
 ]
 
-VERSION = 5  # descriptor and frame format; a mismatch is a clear SharingError
+VERSION = 6  # descriptor and frame format; a mismatch is a clear SharingError
 POOL_DEVICE, POOL_PINNED, POOL_MANAGED = 0, 1, 2  # the hot path's KIND_* values
 TICKET_BYTES = 16
 HANDLE_BYTES = 64  # export records and IPC event handles
@@ -242,7 +244,9 @@ class Claim(NamedTuple):
     lease, and the exporter counts it busy again once granted (P12).
     ``life``, ``size`` and ``end``: the life, block size and end of the bytes the
     message names (its descriptor's): the exporter grants nothing unless they are the
-    block's (I1, I5).
+    block's (I1, I5).  ``block``: :func:`block_id` of the pool and allocation the
+    receiver will map (its descriptor's): the exporter grants nothing unless they are
+    ``export_id``'s, so a live ticket of one block never maps another (I1, I5).
     """
 
     seq: int
@@ -254,6 +258,17 @@ class Claim(NamedTuple):
     life: int
     size: int
     end: int
+    block: bytes
+
+
+def block_id(pool_uuid: str, export_data: bytes) -> bytes:
+    """16 bytes naming one allocation: a digest of its pool's uuid and export data (what
+    a receiver maps), sent with a claim and compared by the exporter with the block's."""
+    import hashlib
+
+    return hashlib.blake2b(
+        pool_uuid.encode("utf-8", "surrogatepass") + b"\0" + export_data, digest_size=16
+    ).digest()
 
 
 class Hit(NamedTuple):
@@ -331,12 +346,12 @@ class Idle(NamedTuple):
     event: bytes
 
 
-OK, REFUSED, NOT_HELD, OUT_OF_SPAN = 0, 1, 2, 3  # Reply.status
+OK, REFUSED, NOT_HELD, OUT_OF_SPAN, OTHER_BLOCK = 0, 1, 2, 3, 4  # Reply.status
 
 _CLAIM, _HIT, _DROP, _UNMAP, _REGISTER, _MAPPED, _IDLE = 1, 2, 3, 4, 5, 6, 7
 _REPLY, _EVICT, _RELEASE, _BATCH = 16, 17, 18, 32
 _LAYOUT: dict[int, tuple[struct.Struct, type]] = {
-    _CLAIM: (struct.Struct("<BIQ16sBBBQQQ"), Claim),
+    _CLAIM: (struct.Struct("<BIQ16sBBBQQQ16s"), Claim),
     _HIT: (struct.Struct("<BQ16sQ"), Hit),
     _DROP: (struct.Struct("<BQ16s"), Drop),
     _UNMAP: (struct.Struct("<BQ64sB"), Unmap),

@@ -1,0 +1,101 @@
+"""Forged messages that mix the fields of two genuine ones (CPU fakes): a live ticket of
+one block never maps another block (I1, I5; docs/sharing.rst, trust boundary)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+from _sharing_fakes import wait_for
+
+from cupy_poolmem._sharing import _wire
+
+KB = 1024
+
+
+@pytest.fixture
+def world(sharing_world):
+    return sharing_world
+
+
+def _two_blocks(world):
+    """Block x (2 KiB, payload 1) and block y (1 KiB, payload 2) of one pool, each sent
+    once: ``(e, core, x, y, dx, dy)``."""
+    e = world.proc("exporter")
+    core = e.pool()
+    x = core.alloc(2 * KB, payload=1)
+    y = core.alloc(KB, payload=2)
+    return e, core, x, y, pickle.loads(e.send(x)), pickle.loads(e.send(y))
+
+
+def _genuine_still_received(r, dx, dy):
+    """The genuine messages are still received, with their own data."""
+    for d, want in ((dx, 1), (dy, 2)):
+        imp = r.recv(pickle.dumps(d))
+        assert r.read(imp)[1] == want
+        del imp
+
+
+def test_a_live_ticket_of_one_block_does_not_map_another_blocks_allocation(world):
+    """x's message (live ticket) with y's export data: the exporter granted x's ticket
+    and the receiver mapped y, 2 KiB of a 1 KiB block, under x's lease (y itself not
+    leased: freed or recycled under the reader).  The claim names the allocation."""
+    e, _core, x, y, dx, dy = _two_blocks(world)
+    r = world.proc("receiver")
+    forged = pickle.dumps(dx._replace(export_data=dy.export_data))
+    with pytest.raises(_wire.ProtocolError, match="not those of the block it names"):
+        r.recv(forged)
+    assert world.gpu.violations == [] and e.stats()["leases"] == 0
+    assert r.importer.stats()["imported_blocks"] == 0
+    _genuine_still_received(r, dx, dy)
+    del x, y
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_a_live_ticket_does_not_map_a_block_of_another_pool(world):
+    """x's message naming an allocation of another pool the receiver imported already
+    (its uuid and export data from a genuine message of that pool)."""
+    e, core, x, y, dx, dy = _two_blocks(world)
+    other = e.pool()
+    z = other.alloc(4 * KB, payload=3)
+    w = other.alloc(4 * KB, payload=4)
+    dz, dw = pickle.loads(e.send(z)), pickle.loads(e.send(w))
+    r = world.proc("receiver")
+    kept = r.recv(pickle.dumps(dz))  # the other pool is imported here
+    forged = pickle.dumps(dx._replace(pool_uuid=dw.pool_uuid, export_data=dw.export_data))
+    with pytest.raises(_wire.ProtocolError, match="not those of the block it names"):
+        r.recv(forged)
+    assert e.stats()["leases"] == 1  # z's, for ``kept`` only
+    got = r.recv(pickle.dumps(dw))
+    assert r.read(got)[1] == 4
+    del kept, got, z, w
+    _genuine_still_received(r, dx, dy)
+    del x, y
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_a_numba_mapping_of_one_block_is_not_leased_for_another(world):
+    """y mapped through a Numba handle (no lease), then x's message forged with y's
+    export data: without the check the raw mapping became x's lease, sized as x."""
+    e, core, x, y, dx, dy = _two_blocks(world)
+    r = world.proc("receiver")
+    fd = os.dup(core._rfd)  # what the Numba IPC handle carries
+    try:
+        raw = r.importer.open_raw(dy.pool_uuid, 0, dy.export_data, dy.size, fd)
+    finally:
+        os.close(fd)
+    with pytest.raises(_wire.ProtocolError, match="not those of the block it names"):
+        r.recv(pickle.dumps(dx._replace(export_data=dy.export_data)))
+    assert not raw.leased and raw.size == KB and raw.export_id == 0
+    r.importer.close_raw(raw)
+    _genuine_still_received(r, dx, dy)
+    del x, y
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_the_claim_frame_carries_the_block_and_round_trips():
+    c = _wire.Claim(7, 3, b"t" * 16, True, False, True, 2, 1024, 512, _wire.block_id("p", b"d"))
+    assert _wire.decode(_wire.encode(c)) == [c]
+    assert _wire.block_id("p", b"d") != _wire.block_id("p", b"e") != _wire.block_id("q", b"e")
+    assert len(_wire.block_id("p", b"\0" * 64)) == 16
