@@ -99,3 +99,46 @@ def test_the_claim_frame_carries_the_block_and_round_trips():
     assert _wire.decode(_wire.encode(c)) == [c]
     assert _wire.block_id("p", b"d") != _wire.block_id("p", b"e") != _wire.block_id("q", b"e")
     assert len(_wire.block_id("p", b"\0" * 64)) == 16
+
+
+def _raw(r, core, d, size, view):
+    fd = os.dup(core._rfd)  # what the Numba IPC handle carries
+    try:
+        return r.importer.open_raw(d.pool_uuid, 0, d.export_data, size, fd, view)
+    finally:
+        os.close(fd)
+
+
+def test_a_numba_handle_past_its_allocation_is_refused_before_mapping(world):
+    """A handle's own offset and size must lie within its allocation size."""
+    e, core, x, y, dx, dy = _two_blocks(world)
+    r = world.proc("receiver")
+    for view in ((0, KB + 1), (KB, 1), (-1, 4), (8, -4)):
+        with pytest.raises(_wire.ProtocolError, match="Numba IPC handle"):
+            _raw(r, core, dy, KB, view)
+    assert r.importer.stats()["imported_blocks"] == 0 and not r.importer.pools
+    raw = _raw(r, core, dy, KB, (KB - 4, 4))  # the last item: fine
+    r.importer.close_raw(raw)
+    _genuine_still_received(r, dx, dy)
+    del x, y
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+def test_a_numba_handle_larger_than_the_leased_mapping_is_refused(world):
+    """The block mapped under a lease (its size checked by the exporter), then a Numba
+    handle of it that says the allocation is 64 times larger: the handle's array would
+    reach 63 KiB past the block.  The mapping made already bounds it."""
+    e, core, x, y, dx, dy = _two_blocks(world)
+    r = world.proc("receiver")
+    imp = r.recv(pickle.dumps(dy))
+    with pytest.raises(_wire.ProtocolError, match="allocation of 1024 bytes"):
+        _raw(r, core, dy, 64 * KB, (0, 64 * KB))
+    assert imp.m.users == 1  # no user counted for the refused handle
+    raw = _raw(r, core, dy, KB, (0, KB))
+    assert raw is imp.m and raw.users == 2
+    r.importer.close_raw(raw)
+    assert r.read(imp)[1] == 2
+    del imp, raw
+    _genuine_still_received(r, dx, dy)
+    del x, y
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)

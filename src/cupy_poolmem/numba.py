@@ -788,7 +788,12 @@ class PoolIpcHandle(IpcHandle):
         dev = local_device(self.device_uuid)
         try:
             rec = _importer().open_raw(
-                str(self.pool_uuid), dev, self.payload, self.alloc_size, self._fd
+                str(self.pool_uuid),
+                dev,
+                self.payload,
+                self.alloc_size,
+                self._fd,
+                (int(self.offset), int(self.size)),
             )
         except SharingError:
             raise

@@ -285,6 +285,13 @@ def _span_error(d: _wire.Descriptor, size: int) -> str:
     )
 
 
+def _raw_span_error(view: tuple[int, int], size: int) -> str:
+    return (
+        f"a Numba IPC handle names {view[1]} bytes at offset {view[0]} of an allocation "
+        f"of {size} bytes; it was not mapped (a forged or corrupted handle)"
+    )
+
+
 def _hit_life(m: Mapping) -> int:
     """The one life whose messages ``m`` serves without a claim (I1): the life its
     arrays came from while it is in use there; once we said Idle at ``fence`` (at or
@@ -1104,17 +1111,37 @@ class Importer:
         return ticket
 
     # -- the Numba plugin's handles --------------------------------------------------------------------
-    def open_raw(self, pool_uuid: str, dev: int, data: bytes, size: int, fd: int | None) -> Mapping:
+    def open_raw(
+        self,
+        pool_uuid: str,
+        dev: int,
+        data: bytes,
+        size: int,
+        fd: int | None,
+        view: tuple[int, int] | None = None,
+    ) -> Mapping:
         """Map an allocation described by a Numba IPC handle (no lease protocol).
 
         Like a received message, it waits for a claim of the same allocation under way
-        and for the free of an earlier mapping of it (one import at a time).
+        and for the free of an earlier mapping of it (one import at a time).  ``view``:
+        the ``(offset, nbytes)`` the handle's array covers, refused with
+        :class:`ProtocolError` unless it lies within ``size`` and within the mapping
+        made already (whose size a lease checked), before anything is mapped (I5).
         """
         key = (pool_uuid, data)
+        end = None
+        if view is not None:
+            offset, nbytes = view
+            end = offset + nbytes
+            if offset < 0 or nbytes < 0 or end > size:
+                raise _wire.ProtocolError(_raw_span_error(view, size))
 
         def mapped(m: Mapping | None) -> Mapping | None:
             """(lock held) A mapping of the allocation, whoever made it: one more user."""
             if m is not None:
+                if end is not None and end > m.size:
+                    assert view is not None
+                    raise _wire.ProtocolError(_raw_span_error(view, m.size))
                 m.users += 1
                 self._wake(m)
             return m
