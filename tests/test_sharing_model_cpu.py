@@ -97,7 +97,7 @@ def traced(f: Any) -> Any:
     return run
 
 
-FORGEABLE = ("ticket", "export_id", "size", "offset", "strides", "dtype", "life")
+FORGEABLE = ("ticket", "export_id", "size", "offset", "strides", "dtype", "life", "block")
 
 
 @dataclass
@@ -346,6 +346,7 @@ class SharingModel(RuleBasedStateMachine):
         if m is None or p is None:
             return
         d = pickle.loads(m.data)
+        other = pickle.loads(self.msgs[v % len(self.msgs)].data)
         change = {
             "ticket": lambda: {"ticket": os.urandom(16)},
             "export_id": lambda: {"export_id": d.export_id + (1, 7)[v % 2]},
@@ -354,6 +355,8 @@ class SharingModel(RuleBasedStateMachine):
             "strides": lambda: {"strides": (-1,)},
             "dtype": lambda: {"dtype": ("|O", "<f8", "<u2")[v % 3]},
             "life": lambda: {"life": max(d.life + (-1, 1, 2)[v % 3], 0)},
+            # another message's allocation (maybe of another pool) with this live ticket
+            "block": lambda: {"pool_uuid": other.pool_uuid, "export_data": other.export_data},
         }[what]()
         self.trace.append(f"  forged {change}")
         m.tainted = True  # a refused copy may give the genuine ticket back
@@ -662,6 +665,25 @@ def test_model_a_forged_next_life_maps_only_its_block_and_is_not_read():
             ("drop_block", {"i": 0}),
             ("allocate", {"size": KB, "recycle": True, "i": 0}),  # rewritten
             ("forge", {"what": "life", "i": 0, "j": 0, "v": 0}),  # life 0 in p1: refused
+        ]
+    )
+
+
+def test_model_a_live_ticket_with_another_blocks_allocation_maps_nothing():
+    """p1 sends block 0 (payload 1) and block 1 (payload 2) of one pool; a copy of block
+    1's message (its ticket live) naming block 0's export data reaches p2: the exporter
+    granted the ticket and p2 read block 0 (1 KiB) as block 1 (2 KiB), under block 1's
+    lease.  (Naming another pool, the pool's descriptor sent for block 1 was imported
+    under the other pool's uuid.)"""
+    _run(
+        [
+            ("allocate", {"size": KB, "recycle": True, "i": 0}),
+            ("allocate", {"size": 2 * KB, "recycle": True, "i": 0}),  # the same pool
+            ("send", {"i": 0}),  # msg 0: block 0
+            ("send", {"i": 1}),  # msg 1: block 1
+            ("forge", {"what": "block", "i": 1, "j": 1, "v": 0}),  # refused
+            ("deliver", {"i": 1, "j": 1}),  # the genuine message: its own data
+            ("deliver", {"i": 0, "j": 1}),
         ]
     )
 
