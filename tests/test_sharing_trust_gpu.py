@@ -146,3 +146,22 @@ def test_a_descriptor_past_its_block_is_refused_before_mapping(held):
         assert (tag, ok, first) == ("ok", True, float(N - 1))
         assert _ask(r, "load", 8, _message(x), x.get())[:3] == ("ok", 8, True)
         del x
+
+
+def test_a_live_ticket_with_another_blocks_allocation_is_refused():
+    """x's message (its ticket live) naming y's pool and export data: the reader would
+    map y under x's lease and size (2x past y).  Refused by the exporter
+    (ProtocolError); the genuine messages still read their own values."""
+    from cupy_poolmem._sharing._reducers import reduce_cupy
+
+    with _readers(1) as (r,):
+        x = cupy.arange(N, dtype=cupy.float32)
+        y = cupy.full(N // 2, 7.0, dtype=cupy.float32)
+        cupy.cuda.get_current_stream().synchronize()
+        _, (dy,) = reduce_cupy(y)
+        forged = _message(x, pool_uuid=dy.pool_uuid, export_data=dy.export_data)
+        tag, _, kind, text = _ask(r, "load", 1, forged, 0.0)
+        assert tag == "refused" and kind == "ProtocolError", (tag, kind, text)
+        assert _ask(r, "load", 2, _message(x), x.get())[:3] == ("ok", 2, True)
+        assert _ask(r, "load", 3, pickle.dumps(dy), 7.0)[:3] == ("ok", 3, True)
+        del x, y
