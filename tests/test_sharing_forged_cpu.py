@@ -9,6 +9,7 @@ import pickle
 import pytest
 from _sharing_fakes import wait_for
 
+from cupy_poolmem._errors import SharingError
 from cupy_poolmem._sharing import _wire
 
 KB = 1024
@@ -142,3 +143,55 @@ def test_a_numba_handle_larger_than_the_leased_mapping_is_refused(world):
     _genuine_still_received(r, dx, dy)
     del x, y
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
+
+
+# -- stale copies through forwarders and round trips (sequences the model draws rarely) ---
+def test_a_forwarded_copy_after_the_block_was_recycled_is_refused_everywhere(world):
+    """p2 holds life 1 and forwards it (a ticket the exporter registered); nobody takes
+    the forward, its ticket expires, p2 lets go: the block recycles into life 2 (new
+    data).  The forward's copy then reaches p3, which maps life 2 fresh, and p1 (the
+    exporter, a round trip): refused in both, never life 2's data."""
+    e = world.proc("exporter")
+    core = e.pool(recycle=True)
+    b = core.alloc(KB, payload=1)
+    r2, r3 = world.proc("p2"), world.proc("p3")
+    held = r2.recv(e.send(b))
+    fwd = r2.send(held)  # the forward: a ticket registered for p2's array
+    del held, b
+    e.exporter.expire(now=float("inf"))  # the forward's ticket expires
+    assert wait_for(lambda: core.cached_blocks() == 1)  # recycled: life 1 is over
+    b2 = core.alloc(KB, payload=2)
+    own2 = r3.recv(e.send(b2))  # p3 maps life 2 fresh
+    assert r3.read(own2, 0)[1] == 2
+    for who in (r3, e):
+        with pytest.raises(SharingError, match="stale|freed or reused"):
+            who.recv(fwd)
+    assert r3.read(own2, 0)[1] == 2
+    assert e.stats()["tickets_out"] == 0  # the refused copies pinned nothing
+    del own2, b2
+
+
+def test_a_copy_of_life_one_back_in_its_exporter_is_refused_dormant_and_reused(world):
+    """A copy of life 1's message comes back to the exporter while the block waits in
+    the reuse cache (dormant), then while a new array uses it (not sent yet), then in
+    life 2: refused each time (a LocalHold would read the new array's data)."""
+    e = world.proc("exporter")
+    core = e.pool(recycle=True)
+    b = core.alloc(KB, payload=1)
+    r = world.proc("receiver")
+    first = e.send(b)
+    copy = pickle.dumps(pickle.loads(first))
+    got = r.recv(first)
+    del got, b
+    assert wait_for(lambda: core.cached_blocks() == 1)
+    with pytest.raises(SharingError):
+        e.recv(copy)  # dormant
+    b2 = core.alloc(KB, payload=2)  # the same block, a new array, not sent yet
+    with pytest.raises(SharingError):
+        e.recv(copy)
+    msg2 = e.send(b2)  # life 2
+    with pytest.raises(SharingError):
+        e.recv(copy)
+    own = e.recv(msg2)  # life 2's own message: its data
+    assert e.read(own)[1] == 2
+    del own, b2
