@@ -195,3 +195,22 @@ def test_a_copy_of_life_one_back_in_its_exporter_is_refused_dormant_and_reused(w
     own = e.recv(msg2)  # life 2's own message: its data
     assert e.read(own)[1] == 2
     del own, b2
+
+
+@pytest.mark.parametrize(
+    "shape, strides",
+    [((2**62,), (0,)), ((2**40, 2**40), (0, 0)), ((2**61, 4), (0, 0))],
+)
+def test_a_broadcast_descriptor_too_large_for_an_array_is_a_protocol_error(shape, strides):
+    """Zero strides keep any count of items inside the block; ``count * itemsize`` past
+    2**63 is no array size (numpy and CuPy raised a bare ValueError after mapping)."""
+    d = _wire.Descriptor(
+        _wire.VERSION, "cupy", "/tmp/x", "pool", "GPU-x", _wire.POOL_DEVICE, 1,
+        b"\0" * 64, 1024, b"\1" * 16, None, 0, shape, strides, "<f4", 1,
+    )  # fmt: skip
+    with pytest.raises(_wire.ProtocolError, match=r"malformed \(shape="):
+        _wire.check_descriptor(d)
+    ok = d._replace(shape=(2**60,), strides=(0,))  # 2**62 bytes: an array size
+    assert _wire.check_descriptor(ok) is ok
+    empty = d._replace(shape=(2**62, 2**62, 0), strides=(0, 0, 4))
+    assert _wire.check_descriptor(empty) is empty

@@ -121,6 +121,7 @@ def check_descriptor(d: object) -> Descriptor:
         and all(type(n) is int and n >= 0 for n in shape)
         and all(type(st) is int for st in strides)
         and item > 0
+        and _count(shape) * item < 2**63
         and type(d.life) is int
         and 0 <= d.life < 2**64
         and _fits(d, item)
@@ -163,6 +164,7 @@ def _problem(d: object) -> str | None:
             ),
         ),
         ("dtype", lambda: _itemsize(d.dtype) > 0),
+        ("shape", lambda: _count(d.shape) * _itemsize(d.dtype) < 2**63),
         ("life", lambda: _int(d.life) and 0 <= d.life < 2**64),
     )
     for name, ok in checks:
@@ -177,6 +179,17 @@ def _problem(d: object) -> str | None:
             f"offset {d.offset} does not fit its {d.size}-byte block"
         )
     return f"a shared array's descriptor is malformed ({what}); it was not mapped"
+
+
+def _count(shape: tuple) -> int:
+    """The number of items of ``shape`` (a broadcast array's may exceed its block's:
+    its bytes, ``count * itemsize``, must still be an array size, below ``2**63``)."""
+    n = 1
+    for k in shape:
+        n *= k
+        if n == 0:
+            return 0
+    return n
 
 
 def _int(v: object) -> bool:
