@@ -322,7 +322,8 @@ def _layout(h, offset, shape, strides):
         (lambda h: h["desc"].__setitem__(14, "|O"), "dtype="),
         (lambda h: h["desc"].__setitem__(15, -1), "life="),
         (lambda h: h["desc"].__setitem__(0, 1), "different cupy_poolmem version"),
-        (lambda h: h["desc"].__setitem__(1, "numpy"), "not device memory"),
+        # (a host array on a device pool: check_descriptor refuses it first)
+        (lambda h: h["desc"].__setitem__(1, "numpy"), "kind='numpy'"),
         (lambda h: h["desc"].__setitem__(4, ""), "not device memory"),
         # within the block, but not one run of bytes: the cross-GPU copy would misread it
         (lambda h: _layout(h, 10, (3,), (-1,)), "not a contiguous chunk"),

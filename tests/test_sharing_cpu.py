@@ -1143,7 +1143,7 @@ def test_a_claim_with_an_unknown_or_stale_ticket_is_refused_and_gets_no_fd(world
                 d.life,
                 d.size,
                 d.size,
-                _wire.block_id(d.pool_uuid, d.export_data),
+                _wire.block_id(d.pool_uuid, d.pool_kind, d.export_data),
             )
 
         reply, fd = c.request(claim, 5.0)
@@ -1163,7 +1163,7 @@ def test_a_claim_with_an_unknown_or_stale_ticket_is_refused_and_gets_no_fd(world
             d.life,
             d.size,
             d.size,
-            _wire.block_id(d.pool_uuid, d.export_data),
+            _wire.block_id(d.pool_uuid, d.pool_kind, d.export_data),
         ),
         5.0,
     )

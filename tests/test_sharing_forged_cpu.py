@@ -96,10 +96,12 @@ def test_a_numba_mapping_of_one_block_is_not_leased_for_another(world):
 
 
 def test_the_claim_frame_carries_the_block_and_round_trips():
-    c = _wire.Claim(7, 3, b"t" * 16, True, False, True, 2, 1024, 512, _wire.block_id("p", b"d"))
+    c = _wire.Claim(7, 3, b"t" * 16, True, False, True, 2, 1024, 512, _wire.block_id("p", 0, b"d"))
     assert _wire.decode(_wire.encode(c)) == [c]
-    assert _wire.block_id("p", b"d") != _wire.block_id("p", b"e") != _wire.block_id("q", b"e")
-    assert len(_wire.block_id("p", b"\0" * 64)) == 16
+    assert (
+        _wire.block_id("p", 0, b"d") != _wire.block_id("p", 0, b"e") != _wire.block_id("q", 0, b"e")
+    )
+    assert len(_wire.block_id("p", 0, b"\0" * 64)) == 16
 
 
 def _raw(r, core, d, size, view):
@@ -214,3 +216,39 @@ def test_a_broadcast_descriptor_too_large_for_an_array_is_a_protocol_error(shape
     assert _wire.check_descriptor(ok) is ok
     empty = d._replace(shape=(2**62, 2**62, 0), strides=(0, 0, 4))
     assert _wire.check_descriptor(empty) is empty
+
+
+def test_a_host_array_on_device_memory_is_a_malformed_descriptor():
+    """kind "numpy" makes the receiver build a host array on the mapping's address: on
+    a device pool's block the host would dereference a device address."""
+    d = _wire.Descriptor(
+        _wire.VERSION, "numpy", "/tmp/x", "pool", "", _wire.POOL_DEVICE, 1,
+        b"\0" * 64, 1024, b"\1" * 16, None, 0, (256,), (4,), "<f4", 0,
+    )  # fmt: skip
+    with pytest.raises(_wire.ProtocolError, match=r"malformed \(kind="):
+        _wire.check_descriptor(d)
+    for kind in (_wire.POOL_PINNED, _wire.POOL_MANAGED):
+        ok = d._replace(pool_kind=kind)
+        assert _wire.check_descriptor(ok) is ok
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["claim", "hit"])
+def test_a_forged_pool_kind_is_refused_whatever_the_receiver_maps(world, held):
+    """A device block's message naming a pinned (host) pool, with its live ticket: a
+    fresh receiver would import the pool as a host pool (the exporter refuses the
+    claim); one that maps the block already checks its pool's kind."""
+    e, _core, x, y, dx, dy = _two_blocks(world)
+    r = world.proc("receiver")
+    kept = r.recv(pickle.dumps(dy)) if held else None
+    if held:
+        dy = pickle.loads(e.send(y))  # a new live ticket for the forged copy
+    forged = pickle.dumps(dy._replace(kind="numpy", pool_kind=_wire.POOL_PINNED))
+    with pytest.raises(_wire.ProtocolError, match="kind|not those of the block"):
+        r.recv(forged)
+    assert r.importer.stats()["imported_pools"] == (1 if held else 0)
+    del kept
+    if held:  # the refused copy gave its (copied) ticket back, as docs say it may
+        dy = pickle.loads(e.send(y))
+    _genuine_still_received(r, dx, dy)
+    del x, y
+    assert wait_for(lambda: e.stats()["exported_blocks"] == 0)

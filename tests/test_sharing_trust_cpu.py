@@ -148,7 +148,7 @@ def test_the_exporter_refuses_a_claim_whose_span_is_past_the_block(world):
     b = core.alloc(KB, payload=1)
     d = pickle.loads(e.send(b))
     c = r.importer.client(d.address)
-    blk = _wire.block_id(d.pool_uuid, d.export_data)
+    blk = _wire.block_id(d.pool_uuid, d.pool_kind, d.export_data)
     for size, end in ((KB, KB + 1), (2 * KB, KB), (KB // 2, KB // 2)):
         reply, fd = c.request(
             lambda seq, size=size, end=end: _wire.Claim(
@@ -192,7 +192,7 @@ def test_the_exporter_refuses_a_claim_of_another_life(world):
             d.life + 5,
             KB,
             KB,
-            _wire.block_id(d.pool_uuid, d.export_data),
+            _wire.block_id(d.pool_uuid, d.pool_kind, d.export_data),
         ),
         5.0,
     )

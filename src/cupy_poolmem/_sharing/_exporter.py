@@ -104,7 +104,8 @@ class Record:
         # The CUDA pool that holds the block (a DevicePool may have two): its uuid goes
         # in every message, its descriptor to a receiver that has not imported it.
         self.pool_uuid, self.pool_mr = pool
-        self.ident = _wire.block_id(self.pool_uuid, data)  # what a claim must name
+        # what a claim must name: this allocation, of this pool, of this kind
+        self.ident = _wire.block_id(self.pool_uuid, block.core.kind, data)
         self.tickets: dict[bytes, float] = {}
         self.claimed: OrderedDict[bytes, None] = OrderedDict()
         self.leases: dict[int, int] = {}

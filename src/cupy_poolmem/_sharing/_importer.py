@@ -488,6 +488,12 @@ class Importer:
                     )
                 if d.size != m.size:
                     raise _wire.ProtocolError(_span_error(d, m.size))
+                if d.pool_kind != m.pool.kind:
+                    raise _wire.ProtocolError(
+                        f"a message names pool kind {d.pool_kind} for memory this process "
+                        f"maps from a pool of kind {m.pool.kind}; it was not mapped (a forged "
+                        "or corrupted message)"
+                    )
                 # Count the user before anything allocates: a garbage collection here
                 # may run dropped(), which must not unmap (or say Idle for) this mapping.
                 m.users += 1
@@ -567,6 +573,7 @@ class Importer:
                 or c.address != d.address
                 or m.export_id != d.export_id
                 or d.size != m.size
+                or d.pool_kind != m.pool.kind
             ):
                 return None  # the full path tells these apart (gone, or a protocol error)
             if d.life != _hit_life(m):
@@ -626,7 +633,7 @@ class Importer:
                 d.life,
                 d.size,
                 end,
-                _wire.block_id(d.pool_uuid, d.export_data),
+                _wire.block_id(d.pool_uuid, d.pool_kind, d.export_data),
             ),
             self.settings.claim_timeout,
             give_back=(_wire.Mapped(d.export_id), _wire.Unmap(d.export_id, None)),
@@ -658,7 +665,7 @@ class Importer:
                     d.life,
                     d.size,
                     end,
-                    _wire.block_id(d.pool_uuid, d.export_data),
+                    _wire.block_id(d.pool_uuid, d.pool_kind, d.export_data),
                 ),
                 self.settings.claim_timeout,
                 give_back=(_wire.Mapped(d.export_id),),

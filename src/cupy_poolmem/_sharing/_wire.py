@@ -104,6 +104,7 @@ def check_descriptor(d: object) -> Descriptor:
         and type(d.pool_uuid) is str
         and type(d.device_uuid) is str
         and d.pool_kind in _POOL_KINDS
+        and (d.kind == "cupy" or d.pool_kind != POOL_DEVICE)
         and type(d.export_id) is int
         and 0 < d.export_id < 2**64
         and type(d.export_data) is bytes
@@ -148,6 +149,8 @@ def _problem(d: object) -> str | None:
         ("pool_uuid", lambda: type(d.pool_uuid) is str),
         ("device_uuid", lambda: type(d.device_uuid) is str),
         ("pool_kind", lambda: d.pool_kind in _POOL_KINDS),
+        # a host (numpy) array on device memory: the host would dereference a device address
+        ("kind", lambda: d.kind == "cupy" or d.pool_kind != POOL_DEVICE),
         ("export_id", lambda: _int(d.export_id) and 0 < d.export_id < 2**64),
         ("export_data", lambda: _bytes(d.export_data, HANDLE_BYTES)),
         ("size", lambda: _int(d.size) and 0 < d.size < 2**63),
@@ -258,8 +261,8 @@ class Claim(NamedTuple):
     ``life``, ``size`` and ``end``: the life, block size and end of the bytes the
     message names (its descriptor's): the exporter grants nothing unless they are the
     block's (I1, I5).  ``block``: :func:`block_id` of the pool and allocation the
-    receiver will map (its descriptor's): the exporter grants nothing unless they are
-    ``export_id``'s, so a live ticket of one block never maps another (I1, I5).
+    receiver will map, and the pool's kind (its descriptor's): the exporter grants
+    nothing unless they are ``export_id``'s, so a live ticket of one block never maps another (I1, I5).
     """
 
     seq: int
@@ -274,14 +277,14 @@ class Claim(NamedTuple):
     block: bytes
 
 
-def block_id(pool_uuid: str, export_data: bytes) -> bytes:
-    """16 bytes naming one allocation: a digest of its pool's uuid and export data (what
-    a receiver maps), sent with a claim and compared by the exporter with the block's."""
+def block_id(pool_uuid: str, pool_kind: int, export_data: bytes) -> bytes:
+    """16 bytes naming one allocation: a digest of its pool's uuid and kind and its export
+    data (what a receiver maps, and how), sent with a claim and compared by the exporter
+    with the block's."""
     import hashlib
 
-    return hashlib.blake2b(
-        pool_uuid.encode("utf-8", "surrogatepass") + b"\0" + export_data, digest_size=16
-    ).digest()
+    head = pool_uuid.encode("utf-8", "surrogatepass") + b"\0" + bytes((pool_kind & 0xFF,))
+    return hashlib.blake2b(head + export_data, digest_size=16).digest()
 
 
 class Hit(NamedTuple):
