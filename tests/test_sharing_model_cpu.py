@@ -97,7 +97,17 @@ def traced(f: Any) -> Any:
     return run
 
 
-FORGEABLE = ("ticket", "export_id", "size", "offset", "strides", "dtype", "life", "block")
+FORGEABLE = (
+    "ticket",
+    "export_id",
+    "size",
+    "offset",
+    "strides",
+    "dtype",
+    "life",
+    "block",
+    "pool_kind",
+)
 
 
 @dataclass
@@ -357,6 +367,11 @@ class SharingModel(RuleBasedStateMachine):
             "life": lambda: {"life": max(d.life + (-1, 1, 2)[v % 3], 0)},
             # another message's allocation (maybe of another pool) with this live ticket
             "block": lambda: {"pool_uuid": other.pool_uuid, "export_data": other.export_data},
+            # another kind of pool (a host array on a device block, or a host pool)
+            "pool_kind": lambda: {
+                "pool_kind": (d.pool_kind + 1 + v % 2) % 3,
+                "kind": ("cupy", "numpy")[v % 2],
+            },
         }[what]()
         self.trace.append(f"  forged {change}")
         m.tainted = True  # a refused copy may give the genuine ticket back
