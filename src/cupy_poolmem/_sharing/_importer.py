@@ -623,18 +623,7 @@ class Importer:
         keep = d.life > 0 or (d.address, d.export_id) in self.seen
         end = _span_end(d, None)  # (a Numba mapping's size is its handle's: not checked)
         reply, fd = c.request(
-            lambda seq: _wire.Claim(
-                seq,
-                d.export_id,
-                d.ticket,
-                want_fd,
-                keep,
-                False,
-                d.life,
-                d.size,
-                end,
-                _wire.block_id(d.pool_uuid, d.pool_kind, d.export_data),
-            ),
+            lambda seq: _wire.claim_for(d, seq, want_fd, keep, False, end),
             self.settings.claim_timeout,
             give_back=(_wire.Mapped(d.export_id), _wire.Unmap(d.export_id, None)),
         )
@@ -655,18 +644,7 @@ class Importer:
         try:
             end = _span_end(d, m)
             reply, _ = c.request(
-                lambda seq: _wire.Claim(
-                    seq,
-                    d.export_id,
-                    d.ticket,
-                    False,
-                    True,
-                    True,
-                    d.life,
-                    d.size,
-                    end,
-                    _wire.block_id(d.pool_uuid, d.pool_kind, d.export_data),
-                ),
+                lambda seq: _wire.claim_for(d, seq, False, True, True, end),
                 self.settings.claim_timeout,
                 give_back=(_wire.Mapped(d.export_id),),
             )

@@ -287,6 +287,13 @@ def block_id(pool_uuid: str, pool_kind: int, export_data: bytes) -> bytes:
     return hashlib.blake2b(head + export_data, digest_size=16).digest()
 
 
+def claim_for(d: Descriptor, seq: int, want_fd: bool, keep: bool, held: bool, end: int) -> Claim:
+    """The :class:`Claim` of message ``d`` (its export id, ticket, life, size and block),
+    asking for the bytes up to ``end``."""
+    block = block_id(d.pool_uuid, d.pool_kind, d.export_data)
+    return Claim(seq, d.export_id, d.ticket, want_fd, keep, held, d.life, d.size, end, block)
+
+
 class Hit(NamedTuple):
     """Receiver -> exporter: ticket received (a message of ``life``); I hold a lease on
     this block already.  An acknowledgement only: a dead ticket or another life's is
