@@ -45,14 +45,8 @@ def test_docstring_examples(name, tmp_path, monkeypatch):
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
     ran = 0
     for test in finder.find(module, extraglobs={"cupy_poolmem": cupy_poolmem}):
-        result = runner.run(test, out=lambda s: None)
-        assert result.failed == 0, _report(test, runner)
+        out: list[str] = []
+        result = runner.run(test, out=out.append)
+        assert result.failed == 0, "".join(out)[-4000:]
         ran += sum(1 for ex in test.examples if not ex.options.get(doctest.SKIP))
     assert ran >= MODULES[name], f"{name}: {ran} examples ran, expected >= {MODULES[name]}"
-
-
-def _report(test: doctest.DocTest, runner: doctest.DocTestRunner) -> str:
-    out: list[str] = []
-    checker = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    checker.run(test, out=out.append)
-    return "".join(out)[-4000:]
