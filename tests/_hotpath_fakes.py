@@ -20,21 +20,32 @@ from typing import Any
 
 import cupy
 
+import cupy_poolmem
 from cupy_poolmem import _hotpath_py as twin
-from cupy_poolmem import _pools, _streams
+from cupy_poolmem import _pools, _runtime, _streams
 
 
 def twin_pools() -> Any:
     """``cupy_poolmem._pools`` executed again, bound to the pure-Python hot path."""
     old = os.environ.get("CUPY_POOLMEM_PURE_PYTHON")
     os.environ["CUPY_POOLMEM_PURE_PYTHON"] = "1"
+    import sys
+
+    real_runtime = sys.modules["cupy_poolmem._runtime"]
     try:
+        spec = importlib.util.spec_from_file_location("cupy_poolmem._runtime", _runtime.__file__)
+        runtime = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(runtime)
+        sys.modules["cupy_poolmem._runtime"] = runtime
+        cupy_poolmem._runtime = runtime
         spec = importlib.util.spec_from_file_location(
             "cupy_poolmem._pools_twin_for_tests", _pools.__file__
         )
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     finally:
+        sys.modules["cupy_poolmem._runtime"] = real_runtime
+        cupy_poolmem._runtime = real_runtime
         if old is None:
             del os.environ["CUPY_POOLMEM_PURE_PYTHON"]
         else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from cupy_poolmem import _pools
+from cupy_poolmem import _runtime
 
 FAKES_FILE = __file__
 
@@ -63,7 +63,7 @@ class FakeBlock:
 
 
 def observer():
-    return _pools._GLOBAL_OBSERVER[0]
+    return _runtime.GLOBAL_OBSERVER[0]
 
 
 def alloc(core: FakeCore, ptr: int, size: int, stream_ptr: int = 0) -> FakeBlock:

@@ -15,7 +15,7 @@ from _hotpath_fakes import bare_core, compiled_hotpath, recorded_device_pools
 from test_mapped_cpu import VmmDriver
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _arena_py, _expandable, _pools
+from cupy_poolmem import _arena_py, _expandable, _pools, _runtime
 from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem.benchmarks.churn import trace
 
@@ -266,7 +266,7 @@ def test_the_churn_trace_reserves_at_most_1_45x_its_live_peak(drv, seed):
     """The benchmark's quick trace on the ranges (both arenas): first fit keeps the
     mapped peak at 1.38x and 1.40x the most bytes ever live on these seeds (best fit:
     1.39x and 1.52x; CuPy's MemoryPool reserves 1.75x on seed 7, the goal is 1.40x)."""
-    b = _expandable.ExpandableBlocks(0, span=3 * GiB, arena=_pools._hp.ARENA, driver=drv)
+    b = _expandable.ExpandableBlocks(0, span=3 * GiB, arena=_runtime.hp.ARENA, driver=drv)
     live: list[tuple[int, int]] = []
     held = high = 0
     for size, frees in trace(5000, live=1 * GiB, seed=seed):
@@ -442,7 +442,7 @@ def made(monkeypatch, fake_retirer, drv):
         _pools,
         "_new_expandable_blocks",
         lambda dev, peers, total: _expandable.ExpandableBlocks(
-            dev, peers, span=SPAN, arena=_pools._hp.ARENA, driver=drv
+            dev, peers, span=SPAN, arena=_runtime.hp.ARENA, driver=drv
         ),
     )
     return out

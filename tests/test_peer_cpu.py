@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _allocator, _device, _doctor, _pools
+from cupy_poolmem import _allocator, _device, _doctor, _pools, _runtime
 
 PEERS = {(0, 1), (1, 0), (2, 3), (3, 2)}
 
@@ -150,7 +150,7 @@ def _fake_pool(
     from cupy_poolmem import _retire
 
     pool = cpm.DevicePool.__new__(cpm.DevicePool)
-    pool._attach(0x1000, device, _pools._hp.KIND_DEVICE)
+    pool._attach(0x1000, device, _runtime.hp.KIND_DEVICE)
     pool._mr = mr or FakeMR()
     pool._mrs = (pool._mr,) if small is None else (pool._mr, small)
     resource = pool._mr if small is None else _pools._Resources(pool._mrs)

@@ -21,7 +21,7 @@ from _hotpath_fakes import compiled_hotpath
 from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, InterruptedName
 
 from cupy_poolmem import _hotpath_py as twin
-from cupy_poolmem import _pools, stats
+from cupy_poolmem import _runtime, stats
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
@@ -479,7 +479,7 @@ def test_a_restart_forgets_the_live_list_and_pool_records(hp):
 
 
 def test_the_package_recorder_is_the_hot_paths():
-    assert isinstance(_pools._RECORDER, _pools._hp.Recorder)
+    assert isinstance(_runtime.RECORDER, _runtime.hp.Recorder)
 
 
 @pytest.mark.parametrize("hp", IMPLS)

@@ -383,13 +383,13 @@ def _wait_child(pid: int, timeout: float) -> int:
 def test_a_fork_while_another_thread_holds_the_pools_registry_lock_does_not_hang():
     """The child's fork handler took the pools' registry lock, which the parent's thread
     held at the fork: no thread of the child would ever release it."""
-    from cupy_poolmem import _pools
+    from cupy_poolmem import _runtime
     from cupy_poolmem._sharing import _context  # noqa: F401  (its fork handler runs)
 
     held, done = threading.Event(), threading.Event()
 
     def hold():
-        with _pools._ALL_LOCK:  # the registry lock of this (the parent) process
+        with _runtime.registry_lock():  # the registry lock of this (the parent) process
             held.set()
             done.wait(20.0)
 
@@ -401,7 +401,7 @@ def test_a_fork_while_another_thread_holds_the_pools_registry_lock_does_not_hang
         if pid == 0:  # the fork handlers ran already; the registry is usable here
             code = 1
             try:
-                _pools.all_pools()
+                _runtime.all_pools()
                 code = 0
             finally:
                 os._exit(code)

@@ -19,7 +19,7 @@ import weakref
 import pytest
 from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, InterruptedName, alloc, free, observer
 
-from cupy_poolmem import _pools, stats
+from cupy_poolmem import _runtime, stats
 from cupy_poolmem.stats import LOG_COLUMNS
 
 
@@ -47,32 +47,32 @@ def _lineno() -> int:
 # ------------------------------------------------------------------------------------------
 def test_observer_installed_only_while_needed():
     core = FakeCore()
-    with _pools._ALL_LOCK:
-        _pools._ALL_POOLS.add(core)
+    with _runtime.registry_lock():
+        _runtime.POOLS.add(core)
     try:
         with stats.tag("x"):  # tags alone install nothing
             assert observer() is None
             assert core.observer is None
         with stats.statistics():
-            assert observer() is stats._OBSERVER.recorder is _pools._RECORDER
-            assert core.observer is _pools._RECORDER  # live pools get it
+            assert observer() is stats._OBSERVER.recorder is _runtime.RECORDER
+            assert core.observer is _runtime.RECORDER  # live pools get it
         assert observer() is None and core.observer is None
         assert stats.track(True) is False
-        assert observer() is _pools._RECORDER and stats.is_tracking()
+        assert observer() is _runtime.RECORDER and stats.is_tracking()
         assert stats.track(False) is True
         assert observer() is None and not stats.is_tracking()
     finally:
-        with _pools._ALL_LOCK:
-            _pools._ALL_POOLS.discard(core)
+        with _runtime.registry_lock():
+            _runtime.POOLS.discard(core)
 
 
 def test_log_installs_and_stop_removes(tmp_path):
     path = stats.start_log(tmp_path / "a.csv")
-    assert observer() is _pools._RECORDER and stats.log_path() == path
+    assert observer() is _runtime.RECORDER and stats.log_path() == path
     assert not stats.is_tracking()
     with stats.statistics():
         pass
-    assert observer() is _pools._RECORDER  # still needed by the log
+    assert observer() is _runtime.RECORDER  # still needed by the log
     assert stats.stop_log() == path
     assert observer() is None and stats.log_path() is None
     assert stats.stop_log() is None
@@ -81,9 +81,9 @@ def test_log_installs_and_stop_removes(tmp_path):
 def test_inactive_observer_ignores_calls():
     core = FakeCore()
     b = FakeBlock(core, 0x10, 8)
-    _pools._RECORDER.on_alloc(b)  # a closed pool may keep a stale observer
+    _runtime.RECORDER.on_alloc(b)  # a closed pool may keep a stale observer
     assert b.info is None
-    _pools._RECORDER.on_free(core, 0x10, 8, 0, None)
+    _runtime.RECORDER.on_free(core, 0x10, 8, 0, None)
     with stats.statistics() as st:
         pass
     assert st.n_allocs == 0 and st.n_frees == 0
@@ -421,11 +421,11 @@ def test_log_lines(tmp_path, monkeypatch):
     import weakref
 
     # Only the fake pools count (real pools may be alive when this runs on a GPU machine).
-    monkeypatch.setattr(_pools, "_ALL_POOLS", weakref.WeakSet())
+    monkeypatch.setattr(_runtime, "POOLS", weakref.WeakSet())
     core = FakeCore(device=0, reserved=1 << 20, used=1000)  # 1000 bytes live before the log
     pinned = FakeCore(device=-1, kind=1, reserved=4096)
-    with _pools._ALL_LOCK:
-        _pools._ALL_POOLS.add(core)  # a live pool: its counters seed `used`
+    with _runtime.registry_lock():
+        _runtime.POOLS.add(core)  # a live pool: its counters seed `used`
     try:
         t_start = time.time()
         path = stats.start_log(tmp_path / "sub" / "alloc.csv", track=True)
@@ -441,8 +441,8 @@ def test_log_lines(tmp_path, monkeypatch):
         c = alloc(core, 0x1, 1)  # after stop: not logged
         assert c.info is None
     finally:
-        with _pools._ALL_LOCK:
-            _pools._ALL_POOLS.discard(core)
+        with _runtime.registry_lock():
+            _runtime.POOLS.discard(core)
     rows = _read(path)
     assert [(r["op"], r["pointer"], r["size"]) for r in rows] == [
         ("alloc", "0xabc000", "300"),
@@ -704,7 +704,7 @@ def test_a_writer_falling_behind_is_caught_up_by_the_allocating_thread(tmp_path,
     w._thread.join(30)
     rec = stats._OBSERVER.recorder
     core = FakeCore()
-    n = _pools._hp.LOG_BATCH
+    n = _runtime.hp.LOG_BATCH
     for i in range(n + 10):
         rec.note(core, "alloc", i, 1, 0, "", None)
     assert len(_read(path)) == n  # the full batch, written by this thread
@@ -941,7 +941,7 @@ def test_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(tmp_path, mo
     timer = threading.Timer(1.0, release.set)
     timer.start()
     try:
-        n = _pools._hp.LOG_BATCH
+        n = _runtime.hp.LOG_BATCH
         for i in range(10 * n):
             rec.note(core, "alloc", i, 1, 0, "", None)
         pending = len(rec.take_batches())  # what memory holds now
@@ -958,7 +958,7 @@ def test_backlog_is_dropped_with_a_warning_when_the_writer_stays_stuck(tmp_path,
     monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 2)
     monkeypatch.setattr(stats, "_MAX_WAIT_S", 0.05)
     w, rec, core, release = _writer_stuck_in_a_write(tmp_path / "stuck.csv")
-    n = _pools._hp.LOG_BATCH
+    n = _runtime.hp.LOG_BATCH
     try:
         with pytest.warns(RuntimeWarning, match="records dropped"):
             for i in range(6 * n):
@@ -1006,9 +1006,9 @@ def test_used_is_not_counted_twice_when_observation_starts(tmp_path):
     pool's reserved-bytes query, Python code) is counted once, by the recorder or in
     the baseline, and `used` is right for the rest of the log."""
     a, b = _BusyCore(used=0), FakeCore(used=0)
-    with _pools._ALL_LOCK:
-        _pools._ALL_POOLS.add(a)
-        _pools._ALL_POOLS.add(b)
+    with _runtime.registry_lock():
+        _runtime.POOLS.add(a)
+        _runtime.POOLS.add(b)
     try:
         _BusyCore.other, _BusyCore.kept = b, []
         path = stats.start_log(tmp_path / "u.csv")
@@ -1021,9 +1021,9 @@ def test_used_is_not_counted_twice_when_observation_starts(tmp_path):
         del c
     finally:
         _BusyCore.other, _BusyCore.kept = None, []
-        with _pools._ALL_LOCK:
-            _pools._ALL_POOLS.discard(a)
-            _pools._ALL_POOLS.discard(b)
+        with _runtime.registry_lock():
+            _runtime.POOLS.discard(a)
+            _runtime.POOLS.discard(b)
 
 
 # ------------------------------------------------------------------------------------------

@@ -206,10 +206,10 @@ def test_flush_log_shows_the_lines_of_an_open_log(pool, tmp_path):
 
 
 def test_the_compiled_recorder_is_installed_when_the_hot_path_is(pool):
-    from cupy_poolmem import _pools
+    from cupy_poolmem import _runtime
 
     with stats.statistics():
-        assert pool.observer is _pools._RECORDER
+        assert pool.observer is _runtime.RECORDER
         assert type(pool.observer).__module__ == type(pool).__mro__[-2].__module__
 
 

@@ -12,7 +12,6 @@ import gc
 import logging
 import os
 import threading
-import weakref
 from collections import deque
 from typing import Any
 
@@ -20,7 +19,7 @@ import cuda.core as cc
 import cupy
 from cuda.bindings import driver as _drv
 
-from . import _expandable, _guard, _retire, _streams
+from . import _expandable, _guard, _retire, _runtime, _streams
 from ._device import (
     can_access_peer,
     check_device,
@@ -48,24 +47,15 @@ from ._errors import (
     check_driver,
 )
 from ._poolstats import PoolStats
+from ._runtime import GLOBAL_OBSERVER as _GLOBAL_OBSERVER
+from ._runtime import IPC_POOL_CALLBACKS as _IPC_POOL_CALLBACKS
+from ._runtime import OOM_CALLBACKS as _OOM_CALLBACKS
+from ._runtime import all_pools, hotpath_implementation
+from ._runtime import hp as _hp
+from ._runtime import registry_lock as _registry_lock
 from ._sizes import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
-
-if os.environ.get("CUPY_POOLMEM_PURE_PYTHON"):
-    from . import _hotpath_py as _hp
-else:
-    try:
-        from . import _hotpath as _hp  # type: ignore[no-redef]
-    except (ImportError, TypeError, ValueError) as _exc:  # not built, or other ABIs
-        log.info("hot path: the pure-Python twin (compiled module not loaded: %s)", _exc)
-        from . import _hotpath_py as _hp
-    else:
-        from . import _hotpath_py as _twin
-
-        if getattr(_hp, "VERSION", None) != _twin.VERSION:  # built from an older source
-            log.info("hot path: the pure-Python twin (compiled module built from older source)")
-            _hp = _twin
 
 __all__ = [
     "DevicePool",
@@ -86,77 +76,6 @@ _MAP_ABOVE_MIN = 2 << 20  # large_blocks="mapped": blocks up to this size stay p
 _CUDA_ERROR_OUT_OF_MEMORY = 2
 _CUDA_ERROR_NOT_SUPPORTED = 801
 _A = _drv.CUmemPool_attribute
-
-# Every pool alive in this process (statistics(), logs and sharing walk it).
-_ALL_POOLS: weakref.WeakSet[Pool] = weakref.WeakSet()
-_ALL_LOCK = threading.RLock()  # reentrant: a pool's __del__ may run inside a GC here
-_ALL_LOCK_PID = [os.getpid()]  # the process _ALL_LOCK was made in
-
-
-def _registry_lock() -> threading.RLock:
-    """``_ALL_LOCK``, made anew in a fork child on its first use there: a parent thread
-    may have held it at the fork, and then no thread of the child would ever release
-    it (the fork handlers of every module use the registry, in any order)."""
-    global _ALL_LOCK
-    pid = os.getpid()
-    if _ALL_LOCK_PID[0] != pid:
-        _ALL_LOCK = threading.RLock()
-        _ALL_LOCK_PID[0] = pid
-    return _ALL_LOCK
-
-
-# Callables run before an out-of-memory retry (sharing's limbo collection registers here).
-_OOM_CALLBACKS: list[Any] = []
-# Callables run with each IPC-enabled pool when it is created (sharing registers here).
-_IPC_POOL_CALLBACKS: list[Any] = []
-# Observer (stats/log/tracking) installed on every pool, present and future: None, or
-# the process's one recorder (the hot path's Recorder, which stats.py configures).
-_GLOBAL_OBSERVER: list[Any] = [None]
-_RECORDER = _hp.Recorder()
-
-
-def hotpath_implementation() -> str:
-    """Which hot path the pools use: the compiled one, or its pure-Python twin.
-
-    Returns
-    -------
-    str
-        ``"cython"`` when the compiled hot path is in use, else ``"python"`` (not
-        built, or ``CUPY_POOLMEM_PURE_PYTHON=1``).
-
-    Examples
-    --------
-    >>> cupy_poolmem.hotpath_implementation() in ("cython", "python")
-    True
-    """
-    return _hp.IMPLEMENTATION
-
-
-def all_pools() -> list[Pool]:
-    """The pools alive in this process, oldest first.
-
-    Returns
-    -------
-    list of Pool
-        Every device, pinned and managed pool not yet garbage collected, closed ones
-        included.
-
-    Examples
-    --------
-    >>> isinstance(cupy_poolmem.all_pools(), list)
-    True
-    >>> [p.stats().kind for p in cupy_poolmem.all_pools()]  # doctest: +SKIP
-    ['device', 'pinned']
-    """
-    with _registry_lock():
-        return sorted(_ALL_POOLS, key=lambda p: p._serial)
-
-
-def _set_global_observer(observer: Any) -> None:
-    """Install ``observer`` (or ``None``) on every pool, and on pools created later."""
-    _GLOBAL_OBSERVER[0] = observer
-    for p in all_pools():
-        p.observer = observer
 
 
 def _check_bool(value: Any, name: str) -> bool:
@@ -296,7 +215,7 @@ class Pool(_hp.PoolCore):
                 m.allocation_handle  # noqa: B018
             self._ipc_pools = tuple((int(m.handle), str(m.uuid), m) for m in self._mrs)
         with _registry_lock():
-            _ALL_POOLS.add(self)
+            _runtime.POOLS.add(self)
         if self._ipc_pools:
             from . import _sharing  # noqa: F401  (a pool that can share: sharing is hooked in)
 
@@ -824,7 +743,7 @@ class Pool(_hp.PoolCore):
             if left:
                 _retire.retirer().add_leftovers(self._retire_token, self._retire_device(), left)
         with _registry_lock():
-            _ALL_POOLS.discard(self)
+            _runtime.POOLS.discard(self)
         # Only now may the pool be retired: a last free in another thread while the
         # quarantine was handed over above must not retire it first (its retirer entry
         # would be gone, and the quarantine's blocks with it).

@@ -946,19 +946,20 @@ def _package_dir(name: str) -> str | None:
 
 
 def _pools_module() -> Any:
-    """``cupy_poolmem._pools``, or ``None`` on a base install without CuPy / cuda.core.
+    """``cupy_poolmem._runtime`` (the pools' registry and hooks), or ``None`` on a base
+    install without CuPy / cuda.core.
 
     Imported on first use, so that ``stats`` (and ``report``, which reads its
     ``LOG_COLUMNS``) import without CUDA packages.  Without them no pool can exist,
     so there is nothing to observe: scopes and logs then simply see no allocations.
     """
     try:
-        from . import _pools
+        from . import _runtime
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] in ("cupy", "cupyx", "cupy_backends", "cuda"):
             return None
         raise
-    return _pools
+    return _runtime
 
 
 _DEFAULT_SKIP = ("cupy_poolmem", "cupy", "cupyx", "cupy_backends", "numba", "numba_cuda")
@@ -972,7 +973,7 @@ class _Observer:
         self.tracking = False
         self.depth = 32
         self._rec: Any = None  # the hot path's Recorder, configured on first need
-        self._pools: Any = None  # cupy_poolmem._pools, once observing
+        self._pools: Any = None  # cupy_poolmem._runtime, once observing
         self._scopes: tuple[Statistics, ...] = ()
         self._writer: _LogWriter | None = None
         self._pid = os.getpid()
@@ -988,7 +989,7 @@ class _Observer:
             pools = _pools_module()
             if pools is None:
                 return None
-            rec = pools._RECORDER
+            rec = pools.RECORDER
             rec.configure(_tls, _tag_scopes, self._batch_full, self._warn, _reserved)
             rec.set_sites(self._skip_prefixes(), self.depth)
             self._rec = rec
@@ -1035,7 +1036,7 @@ class _Observer:
         rec.tracking = self.tracking
         rec.start()
         pools = self._pools = _pools_module()
-        pools._GLOBAL_OBSERVER[0] = rec  # pools made from now on: observed from birth
+        pools.GLOBAL_OBSERVER[0] = rec  # pools made from now on: observed from birth
         all_pools = pools.all_pools()
         for p in all_pools:
             # The observer set and the pool's live bytes read in one step: no
@@ -1047,7 +1048,7 @@ class _Observer:
     def _deactivate(self) -> None:
         rec = self._rec
         if rec is not None:
-            self._pools._set_global_observer(None)  # no import: this may run at exit
+            self._pools.set_global_observer(None)  # no import: this may run at exit
             rec.stop()
         self.active = False
 

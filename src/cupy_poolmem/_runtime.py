@@ -1,0 +1,103 @@
+"""The process's runtime registries, at the bottom of the package.
+
+It owns which hot path is loaded, the pools alive in this process (and the lock
+guarding them, made anew in a fork child), and the hooks the upper layers install:
+callbacks before an out-of-memory retry, callbacks for each IPC-enabled pool, and the
+observer every pool reports to.  It imports nothing of the package but the hot path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from typing import Any
+
+log = logging.getLogger("cupy_poolmem._pools")
+
+if os.environ.get("CUPY_POOLMEM_PURE_PYTHON"):
+    from . import _hotpath_py as hp
+else:
+    try:
+        from . import _hotpath as hp  # type: ignore[no-redef]
+    except (ImportError, TypeError, ValueError) as _exc:  # not built, or other ABIs
+        log.info("hot path: the pure-Python twin (compiled module not loaded: %s)", _exc)
+        from . import _hotpath_py as hp
+    else:
+        from . import _hotpath_py as _twin
+
+        if getattr(hp, "VERSION", None) != _twin.VERSION:  # built from an older source
+            log.info("hot path: the pure-Python twin (compiled module built from older source)")
+            hp = _twin
+
+# Every pool alive in this process (statistics(), logs and sharing walk it).
+POOLS: weakref.WeakSet[Any] = weakref.WeakSet()
+_lock = threading.RLock()  # reentrant: a pool's __del__ may run inside a GC here
+_lock_pid = [os.getpid()]  # the process _lock was made in
+
+
+def registry_lock() -> threading.RLock:
+    """The lock of :data:`POOLS`, made anew in a fork child on its first use there: a
+    parent thread may have held it at the fork, and then no thread of the child would
+    ever release it (the fork handlers of every module use the registry, in any order)."""
+    global _lock
+    pid = os.getpid()
+    if _lock_pid[0] != pid:
+        _lock = threading.RLock()
+        _lock_pid[0] = pid
+    return _lock
+
+
+# Callables run before an out-of-memory retry (sharing's limbo collection registers here).
+OOM_CALLBACKS: list[Any] = []
+# Callables run with each IPC-enabled pool when it is created (sharing registers here).
+IPC_POOL_CALLBACKS: list[Any] = []
+# Observer (stats/log/tracking) installed on every pool, present and future: None, or
+# the process's one recorder (the hot path's Recorder, which the statistics configure).
+GLOBAL_OBSERVER: list[Any] = [None]
+RECORDER = hp.Recorder()
+
+
+def hotpath_implementation() -> str:
+    """Which hot path the pools use: the compiled one, or its pure-Python twin.
+
+    Returns
+    -------
+    str
+        ``"cython"`` when the compiled hot path is in use, else ``"python"`` (not
+        built, or ``CUPY_POOLMEM_PURE_PYTHON=1``).
+
+    Examples
+    --------
+    >>> cupy_poolmem.hotpath_implementation() in ("cython", "python")
+    True
+    """
+    return hp.IMPLEMENTATION
+
+
+def all_pools() -> list[Any]:
+    """The pools alive in this process, oldest first.
+
+    Returns
+    -------
+    list of Pool
+        Every device, pinned and managed pool not yet garbage collected, closed ones
+        included.
+
+    Examples
+    --------
+    >>> isinstance(cupy_poolmem.all_pools(), list)
+    True
+    >>> [p.stats().kind for p in cupy_poolmem.all_pools()]  # doctest: +SKIP
+    ['device', 'pinned']
+    """
+    with registry_lock():
+        return sorted(POOLS, key=lambda p: p._serial)
+
+
+def set_global_observer(observer: Any) -> None:
+    """Install ``observer`` (or ``None``) on every pool, and on pools created later."""
+    GLOBAL_OBSERVER[0] = observer
+    for p in all_pools():
+        p.observer = observer
