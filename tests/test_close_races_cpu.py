@@ -2,7 +2,7 @@
 closes a pool mid-free, a peer change while the pool retires, an interrupted close.
 What a review (review 5, B1-B7) broke at 232baca, each fixed since.
 
-CPU only, against fakes (tests/_hotpath_fakes, the ``fake_retirer`` fixture).  Where a
+CPU only, against fakes (tests/fakes/hotpath, the ``fake_retirer`` fixture).  Where a
 thread switch or a garbage collection matters it is forced at the exact point (a hook
 that runs the other thread's step to its end, or a ``gc.callbacks`` entry with the
 collection threshold at 1); each docstring says where.
@@ -16,7 +16,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
-from _hotpath_fakes import bare_core, compiled_hotpath
+from fakes.hotpath import bare_core, compiled_hotpath
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _hotpath_py as twin
@@ -191,7 +191,7 @@ class _MR(SimpleNamespace):
 def two_gpus(monkeypatch, fake_retirer):
     """DevicePool on a fake GPU 0 of two (as in test_recycle_cpu.py): each CUDA pool's
     peer grants in ``out.grants`` (handle -> peers), set through ``_set_peers``."""
-    from _hotpath_fakes import fake_device_pools
+    from fakes.hotpath import fake_device_pools
 
     handles = itertools.count(0x100)
     out = SimpleNamespace(mrs=[], grants={}, log=[], retirer=fake_retirer)

@@ -10,8 +10,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from _event_fakes import use_driver
-from _hotpath_fakes import bare_core, compiled_hotpath, recorded_device_pools
+from fakes.events import use_driver
+from fakes.hotpath import bare_core, compiled_hotpath, recorded_device_pools
 from test_mapped_cpu import VmmDriver
 
 import cupy_poolmem as cpm

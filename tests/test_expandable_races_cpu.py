@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from _hotpath_fakes import compiled_hotpath
+from fakes.hotpath import compiled_hotpath
 from test_expandable_cpu import SPAN, _expandable_twin, drv, made, world  # noqa: F401  (fixtures)
 
 from cupy_poolmem import _arena_py, _expandable, _pools

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from _event_fakes import FakeEvents, use_driver
-from _hotpath_fakes import compiled_hotpath, recorded_device_pools
-from _waits import wait_for
 from cuda.bindings import driver as real
+from fakes.events import FakeEvents, use_driver
+from fakes.hotpath import compiled_hotpath, recorded_device_pools
+from support.waits import wait_for
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _device, _managed_alloc, _mapped, _pools

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import cupy
 import pytest
-from _event_fakes import use_driver
+from fakes.events import use_driver
 from test_mapped_cpu import (  # noqa: F401  (fixtures: drv, made, world)
     OOM,
     MiB,

@@ -25,7 +25,7 @@ pytestmark = [
 
 cupy = pytest.importorskip("cupy")
 
-import _peer_workers as W  # noqa: E402
+from support import peer_workers as W  # noqa: E402
 
 TIMEOUT = 120
 N = 1 << 20

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 cupyx = pytest.importorskip("cupyx")
 
-from _waits import fd_kinds, grown, wait_for  # noqa: E402
+from support.waits import fd_kinds, grown, wait_for  # noqa: E402
 
 SIZES = [0, 1, 7, 256, 4096, (1 << 20) + 3, 64 << 20]
 
