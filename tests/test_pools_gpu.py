@@ -16,24 +16,9 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 cupyx = pytest.importorskip("cupyx")
 
-from support.waits import fd_kinds, grown, wait_for  # noqa: E402
+from support.waits import fd_kinds, grown, spin, wait_for  # noqa: E402
 
 SIZES = [0, 1, 7, 256, 4096, (1 << 20) + 3, 64 << 20]
-
-_SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-}
-"""
-
-
-def spin(ms: float = 50.0, stream=None):
-    """Keep ``stream`` busy for about ``ms`` milliseconds (a long-running kernel)."""
-    k = cupy.RawKernel(_SPIN, "spin")
-    rate = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)  # kHz
-    with stream or cupy.cuda.get_current_stream():
-        k((1,), (1,), (np.int64(int(ms * rate)),))
 
 
 @pytest.fixture

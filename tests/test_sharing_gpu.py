@@ -210,7 +210,7 @@ def test_consumer_sees_writes_enqueued_before_put_without_sync():
     p.start()
     time.sleep(3)  # let the child start CUDA first
     try:
-        from test_pools_gpu import spin
+        from support.waits import spin
 
         s = cupy.cuda.Stream(non_blocking=True)
         with s:
