@@ -1,4 +1,4 @@
-# ruff: noqa: F811  (the fixtures are test_expandable_cpu's, imported)
+# ruff: noqa: F811  (the fixtures are tests/fakes/expandable.py's, imported)
 """``DevicePool(large_blocks="expandable")`` under races on a CPU: other threads' hot
 paths between two steps of the ranges' slow paths, per-thread default streams, a
 capture under way during a trim, a collection inside the twin arena (the review's
@@ -9,8 +9,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from fakes.expandable import SPAN, _expandable_twin, drv, made, world  # noqa: F401  (fixtures)
 from fakes.hotpath import compiled_hotpath
-from test_expandable_cpu import SPAN, _expandable_twin, drv, made, world  # noqa: F401  (fixtures)
 
 from cupy_poolmem import _arena_py, _expandable, _pools
 

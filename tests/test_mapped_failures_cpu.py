@@ -1,7 +1,7 @@
-# ruff: noqa: F811  (the fixtures drv, made and world come from test_mapped_cpu)
+# ruff: noqa: F811  (the fixtures drv, made and world come from tests/fakes/mapped.py)
 """Mapped blocks and the block cache under failures, other contexts, captures and
 threads: what a review (review 5, A1-A9) broke at 232baca, each fixed since.  CPU only:
-the driver is played by the fakes of tests/test_mapped_cpu.py.  Docstrings describe
+the driver is played by the fakes of tests/fakes/vmm.py and tests/fakes/mapped.py.  Docstrings describe
 the fault each test guards against.
 """
 
@@ -13,17 +13,14 @@ from types import SimpleNamespace
 import cupy
 import pytest
 from fakes.events import use_driver
-from test_mapped_cpu import (  # noqa: F401  (fixtures: drv, made, world)
-    OOM,
-    MiB,
-    ReusingVA,
-    VmmDriver,
+from fakes.mapped import (  # noqa: F401  (fixtures: drv, made, world)
     _mapped_twin,
     a_view_of_a_mapped_block,
     drv,
     made,
     world,
 )
+from fakes.vmm import OOM, MiB, ReusingVA, VmmDriver
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _block_cache, _device, _mapped, _pools
