@@ -189,7 +189,7 @@ class _MR(SimpleNamespace):
 
 @pytest.fixture
 def two_gpus(monkeypatch, fake_retirer):
-    """DevicePool on a fake GPU 0 of two (as in test_recycle_cpu.py): each CUDA pool's
+    """DevicePool on a fake GPU 0 of two (as in test_cuda_pools_of_drained_pools_reused_cpu.py): each CUDA pool's
     peer grants in ``out.grants`` (handle -> peers), set through ``_set_peers``."""
     from fakes.hotpath import fake_device_pools
 
