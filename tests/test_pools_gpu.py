@@ -742,15 +742,16 @@ def test_set_allocator_dispatches_per_device():
     before = cupy.cuda.get_allocator()
     try:
         alloc = cpm.set_allocator()
+        n = cpm.device_count()  # every GPU, however many
         arrays = []
-        for d in range(2):
+        for d in range(n):
             with cupy.cuda.Device(d):
                 arrays.append(cupy.full(1 << 20, d + 1, dtype=cupy.int32))
-        assert arrays[0].device.id == 0 and arrays[1].device.id == 1
+        assert [a.device.id for a in arrays] == list(range(n))
         pools = alloc.pools()
-        assert set(pools) == {0, 1} and pools[0] is not pools[1]
-        assert pools[1].stats().n_allocs >= 1
-        for d in range(2):
+        assert set(pools) == set(range(n)) and len({id(p) for p in pools.values()}) == n
+        assert all(pools[d].stats().n_allocs >= 1 for d in range(1, n))
+        for d in range(n):
             with cupy.cuda.Device(d):
                 assert int(arrays[d].sum()) == (d + 1) << 20
     finally:

@@ -401,7 +401,9 @@ def test_different_visible_device_order_matches_by_uuid():
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
     old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = "1,0"
+    # This process's GPUs 1 and 0, in that order, whichever GPUs it sees.
+    seen = old.split(",") if old else ["0", "1"]
+    os.environ["CUDA_VISIBLE_DEVICES"] = f"{seen[1]},{seen[0]}"
     try:
         p = ctx.Process(target=W.visible_devices_reader, args=(q_in, q_out))
         p.start()
