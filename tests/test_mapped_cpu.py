@@ -360,7 +360,7 @@ def test_twin_and_compiled_agree_on_the_backend_interface():
         assert "_attach_backend" in dir(hp.PoolCore) and "backend_min" in dir(hp.PoolCore)
 
 
-# -- what a review found --------------------------------------------------------------
+# -- reused addresses, failing calls, peers, trims and statistics ---------------------
 def test_a_block_made_at_the_address_of_one_being_unmapped_keeps_its_bookkeeping(monkeypatch):
     d = use_driver(monkeypatch, ReusingVA())
     b = _mapped.MappedBlocks(0, driver=d)
@@ -572,7 +572,7 @@ def test_peer_access_stays_as_it_was_when_the_mapped_blocks_refuse(made, monkeyp
     assert p.peer_access == (1,) and p._backend.has_access(va, 1)
 
 
-# -- review: peer access under concurrency and failure -----------------------------
+# -- peer access under concurrency and failure -------------------------------------
 _INVALID = real.CUresult.CUDA_ERROR_INVALID_VALUE
 
 
