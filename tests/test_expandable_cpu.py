@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from fakes.expandable import (  # noqa: F401  (fixtures: drv, made, world)
     SPAN,
-    _expandable_twin,
     drv,
+    expandable_twin,
     made,
     world,
 )
@@ -279,7 +279,7 @@ def test_random_blocks_never_overlap(ranges):
 
 # -- the hot paths ------------------------------------------------------------------
 def test_twin_blocks_come_from_the_arenas_without_the_backend_once_mapped(world, drv):
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     x = p.malloc(5 * MiB)
     assert b.slow == [("alloc", 5 * MiB, 0x5000)]  # the first: the ranges are made
     y, z = p.malloc(1000), p.malloc(7 * MiB)
@@ -298,7 +298,7 @@ def test_twin_blocks_come_from_the_arenas_without_the_backend_once_mapped(world,
 def test_twin_each_stream_takes_from_its_own_arenas(world, drv):
     import cupy
 
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     x = p.malloc(4 * MiB)
     xp = x.ptr
     del x
@@ -313,7 +313,7 @@ def test_twin_each_stream_takes_from_its_own_arenas(world, drv):
 def test_twin_the_per_thread_default_stream_is_another_stream_in_each_thread(world, drv):
     import cupy
 
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     world.current = cupy.cuda.ExternalStream(2, 0)
     x = p.malloc(4 * MiB)
     xp = x.ptr
@@ -328,7 +328,7 @@ def test_twin_the_per_thread_default_stream_is_another_stream_in_each_thread(wor
 
 
 def test_twin_a_trim_unmaps_the_free_tops_and_the_next_allocation_maps_again(world, drv):
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     x = p.malloc(30 * MiB)
     del x
     assert p.trim() == 30 * MiB and b.arenas == {} and drv.mapped == {}
@@ -338,7 +338,7 @@ def test_twin_a_trim_unmaps_the_free_tops_and_the_next_allocation_maps_again(wor
 
 
 def test_twin_a_slow_path_free_goes_to_the_ranges(world, drv):
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     x = p.malloc(4 * MiB)
     ptr = x.ptr
     p._free_now(ptr, 0x5000)  # as a free held for a capture would be done

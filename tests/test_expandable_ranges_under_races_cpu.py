@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from fakes.expandable import SPAN, _expandable_twin, drv, made, world  # noqa: F401  (fixtures)
+from fakes.expandable import SPAN, drv, expandable_twin, made, world  # noqa: F401  (fixtures)
 from fakes.hotpath import compiled_hotpath
 
 from cupy_poolmem import _arena_py, _expandable, _pools
@@ -56,7 +56,7 @@ def test_per_thread_default_stream_block_goes_to_another_thread_at_once(drv, are
 def test_twin_pool_per_thread_default_stream(world, drv):  # noqa: F811
     import cupy
 
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     world.current = cupy.cuda.ExternalStream(2, 0)  # cupy.cuda.Stream.ptds's handle
     got = {}
 
@@ -170,7 +170,7 @@ def test_alloc_reports_oom_when_another_thread_takes_the_room_it_just_mapped(drv
 #    one too: CUDA forbids querying a capturing stream (or the legacy stream while a
 #    blocking stream captures) and invalidates the capture.
 def test_trim_during_capture_queries_the_capturing_stream(world, drv):  # noqa: F811
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     x = p.malloc(30 * MiB)  # made before the capture, on the stream that will capture
     del x
     queried = []

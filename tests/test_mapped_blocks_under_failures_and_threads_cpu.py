@@ -14,10 +14,10 @@ import cupy
 import pytest
 from fakes.events import use_driver
 from fakes.mapped import (  # noqa: F401  (fixtures: drv, made, world)
-    _mapped_twin,
     a_view_of_a_mapped_block,
     drv,
     made,
+    mapped_twin,
     world,
 )
 from fakes.vmm import OOM, MiB, ReusingVA, VmmDriver
@@ -131,7 +131,7 @@ def test_a_mapped_block_freed_on_the_legacy_stream_during_a_capture_is_not_lost(
     list but ``_sizes``: never reused, never unmapped, ``reserved`` forever.  CuPy's
     default current stream is the legacy null stream (handle 0)."""
     d = use_driver(monkeypatch, CapturingVmm())
-    p, _ = _mapped_twin(world)
+    p, _ = mapped_twin(world)
     b = _mapped.MappedBlocks(0, driver=d)
     p._backend = b
     p._attach_backend(b, 8 * MiB + 1, b._sizes)

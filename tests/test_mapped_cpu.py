@@ -16,10 +16,10 @@ from fakes.events import use_driver
 from fakes.hotpath import compiled_hotpath
 from fakes.mapped import (  # noqa: F401  (fixtures: drv, made, world)
     FakeBackend,
-    _mapped_twin,
     a_view_of_a_mapped_block,
     drv,
     made,
+    mapped_twin,
     world,
 )
 from fakes.vmm import OOM, MiB, ReusingVA, VmmDriver
@@ -183,7 +183,7 @@ def test_a_leftover_is_freed_on_the_legacy_stream_and_given_back_at_close(drv):
 
 # -- the hot paths: which blocks the backend serves -----------------------------------
 def test_twin_blocks_above_the_threshold_come_from_the_backend_and_go_back_to_it(world):
-    p, be = _mapped_twin(world)
+    p, be = mapped_twin(world)
     small, large = p.malloc(8 * MiB), p.malloc(8 * MiB + 1)
     assert world.alloc_pools == [0xABC]  # only the small one from the CUDA pool
     assert be.log == [("alloc", large.ptr, 8 * MiB + 1, 0x5000)]
@@ -196,14 +196,14 @@ def test_twin_blocks_above_the_threshold_come_from_the_backend_and_go_back_to_it
 
 
 def test_twin_large_blocks_skip_the_reuse_cache(world):
-    p, be = _mapped_twin(world, reuse_cache=1 << 30)
+    p, be = mapped_twin(world, reuse_cache=1 << 30)
     m = p.malloc(16 * MiB)
     del m
     assert p.cached_bytes == 0 and be.log[-1][0] == "free"  # the backend's cache decides
 
 
 def test_twin_a_capture_takes_large_blocks_from_the_cuda_pool(world):
-    p, be = _mapped_twin(world)
+    p, be = mapped_twin(world)
     world.status[0x5000] = (1, 7)  # capturing
     m = p.malloc(32 * MiB)
     assert be.log == [] and world.log[-1][0] == "pool_alloc"  # graph memory
@@ -213,7 +213,7 @@ def test_twin_a_capture_takes_large_blocks_from_the_cuda_pool(world):
 
 
 def test_twin_a_large_free_on_a_capturing_stream_waits_for_the_capture(world):
-    p, be = _mapped_twin(world)
+    p, be = mapped_twin(world)
     m = p.malloc(32 * MiB)
     ptr = m.ptr
     world.status[0x5000] = (1, 7)

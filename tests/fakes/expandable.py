@@ -64,7 +64,7 @@ def world(fake_retirer, twin_world, drv):
     return twin_world
 
 
-def _expandable_twin(world, drv):
+def expandable_twin(world, drv):
     p = world.pool(reuse_cache=1 << 30)
     b = Ranges(0, span=SPAN, arena=twin.ARENA, driver=drv)
     b.slow = []

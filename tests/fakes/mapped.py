@@ -47,7 +47,7 @@ def world(fake_retirer, twin_world):
     return twin_world
 
 
-def _mapped_twin(world, reuse_cache=0):
+def mapped_twin(world, reuse_cache=0):
     p = world.pool(reuse_cache=reuse_cache)
     be = FakeBackend()
     p._backend = be
