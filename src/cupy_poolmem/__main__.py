@@ -153,16 +153,16 @@ def _bench(args: argparse.Namespace) -> int:
 
 # -- report ------------------------------------------------------------------------------
 def _report(args: argparse.Namespace) -> int:
-    from . import report
+    from .report import cli as report_cli
 
-    return report.run(args)
+    return report_cli.run(args)
 
 
 # -- parser ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m cupy_poolmem`` parser with its four subcommands."""
-    from . import report
     from .benchmarks import BENCHMARKS, DEFAULT
+    from .report import cli as report_cli
 
     parser = Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"cupy_poolmem {__version__}")
@@ -233,10 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "report",
         help="summarise and plot allocation logs (no GPU needed)",
-        description=report.DESCRIPTION,
-        epilog=report.EPILOG,
+        description=report_cli.DESCRIPTION,
+        epilog=report_cli.EPILOG,
     )
-    report.add_arguments(p)
+    report_cli.add_arguments(p)
     p.set_defaults(func=_report)
     return parser
 

@@ -51,7 +51,7 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 def fail(prog: str, message: str, code: int = 2) -> int:
     """Print ``PROG: error: MESSAGE`` on stderr (one line) and return ``code``."""
-    from ._report_read import printable
+    from .report.read import printable
 
     text = printable(" ".join(str(message).split()))  # no escape sequences
     print(f"{prog}: error: {text}", file=sys.stderr)

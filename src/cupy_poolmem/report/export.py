@@ -35,8 +35,8 @@ import time as _time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ._errors import InvalidOptionError
-from ._report_read import LogEvent, _tag_key
+from .._errors import InvalidOptionError
+from .read import LogEvent, _tag_key
 
 __all__ = ["EXPORT_FORMATS", "check_export", "export", "torch_snapshots", "rmm_rows"]
 
