@@ -16,6 +16,7 @@ MODULES = {
     "cupy_poolmem._device": 1,
     "cupy_poolmem._retire": 10,
     "cupy_poolmem._block_cache": 6,
+    "cupy_poolmem._cli": 2,
     "cupy_poolmem.report.read": 4,
     "cupy_poolmem.report.summary": 20,
     "cupy_poolmem.report.plot": 5,

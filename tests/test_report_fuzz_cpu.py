@@ -43,7 +43,7 @@ def _check_reads(data: bytes) -> None:
         f.write(data)
     try:
         loaded = report.load(path)
-        s = summary._summarize(loaded, 5, None)
+        s = summary.summarize_loaded(loaded, 5, None)
     except PoolmemError:
         return
     text = json.dumps(s.to_dict(), allow_nan=False)  # ValueError on a non-finite float

@@ -8,10 +8,12 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .._cli import Parser, describe_os_error, fail, guard_pipe, int_at_least, printable
 from .._errors import InvalidOptionError, LogFormatError, MissingDependencyError
-from .plot import PLOT_FORMATS, _plot, plot_format
-from .read import load, printable
-from .summary import _summarize
+from .export import check_export, export
+from .plot import PLOT_FORMATS, plot_format, plot_loaded
+from .read import load
+from .summary import summarize_loaded
 
 PROG = "python -m cupy_poolmem report"
 DESCRIPTION = """\
@@ -39,8 +41,6 @@ was closed early (| head) or could not be written (a full disk), 2 bad input
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The ``report`` options, added to ``ap`` (the CLI's subcommand parser uses it)."""
-    from .._cli import int_at_least
-
     ap.add_argument(
         "logs",
         nargs="+",
@@ -85,9 +85,6 @@ def run(args: argparse.Namespace) -> int:
     The plot and the export are written before the summary is printed, so a reader
     that stops early (``| head``) does not stop them.
     """
-    from .._cli import describe_os_error, fail
-    from .export import check_export, export
-
     to = getattr(args, "to", None)
     try:
         if args.plot:
@@ -100,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
                 raise InvalidOptionError(
                     f"{option} {out}: that file is a log being read; write to another file"
                 )
-        summ = _summarize(loaded, args.top, args.tag_depth)
+        summ = summarize_loaded(loaded, args.top, args.tag_depth)
     except OSError as exc:
         return fail(PROG, describe_os_error(exc))
     except (LogFormatError, InvalidOptionError) as exc:
@@ -117,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     done: list[str] = []
     if args.plot:
         try:
-            out = _plot(loaded, args.plot, tag_depth=args.tag_depth, summ=summ)
+            out = plot_loaded(loaded, args.plot, tag_depth=args.tag_depth, summ=summ)
             done.append(f"plot written to {printable(out)}")
         except MissingDependencyError as exc:
             errors.append((f"cannot plot: {exc}", 1))
@@ -169,8 +166,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     >>> main(["alloc-101.csv", "alloc-102.csv", "--plot", "usage.png"])  # doctest: +SKIP
     0
     """
-    from .._cli import Parser, guard_pipe
-
     ap = Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG)
     add_arguments(ap)
     args = ap.parse_args(list(argv) if argv is not None else None)

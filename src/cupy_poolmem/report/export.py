@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .._errors import InvalidOptionError
-from .read import LogEvent, _tag_key
+from .read import LogEvent, tag_key
 
 __all__ = ["EXPORT_FORMATS", "check_export", "export", "torch_snapshots", "rmm_rows"]
 
@@ -213,7 +213,7 @@ def export(
     ext = os.path.splitext(path)[1]
     events: Iterable[LogEvent] = loaded.events()
     if tag_depth is not None:
-        events = (e._replace(tag=_tag_key(e.tag, tag_depth)) for e in events)
+        events = (e._replace(tag=tag_key(e.tag, tag_depth)) for e in events)
     if fmt == "torch-snapshot":
         _frames.cache_clear()
         snaps = torch_snapshots(events)

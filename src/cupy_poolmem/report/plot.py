@@ -16,10 +16,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._cli import printable
 from .._errors import InvalidOptionError, LogFormatError, MissingDependencyError
 from ..stats import LOG_COLUMNS  # noqa: F401  (the examples write logs with it)
-from .read import LogEvent, _Loaded, _tag_key, load, printable
-from .summary import BEFORE_LOG, UNTAGGED, Summary, _check_tag_depth, _summarize
+from .read import Loaded, LogEvent, load, tag_key
+from .summary import BEFORE_LOG, UNTAGGED, Summary, check_tag_depth, summarize_loaded
 
 #: File suffixes :func:`plot` writes, and the format each one gets.
 PLOT_FORMATS: dict[str, str] = {
@@ -99,7 +100,7 @@ def sample_series(
                 prev = live.pop(lkey, None)
                 if prev is not None:  # its free was not logged
                     _drop(st, prev)
-                band = tag_index.get(_tag_key(e.tag, tag_depth), -1)
+                band = tag_index.get(tag_key(e.tag, tag_depth), -1)
                 live[lkey] = (e.size, band)
                 st.matched += e.size
                 if band >= 0:
@@ -269,8 +270,8 @@ def plot(
     '<?xml'
     """
     plot_format(out)
-    _check_tag_depth(tag_depth)
-    return _plot(
+    check_tag_depth(tag_depth)
+    return plot_loaded(
         load(paths),
         out,
         tag_depth=tag_depth,
@@ -281,8 +282,8 @@ def plot(
     )
 
 
-def _plot(
-    loaded: _Loaded,
+def plot_loaded(
+    loaded: Loaded,
     out_path: str | os.PathLike,
     *,
     tag_depth: int | None = None,
@@ -302,7 +303,7 @@ def _plot(
         )
     import numpy as np
 
-    summ = summ if summ is not None else _summarize(loaded, 0, tag_depth)
+    summ = summ if summ is not None else summarize_loaded(loaded, 0, tag_depth)
     if not summ.n_events or not summ.series:
         raise LogFormatError(", ".join(loaded.files), "no events to plot")
     t0, t_end = summ.start_time, summ.end_time

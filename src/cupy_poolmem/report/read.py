@@ -10,7 +10,6 @@ What this module owns:
 * the rows, parsed and checked one at a time (:func:`iter_events`), so memory does not
   grow with the file.  A row with an invalid value is skipped and counted in a
   :class:`BadRows`, which keeps the first reason;
-* :func:`printable`, which makes a string from a log safe to print on a terminal.
 """
 
 from __future__ import annotations
@@ -31,10 +30,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, NamedTuple
 
+from .._cli import printable
 from .._errors import InvalidOptionError, LogFormatError
 from ..stats import LOG_COLUMNS
 
-__all__ = ["LogEvent", "BadRows", "LogSource", "expand", "iter_events", "printable"]
+__all__ = ["LogEvent", "BadRows", "LogSource", "expand", "iter_events"]
 
 _BOM = b"\xef\xbb\xbf"
 _MAX_U64 = 2**64 - 1
@@ -121,26 +121,7 @@ class LogSource:
     _keep: Any = field(default=None, repr=False)  # the spooled copy of stdin
 
 
-def printable(s: str) -> str:
-    """``s`` with every character a terminal would act on written as an escape.
-
-    Control characters (escape sequences, carriage returns, bells), format characters
-    (bidirectional overrides) and undecodable bytes become ``\\x1b``, ``\\u202e``...;
-    everything else is kept.
-
-    Examples
-    --------
-    >>> printable("step\\x1b[2J")
-    'step\\\\x1b[2J'
-    >>> printable("modèle/attention")
-    'modèle/attention'
-    """
-    if s.isprintable():
-        return s
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in s)
-
-
-def _tag_key(tag: str, depth: int | None) -> str:
+def tag_key(tag: str, depth: int | None) -> str:
     """``tag`` cut to its first ``depth`` components (``None``: whole)."""
     if depth is not None and tag:
         tag = "/".join(tag.split("/")[:depth])
@@ -501,7 +482,7 @@ _MERGE_ROWS = 1 << 16
 
 
 @dataclass
-class _Loaded:
+class Loaded:
     """The logs to read, and what reading them found wrong.  :meth:`events` reads them
     again at each call, one row at a time."""
 
@@ -525,7 +506,7 @@ class _Loaded:
         return heapq.merge(*its, key=lambda e: e.time) if len(its) > 1 else its[0]
 
 
-def load(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> _Loaded:
+def load(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Loaded:
     """The logs ``paths`` name (files, directories of ``*.csv``, globs, ``-``), checked.
 
     Each file's header is checked now; its rows are read, merged by time, each time
@@ -559,4 +540,4 @@ def load(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> _Loaded:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     sources, skipped = expand(paths)
-    return _Loaded([s.name for s in sources], sources, skipped)
+    return Loaded([s.name for s in sources], sources, skipped)

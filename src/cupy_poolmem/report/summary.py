@@ -7,10 +7,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .._cli import printable
 from .._errors import InvalidOptionError, OptionTypeError
 from .._sizes import format_bytes
 from ..stats import LOG_COLUMNS  # noqa: F401  (the examples write logs with it)
-from .read import _Loaded, _tag_key, load, printable
+from .read import Loaded, load, tag_key
 
 UNTAGGED = "(untagged)"
 BEFORE_LOG = "(allocated before the log)"
@@ -439,7 +440,7 @@ class Summary:
         return "\n".join(out)
 
 
-def _summarize(loaded: _Loaded, top: int, tag_depth: int | None) -> Summary:
+def summarize_loaded(loaded: Loaded, top: int, tag_depth: int | None) -> Summary:
     summ = Summary(files=list(loaded.files))
     summ.skipped_files = [f"{name}: {why}" for name, why in loaded.skipped]
     t0: float | None = None
@@ -473,7 +474,7 @@ def _summarize(loaded: _Loaded, top: int, tag_depth: int | None) -> Summary:
         if e.op == "alloc":
             summ.n_allocs += 1
             s.n_allocs += 1
-            tg = _tag_key(e.tag, tag_depth)
+            tg = tag_key(e.tag, tag_depth)
             ts = tags.get(tg)
             if ts is None:
                 ts = tags[tg] = TagSummary(tg)
@@ -588,8 +589,8 @@ def summarize(
     cupy_poolmem allocation log: 1 file(s), 3 events, 1 process(es), 1.000 s
     """
     _check_top(top)
-    _check_tag_depth(tag_depth)
-    return _summarize(load(paths), top, tag_depth)
+    check_tag_depth(tag_depth)
+    return summarize_loaded(load(paths), top, tag_depth)
 
 
 def _check_top(top: Any) -> int:
@@ -600,7 +601,7 @@ def _check_top(top: Any) -> int:
     return top
 
 
-def _check_tag_depth(depth: Any) -> int | None:
+def check_tag_depth(depth: Any) -> int | None:
     if depth is None:
         return None
     if isinstance(depth, bool) or not isinstance(depth, int):
