@@ -10,7 +10,10 @@ import types
 import weakref
 from typing import Any, NamedTuple
 
-from .checks import _extent
+import cupy_poolmem
+
+from ..._errors import SharingError
+from .checks import extent
 from .results import ZERO_AFTER_ROUND
 
 # -- what the run runs on ------------------------------------------------------------------------
@@ -42,8 +45,6 @@ class GPU:
 
     def __init__(self) -> None:
         import cupy
-
-        import cupy_poolmem
 
         self.cupy, self.cpm = cupy, cupy_poolmem
 
@@ -141,13 +142,11 @@ def fake_rebuild(d: FakeDescriptor) -> FakeArray:
     within its block, as the sharing protocol promises; else a copy of the block."""
     import numpy as np
 
-    from cupy_poolmem import SharingError
-
     try:
         dt = np.dtype(d.dtype)
     except TypeError:
         raise SharingError(f"dtype {d.dtype!r}") from None
-    lo, hi = _extent(d.shape, d.strides, dt.itemsize, d.offset)
+    lo, hi = extent(d.shape, d.strides, dt.itemsize, d.offset)
     if d.version != 1 or dt.hasobject or d.size != 8 * d.n or lo < 0 or hi > d.size:
         raise SharingError("a fake descriptor that does not fit its block")
     block = bytearray(np.arange(d.base, d.base + d.n, dtype=np.int64).tobytes())

@@ -23,7 +23,7 @@ class Forged(NamedTuple):
     field: str
 
 
-def _extent(shape: tuple, strides: tuple, itemsize: int, offset: int) -> tuple[int, int]:
+def extent(shape: tuple, strides: tuple, itemsize: int, offset: int) -> tuple[int, int]:
     """The byte range ``[lo, hi)`` a view reads (``lo == hi`` for an empty one)."""
     if 0 in shape:
         return offset, offset
@@ -42,7 +42,7 @@ def outside(
 ) -> str:
     """Why an array received for a forged message reaches outside the block the original
     message named ("" when it does not): checked before a byte of it is read."""
-    lo, hi = _extent(shape, strides, itemsize, offset)
+    lo, hi = extent(shape, strides, itemsize, offset)
     if lo < hi and (lo < 0 or hi > expect.size):
         return (
             f"forged {expect.field}: an array over bytes [{lo}, {hi}) of a {expect.size}-byte "
@@ -83,7 +83,7 @@ def verify(
     why = outside(host.shape, strides, host.dtype.itemsize, offset, mem_size, expect)
     if why:
         return "wrong", why
-    lo, hi = _extent(host.shape, strides, host.dtype.itemsize, offset)
+    lo, hi = extent(host.shape, strides, host.dtype.itemsize, offset)
     if lo == hi:
         return "ok", ""
     if lo < expect.offset or hi > expect.offset + 8 * expect.n:

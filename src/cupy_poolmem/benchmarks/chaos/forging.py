@@ -9,7 +9,7 @@ from typing import Any
 
 
 # -- forging and peeking at pickled messages ---------------------------------------------------------
-class _Call:
+class Call:
     """A pickled call ``func(*args)`` kept as it is (what a message's bytes unpickle to)."""
 
     def __init__(self, func: Any, args: tuple) -> None:
@@ -26,21 +26,21 @@ class _Peeker(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         obj = super().find_class(module, name)
         if module.split(".")[0] == "cupy_poolmem" and isinstance(obj, types.FunctionType):
-            return lambda *args: _Call(obj, args)
+            return lambda *args: Call(obj, args)
         return obj
 
 
-def peek(data: bytes) -> _Call:
+def peek(data: bytes) -> Call:
     """The rebuild call a message's bytes hold (its descriptor is ``call.args[0]``)."""
     import io
 
     call = _Peeker(io.BytesIO(data)).load()
-    if not isinstance(call, _Call):
+    if not isinstance(call, Call):
         raise TypeError(f"not a zero-copy message: unpickles to {type(call).__name__}")
     return call
 
 
-def repickle(call: _Call) -> bytes:
+def repickle(call: Call) -> bytes:
     """The bytes of a message that runs ``call`` when unpickled."""
     from multiprocessing.reduction import ForkingPickler
 

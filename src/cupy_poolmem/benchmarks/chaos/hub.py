@@ -15,10 +15,10 @@ from typing import Any, NamedTuple
 
 from .backends import WRITER_SPIN_MS
 from .checks import Forged, Plain
-from .forging import _Call, forge, peek, repickle
+from .forging import Call, forge, peek, repickle
 from .results import Counters, Result, fd_targets, holding, leaks, open_fds
 from .scenario import HUB, SIZES, Event, Plan, pattern_base
-from .worker import _check, _classify_exc
+from .worker import check_received, classify_exc, worker_main
 
 # -- the hub ---------------------------------------------------------------------------------------
 HUB_SETTINGS = {"exit_timeout": 1.0, "inflight_timeout": 1.0, "claim_timeout": 5.0}
@@ -36,12 +36,10 @@ class Worker:
     """The hub's end of one worker process: its pipe and process handle."""
 
     def __init__(self, ctx: Any, wid: int, backend: str) -> None:
-        from cupy_poolmem.benchmarks.chaos.worker import worker_main as target  # importable by name
-
         parent, child = ctx.Pipe()
         self.wid = wid
         self.proc = ctx.Process(
-            target=target, args=(child, wid, backend), name=f"chaos-{wid}", daemon=True
+            target=worker_main, args=(child, wid, backend), name=f"chaos-{wid}", daemon=True
         )
         self.proc.start()
         child.close()
@@ -293,7 +291,7 @@ class Hub:
         try:
             ok = w.send(("take", mid, expect, arr, action))
         except Exception as exc:
-            self.outcome(*_classify_exc(exc))
+            self.outcome(*classify_exc(exc))
             return mid
         if ok:
             w.takes[w.sent] = mid
@@ -308,9 +306,9 @@ class Hub:
         try:
             arr = ForkingPickler.loads(data)
         except Exception as exc:
-            self.outcome(*_classify_exc(exc))
+            self.outcome(*classify_exc(exc))
             return
-        o, d = _check(self.be, arr, expect)
+        o, d = check_received(self.be, arr, expect)
         self.outcome(o, "the hub: " + d)
         del arr
 
@@ -530,7 +528,7 @@ class Hub:
             desc.size,
             e.detail,
         )
-        self.send_load(w, repickle(_Call(call.func, (forged, *call.args[1:]))), expect, "drop")
+        self.send_load(w, repickle(Call(call.func, (forged, *call.args[1:]))), expect, "drop")
         if genuine is not None:  # then the message itself (its ticket claimed, not expired)
             self.send_load(w, genuine, Plain(expect.base, expect.n), "drop")
 
@@ -631,7 +629,7 @@ class Hub:
             reuse.append((be.arange(b2, n), Plain(b2, n)))
         self.sleep(2 * WRITER_SPIN_MS / 1e3)  # longer than the killed kernel's spin
         for x, expect in reuse:
-            o, d = _check(self.be, x, expect)
+            o, d = check_received(self.be, x, expect)
             self.outcome(o, "the hub's memory reused after a killed writer: " + d)
         return True
 
@@ -675,7 +673,7 @@ class Hub:
         loop variable left in :meth:`settle` would keep the last array alive through
         the leak check, and count its block as leaked.)"""
         for arr, expect in self.own.values():
-            o, d = _check(self.be, arr, expect)
+            o, d = check_received(self.be, arr, expect)
             if o != "ok":
                 self.outcome(o, "the hub's own array re-read: " + d)
         self.own.clear()

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..._cli import Parser, int_at_least
+
 # -- options ---------------------------------------------------------------------------------
 DEFAULTS = {"seed": 1, "rounds": 300, "time_cap": 900, "workers": 4}
 
 
 def add_options(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
     """The chaos run's options (``defaults=False``: ``None`` when not given, for ``bench``)."""
-    from ..._cli import int_at_least
 
     def d(name: str) -> Any:
         return DEFAULTS[name] if defaults else None
@@ -51,8 +52,6 @@ def forward_args(ns: argparse.Namespace) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..._cli import Parser
-
     p = Parser(
         prog="python -m cupy_poolmem bench chaos",
         description="Seeded randomized rounds of process lifecycles and hostile messages "

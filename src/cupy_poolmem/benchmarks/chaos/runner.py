@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from .._common import require_gpu
 from .backends import BACKENDS
 from .hub import STUCK_S, Hub
 from .options import build_parser
@@ -75,8 +76,6 @@ def run(opts: argparse.Namespace) -> Result:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .._common import require_gpu
-
     opts = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
     require_gpu("chaos")
     result = run(opts)

@@ -8,6 +8,7 @@ import time
 import traceback
 from typing import Any
 
+from ..._errors import PoolmemError
 from .backends import BACKENDS
 from .checks import Forged, Plain, outside, verify
 
@@ -16,9 +17,8 @@ WORKER_SETTINGS = {"exit_timeout": 3.0, "inflight_timeout": 1.0, "claim_timeout"
 IDLE_EXIT_S = 300.0  # a worker whose hub went silent this long exits
 
 
-def _classify_exc(exc: BaseException) -> tuple[str, str]:
+def classify_exc(exc: BaseException) -> tuple[str, str]:
     """``("refused:TYPE", why)`` for cupy_poolmem's typed errors, else ``("error", why)``."""
-    from cupy_poolmem import PoolmemError
 
     text = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, PoolmemError):
@@ -27,7 +27,7 @@ def _classify_exc(exc: BaseException) -> tuple[str, str]:
     return "error", f"{text} | {tb[-900:]}"
 
 
-def _check(be: Any, arr: Any, expect: Plain | Forged) -> tuple[str, str]:
+def check_received(be: Any, arr: Any, expect: Plain | Forged) -> tuple[str, str]:
     """:func:`verify` for a received array (``be``: the backend it lives on).  An array
     of a forged message that reaches outside its block is not read."""
     try:
@@ -68,20 +68,20 @@ class _WorkerState:
 
         extra = None
         try:
-            outcome, detail = _check(self.be, arr, expect)
+            outcome, detail = check_received(self.be, arr, expect)
             if outcome in ("ok", "unchecked"):
                 if action in ("forward", "return"):
                     try:
                         extra = bytes(ForkingPickler.dumps(arr))
                     except BaseException as exc:
-                        outcome, detail = _classify_exc(exc)
+                        outcome, detail = classify_exc(exc)
                 elif action == "hold":
                     self.held[mid] = (arr, expect)
                 elif action == "write":
                     self.be.write_late(arr)
                     self.held[mid] = (arr, None)
         except BaseException as exc:
-            outcome, detail = _classify_exc(exc)
+            outcome, detail = classify_exc(exc)
         self.conn.send(("result", mid, outcome, detail, extra))
 
     def recheck(self) -> list[tuple[int | None, str, str]]:
@@ -89,12 +89,12 @@ class _WorkerState:
         out: list[tuple[int | None, str, str]] = []
         for mid, (arr, expect) in self.held.items():
             if expect is not None:
-                o, d = _check(self.be, arr, expect)
+                o, d = check_received(self.be, arr, expect)
                 if o not in ("ok", "unchecked"):
                     out.append((mid, o, "a held array re-read: " + d))
         for tag, arrays in self.own.items():
             for a, expect in arrays:
-                o, d = _check(self.be, a, expect)
+                o, d = check_received(self.be, a, expect)
                 if o != "ok":
                     out.append((None, o, f"an array it made ({tag}) re-read: {d}"))
         return out
@@ -141,7 +141,7 @@ def worker_main(conn: Any, wid: int, backend: str = "gpu") -> None:
         except (EOFError, OSError):
             return
         except BaseException as exc:  # a message of the hub's own arrays was refused
-            conn.send(("recv_failed", seq, *_classify_exc(exc)))
+            conn.send(("recv_failed", seq, *classify_exc(exc)))
             continue
         op = msg[0]
         try:
@@ -162,7 +162,7 @@ def worker_main(conn: Any, wid: int, backend: str = "gpu") -> None:
                 try:
                     arr = ForkingPickler.loads(data)
                 except BaseException as exc:
-                    conn.send(("result", mid, *_classify_exc(exc), None))
+                    conn.send(("result", mid, *classify_exc(exc), None))
                     continue
                 st.take(mid, arr, expect, action)
                 del arr
@@ -178,6 +178,6 @@ def worker_main(conn: Any, wid: int, backend: str = "gpu") -> None:
             elif op == "exit":
                 return
         except BaseException as exc:
-            conn.send(("failed", op, *_classify_exc(exc)))
+            conn.send(("failed", op, *classify_exc(exc)))
         finally:
             msg = None
