@@ -40,7 +40,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._common import child_env, table
+from ._common import child_env, header, table
 
 __all__ = ["PEERS", "parse_local_cupy", "parse_time", "goals", "main"]
 
@@ -469,8 +469,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in names if n not in PEERS]
     if unknown:
         p.error(f"unknown peer(s) {unknown}; choose from {list(PEERS)}")
-    from ._common import header
-
     print(header("dask-cuda local_cupy transpose_sum: cupy_poolmem by environment vs peers"))
     print(f"versions: {_versions()}")
     print(

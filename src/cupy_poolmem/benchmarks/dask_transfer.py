@@ -33,7 +33,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import cupy_poolmem
+
+from .._sizes import format_bytes, parse_bytes
 from ._common import header, table
+
+try:  # the dask extra; without it main() says what to install, in one line
+    from .. import _dask_transfer
+    from .._dask_transfer import _process
+    from ..dask import PoolmemPlugin
+except ImportError:
+    _dask_transfer = _process = PoolmemPlugin = None  # type: ignore[assignment, misc]
 
 SIZES = ("1MiB", "64MiB", "256MiB", "1GiB")
 
@@ -50,8 +60,6 @@ def _consume(x) -> float:
 
 
 def _set_ipc(flag: bool) -> bool:
-    from cupy_poolmem._dask_transfer import _process
-
     cfg = _process._state.config
     if cfg is None:
         return False
@@ -60,8 +68,6 @@ def _set_ipc(flag: bool) -> bool:
 
 
 def _counters() -> dict:
-    from cupy_poolmem import _dask_transfer
-
     return _dask_transfer.counters()
 
 
@@ -130,8 +136,6 @@ def run_cluster(plugin: bool, sizes: list[int], repeats: int) -> dict[tuple[str,
     ):
         client.wait_for_workers(2, timeout=120)
         if plugin:
-            from cupy_poolmem.dask import PoolmemPlugin
-
             client.register_plugin(PoolmemPlugin())
         a, b = sorted(client.scheduler_info()["workers"])
         modes = ["floor", "tcp", "ipc"] if plugin else ["default"]
@@ -185,8 +189,6 @@ def _fmt_ms(s: float) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from cupy_poolmem._sizes import format_bytes, parse_bytes
-
     ap = argparse.ArgumentParser(
         prog="python -m cupy_poolmem.benchmarks.dask_transfer",
         description=(__doc__ or "").splitlines()[0],
@@ -204,8 +206,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     for mod in ("dask", "distributed", "dask_cuda"):
         if importlib.util.find_spec(mod) is None:
             sys.exit(f"{mod} is not installed: pip install dask distributed dask-cuda")
-    import cupy_poolmem
-
     if cupy_poolmem.device_count() < 2:
         sys.exit(f"needs two CUDA GPUs; CUDA sees {cupy_poolmem.device_count()}")
 

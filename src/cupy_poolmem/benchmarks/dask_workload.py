@@ -42,7 +42,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import cupy_poolmem
+
 from ._common import header, table
+
+try:  # the dask extra; without it main() says what to install, in one line
+    from ..dask import PoolmemPlugin, gather_stats
+except ImportError:
+    PoolmemPlugin = gather_stats = None  # type: ignore[assignment, misc]
 
 
 def _gpu_random(seed: int, block_info=None):
@@ -76,8 +83,6 @@ def allocation_heavy(y):
 
 
 def _configs(pool_size: str, have_rmm: bool) -> list[tuple[str, dict, Any, str]]:
-    from cupy_poolmem.dask import PoolmemPlugin
-
     out: list[tuple[str, dict, Any, str]] = [
         ("cupy_poolmem plugin", {}, PoolmemPlugin(), "plugin"),
         (
@@ -172,8 +177,6 @@ def run_cluster(cluster_kw: dict, phases: list[tuple[str, Any]], args) -> dict[s
                 registered = False
             r = _run_workloads(client, args)
             if plugin is not None:
-                from cupy_poolmem.dask import gather_stats
-
                 (st,) = gather_stats(client).values()
                 r["pool"] = (
                     f"{st['n_allocs']:,} allocs, peak used "
@@ -239,8 +242,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     for mod in ("dask", "distributed", "dask_cuda"):
         if importlib.util.find_spec(mod) is None:
             sys.exit(f"{mod} is not installed: pip install dask distributed dask-cuda")
-    import cupy_poolmem
-
     if cupy_poolmem.device_count() == 0:
         sys.exit("needs a CUDA GPU")
     have_rmm = importlib.util.find_spec("rmm") is not None

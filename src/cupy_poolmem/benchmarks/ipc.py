@@ -28,6 +28,10 @@ import sys
 import time
 from collections.abc import Sequence
 
+import cupy_poolmem
+
+from ._common import header, require_gpu, table
+
 
 def consumer(kind: str, q_in, q_out) -> None:
     t0 = time.perf_counter()
@@ -37,8 +41,6 @@ def consumer(kind: str, q_in, q_out) -> None:
         torch.zeros(1, device="cuda")
     else:
         import cupy
-
-        import cupy_poolmem  # noqa: F401  (registers the rebuild functions)
 
         cupy.zeros(1)
     q_out.put(("ready", time.perf_counter() - t0))
@@ -55,8 +57,6 @@ def run_method(
 ) -> list[tuple]:
     import cupy
 
-    import cupy_poolmem
-
     if kind == "torch":
         import torch
         import torch.multiprocessing as tmp
@@ -67,10 +67,7 @@ def run_method(
     rows = []
     for size in sizes:
         q_in, q_out = ctx.Queue(), ctx.Queue()
-        # The importable function, also when this module runs as __main__.
-        from cupy_poolmem.benchmarks.ipc import consumer as target
-
-        p = ctx.Process(target=target, args=(kind, q_in, q_out))
+        p = ctx.Process(target=consumer, args=(kind, q_in, q_out))
         p.start()
         tag, cuda_start = q_out.get(timeout=300)
 
@@ -163,10 +160,6 @@ def _goal(kind: str, over: float, ratio: float) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     import cupy
 
-    import cupy_poolmem
-
-    from ._common import header, require_gpu, table
-
     argv = sys.argv[1:] if argv is None else list(argv)
     require_gpu("ipc")
     quick = "--quick" in argv
@@ -231,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # The importable module's main, not __main__'s: the spawned consumers then find
+    # ``consumer`` by the module's name.
     from cupy_poolmem.benchmarks._common import run
+    from cupy_poolmem.benchmarks.ipc import main as _main
 
-    run(main, "ipc")  # --save DIR: also write DIR/ipc-<device>.json
+    run(_main, "ipc")  # --save DIR: also write DIR/ipc-<device>.json
