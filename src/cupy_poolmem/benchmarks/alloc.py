@@ -48,6 +48,7 @@ already holding 1 GiB.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import statistics
@@ -565,7 +566,30 @@ def _stream_costs(quick: bool) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+@dataclasses.dataclass(frozen=True)
+class Measurements:
+    """The measurements :func:`main` runs besides its interleaved tables.
+
+    Each one runs on the GPU; a test hands in its own.
+
+    Examples
+    --------
+    >>> Measurements(peer_costs=lambda quick: None).peer_costs(True) is None
+    True
+    """
+
+    pure_python_row: Callable[[int], list[float] | None] = _pure_python_row
+    paired_pool: Callable[[bool], list[PairedRatio]] = _paired_pool
+    paired_observability: Callable[[list[tuple[Any, ...]], bool], dict[str, list[PairedRatio]]] = (
+        _paired_observability
+    )
+    bare_costs: Callable[[bool], str] = _bare_costs
+    stream_costs: Callable[[bool], str] = _stream_costs
+    peer_costs: Callable[[bool], str | None] = _peer_costs
+
+
+def main(argv: Sequence[str] | None = None, measurements: Measurements | None = None) -> None:
+    m = measurements or Measurements()
     argv = sys.argv[1:] if argv is None else list(argv)
     require_gpu("alloc")
     if "--child" in argv:
@@ -583,7 +607,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     measured: list[tuple[str, list[float], Any]] = [
         (e[0], vals, e[2]) for e, vals in zip(plain + observed, results)
     ]
-    py = _pure_python_row(n)
+    py = m.pure_python_row(n)
     if py:
         measured.append(("cupy_poolmem DevicePool [pure python, child process]", py, None))
     for name, vals, cleanup in measured:
@@ -595,11 +619,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     overhead = guard_overhead(measured)
     if overhead:
         print(overhead)
-    for line in pool_goals(_paired_pool(quick)):
+    for line in pool_goals(m.paired_pool(quick)):
         print(line)
     print()
     print("the pool alone: microseconds per malloc(n) + free, no cupy.empty (ratio to MemoryPool)")
-    print(_bare_costs(quick))
+    print(m.bare_costs(quick))
     print()
     print(
         "observability: microseconds per op (ratio to the plain DevicePool, ratio to cupy "
@@ -607,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     obs = observed_entries()
     obs_vals = measure_interleaved(obs, n)
-    paired = _paired_observability(obs, quick)
+    paired = m.paired_observability(obs, quick)
     obs_rows, goals = observability_report([(e[0], v) for e, v in zip(obs, obs_vals)], paired)
     print(table(["allocator"] + [c[0] for c in CASES] + ["chain 10k f32"], obs_rows))
     for line in goals:
@@ -617,8 +641,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             e[2]()
     print()
     print("allocation on a non-blocking stream (the graph-capture query): microseconds")
-    print(_stream_costs(quick))
-    costs = _peer_costs(quick)
+    print(m.stream_costs(quick))
+    costs = m.peer_costs(quick)
     if costs:
         print()
         print("peer access costs: microseconds (ratio of 'all' to None)")
