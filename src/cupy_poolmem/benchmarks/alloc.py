@@ -1,48 +1,7 @@
 """Allocation speed: cupy.empty(n)+free and a temporaries-heavy chain, pools side by side.
 
-Prints one table: microseconds per operation and the ratio to CuPy's MemoryPool,
-all measured in this process and run, round-robin (each allocator's best of four
-rounds, so drift hits every row alike).  The DevicePool rows run with observability
-off (the default: no cost); the last row puts a pool under the debug guard
-(``DevicePool(guard=True)``: red zone fill, poison fill, a check that synchronises at
-each free and at each block's exit from the quarantine); a line after the table gives
-the guard's overhead per allocation and free.
-
-After the table, one line per size for issue 15's goal for the pool itself
-(``POOL_GOAL``: DevicePool at most 1.00x MemoryPool per ``cupy.empty`` + free), then a
-short table of the bare ``pool.malloc(n)`` + free (no ``cupy.empty``: the pool's own
-share of that cost), ``MemoryPool.malloc`` against ``DevicePool.malloc``.
-
-A second table gives what observability costs, measured together in a phase of their
-own: CuPy's MemoryPool, one DevicePool with nothing observed, the same pool inside
-``statistics()``, with ``start_log()`` and with ``start_log(track=True)``, each cell
-with its ratio to the plain pool and to MemoryPool; then one line per goal of issue
-15 (``GOALS``: at most 1.3x, 2x and 4x the plain pool per ``cupy.empty`` + free)
-saying whether this run met it.
-
-The goal lines do not come from the tables.  Some hosts' CPUs switch between two
-speed levels every few seconds, and each row's best round may have caught either, so
-a ratio of two rows swings from run to run.  Each goal is measured again as a
-*paired ratio* (:mod:`._paired`): the two sides timed in short bursts back to back
-(``BURST_CALLS`` calls each, ABBA order, ``PAIRS_QUICK`` or ``PAIRS`` pairs), the
-verdict on the median of the per-pair ratios, printed with its quartiles::
-
-    goal: DevicePool at most 1.00x MemoryPool per cupy.empty(1KiB) + free: 0.97x (paired median, IQR 0.95-0.99, 25 pairs) -> met
-
-An observing context is entered once for all of its pairs, so the observed pool is
-paired against MemoryPool (which no observer sees) inside it, the plain pool against
-MemoryPool outside any, and the ratio to the plain pool is
-``median(observed / MemoryPool) / median(plain / MemoryPool)``, both medians printed::
-
-    goal: DevicePool inside statistics() at most 1.3x the plain DevicePool per cupy.empty + free: worst 1.13x (empty 1MiB: observed/MemoryPool 1.25x (IQR 1.22-1.27, 25 pairs) over plain/MemoryPool 1.11x (IQR 1.09-1.13, 25 pairs), paired medians) -> met
-
-``python -m cupy_poolmem bench alloc [--quick]``
-
-With two GPUs or more, DevicePool rows with ``peer_access='all'`` (the default: GPU 0's
-pool is mapped on every peer too) and ``peer_access=None`` are measured side by side,
-and a second table gives what granting costs: pool creation, pool growth (new memory
-is mapped on each granted GPU), steady-state allocation, and a grant given to a pool
-already holding 1 GiB.
+One table per run, the goal lines after it (paired medians), then what observability
+and peer access cost.  What each row and goal measures: docs/cli.rst, "bench alloc".
 """
 
 from __future__ import annotations

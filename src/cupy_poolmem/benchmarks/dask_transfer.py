@@ -1,26 +1,7 @@
 """Moving a CuPy chunk between two GPU workers: Dask over TCP vs cupy_poolmem's pool IPC.
 
-One run on a machine with two GPUs: a ``LocalCUDACluster`` over TCP with two workers
-(GPU 0 and GPU 1, one thread each) and the :class:`~cupy_poolmem.dask.PoolmemPlugin`.
-For each chunk size, the seconds from ``submit`` to the result of a task on worker B
-that needs a chunk made on worker A (``float(x.sum())``), median over repeats, a
-fresh chunk each time:
-
-* ``same-worker floor``   the same task on A, where the chunk is (no transfer)
-* ``tcp (dask)``          the plugin's pools, IPC path switched off: Dask's own
-                          serialization (device -> host -> TCP -> host -> device)
-* ``pool IPC``            the plugin's same-host path: a descriptor over TCP, the
-                          block mapped on B and copied once GPU to GPU
-* ``dask-cuda default``   (not with ``--quick``) a cluster without the plugin, CuPy's
-                          own pool: the TCP baseline as dask-cuda ships it
-
-and beside them the ``peer copy`` limit: one device-to-device copy GPU 0 -> GPU 1
-in this process.  Every received sum is checked, and the transfer counters say which
-path each row took.
-
-``python -m cupy_poolmem bench transfer [--quick]``, or
-``python -m cupy_poolmem.benchmarks.dask_transfer [--quick] [--repeats 7]
-[--sizes 1MiB,64MiB]``
+Seconds per cross-worker task for each chunk size and path, beside the same-worker
+floor and a peer copy.  The rows: docs/cli.rst, "bench transfer".
 """
 
 from __future__ import annotations

@@ -1,35 +1,7 @@
 """Dask workloads on one GPU worker: the cupy_poolmem plugin against dask-cuda's allocators.
 
-Same run, same process, ``LocalCUDACluster`` (1 worker x 4 threads, TCP) per
-configuration:
-
-* ``cupy_poolmem plugin``            ``client.register_plugin(PoolmemPlugin())``
-* ``cupy_poolmem plugin pool_size``  ``PoolmemPlugin(pool_size=...)`` (reserved up front)
-* ``dask-cuda default``              CuPy's own ``MemoryPool``
-* ``dask-cuda rmm_pool_size``        RMM pool, CuPy allocating through RMM   (needs rmm)
-* ``dask-cuda rmm_async``            RMM ``cudaMallocAsync``, CuPy through RMM (needs rmm)
-
-The three configurations that need no start-up option share one cluster (dask-cuda's
-default first, then the plugin registered, re-registered with ``pool_size``); the RMM
-ones get a cluster each.  Cluster start-ups were most of the old run time.
-
-Workloads (inputs generated on the GPU and persisted before timing):
-
-* compute-bound: ``((x + x.T) * 2 - 1).mean(0).sum()`` on 16000^2 float64 in 2000^2 chunks
-* allocation-heavy: a fused chain of 8 elementwise ops plus a transpose and a sum on
-  4000^2 float64 in 250^2 chunks (256 chunks, ~20 temporaries each)
-
-Chunk counts stay in the hundreds: thousands of tiny tasks made the scheduler (in
-this process) the bottleneck, and starved the worker's heartbeats.
-
-Prints one table: median seconds per ``compute()`` and the ratio to ``rmm_pool_size``
-(or to dask-cuda's default when rmm is not installed).  Lower is better.  The full
-run takes about 2-3 minutes on one GPU, ``--quick`` (smaller arrays, 2 repeats, the
-plugin, dask-cuda's default and ``rmm_pool_size`` only) well under 90 s.
-
-``python -m cupy_poolmem bench dask [--quick]``, or for every option
-``python -m cupy_poolmem.benchmarks.dask_workload [--quick] [--repeats 3]
-[--configs plugin,default]``
+Seconds per ``compute()`` of a compute-bound and an allocation-heavy graph, for each
+configuration.  The configurations and workloads: docs/cli.rst, "bench dask".
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """Sharing arrays between processes: cupy_poolmem vs CuPy pickling vs torch.multiprocessing.
 
-One run, one table: milliseconds per message for a steady stream of put + ack (the
-consumer acknowledges on a second queue and drops the array), and the first send to a
-fresh worker measured after that worker has started CUDA.  The floor is the same queue
-round trip for a tiny numpy array, sent on the same queues just before each measured
-message; "over floor" (the median of the per-pair differences) is what sharing adds to
-the queue's own cost.
-"same array" re-sends one array (the receiver keeps its mapping); "fresh arrays" sends
-a newly allocated array each time (made and filled before the clock starts), the usual producer
-pattern, where the sender exports and the receiver maps new memory for every message
-(the driver's cost for both grows with the size), except that a DevicePool recycles an
-exported block through its reuse cache with its export record (docs/sharing.rst,
-"Recycled blocks"), so fresh arrays become hits on mappings the receiver keeps.
-"vs floor" is the median of the per-pair ratios (message time / floor time).
-
-Goals (the "goal" column, cupy_poolmem's rows): a re-sent array within 0.06 ms of the
-floor, a fresh array at most 2x the floor, at 1 MiB and 256 MiB.
-
-``python -m cupy_poolmem bench ipc [--quick]``
+Milliseconds per message against the queue's own floor, same and fresh arrays.  The
+method and goals: docs/cli.rst, "bench ipc".
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""Memory over time for ``report --plot``, in memory bounded by the picture, not the log.
-
-A second pass over the log, after the summary: the summary gives the time range, the
-tags worth a band of their own and the panels worth drawing, so one pass with a fixed
-number of time buckets per panel is enough.  Each bucket keeps two moments: the one of
-highest use (peaks survive thinning) and its last one (drops show).  A moment is the
-time, the used and reserved bytes, and the live bytes of each band: the shown tags,
-"other tags", and memory allocated before the log started.
-"""
+"""Plotting allocation logs (``report --plot``): used memory over time, stacked by tag,
+in memory bounded by the picture, not the log."""
 
 from __future__ import annotations
 
@@ -68,6 +61,10 @@ def sample_series(
     tag_depth: int | None = None,
 ) -> list[PanelSeries]:
     """At most ``2 * n_buckets`` moments per panel ``keys``, from one pass over ``events``.
+
+    The pass after the summary, which gave the time range, the tags worth a band and
+    the panels worth drawing.  Each time bucket keeps two moments: its highest use
+    (peaks survive thinning) and its last one (drops show).
 
     Bands of a moment: the live bytes of each of ``shown_tags`` (in that order), of all
     other tags, and the used bytes beyond the matched allocations (memory allocated

@@ -1,15 +1,6 @@
-"""Reading allocation logs for :mod:`cupy_poolmem.report`: one row at a time.
-
-What this module owns:
-
-* which files a command line names: files, directories of ``*.csv``, quoted globs
-  (``'alloc-*.csv'``) and ``-`` (standard input; it and named pipes are spooled to a
-  temporary file so that a plot can read them a second time);
-* the checks of a file before any row is read (text, UTF-8, the log's header; a UTF-8
-  byte order mark is allowed, as spreadsheet programs write one);
-* the rows, parsed and checked one at a time (:func:`iter_events`), so memory does not
-  grow with the file.  A row with an invalid value is skipped and counted in a
-  :class:`BadRows`, which keeps the first reason;
+"""Reading allocation logs, one row at a time: which files a command line names, the
+checks of a file before its rows are read, and the rows parsed and checked (a bad row
+is skipped and counted in a :class:`BadRows`); :func:`load` merges several by time.
 """
 
 from __future__ import annotations
