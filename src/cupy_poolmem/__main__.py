@@ -14,7 +14,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-import cupy_poolmem as cpm
+import cupy_poolmem as cpm  # its public names; the GPU ones load on first use
 
 from . import __version__, _doctor
 from ._cli import Parser, fail, guard_pipe
