@@ -21,10 +21,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 from cupy_poolmem import parse_bytes, report  # noqa: E402
 from cupy_poolmem._errors import PoolmemError  # noqa: E402
-from cupy_poolmem.report import summary  # noqa: E402
-from cupy_poolmem.report.export import rmm_rows, torch_snapshots  # noqa: E402
-from cupy_poolmem.report.plot import sample_series  # noqa: E402
-from cupy_poolmem.report.read import BadRows, iter_events  # noqa: E402
+from cupy_poolmem.report import _summary as summary  # noqa: E402
+from cupy_poolmem.report._export import rmm_rows, torch_snapshots  # noqa: E402
+from cupy_poolmem.report._plot import sample_series  # noqa: E402
+from cupy_poolmem.report._read import BadRows, iter_events  # noqa: E402
 from cupy_poolmem.stats import LOG_COLUMNS  # noqa: E402
 
 FUZZ = settings(
@@ -146,7 +146,7 @@ def test_csv_like_logs_of_the_real_columns(rows, bom, header_again):
 def test_the_quick_row_parse_agrees_with_the_checked_one(row):
     """Rows as the writer writes them take a quick path; any row gets the same event
     or is refused, whichever path reads it."""
-    from cupy_poolmem.report.read import _checked_event, _event
+    from cupy_poolmem.report._read import _checked_event, _event
 
     def outcome(fn, arg):
         try:

@@ -22,7 +22,7 @@ from ._errors import GPU_EXTRA_HINT, MissingDependencyError, NoGPUError
 from .benchmarks import BENCHMARKS, DEFAULT
 from .benchmarks._common import child_env
 from .benchmarks.chaos import add_options, forward_args
-from .report import cli as report_cli
+from .report import _cli as report_cli
 
 PROG = "python -m cupy_poolmem"
 

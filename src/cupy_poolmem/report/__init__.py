@@ -14,10 +14,10 @@ the log started.
 
 from __future__ import annotations
 
-from .cli import main
-from .plot import PLOT_FORMATS, plot, plot_format
-from .read import LogEvent, load, read_log
-from .summary import (
+from ._cli import main
+from ._plot import PLOT_FORMATS, plot, plot_format
+from ._read import LogEvent, load, read_log
+from ._summary import (
     BEFORE_LOG,  # noqa: F401  (a label the summary's records use)
     UNTAGGED,  # noqa: F401  (a label the summary's records use)
     CallsiteSummary,

@@ -11,7 +11,7 @@ from .._cli import printable
 from .._errors import InvalidOptionError, OptionTypeError
 from .._sizes import format_bytes
 from ..stats import LOG_COLUMNS  # noqa: F401  (the examples write logs with it)
-from .read import Loaded, load, tag_key
+from ._read import Loaded, load, tag_key
 
 UNTAGGED = "(untagged)"
 BEFORE_LOG = "(allocated before the log)"

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 from .._cli import Parser, describe_os_error, fail, guard_pipe, int_at_least, printable
 from .._errors import InvalidOptionError, LogFormatError, MissingDependencyError
-from .export import check_export, export
-from .plot import PLOT_FORMATS, plot_format, plot_loaded
-from .read import load
-from .summary import summarize_loaded
+from ._export import check_export, export
+from ._plot import PLOT_FORMATS, plot_format, plot_loaded
+from ._read import load
+from ._summary import summarize_loaded
 
 PROG = "python -m cupy_poolmem report"
 DESCRIPTION = """\

@@ -12,8 +12,8 @@ from typing import Any
 from .._cli import printable
 from .._errors import InvalidOptionError, LogFormatError, MissingDependencyError
 from ..stats import LOG_COLUMNS  # noqa: F401  (the examples write logs with it)
-from .read import Loaded, LogEvent, load, tag_key
-from .summary import BEFORE_LOG, UNTAGGED, Summary, check_tag_depth, summarize_loaded
+from ._read import Loaded, LogEvent, load, tag_key
+from ._summary import BEFORE_LOG, UNTAGGED, Summary, check_tag_depth, summarize_loaded
 
 #: File suffixes :func:`plot` writes, and the format each one gets.
 PLOT_FORMATS: dict[str, str] = {
