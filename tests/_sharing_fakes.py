@@ -47,8 +47,8 @@ from typing import Any
 from cupy_poolmem._errors import CUDADriverError, SharingError
 from cupy_poolmem._sharing import _transport, _wire
 from cupy_poolmem._sharing._context import SharingContext
-from cupy_poolmem._sharing._exporter import LocalHold
-from cupy_poolmem._sharing._importer import Imported
+from cupy_poolmem._sharing._mapping import Imported
+from cupy_poolmem._sharing._records import LocalHold
 from cupy_poolmem._sharing._reducers import describe, receive
 from cupy_poolmem._sharing._settings import SharingSettings
 

@@ -73,7 +73,7 @@ def _inspect(x) -> dict:
     """What the receiving worker holds: data (sum), device, and whose memory it is."""
     import cupy
 
-    from cupy_poolmem._sharing._importer import Imported
+    from cupy_poolmem._sharing._mapping import Imported
     from cupy_poolmem._sharing._reducers import _owner
 
     owner = _owner(x.data.mem)

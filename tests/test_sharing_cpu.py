@@ -34,10 +34,10 @@ from _sharing_fakes import (
 )
 
 from cupy_poolmem._errors import CUDADriverError, PoolmemError, SharingError
-from cupy_poolmem._sharing import _exporter, _importer, _transport, _wire
+from cupy_poolmem._sharing import _exporter, _records, _transport, _unmapping, _wire
 from cupy_poolmem._sharing._context import SharingContext
 from cupy_poolmem._sharing._driver import Driver
-from cupy_poolmem._sharing._exporter import LocalHold
+from cupy_poolmem._sharing._records import LocalHold
 from cupy_poolmem._sharing._reducers import describe, rebuild, receive
 
 KB = 1024
@@ -1190,7 +1190,7 @@ def test_the_socket_is_a_filesystem_path_in_a_0700_directory(world):
 
 # -- 10. scale ------------------------------------------------------------------------------------
 def test_a_stalled_peer_does_not_stall_others(world, monkeypatch):
-    monkeypatch.setattr(_exporter, "Sender", lambda conn, name: _transport.Sender(conn, name, 16))
+    monkeypatch.setattr(_records, "Sender", lambda conn, name: _transport.Sender(conn, name, 16))
     e = world.proc("exporter")
     stalled, ok = world.proc("stalled"), world.proc("ok")
     core = e.pool()
@@ -1709,7 +1709,7 @@ def test_a_failed_eviction_keeps_the_connection(world):
 
 
 def test_a_reimport_waits_for_its_old_free_past_the_closing_cap(world, monkeypatch):
-    monkeypatch.setattr(_importer, "_CLOSING_MAX", 2)
+    monkeypatch.setattr(_unmapping, "_CLOSING_MAX", 2)
     e, r, core = _exporter_receiver(world)
     blocks = [core.alloc(KB, payload=i) for i in range(4)]
     r.driver._set_stream(FakeStream(0x77))
@@ -2130,7 +2130,7 @@ def test_the_deferred_retry_backs_off_while_nothing_changes_and_stops_when_done(
     b = core.alloc(KB, payload=5)
     imp = r.recv(e.send(b))
     m = imp.m
-    monkeypatch.setattr(_importer.time, "sleep", fast_sleep)
+    monkeypatch.setattr(_unmapping.time, "sleep", fast_sleep)
     r.driver._set_stream(FakeStream(0x99))
     imp.stream = FakeStream(0x99)
     r.driver._capturing.add(0x99)
@@ -2158,7 +2158,7 @@ def test_free_events_of_an_imported_pool_stay_bounded_with_a_stream_per_task(wor
         assert r.read(imp) == (1, i)
         del imp  # unmapped on that stream
     pool = next(iter(r.importer.pools.values()))
-    assert len(pool.frees) <= _importer._FREES_MAX + 1
+    assert len(pool.frees) <= _unmapping._FREES_MAX + 1
     blocks.clear()
     e.exit()
     assert wait_for(lambda: r.stats()["imported_pools"] == 0)

@@ -11,7 +11,7 @@ import pytest
 from _sharing_fakes import wait_for
 
 from cupy_poolmem._errors import PoolmemError
-from cupy_poolmem._sharing._exporter import LocalHold
+from cupy_poolmem._sharing._records import LocalHold
 
 KB = 1024
 SMALL = 64 * KB
