@@ -256,9 +256,10 @@ def test_a_receiver_keeps_no_descriptor_of_an_exporter_it_reached(monkeypatch):
     """A receiver's connection kept a pidfd of its exporter after it closed: a consumer
     fed by 24 short-lived producers held 24 descriptors of dead processes."""
     other = os.getppid()  # a live process that is not this one: pidfds can be taken
-    monkeypatch.setattr(_transport, "_peer_cred", lambda sock: (other, os.getuid()))
     served = []
-    lst = _transport.Listener(b"family key", served.append)
+    lst = _transport.Listener(
+        b"family key", served.append, peer_cred=lambda sock: (other, os.getuid())
+    )
     try:
         before = _open_fds()
         for _ in range(5):
@@ -278,9 +279,10 @@ def test_a_receiver_keeps_no_descriptor_of_an_exporter_it_reached(monkeypatch):
 
 
 def test_a_fork_child_drops_its_copy_of_the_exporters_pidfd(monkeypatch):
-    monkeypatch.setattr(_transport, "_peer_cred", lambda sock: (os.getppid(), os.getuid()))
     served = []
-    lst = _transport.Listener(b"family key", served.append)
+    lst = _transport.Listener(
+        b"family key", served.append, peer_cred=lambda sock: (os.getppid(), os.getuid())
+    )
     try:
         client = _transport.connect(lst.address, b"family key")
         assert wait_for(lambda: served)
@@ -596,8 +598,8 @@ def test_one_array_put_n_times(world):
 
 
 def test_claimed_tickets_are_bounded_and_an_older_copy_is_refused(world, monkeypatch):
-    monkeypatch.setattr(_exporter, "_CLAIMED_MAX", 8)
     e, r, core = _exporter_receiver(world)
+    e.exporter.claimed_max = 8
     r2 = world.proc("second")
     b = core.alloc(KB, payload=3)
     first = e.send(b)
@@ -1709,8 +1711,8 @@ def test_a_failed_eviction_keeps_the_connection(world):
 
 
 def test_a_reimport_waits_for_its_old_free_past_the_closing_cap(world, monkeypatch):
-    monkeypatch.setattr(_unmapping, "_CLOSING_MAX", 2)
     e, r, core = _exporter_receiver(world)
+    r.importer.closing_max = 2
     blocks = [core.alloc(KB, payload=i) for i in range(4)]
     r.driver._set_stream(FakeStream(0x77))
     for blk in blocks:  # four unmaps queued on 0x77; the first falls out of the table
@@ -2158,7 +2160,7 @@ def test_free_events_of_an_imported_pool_stay_bounded_with_a_stream_per_task(wor
         assert r.read(imp) == (1, i)
         del imp  # unmapped on that stream
     pool = next(iter(r.importer.pools.values()))
-    assert len(pool.frees) <= _unmapping._FREES_MAX + 1
+    assert len(pool.frees) <= r.importer.frees_max + 1
     blocks.clear()
     e.exit()
     assert wait_for(lambda: r.stats()["imported_pools"] == 0)

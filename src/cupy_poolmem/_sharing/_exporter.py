@@ -31,10 +31,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Exporter", "Record", "LocalHold"]
 
-# Claimed tickets a record remembers (another copy of a message may claim again): the
-# most recent ones only, so a block sent a million times stays small.
-_CLAIMED_MAX = 4096
-
 
 class Exporter(Server):
     """Tickets, leases and limbo of this process's exported blocks; the listener.
@@ -52,6 +48,9 @@ class Exporter(Server):
     listener_options
         Keyword arguments for its :class:`~cupy_poolmem._sharing._transport.Listener`
         (handshake deadline and cap, thread factory, peer credentials: tests).
+    claimed_max
+        Claimed tickets a record remembers (another copy of a message may claim
+        again): the most recent ones only, so a block sent a million times stays small.
     """
 
     def __init__(
@@ -61,6 +60,7 @@ class Exporter(Server):
         authkey: bytes,
         ticket_source: Callable[[int], bytes] = os.urandom,
         listener_options: dict[str, Any] | None = None,
+        claimed_max: int = 4096,
     ) -> None:
         self.driver = driver
         self.settings = settings
@@ -79,6 +79,7 @@ class Exporter(Server):
         self.stranded = 0  # leases of gone receivers of unknown pid, held until exit
         self._syncing = 0  # host waits on receivers' events under way (lock not held)
         self.events_max = 64  # receivers' events kept open per receiver, oldest out first
+        self.claimed_max = claimed_max
         self._close_later: list[Any] = []  # events _reap closes once those are done
         self.ignored_hits = 0  # Hits of a dead ticket or another life (acknowledge nothing)
         self._janitor: threading.Thread | None = None
@@ -508,7 +509,7 @@ class Exporter(Server):
         """Mark ``ticket`` received (lock held); False if it is not one of ``rec``'s."""
         if rec.tickets.pop(ticket, None) is not None:
             rec.claimed[ticket] = None
-            if len(rec.claimed) > _CLAIMED_MAX:
+            if len(rec.claimed) > self.claimed_max:
                 rec.claimed.popitem(last=False)
             return True
         if ticket in rec.claimed:

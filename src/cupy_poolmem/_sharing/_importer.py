@@ -90,10 +90,25 @@ def _span_end(d: _wire.Descriptor, m: Mapping | None) -> int:
 
 
 class Importer(Unmapping):
-    """Mappings of other processes' blocks in this process, and the connections to them."""
+    """Mappings of other processes' blocks in this process, and the connections to them.
 
-    def __init__(self, driver: Any, settings: SharingSettings, authkey: bytes) -> None:
+    ``seen_max``: exports remembered as received once (their next message is kept
+    mapped); ``closing_max``: frees of unmapped blocks a re-import waits for (an older
+    one is synchronised when it falls out); ``frees_max``: free events kept per
+    imported pool before the done ones are let go.
+    """
+
+    def __init__(
+        self,
+        driver: Any,
+        settings: SharingSettings,
+        authkey: bytes,
+        seen_max: int = 4096,
+        closing_max: int = 1024,
+        frees_max: int = 8,
+    ) -> None:
         self.driver, self.settings, self.authkey = driver, settings, authkey
+        self.seen_max, self.closing_max, self.frees_max = seen_max, closing_max, frees_max
         self.lock = threading.RLock()
         self.clients: dict[str, Client] = {}
         self.pools: dict[str, ImportedPool] = {}

@@ -20,7 +20,7 @@ class Record:
     """One exported block, as its exporter sees it.
 
     ``tickets``: messages on their way (ticket -> time registered); ``claimed``:
-    the exporter's last ``_CLAIMED_MAX`` tickets received (another copy of one of those messages
+    the exporter's last ``claimed_max`` tickets received (another copy of one of those messages
     may still claim while the block lives; a copy of an older one is refused); ``leases``:
     mappings per receiver connection (each holder is asked to evict when the block is
     freed); ``events``: receivers' unmap and idle events the final free (and a reuse) waits on.

@@ -25,9 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Unmapping"]
 
-_SEEN_MAX = 4096
-_CLOSING_MAX = 1024
-_FREES_MAX = 8  # free events kept per imported pool before the done ones are let go
 _KEEP = object()  # an unmap the driver refused: the lease stays (leaking is the safe side)
 
 
@@ -45,6 +42,9 @@ class Unmapping:
     seen: OrderedDict[tuple[str, int], None]
     closing: OrderedDict[tuple[str, bytes], Any]
     abandoned: bool
+    seen_max: int
+    closing_max: int
+    frees_max: int
     _deferred: list[tuple[Mapping, Any]]
     _deferred_thread: threading.Thread | None
     _closing_pools: list[ImportedPool]
@@ -117,11 +117,11 @@ class Unmapping:
             return _KEEP
         ev, handle = self.driver.record_ipc_event(m.dev, sptr)
         frees = m.pool.frees
-        if sptr not in frees and len(frees) >= _FREES_MAX:
+        if sptr not in frees and len(frees) >= self.frees_max:
             self._prune_frees(frees)
         frees[sptr] = self.driver.plain_event(sptr, frees.get(sptr))
         self.closing[m.key] = ev
-        if len(self.closing) > _CLOSING_MAX:
+        if len(self.closing) > self.closing_max:
             # Forgetting it, a re-import would not wait for that free: make sure it ran.
             _, old = self.closing.popitem(last=False)
             if not self.driver.event_done(old):
@@ -149,7 +149,7 @@ class Unmapping:
             c.keys.discard(m.key)
             c.by_export.pop(m.export_id, None)
             self.seen[(c.address, m.export_id)] = None
-            if len(self.seen) > _SEEN_MAX:
+            if len(self.seen) > self.seen_max:
                 self.seen.popitem(last=False)
 
     def _tell(self, out: list[tuple[Mapping, Any]]) -> None:
