@@ -86,6 +86,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         install='pip install "cupy_poolmem[dask]"',
     ) from _exc
 
+import cupy_poolmem
+
 from . import _dask_transfer
 from ._dask_transfer import TransferConfig
 from ._device import require_gpu
@@ -395,8 +397,6 @@ class PoolmemPlugin(WorkerPlugin):
         """
         import cupy
 
-        import cupy_poolmem
-
         addr = getattr(worker, "address", None)
         where = f"worker {addr}" if addr else f"process {os.getpid()}"
         try:
@@ -468,6 +468,8 @@ class PoolmemPlugin(WorkerPlugin):
         self._restore(worker)
 
     def _restore(self, worker: Any = None) -> None:
+        # Loaded late: the allocator module loads the pools (CuPy, cuda.core), which a
+        # client that only builds and pickles this plugin must not need.
         from . import _allocator
 
         if worker is not None:
@@ -634,8 +636,6 @@ async def dask_teardown(worker: Any) -> None:
 
 # -- statistics --------------------------------------------------------------------------
 def _worker_stats(kind: str) -> dict:
-    import cupy_poolmem
-
     try:
         pool = cupy_poolmem.get_pool() if kind == "device" else cupy_poolmem.get_pinned_pool()
     except PoolClosedError:

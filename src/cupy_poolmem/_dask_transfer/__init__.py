@@ -51,10 +51,10 @@ handshake entry), ``_secret`` (the per-host secret file), ``_decide`` (IPC or th
 reason to fall back), ``_header`` (the chunk's sub-header), ``_process`` (the
 process's state and counters: their one owner), ``_sender`` and ``_receiver`` (the
 two serializer wrappers and the two ends of the refetch), ``_warm`` (meeting the
-peers), ``_install`` (on a worker, and off again).  One worker per process
-(as dask-cuda runs them): the state is the process's.  The parts read it as
-``_process._state`` at call time, and call the steps tests stub (``_sender._export``,
-``_receiver._receive``...) through the module that defines them: patch them there.
+peers), ``_steps`` (the GPU and sharing steps, loaded by ``install`` only),
+``_install`` (on a worker, and off again).  One worker per process (as dask-cuda
+runs them): the state is the process's, read with ``_process.state()`` at call
+time; its ``gpu`` steps are the collaborator a test replaces.
 
 This package is an integration leaf: the core never imports it.
 """

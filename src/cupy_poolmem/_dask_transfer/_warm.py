@@ -27,9 +27,9 @@ import logging
 import time
 from typing import Any
 
-from . import _process, _receiver, _sender
+from . import _process
 from ._decide import peer_reason
-from ._header import make_header, parse_header
+from ._header import parse_header
 from ._identity import check_identity
 
 __all__ = ["meet", "meet_peers", "serve", "warm_sizes"]
@@ -61,33 +61,6 @@ def warm_sizes(small_pool: int, min_bytes: int) -> list[int]:
     return sizes
 
 
-def _pool_small_limit() -> int:
-    import cupy_poolmem
-
-    try:
-        return int(getattr(cupy_poolmem.get_pool(), "small_pool", 0) or 0)
-    except Exception:  # noqa: BLE001 - no pool: the one size
-        return 0
-
-
-def _export_blocks() -> list[dict[str, Any]]:
-    """Headers of fresh blocks of this worker's pool (their tickets registered); the
-    blocks go back to the pool once the peer has claimed (or dropped) them."""
-    import cupy
-
-    st = _process._state
-    cfg = st.config
-    min_bytes = cfg.min_bytes if cfg is not None else MiB
-    headers = []
-    with cupy.cuda.Device(st.device):
-        for n in warm_sizes(_pool_small_limit(), min_bytes):
-            x = cupy.empty(n, dtype="u1")
-            if not _sender._facts(x)[0]:
-                continue  # not IPC memory: nothing to meet
-            headers.append(make_header(tuple(_sender._export(x)), st.address or ""))
-    return headers
-
-
 def _receive_blocks(headers: list[Any]) -> int:
     """Map each block of ``headers`` and let it go; how many were received.
 
@@ -96,7 +69,7 @@ def _receive_blocks(headers: list[Any]) -> int:
     n = 0
     for h in headers:
         d, _ = parse_header(h)
-        arr, _how = _receiver._receive(d, step="warm")
+        arr, _how = _process.state().gpu.receive(d, step="warm")
         del arr
         n += 1
     return n
@@ -104,7 +77,7 @@ def _receive_blocks(headers: list[Any]) -> int:
 
 def _visible(peer: dict[str, Any]) -> bool:
     """The peer sees this worker's GPU (it can map this worker's blocks)."""
-    st = _process._state
+    st = _process.state()
     uuid = st.device_uuid
     return uuid is None or uuid in peer.get("devices", ())
 
@@ -113,7 +86,7 @@ async def serve(
     identity: Any = None, address: Any = None, reciprocate: bool = True
 ) -> dict[str, Any]:
     """The :data:`~._protocol.WARM_OP` handler: blocks to map for a peer that meets us."""
-    st = _process._state
+    st = _process.state()
     if st.identity is None or st.worker is None:
         return {"status": "skip", "reason": "disabled"}
     peer = check_identity(identity)
@@ -124,7 +97,7 @@ async def serve(
         st.counters.warmed("served-" + reason)
         return {"status": "skip", "reason": reason}
     loop = asyncio.get_running_loop()
-    headers = await loop.run_in_executor(None, _export_blocks)
+    headers = await loop.run_in_executor(None, st.gpu.export_blocks)
     if reciprocate and isinstance(address, str) and "://" in address:
         task = asyncio.ensure_future(meet(st.worker, address, reciprocate=False))
         st.tasks.add(task)
@@ -135,7 +108,7 @@ async def serve(
 
 async def meet(worker: Any, address: str, reciprocate: bool = True) -> str:
     """Meet the worker at ``address``: map its blocks (and it ours); the outcome."""
-    st = _process._state
+    st = _process.state()
     if st.identity is None:
         return "disabled"
     t0 = time.perf_counter()

@@ -52,7 +52,7 @@ def _consume(x) -> float:
 def _set_ipc(flag: bool) -> bool:
     from cupy_poolmem._dask_transfer import _process
 
-    cfg = _process._state.config
+    cfg = _process.state().config
     if cfg is None:
         return False
     cfg.ipc = flag
