@@ -359,10 +359,17 @@ def _pointer_pool(ptr: int) -> int:
 # allocation twice in a process breaks the first import.
 
 
-def _importer() -> Any:
+def _sharing_context() -> Any:
+    """This process's sharing context (its importer maps the handles' allocations)."""
+    # Loaded late: importing the sharing package hooks it into the pools and pickling,
+    # which a process using the plugin without pool IPC does not need.
     from ._sharing import context
 
-    return context().importer
+    return context()
+
+
+def _importer() -> Any:
+    return _sharing_context().importer
 
 
 class PoolIpcHandle(IpcHandle):
@@ -539,9 +546,7 @@ class PoolIpcHandle(IpcHandle):
             )
         from multiprocessing.reduction import DupFd
 
-        from ._sharing import settings
-
-        timeout = settings.inflight_timeout
+        timeout = _sharing_context().settings.inflight_timeout
         if timeout is not None:
             SENT.close(older_than=timeout)
         try:
