@@ -466,12 +466,12 @@ def test_the_recipients_handshake_decides_over_real_tcp_comms(path):
 def test_refetch_reply_serves_the_senders_block_through_dasks_path(path, monkeypatch):
     held = FakeArray(b"r" * 4096)
     monkeypatch.setattr(path.gpu, "local_array", lambda d: held)
-    reply = _sender._refetch_reply(T.make_header(tuple(path.desc), "tcp://h:1"))
+    reply = _sender.refetch_reply(T.make_header(tuple(path.desc), "tcp://h:1"))
     assert reply["status"] == "OK" and T.counters()["refetch_served"] == 1
     assert T.counters()["fallback"] == {"refetch": 1}  # never a second IPC attempt
     assert deserialize(reply["data"].header, reply["data"].frames).payload == held.payload
     monkeypatch.setattr(path.gpu, "local_array", lambda d: None)
-    assert _sender._refetch_reply(T.make_header(tuple(path.desc), "tcp://h:1"))["status"] == "gone"
+    assert _sender.refetch_reply(T.make_header(tuple(path.desc), "tcp://h:1"))["status"] == "gone"
 
 
 def test_refetch_over_a_real_server(path, monkeypatch):
@@ -486,7 +486,7 @@ def test_refetch_over_a_real_server(path, monkeypatch):
     header = T.make_header(tuple(path.desc), "tcp://unused:1")
 
     async def main():
-        server = Server({T.REFETCH_OP: _sender._serve_refetch})
+        server = Server({T.REFETCH_OP: _sender.serve_refetch})
         await server.listen("tcp://127.0.0.1:0")
         try:
             return await asyncio.to_thread(
@@ -535,7 +535,7 @@ def test_install_adds_identity_handler_and_serializers_and_uninstall_removes_the
         assert T.install(w, 0, T.TransferConfig(), devices=[GPU_A])  # idempotent
         ho = w.rpc.connection_args["handshake_overrides"]
         assert ho["pickle-protocol"] == 4 and ho[T.HANDSHAKE_KEY]["devices"] == [GPU_A]
-        assert w.handlers[T.REFETCH_OP] is _sender._serve_refetch
+        assert w.handlers[T.REFETCH_OP] is _sender.serve_refetch
         assert dask_serialize.dispatch(cupy.ndarray) is T.serialize
         assert dask_deserialize.dispatch(cupy.ndarray) is T.deserialize
         assert _process.state().orig_serialize is orig_ser  # not ourselves, after two installs

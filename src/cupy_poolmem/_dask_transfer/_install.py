@@ -139,7 +139,7 @@ def install(
         }
         handlers = getattr(worker, "handlers", None)
         if isinstance(handlers, dict):
-            handlers[REFETCH_OP] = _sender._serve_refetch
+            handlers[REFETCH_OP] = _sender.serve_refetch
             handlers[WARM_OP] = _warm.serve
     if cfg.warm:
         _start_meeting(worker)
@@ -195,7 +195,7 @@ def uninstall(worker: Any = None) -> None:
                     else:
                         ca.pop("handshake_overrides", None)
             handlers = getattr(w, "handlers", None)
-            if isinstance(handlers, dict) and handlers.get(REFETCH_OP) is _sender._serve_refetch:
+            if isinstance(handlers, dict) and handlers.get(REFETCH_OP) is _sender.serve_refetch:
                 del handlers[REFETCH_OP]
             if isinstance(handlers, dict) and handlers.get(WARM_OP) is _warm.serve:
                 del handlers[WARM_OP]

@@ -2,7 +2,7 @@
 
 :func:`serialize` sends a descriptor where :func:`~._decide.decide` allows it and
 hands everything else to the original serializer.  A receiver that could not map a
-block asks again (``REFETCH_OP``): :func:`_serve_refetch` answers with the same
+block asks again (``REFETCH_OP``): :func:`serve_refetch` answers with the same
 chunk through Dask's own serialization.
 """
 
@@ -76,13 +76,13 @@ def serialize(x: Any, context: Any = None) -> tuple[dict, list]:
     return header, []
 
 
-async def _serve_refetch(header: Any = None) -> dict[str, Any]:
+async def serve_refetch(header: Any = None) -> dict[str, Any]:
     """The sender's handler: the chunk of ``header`` through Dask's own serialization."""
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(None, _refetch_reply, header)
+    return await loop.run_in_executor(None, refetch_reply, header)
 
 
-def _refetch_reply(header: Any) -> dict[str, Any]:
+def refetch_reply(header: Any) -> dict[str, Any]:
     from distributed.protocol.serialize import Serialized
     from distributed.protocol.serialize import serialize as dserialize
 
