@@ -1,43 +1,11 @@
 """Numba External Memory Management (EMM) plugin: Numba allocates from cupy_poolmem's pools.
 
-Enable it before Numba creates its CUDA context, in either of two ways::
-
-    NUMBA_CUDA_MEMORY_MANAGER=cupy_poolmem.numba python app.py
-
-or, in code::
-
-    from numba import cuda
-    import cupy_poolmem.numba
-    cuda.set_memory_manager(cupy_poolmem.numba.PoolmemNumbaManager)
-
-One pool, one set of statistics
-    Numba's device allocations come from the *same* :class:`~cupy_poolmem.DevicePool`
-    that CuPy uses for that device (:func:`cupy_poolmem.get_pool`).  If
-    :func:`cupy_poolmem.set_allocator` has not been called when Numba first needs
-    memory, the plugin calls it (with its defaults, ``ipc=True``), which also makes
-    CuPy allocate from the pools.  Call ``set_allocator(...)`` yourself first to
-    choose options (``max_size``, ``release_threshold``, ``ipc``).
-
-Streams
-    Numba's EMM interface has no stream argument, so Numba allocations follow the
-    package's stream rule: allocated on CuPy's current stream (by default the legacy
-    default stream, which orders against every blocking stream, the same choice
-    RMM's plugin makes) and freed, stream-ordered, on that stream.  Work on
-    non-blocking streams must be synchronised before its arrays are dropped.
-
-Pinned host memory
-    ``cuda.pinned_array`` and friends come from the :class:`~cupy_poolmem.PinnedPool`
-    on the GPU's NUMA node (:func:`cupy_poolmem.get_pinned_pool`, created lazily like
-    the device pool).  Mapped (``cuda.mapped_array``) and write-combined requests,
-    which pool memory cannot provide, fall back to Numba's own ``cuMemHostAlloc``.
-    Managed memory (``cuda.managed_array``) also stays with Numba.
-
-IPC
-    ``device_array.get_ipc_handle()`` works on pool memory, where the legacy
-    ``cuIpcGetMemHandle`` path (and so RMM's plugin) fails: the handle returned is a
-    :class:`PoolIpcHandle` that carries the pool's shareable handle (a file
-    descriptor) and a 64-byte export record of the allocation.  See
-    :class:`PoolIpcHandle` for how it travels and for the trust boundary.
+Numba's device arrays come from the same :class:`~cupy_poolmem.DevicePool` as CuPy's
+(created with ``set_allocator()``'s defaults if nobody called it), pinned arrays from
+the :class:`~cupy_poolmem.PinnedPool`, and ``get_ipc_handle()`` works on pool memory
+(:class:`PoolIpcHandle`).  Enable it before Numba creates its context, with
+``NUMBA_CUDA_MEMORY_MANAGER=cupy_poolmem.numba`` or in code; docs/numba.rst has the
+rules (streams, pinned memory, IPC).
 
 Examples
 --------

@@ -1,23 +1,10 @@
 """Meeting same-host peers when a worker starts: the once-only costs paid early.
 
-The first chunk between two workers would otherwise pay for the connection to the
-sender's sharing socket (and its authentication), the import of the sender's pool,
-and on another GPU the first peer copy, all inside the receiving worker's
-deserialization.  So when the path is installed, the worker waits until it is
-registered with the scheduler, asks for the workers of its host, and *meets* each:
-it calls the peer's :data:`~._protocol.WARM_OP` handler with its identity; the peer
-checks it (:func:`~._decide.peer_reason`), exports one small and one large block of
-its pool (the two CUDA pools chunks come from) and answers their descriptors, then
-meets the caller the other way round.  Each side maps the other's blocks through
-the ordinary sharing path (a claim per block, the pool's descriptor with the first
-claim) and lets them go at once: the connection and the imported pools stay.
-Workers that start later meet the ones already running, so every pair meets once.
-
-How each meeting ended is counted (``warm`` in the transfer counters: ``met``, or
-the reason it did not happen; ``served`` on the side that was met, whose own
-meeting back may still be under way), the peers whose blocks this worker mapped are
-listed (``met_peers``), and the seconds go to ``timings["warm"]`` (each meeting)
-and ``timings["warm.<kind>"]`` (its receives, apart from the chunks' ``receive.*``).
+Once registered, a worker calls each same-host peer's :data:`~._protocol.WARM_OP`
+handler; both sides export a small and a large block, map the other's and let them
+go, so the connection and the imported pools are made before the first chunk.  How
+each meeting ended and its seconds go to the counters (docs/dask.rst, "Warm-up and
+where the time goes").
 """
 
 from __future__ import annotations
