@@ -52,13 +52,11 @@ class GpuSteps:
 
     def facts(self, x: Any) -> tuple[bool, str]:
         """``(shareable, device_uuid)`` of a CuPy array's memory."""
-
         owner = owner_of(x.data.mem)
         return owner is not None and shareable(owner), device_uuid(x.device.id)
 
     def export(self, x: Any) -> tuple:
         """The sharing descriptor of a new message for ``x`` (contiguous), ticket registered."""
-
         owner = owner_of(x.data.mem)
         offset = x.data.ptr - owner.ptr
         return describe(context(), owner, "cupy", offset, x.shape, x.strides, x.dtype.str)
@@ -67,14 +65,12 @@ class GpuSteps:
         """``x``, or a C-contiguous copy on its GPU (from the worker's pool)."""
         if x.flags.c_contiguous or x.flags.f_contiguous:
             return x
-
         with cupy.cuda.Device(x.device.id):
             return cupy.ascontiguousarray(x)
 
     def allocator_replaced(self) -> str | None:
         """A description of CuPy's current allocator when it is no longer the one
         cupy_poolmem installed (RMM's, set after the plugin ran...); else None."""
-
         mine = _allocator._current.get("device")
         cur = cupy.cuda.get_allocator()
         if mine is None or cur is mine:
@@ -86,7 +82,6 @@ class GpuSteps:
 
     def local_array(self, d: Any) -> Any:
         """The array ``d`` describes, read in the process that sent it (None if gone)."""
-
         try:
             return rebuild(d)  # the ticket is live (or was claimed): the sharing round trip
         except SharingError:
@@ -111,7 +106,6 @@ class GpuSteps:
         meeting's block, so ``receive.first-contact`` counts chunks only) and ``copy``
         (the device-to-device copy from another GPU).
         """
-
         ctx = context()
         counters = self.state.counters
         kind = first_steps(ctx, d)
@@ -138,7 +132,7 @@ class GpuSteps:
         return out, "copy"
 
     def pool_small_limit(self) -> int:
-
+        """The worker's pool's small-block limit (0: none, or no pool)."""
         try:
             return int(getattr(get_pool(), "small_pool", 0) or 0)
         except Exception:  # noqa: BLE001 - no pool: the one size
