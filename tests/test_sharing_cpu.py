@@ -252,7 +252,7 @@ def _open_fds():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/proc, pidfds)")
-def test_a_receiver_keeps_no_descriptor_of_an_exporter_it_reached(monkeypatch):
+def test_a_receiver_keeps_no_descriptor_of_an_exporter_it_reached():
     """A receiver's connection kept a pidfd of its exporter after it closed: a consumer
     fed by 24 short-lived producers held 24 descriptors of dead processes."""
     other = os.getppid()  # a live process that is not this one: pidfds can be taken
@@ -278,7 +278,7 @@ def test_a_receiver_keeps_no_descriptor_of_an_exporter_it_reached(monkeypatch):
         lst.close()
 
 
-def test_a_fork_child_drops_its_copy_of_the_exporters_pidfd(monkeypatch):
+def test_a_fork_child_drops_its_copy_of_the_exporters_pidfd():
     served = []
     lst = _transport.Listener(
         b"family key", served.append, peer_cred=lambda sock: (os.getppid(), os.getuid())
@@ -597,7 +597,7 @@ def test_one_array_put_n_times(world):
     assert r.stats()["idle_mappings"] == 0 and len(_frees(world.gpu)) == 1
 
 
-def test_claimed_tickets_are_bounded_and_an_older_copy_is_refused(world, monkeypatch):
+def test_claimed_tickets_are_bounded_and_an_older_copy_is_refused(world):
     e, r, core = _exporter_receiver(world)
     e.exporter.claimed_max = 8
     r2 = world.proc("second")
@@ -1710,7 +1710,7 @@ def test_a_failed_eviction_keeps_the_connection(world):
     del imp, b2
 
 
-def test_a_reimport_waits_for_its_old_free_past_the_closing_cap(world, monkeypatch):
+def test_a_reimport_waits_for_its_old_free_past_the_closing_cap(world):
     e, r, core = _exporter_receiver(world)
     r.importer.closing_max = 2
     blocks = [core.alloc(KB, payload=i) for i in range(4)]
