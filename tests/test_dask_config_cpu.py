@@ -39,6 +39,7 @@ import cupy_poolmem as cpm  # noqa: E402
 import cupy_poolmem_dask  # noqa: E402
 from cupy_poolmem import _dask_transfer as T  # noqa: E402
 from cupy_poolmem._dask_transfer import _process, _receiver, _secret, _warm  # noqa: E402
+from cupy_poolmem._dask_transfer._steps import GpuSteps  # noqa: E402
 from cupy_poolmem._sharing import _wire  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -482,7 +483,7 @@ def test_install_with_a_secret_keys_the_context_and_says_so_in_the_identity(tmp_
     from cupy_poolmem._sharing._context import SharingContext
     from cupy_poolmem._sharing._settings import SharingSettings
 
-    monkeypatch.setattr(_process, "_state", _process._State())
+    monkeypatch.setattr(_process.PROCESS, "current", _process.TransferState())
     f = tmp_path / "secret"
     f.write_text("z" * 32)
     os.chmod(f, 0o600)
@@ -582,8 +583,8 @@ class _Worker:
 
 @pytest.fixture
 def state(monkeypatch):
-    st = _process._State()
-    monkeypatch.setattr(_process, "_state", st)
+    st = _process.TransferState()
+    monkeypatch.setattr(_process.PROCESS, "current", st)
     st.config = T.TransferConfig()
     st.identity = T.local_identity([GPU_A])
     st.address = "tcp://10.0.0.1:4001"
@@ -596,7 +597,8 @@ def state(monkeypatch):
         steps.append(step)
         return types.SimpleNamespace(nbytes=d.size), "view"
 
-    monkeypatch.setattr(_receiver, "_receive", receive)
+    st.gpu = GpuSteps(st)
+    st.gpu.receive = receive  # the mapping, stubbed
     st.received = received
     st.steps = steps  # the timing prefix each receive was given
     return st
@@ -651,7 +653,7 @@ def test_a_failed_mapping_during_a_meeting_is_counted_not_raised(state, monkeypa
     def fail(d):
         raise cpm.SharingError("refused")
 
-    monkeypatch.setattr(_receiver, "_receive", fail)
+    monkeypatch.setattr(state.gpu, "receive", fail)
     w = _Worker({"a": {"status": "OK", "identity": state.identity, "headers": [_header()]}})
     assert asyncio.run(_warm.meet(w, "a")) == "failed"
     assert T.counters()["warm"] == {"failed": 1} and T.counters()["met_peers"] == []
@@ -682,7 +684,7 @@ def test_meeting_waits_for_registration_and_gives_up_on_a_closing_worker(state):
 
 
 def test_serving_a_meeting_exports_blocks_and_meets_the_caller_back(state, monkeypatch):
-    monkeypatch.setattr(_warm, "_export_blocks", lambda: [_header(b"\x09" * 16)])
+    monkeypatch.setattr(state.gpu, "export_blocks", lambda: [_header(b"\x09" * 16)])
     w = _Worker(
         {"tcp://10.0.0.1:4009": {"status": "OK", "identity": state.identity, "headers": []}}
     )
@@ -706,7 +708,7 @@ def test_the_served_side_has_met_the_caller_only_once_its_meeting_back_mapped(st
     """Serving a meeting counts ``served`` at once; the caller's blocks are mapped by
     the meeting back, later.  A wait on ``warm`` alone returns before it (a chunk
     from the caller then makes the first contact); ``met_peers`` says when it is done."""
-    monkeypatch.setattr(_warm, "_export_blocks", lambda: [])
+    monkeypatch.setattr(state.gpu, "export_blocks", lambda: [])
     caller, addr = dict(state.identity, pid=99), "tcp://10.0.0.1:4009"
 
     async def go():
@@ -745,7 +747,7 @@ def test_the_served_side_has_met_the_caller_only_once_its_meeting_back_mapped(st
 )
 def test_serving_refuses_callers_that_could_not_map_our_blocks(state, monkeypatch, change, reason):
     exported = []
-    monkeypatch.setattr(_warm, "_export_blocks", lambda: exported.append(1) or [])
+    monkeypatch.setattr(state.gpu, "export_blocks", lambda: exported.append(1) or [])
     state.worker = _Worker({})
     caller = dict(state.identity, **change)
     r = asyncio.run(_warm.serve(identity=caller, address="tcp://x:1"))
@@ -810,13 +812,12 @@ def test_a_chunk_off_the_plugins_pool_after_the_allocator_was_replaced_says_so(
     import cupy
 
     from cupy_poolmem import _allocator
-    from cupy_poolmem._dask_transfer import _sender
 
     class Chunk:
         nbytes = 2 << 20
 
     state.orig_serialize = lambda x: ({"orig": True}, [])
-    monkeypatch.setattr(_sender, "_facts", lambda x: (False, GPU_A))
+    monkeypatch.setattr(state.gpu, "facts", lambda x: (False, GPU_A))
     monkeypatch.setitem(_allocator._current, "device", object())  # the plugin's, not CuPy's
     ctx = {"recipient": {T.HANDSHAKE_KEY: dict(state.identity, pid=1)}}
     assert cupy.cuda.get_allocator() is not _allocator._current["device"]
@@ -836,7 +837,7 @@ def test_a_meeting_over_real_comms_brings_descriptors_intact(state, monkeypatch)
     from distributed.core import Server, rpc
 
     sent = _header(b"\x07" * 16)
-    monkeypatch.setattr(_warm, "_export_blocks", lambda: [sent])
+    monkeypatch.setattr(state.gpu, "export_blocks", lambda: [sent])
 
     async def main():
         server = Server({T.WARM_OP: _warm.serve})
@@ -858,7 +859,7 @@ def test_a_meeting_over_real_comms_brings_descriptors_intact(state, monkeypatch)
 def test_a_meeting_with_a_server_without_the_handler_says_so():
     from distributed.core import Server, rpc
 
-    st = _process._State()
+    st = _process.TransferState()
     st.identity = T.local_identity([GPU_A])
 
     async def main():
@@ -871,24 +872,24 @@ def test_a_meeting_with_a_server_without_the_handler_says_so():
         finally:
             await server.close()
 
-    old, _process._state = _process._state, st
+    old, _process.PROCESS.current = _process.PROCESS.current, st
     try:
         assert asyncio.run(main()) == "peer-without-plugin"
     finally:
-        _process._state = old
+        _process.PROCESS.current = old
 
 
 def test_a_worker_writes_its_counters_where_configured_when_it_closes(tmp_path, monkeypatch):
     from cupy_poolmem._sharing._context import SharingContext
     from cupy_poolmem._sharing._settings import SharingSettings
 
-    monkeypatch.setattr(_process, "_state", _process._State())
+    monkeypatch.setattr(_process.PROCESS, "current", _process.TransferState())
     w = types.SimpleNamespace(address="tcp://127.0.0.1:7", connection_args={}, handlers={})
     d = tmp_path / "counters"
     cfg = T.TransferConfig(warm=False, counters_dir=str(d))
     ctx = SharingContext(SharingSettings())
     assert T.install(w, 0, cfg, [GPU_A], sharing=ctx)
-    _process._state.counters.timed("receive.claim", 0.002)
+    _process.state().counters.timed("receive.claim", 0.002)
     T.uninstall(w)
     T.uninstall(w)  # once only: the path is gone
     (f,) = list(d.iterdir())

@@ -28,6 +28,7 @@ import cupy_poolmem as cpm  # noqa: E402
 import cupy_poolmem.dask as cdask  # noqa: E402
 from cupy_poolmem import _dask_transfer as T  # noqa: E402
 from cupy_poolmem._dask_transfer import _process, _receiver, _sender  # noqa: E402
+from cupy_poolmem._dask_transfer._steps import GpuSteps  # noqa: E402
 from cupy_poolmem._sharing import _wire  # noqa: E402
 from cupy_poolmem._sharing._wire import ProtocolError  # noqa: E402
 
@@ -81,8 +82,10 @@ class Path:
     """The installed path of one test: its state, and what the stubs saw."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.state = _process._State()
-        monkeypatch.setattr(_process, "_state", self.state)
+        self.state = _process.TransferState()
+        monkeypatch.setattr(_process.PROCESS, "current", self.state)
+        # The GPU steps, stubbed: what the chunk's memory is, its export and its mapping.
+        self.gpu = self.state.gpu = GpuSteps(self.state)
         self.state.orig_serialize = _orig_serialize
         self.state.orig_deserialize = _orig_deserialize
         self.state.config = T.TransferConfig(ipc=True, min_bytes=1024)
@@ -93,11 +96,11 @@ class Path:
         self.desc = _descriptor()
         self.receive_error: BaseException | None = None
         self.refetched: list[tuple[str, dict]] = []
-        monkeypatch.setattr(_sender, "_facts", lambda x: (x.shareable, x.device))
-        monkeypatch.setattr(_sender, "_contiguous", lambda x: x)
-        monkeypatch.setattr(_sender, "_export", self._export)
-        monkeypatch.setattr(_receiver, "_receive", self._receive)
-        monkeypatch.setattr(_receiver, "_refetch", self._refetch)
+        self.gpu.facts = lambda x: (x.shareable, x.device)
+        self.gpu.contiguous = lambda x: x
+        self.gpu.export = self._export
+        self.gpu.receive = self._receive
+        self.gpu.refetch = self._refetch
 
     def _export(self, x):
         self.exported.append(x)
@@ -133,8 +136,8 @@ def test_the_package_reexports_its_parts_and_has_no_second_name_for_the_state():
         obj = getattr(T, name)
         if callable(obj) and hasattr(obj, "__module__"):
             assert obj.__module__.startswith("cupy_poolmem._dask_transfer._"), name
-    # The state has one owner, read at call time: a test patches _process._state, and
-    # an alias on the package would take a patch without any effect.
+    # The state has one owner, read at call time: a test gives _process.PROCESS another
+    # state, and an alias on the package would keep the old one.
     assert not hasattr(T, "_state") and not hasattr(T, "_State")
     assert T.serialize is _sender.serialize and T.deserialize is _receiver.deserialize
 
@@ -392,7 +395,7 @@ def test_a_failed_export_falls_back_to_dasks_path(path, monkeypatch):
     def boom(x):
         raise cpm.SharingError("exporter unavailable")
 
-    monkeypatch.setattr(_sender, "_export", boom)
+    monkeypatch.setattr(path.gpu, "export", boom)
     x = FakeArray(b"z" * 2048)
     header, frames = serialize(x, serializers=("dask",), context=path.recipient())
     assert deserialize(header, frames).payload == x.payload
@@ -462,13 +465,13 @@ def test_the_recipients_handshake_decides_over_real_tcp_comms(path):
 # -- the refetch, against a real distributed Server -------------------------------------------
 def test_refetch_reply_serves_the_senders_block_through_dasks_path(path, monkeypatch):
     held = FakeArray(b"r" * 4096)
-    monkeypatch.setattr(_sender, "_local_array", lambda d: held)
-    reply = _sender._refetch_reply(T.make_header(tuple(path.desc), "tcp://h:1"))
+    monkeypatch.setattr(path.gpu, "local_array", lambda d: held)
+    reply = _sender.refetch_reply(T.make_header(tuple(path.desc), "tcp://h:1"))
     assert reply["status"] == "OK" and T.counters()["refetch_served"] == 1
     assert T.counters()["fallback"] == {"refetch": 1}  # never a second IPC attempt
     assert deserialize(reply["data"].header, reply["data"].frames).payload == held.payload
-    monkeypatch.setattr(_sender, "_local_array", lambda d: None)
-    assert _sender._refetch_reply(T.make_header(tuple(path.desc), "tcp://h:1"))["status"] == "gone"
+    monkeypatch.setattr(path.gpu, "local_array", lambda d: None)
+    assert _sender.refetch_reply(T.make_header(tuple(path.desc), "tcp://h:1"))["status"] == "gone"
 
 
 def test_refetch_over_a_real_server(path, monkeypatch):
@@ -476,18 +479,18 @@ def test_refetch_over_a_real_server(path, monkeypatch):
 
     from distributed.core import Server
 
-    monkeypatch.setattr(_receiver, "_refetch", _REAL_REFETCH)
-    monkeypatch.setattr(_receiver, "_worker_device", contextlib.nullcontext)
+    monkeypatch.setattr(path.gpu, "refetch", _receiver.refetch)
+    monkeypatch.setattr(path.gpu, "worker_device", contextlib.nullcontext)
     held = FakeArray(b"s" * 5000)
-    monkeypatch.setattr(_sender, "_local_array", lambda d: held)
+    monkeypatch.setattr(path.gpu, "local_array", lambda d: held)
     header = T.make_header(tuple(path.desc), "tcp://unused:1")
 
     async def main():
-        server = Server({T.REFETCH_OP: _sender._serve_refetch})
+        server = Server({T.REFETCH_OP: _sender.serve_refetch})
         await server.listen("tcp://127.0.0.1:0")
         try:
             return await asyncio.to_thread(
-                _receiver._refetch, server.address, header, RuntimeError("map failed")
+                _receiver.refetch, server.address, header, RuntimeError("map failed")
             )
         finally:
             await server.close()
@@ -497,15 +500,12 @@ def test_refetch_over_a_real_server(path, monkeypatch):
 
 
 def test_refetch_from_a_gone_sender_raises_a_connection_error(path, monkeypatch):
-    monkeypatch.setattr(_receiver, "_refetch", _REAL_REFETCH)
+    monkeypatch.setattr(path.gpu, "refetch", _receiver.refetch)
     path.state.config = T.TransferConfig(refetch_timeout=1)
     header = T.make_header(tuple(path.desc), "tcp://127.0.0.1:1")
     with pytest.raises(cpm.TransferError, match="could not be mapped .*map failed") as err:
-        _receiver._refetch("tcp://127.0.0.1:1", header, RuntimeError("map failed"))
+        _receiver.refetch("tcp://127.0.0.1:1", header, RuntimeError("map failed"))
     assert isinstance(err.value, ConnectionError)  # Dask: the sender is unreachable
-
-
-_REAL_REFETCH = _receiver._refetch
 
 
 # -- installation on a worker ----------------------------------------------------------------
@@ -526,7 +526,7 @@ def test_install_adds_identity_handler_and_serializers_and_uninstall_removes_the
     import cupy  # the real registration: cupy imports without a GPU
     from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
-    monkeypatch.setattr(_process, "_state", _process._State())
+    monkeypatch.setattr(_process.PROCESS, "current", _process.TransferState())
     w = FakeWorker()
     w.connection_args["handshake_overrides"] = {"pickle-protocol": 4}
     orig_ser = dask_serialize.dispatch(cupy.ndarray)
@@ -535,11 +535,11 @@ def test_install_adds_identity_handler_and_serializers_and_uninstall_removes_the
         assert T.install(w, 0, T.TransferConfig(), devices=[GPU_A])  # idempotent
         ho = w.rpc.connection_args["handshake_overrides"]
         assert ho["pickle-protocol"] == 4 and ho[T.HANDSHAKE_KEY]["devices"] == [GPU_A]
-        assert w.handlers[T.REFETCH_OP] is _sender._serve_refetch
+        assert w.handlers[T.REFETCH_OP] is _sender.serve_refetch
         assert dask_serialize.dispatch(cupy.ndarray) is T.serialize
         assert dask_deserialize.dispatch(cupy.ndarray) is T.deserialize
-        assert _process._state.orig_serialize is orig_ser  # not ourselves, after two installs
-        assert _process._state.address == w.address and T.counters()["installed"]
+        assert _process.state().orig_serialize is orig_ser  # not ourselves, after two installs
+        assert _process.state().address == w.address and T.counters()["installed"]
 
         T.uninstall(w)
         T.uninstall(w)
@@ -554,7 +554,7 @@ def test_install_adds_identity_handler_and_serializers_and_uninstall_removes_the
 
 
 def test_install_with_ipc_off_installs_nothing(monkeypatch):
-    monkeypatch.setattr(_process, "_state", _process._State())
+    monkeypatch.setattr(_process.PROCESS, "current", _process.TransferState())
     w = FakeWorker()
     assert not T.install(w, 0, T.TransferConfig(ipc=False), devices=[GPU_A])
     assert "handshake_overrides" not in w.connection_args and T.REFETCH_OP not in w.handlers

@@ -73,7 +73,7 @@ def _inspect(x) -> dict:
     """What the receiving worker holds: data (sum), device, and whose memory it is."""
     import cupy
 
-    from cupy_poolmem._sharing._importer import Imported
+    from cupy_poolmem._sharing._mapping import Imported
     from cupy_poolmem._sharing._reducers import _owner
 
     owner = _owner(x.data.mem)
@@ -93,7 +93,7 @@ def _sharing_stats() -> dict:
 def _set_boot(boot: str) -> None:
     from cupy_poolmem._dask_transfer import _process
 
-    _process._state.identity["boot"] = boot  # the dict the handshake sends
+    _process.state().identity["boot"] = boot  # the dict the handshake sends
 
 
 def _delta(after: dict, before: dict, key: str) -> int:

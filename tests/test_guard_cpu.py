@@ -620,7 +620,9 @@ def test_foreign_double_free_names_both_frees_and_history_is_bounded(world):
 
 
 def test_numba_finalizer_frees_only_its_own_allocation():
-    nb = pytest.importorskip("cupy_poolmem.numba")
+    pytest.importorskip("cupy_poolmem.numba")
+    from cupy_poolmem import _numba_memory as nb
+
     calls = []
 
     class G:
@@ -628,21 +630,21 @@ def test_numba_finalizer_frees_only_its_own_allocation():
             calls.append((ptr, gen, via))
 
     allocations: dict = {}
-    held = allocations[0x1000] = nb._Held("mem")
-    fin = nb._forget(allocations, 0x1000, held, G(), 7)
+    held = allocations[0x1000] = nb.Held("mem")
+    fin = nb.forget(allocations, 0x1000, held, G(), 7)
     del held
     fin()
     assert allocations == {} and calls == [], "the normal free pops its own entry"
     # reset() freed everything, and the address went to a newer allocation:
-    held = allocations[0x1000] = nb._Held("old")
-    stale = nb._forget(allocations, 0x1000, held, G(), 8)
+    held = allocations[0x1000] = nb.Held("old")
+    stale = nb.forget(allocations, 0x1000, held, G(), 8)
     allocations.clear()
     del held
-    newer = allocations[0x1000] = nb._Held("new")
+    newer = allocations[0x1000] = nb.Held("new")
     stale()
     assert allocations[0x1000] is newer, "a stale finalizer must not free a newer allocation"
     assert calls == [(0x1000, 8, "a Numba pointer's finalizer")]
-    stale_unguarded = nb._forget(allocations, 0x1000, nb._Held("x"))
+    stale_unguarded = nb.forget(allocations, 0x1000, nb.Held("x"))
     stale_unguarded()
     assert allocations[0x1000] is newer
 

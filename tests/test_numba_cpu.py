@@ -17,6 +17,7 @@ pytest.importorskip(
 
 import cupy_poolmem as cpm  # noqa: E402
 import cupy_poolmem.numba as cpn  # noqa: E402
+from cupy_poolmem import _numba_memory  # noqa: E402
 
 NO_GPU = cpm.device_count() == 0
 
@@ -89,7 +90,7 @@ def test_allocating_without_a_context_explains():
 def test_numpy_integer_sizes_are_accepted():
     import numpy as np
 
-    assert cpn._check_size(np.int64(12)) == 12
+    assert _numba_memory.check_size(np.int64(12)) == 12
 
 
 # -- IPC handle transport (the file descriptor travels; no GPU needed to check that) ------

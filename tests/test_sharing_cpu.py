@@ -34,10 +34,10 @@ from fakes.sharing import (
 )
 
 from cupy_poolmem._errors import CUDADriverError, PoolmemError, SharingError
-from cupy_poolmem._sharing import _exporter, _importer, _transport, _wire
+from cupy_poolmem._sharing import _exporter, _records, _transport, _unmapping, _wire
 from cupy_poolmem._sharing._context import SharingContext
 from cupy_poolmem._sharing._driver import Driver
-from cupy_poolmem._sharing._exporter import LocalHold
+from cupy_poolmem._sharing._records import LocalHold
 from cupy_poolmem._sharing._reducers import describe, rebuild, receive
 
 KB = 1024
@@ -252,13 +252,14 @@ def _open_fds():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux (/proc, pidfds)")
-def test_a_receiver_keeps_no_descriptor_of_an_exporter_it_reached(monkeypatch):
+def test_a_receiver_keeps_no_descriptor_of_an_exporter_it_reached():
     """A receiver's connection kept a pidfd of its exporter after it closed: a consumer
     fed by 24 short-lived producers held 24 descriptors of dead processes."""
     other = os.getppid()  # a live process that is not this one: pidfds can be taken
-    monkeypatch.setattr(_transport, "_peer_cred", lambda sock: (other, os.getuid()))
     served = []
-    lst = _transport.Listener(b"family key", served.append)
+    lst = _transport.Listener(
+        b"family key", served.append, peer_cred=lambda sock: (other, os.getuid())
+    )
     try:
         before = _open_fds()
         for _ in range(5):
@@ -277,10 +278,11 @@ def test_a_receiver_keeps_no_descriptor_of_an_exporter_it_reached(monkeypatch):
         lst.close()
 
 
-def test_a_fork_child_drops_its_copy_of_the_exporters_pidfd(monkeypatch):
-    monkeypatch.setattr(_transport, "_peer_cred", lambda sock: (os.getppid(), os.getuid()))
+def test_a_fork_child_drops_its_copy_of_the_exporters_pidfd():
     served = []
-    lst = _transport.Listener(b"family key", served.append)
+    lst = _transport.Listener(
+        b"family key", served.append, peer_cred=lambda sock: (os.getppid(), os.getuid())
+    )
     try:
         client = _transport.connect(lst.address, b"family key")
         assert wait_for(lambda: served)
@@ -595,9 +597,9 @@ def test_one_array_put_n_times(world):
     assert r.stats()["idle_mappings"] == 0 and len(_frees(world.gpu)) == 1
 
 
-def test_claimed_tickets_are_bounded_and_an_older_copy_is_refused(world, monkeypatch):
-    monkeypatch.setattr(_exporter, "_CLAIMED_MAX", 8)
+def test_claimed_tickets_are_bounded_and_an_older_copy_is_refused(world):
     e, r, core = _exporter_receiver(world)
+    e.exporter.claimed_max = 8
     r2 = world.proc("second")
     b = core.alloc(KB, payload=3)
     first = e.send(b)
@@ -1190,7 +1192,7 @@ def test_the_socket_is_a_filesystem_path_in_a_0700_directory(world):
 
 # -- 10. scale ------------------------------------------------------------------------------------
 def test_a_stalled_peer_does_not_stall_others(world, monkeypatch):
-    monkeypatch.setattr(_exporter, "Sender", lambda conn, name: _transport.Sender(conn, name, 16))
+    monkeypatch.setattr(_records, "Sender", lambda conn, name: _transport.Sender(conn, name, 16))
     e = world.proc("exporter")
     stalled, ok = world.proc("stalled"), world.proc("ok")
     core = e.pool()
@@ -1708,9 +1710,9 @@ def test_a_failed_eviction_keeps_the_connection(world):
     del imp, b2
 
 
-def test_a_reimport_waits_for_its_old_free_past_the_closing_cap(world, monkeypatch):
-    monkeypatch.setattr(_importer, "_CLOSING_MAX", 2)
+def test_a_reimport_waits_for_its_old_free_past_the_closing_cap(world):
     e, r, core = _exporter_receiver(world)
+    r.importer.closing_max = 2
     blocks = [core.alloc(KB, payload=i) for i in range(4)]
     r.driver._set_stream(FakeStream(0x77))
     for blk in blocks:  # four unmaps queued on 0x77; the first falls out of the table
@@ -2130,7 +2132,7 @@ def test_the_deferred_retry_backs_off_while_nothing_changes_and_stops_when_done(
     b = core.alloc(KB, payload=5)
     imp = r.recv(e.send(b))
     m = imp.m
-    monkeypatch.setattr(_importer.time, "sleep", fast_sleep)
+    monkeypatch.setattr(_unmapping.time, "sleep", fast_sleep)
     r.driver._set_stream(FakeStream(0x99))
     imp.stream = FakeStream(0x99)
     r.driver._capturing.add(0x99)
@@ -2158,7 +2160,7 @@ def test_free_events_of_an_imported_pool_stay_bounded_with_a_stream_per_task(wor
         assert r.read(imp) == (1, i)
         del imp  # unmapped on that stream
     pool = next(iter(r.importer.pools.values()))
-    assert len(pool.frees) <= _importer._FREES_MAX + 1
+    assert len(pool.frees) <= r.importer.frees_max + 1
     blocks.clear()
     e.exit()
     assert wait_for(lambda: r.stats()["imported_pools"] == 0)

@@ -34,8 +34,8 @@ import pytest
 from fakes.sharing import World, open_fds, sharing_threads, wait_for
 
 from cupy_poolmem._errors import PoolmemError, SharingError
-from cupy_poolmem._sharing._exporter import LocalHold
-from cupy_poolmem._sharing._importer import Imported
+from cupy_poolmem._sharing._mapping import Imported
+from cupy_poolmem._sharing._records import LocalHold
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, settings  # noqa: E402

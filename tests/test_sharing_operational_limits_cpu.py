@@ -689,6 +689,8 @@ def test_numba_handle_descriptors_untaken_past_the_inflight_timeout_are_closed(m
     from cupy_poolmem._sharing import settings
 
     cpn = _numba()
+    from cupy_poolmem import _numba_memory
+
     monkeypatch.setattr(settings, "inflight_timeout", 0.05)
     r, w = os.pipe()
     try:
@@ -700,7 +702,7 @@ def test_numba_handle_descriptors_untaken_past_the_inflight_timeout_are_closed(m
         assert _fd_count() == base + 5, "a duplicate per pickle"
         time.sleep(0.1)
         msg = pickle.dumps(h)  # a pickle closes those past the timeout
-        assert wait_for(lambda: _fd_count() == base + 1, 5.0) and cpn._SENT.untaken() == 1
+        assert wait_for(lambda: _fd_count() == base + 1, 5.0) and _numba_memory.SENT.untaken() == 1
         got = pickle.loads(msg)  # a fresh one is taken as before
         os.write(got._fd, b"x")
         assert os.read(r, 1) == b"x"

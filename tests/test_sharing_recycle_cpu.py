@@ -383,7 +383,7 @@ def test_a_request_is_sent_behind_the_frames_queued_before_it():
     """A claim must not overtake an Idle (or a lazy Hit) posted before it: the receiver
     sends a request directly only when nothing is queued."""
     from cupy_poolmem._sharing import _wire
-    from cupy_poolmem._sharing._importer import Client
+    from cupy_poolmem._sharing._client import Client
     from cupy_poolmem._sharing._transport import Sender
 
     sent = []

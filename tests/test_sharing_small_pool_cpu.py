@@ -11,7 +11,7 @@ import pytest
 from fakes.sharing import wait_for
 
 from cupy_poolmem._errors import PoolmemError
-from cupy_poolmem._sharing._exporter import LocalHold
+from cupy_poolmem._sharing._records import LocalHold
 
 KB = 1024
 SMALL = 64 * KB
@@ -63,12 +63,12 @@ def test_a_small_block_forwarded_and_round_tripped_keeps_its_pool(world):
     assert wait_for(lambda: e.stats()["exported_blocks"] == 0)
 
 
-def test_the_fake_refuses_a_block_sent_under_the_other_pool(world, monkeypatch):
+def test_the_fake_refuses_a_block_sent_under_the_other_pool(world):
     """What the tests above rely on: a block described with the wrong pool cannot be
     mapped (the import of its pointer through that pool fails), and the receiver says so."""
     e, r = world.proc("exporter"), world.proc("receiver")
     core = e.pool(small=SMALL)
-    monkeypatch.setattr(core, "_ipc_pool_of", lambda ptr: (core._pool_uuid, core.memory_resource))
+    core.misreport_small = True  # the exporter is told the main pool holds the block
     b = core.alloc(4 * KB, payload=1)
     with pytest.raises(PoolmemError, match="CUDA_ERROR_INVALID_VALUE"):
         r.recv(e.send(b))

@@ -1,69 +1,15 @@
 """Dask integration: a worker plugin and preload hooks that put each worker on cupy_poolmem pools.
 
-Three ways to use it (all per worker process, one GPU per worker as dask-cuda runs them):
+Use :class:`PoolmemPlugin` from the client, ``--preload cupy_poolmem.dask`` (configured
+by the ``cupy-poolmem.*`` keys), or :mod:`cupy_poolmem_dask` in distributed's preload
+config.  With it, CuPy chunks between workers of one host go through pool IPC
+(:func:`transfer_stats` says which path they took); :func:`gather_stats` collects the
+workers' pool statistics.  docs/dask.rst has the options, config keys and rules.
 
-1. A plugin, registered from the client; the scheduler re-runs it on every worker
-   that joins later, restarted workers included::
-
-       from cupy_poolmem.dask import PoolmemPlugin
-       client.register_plugin(PoolmemPlugin(pool_size=0.5, maximum_pool_size="90%"))
-
-2. A preload module, configured through Dask's config (``cupy-poolmem.*`` keys, or
-   ``DASK_CUPY_POOLMEM__POOL_SIZE`` style environment variables)::
-
-       dask cuda worker tcp://scheduler:8786 --preload cupy_poolmem.dask
-       LocalCUDACluster(preload=["cupy_poolmem.dask"])
-
-3. Configuration alone (no code, no command-line flag): name :mod:`cupy_poolmem_dask`
-   in distributed's nanny and worker preload keys, which reaches ``LocalCUDACluster``,
-   ``dask cuda worker``, ``dask worker`` and dask-cuda's benchmark scripts::
-
-       export DASK_DISTRIBUTED__NANNY__PRELOAD='["cupy_poolmem_dask"]'
-       export DASK_DISTRIBUTED__WORKER__PRELOAD='["cupy_poolmem_dask"]'
-
-   (``distributed.worker.preload`` alone does not reach dask-cuda's workers: dask-cuda
-   passes a preload list of its own, which replaces it.)
-
-:func:`gather_stats` collects every worker's pool statistics.
-
-With the plugin (either way), CuPy chunks that move between two workers of the same
-host go through pool IPC: only a small descriptor travels over the worker's comm,
-the receiver maps the block (same GPU: a zero-copy view; another GPU: one
-device-to-device copy into its own pool).  Everything else - other hosts, memory not
-on an IPC pool, peers without the plugin, any failure to map - takes Dask's own
-serialization.  :func:`transfer_stats` says which path each worker's chunks took.
-The ``distributed.comm.cupy-poolmem`` config keys switch it (see
-:mod:`cupy_poolmem._dask_transfer` for how it hooks into distributed)::
-
-    distributed:
-      comm:
-        cupy-poolmem:
-          ipc: true               # false: Dask's own serialization for every chunk
-          min-bytes: 1MiB         # smaller chunks take Dask's own path
-          refetch-timeout: 120s   # a receiver that cannot map asks the sender again
-
-On each worker the plugin creates (through :func:`cupy_poolmem.set_allocator`) the
-device pool of the worker's GPU, which is device 0 of the process when
-``CUDA_VISIBLE_DEVICES`` lists it first, as dask-cuda arranges; with ``pinned=True``
-it also makes CuPy's pinned allocator a :class:`~cupy_poolmem.PinnedPool` on that
-GPU's NUMA node.  Teardown (worker close, or plugin removal) closes the pools and
-restores CuPy's default allocators.
-
-Config keys and their defaults::
-
-    cupy-poolmem:
-      enabled: true              # false: the preload hooks leave workers alone
-      pool-size: null            # bytes reserved up front ("20GB"; 0.5 or "50%": half the GPU)
-      maximum-pool-size: null    # hard cap of the pool (bytes, string or fraction)
-
-Sizes follow the package's rule (:func:`cupy_poolmem.parse_bytes`), plus dask-cuda's
-spelling of a fraction as a string: a bare decimal number in ``(0, 1]`` such as
-``"0.5"`` (what ``dask cuda worker --rmm-pool-size 0.5`` passes) is a fraction of the
-GPU's memory here too, so settings move over from ``rmm_pool_size`` unchanged.
-Integers, and strings of whole numbers (``"1"``), are always bytes.
-      release-threshold: null    # null: keep reserved memory; 0: release at every sync
-      pinned: true               # pinned host pool on the GPU's NUMA node
-      ipc: true                  # pool memory can be shared with other processes
+Examples
+--------
+>>> from cupy_poolmem.dask import PoolmemPlugin  # doctest: +SKIP
+>>> client.register_plugin(PoolmemPlugin(pool_size=0.5, maximum_pool_size="90%"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -85,6 +31,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
         needs="dask and distributed",
         install='pip install "cupy_poolmem[dask]"',
     ) from _exc
+
+import cupy_poolmem
 
 from . import _dask_transfer
 from ._dask_transfer import TransferConfig
@@ -395,8 +343,6 @@ class PoolmemPlugin(WorkerPlugin):
         """
         import cupy
 
-        import cupy_poolmem
-
         addr = getattr(worker, "address", None)
         where = f"worker {addr}" if addr else f"process {os.getpid()}"
         try:
@@ -468,6 +414,8 @@ class PoolmemPlugin(WorkerPlugin):
         self._restore(worker)
 
     def _restore(self, worker: Any = None) -> None:
+        # Loaded late: the allocator module loads the pools (CuPy, cuda.core), which a
+        # client that only builds and pickles this plugin must not need.
         from . import _allocator
 
         if worker is not None:
@@ -634,8 +582,6 @@ async def dask_teardown(worker: Any) -> None:
 
 # -- statistics --------------------------------------------------------------------------
 def _worker_stats(kind: str) -> dict:
-    import cupy_poolmem
-
     try:
         pool = cupy_poolmem.get_pool() if kind == "device" else cupy_poolmem.get_pinned_pool()
     except PoolClosedError:

@@ -1,43 +1,11 @@
 """Numba External Memory Management (EMM) plugin: Numba allocates from cupy_poolmem's pools.
 
-Enable it before Numba creates its CUDA context, in either of two ways::
-
-    NUMBA_CUDA_MEMORY_MANAGER=cupy_poolmem.numba python app.py
-
-or, in code::
-
-    from numba import cuda
-    import cupy_poolmem.numba
-    cuda.set_memory_manager(cupy_poolmem.numba.PoolmemNumbaManager)
-
-One pool, one set of statistics
-    Numba's device allocations come from the *same* :class:`~cupy_poolmem.DevicePool`
-    that CuPy uses for that device (:func:`cupy_poolmem.get_pool`).  If
-    :func:`cupy_poolmem.set_allocator` has not been called when Numba first needs
-    memory, the plugin calls it (with its defaults, ``ipc=True``), which also makes
-    CuPy allocate from the pools.  Call ``set_allocator(...)`` yourself first to
-    choose options (``max_size``, ``release_threshold``, ``ipc``).
-
-Streams
-    Numba's EMM interface has no stream argument, so Numba allocations follow the
-    package's stream rule: allocated on CuPy's current stream (by default the legacy
-    default stream, which orders against every blocking stream, the same choice
-    RMM's plugin makes) and freed, stream-ordered, on that stream.  Work on
-    non-blocking streams must be synchronised before its arrays are dropped.
-
-Pinned host memory
-    ``cuda.pinned_array`` and friends come from the :class:`~cupy_poolmem.PinnedPool`
-    on the GPU's NUMA node (:func:`cupy_poolmem.get_pinned_pool`, created lazily like
-    the device pool).  Mapped (``cuda.mapped_array``) and write-combined requests,
-    which pool memory cannot provide, fall back to Numba's own ``cuMemHostAlloc``.
-    Managed memory (``cuda.managed_array``) also stays with Numba.
-
-IPC
-    ``device_array.get_ipc_handle()`` works on pool memory, where the legacy
-    ``cuIpcGetMemHandle`` path (and so RMM's plugin) fails: the handle returned is a
-    :class:`PoolIpcHandle` that carries the pool's shareable handle (a file
-    descriptor) and a 64-byte export record of the allocation.  See
-    :class:`PoolIpcHandle` for how it travels and for the trust boundary.
+Numba's device arrays come from the same :class:`~cupy_poolmem.DevicePool` as CuPy's
+(created with ``set_allocator()``'s defaults if nobody called it), pinned arrays from
+the :class:`~cupy_poolmem.PinnedPool`, and ``get_ipc_handle()`` works on pool memory
+(:class:`PoolIpcHandle`).  Enable it before Numba creates its context, with
+``NUMBA_CUDA_MEMORY_MANAGER=cupy_poolmem.numba`` or in code; docs/numba.rst has the
+rules (streams, pinned memory, IPC).
 
 Examples
 --------
@@ -53,13 +21,9 @@ True
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
-import threading
-import time
 import uuid as _uuid
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 try:
@@ -84,112 +48,28 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 import cupy
 from cuda.bindings import driver as _drv
 
-from ._allocator import get_pinned_pool, get_pool, set_allocator, set_pinned_memory_allocator
 from ._device import ensure_access, local_device, require_access, require_gpu
 from ._errors import (
     HandleStateError,
-    InvalidOptionError,
-    OptionTypeError,
-    PoolClosedError,
     SharingError,
     UsageError,
     check_driver,
+)
+from ._numba_memory import (
+    SENT,
+    Held,
+    check_size,
+    close_fd,
+    device_pool,
+    drop,
+    forget,
+    pinned_pool,
 )
 from ._pools import DevicePool, Pool, all_pools
 
 __all__ = ["PoolmemNumbaManager", "PoolIpcHandle"]
 
 _INTERFACE_VERSION = 1
-_init_lock = threading.Lock()
-
-
-# --------------------------------------------------------------------------------------
-# Pools: the same ones CuPy uses, created lazily through set_allocator() semantics.
-# --------------------------------------------------------------------------------------
-def _device_pool(device: int) -> Pool:
-    try:
-        return get_pool(device)
-    except PoolClosedError:
-        with _init_lock:
-            try:
-                return get_pool(device)
-            except PoolClosedError:
-                with cupy.cuda.Device(device):
-                    set_allocator()
-                return get_pool(device)
-
-
-def _pinned_pool(device: int) -> Pool:
-    try:
-        return get_pinned_pool(device)
-    except PoolClosedError:
-        with _init_lock:
-            try:
-                return get_pinned_pool(device)
-            except PoolClosedError:
-                with cupy.cuda.Device(device):
-                    set_pinned_memory_allocator()
-                return get_pinned_pool(device)
-
-
-def _check_size(size: Any) -> int:
-    try:
-        if isinstance(size, bool):
-            raise TypeError
-        size = operator.index(size)  # int, numpy integers
-    except TypeError:
-        raise OptionTypeError(
-            f"allocation size must be an int number of bytes; got {size!r} "
-            f"of type {type(size).__name__}"
-        ) from None
-    if size < 0:
-        raise InvalidOptionError(f"allocation size must be >= 0 bytes; got {size}")
-    return size
-
-
-class _Held:
-    """What the plugin keeps in ``allocations`` for one pointer: the pool memory.
-
-    The pointer's finalizer holds it weakly and frees only if the dictionary still
-    holds *this* object under its address: after ``reset()`` (which freed everything)
-    the address may already belong to a newer allocation, which a stale finalizer must
-    not free.
-    """
-
-    __slots__ = ("mem", "__weakref__")
-
-    def __init__(self, mem: Any) -> None:
-        self.mem = mem
-
-
-def _forget(
-    allocations: Any, key: int, held: _Held, guard: Any = None, generation: int = 0
-) -> Callable[[], None]:
-    """Finalizer for a Numba pointer: drop the pool block it owns (freeing it).
-
-    A second free of the allocation (its entry is gone already) is not done; a guarded
-    pool reports it as a :class:`~cupy_poolmem.DoubleFreeError`.
-    """
-    ref = weakref.ref(held)
-
-    def finalizer() -> None:
-        # Context.reset() may have cleared the dict already (also at interpreter exit).
-        with contextlib.suppress(Exception):
-            h = ref()
-            if h is not None and allocations.get(key) is h:
-                allocations.pop(key, None)
-                return
-            if guard is not None:
-                guard.report_foreign_free(key, generation, "a Numba pointer's finalizer")
-
-    return finalizer
-
-
-def _drop(holder: list) -> Callable[[], None]:
-    def finalizer() -> None:
-        holder.clear()
-
-    return finalizer
 
 
 class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
@@ -266,22 +146,22 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         >>> cuda.set_memory_manager(PoolmemNumbaManager)  # doctest: +SKIP
         >>> d = cuda.device_array(1024)  # calls memalloc  # doctest: +SKIP
         """
-        size = _check_size(size)
+        size = check_size(size)
         dev = self._device_id()
         ctx = weakref.proxy(self.context)
         if size == 0:
             return MemoryPointer(ctx, _drv.CUdeviceptr(0), 0)
-        pool = _device_pool(dev)
+        pool = device_pool(dev)
         mem = pool.malloc(size)  # raises OutOfPoolMemoryError when full
         ptr = int(mem.ptr)
-        held = self.allocations[ptr] = _Held(mem)
+        held = self.allocations[ptr] = Held(mem)
         guard = pool.guard
         gen = guard.generation(ptr) if guard is not None else 0
         return MemoryPointer(
             ctx,
             _drv.CUdeviceptr(ptr),
             size,
-            finalizer=_forget(self.allocations, ptr, held, guard, gen),
+            finalizer=forget(self.allocations, ptr, held, guard, gen),
         )
 
     def memhostalloc(
@@ -313,12 +193,12 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         >>> cuda.set_memory_manager(PoolmemNumbaManager)  # doctest: +SKIP
         >>> h = cuda.pinned_array(1024)  # calls memhostalloc  # doctest: +SKIP
         """
-        size = _check_size(size)
+        size = check_size(size)
         if mapped or wc:
             return super().memhostalloc(size, mapped, portable, wc)
         dev = self._device_id()
-        mem = _pinned_pool(dev).malloc(size)
-        return PinnedMemory(weakref.proxy(self.context), int(mem.ptr), size, finalizer=_drop([mem]))
+        mem = pinned_pool(dev).malloc(size)
+        return PinnedMemory(weakref.proxy(self.context), int(mem.ptr), size, finalizer=drop([mem]))
 
     def get_memory_info(self) -> MemoryInfo:
         """Return ``(free, total)`` as seen by the pool.
@@ -338,7 +218,7 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         >>> free, total = cuda.current_context().get_memory_info()  # doctest: +SKIP
         """
         dev = self._device_id()
-        pool = _device_pool(dev)
+        pool = device_pool(dev)
         st = pool.stats()
         with cupy.cuda.Device(dev):
             free, total = cupy.cuda.runtime.memGetInfo()
@@ -447,80 +327,17 @@ def _pointer_pool(ptr: int) -> int:
 # allocation twice in a process breaks the first import.
 
 
-def _importer() -> Any:
+def _sharing_context() -> Any:
+    """This process's sharing context (its importer maps the handles' allocations)."""
+    # Loaded late: importing the sharing package hooks it into the pools and pickling,
+    # which a process using the plugin without pool IPC does not need.
     from ._sharing import context
 
-    return context().importer
+    return context()
 
 
-class _SentDescriptors:
-    """Duplicates of pools' descriptors that pickled handles left in ``multiprocessing``'s
-    resource sharer for their receivers to take.
-
-    One is made per pickle; a receiver that unpickles takes it (the sharer closes it
-    then).  One nobody takes is closed here once it is older than
-    ``cupy_poolmem.sharing.inflight_timeout`` (checked at each pickle): a handle
-    pickled but never unpickled kept one open descriptor per pickle for ever.  (Not
-    when the handle goes: ``queue.put(array.get_ipc_handle())`` drops it at once.)
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._out: dict[Any, float] = {}  # the sharer's key -> when it was made
-
-    def add(self, dup: Any) -> None:
-        key = getattr(dup, "_id", None)  # (a spawn launch's DupFd closes its own)
-        if key is not None:
-            with self._lock:
-                self._out[key] = self._clock()
-
-    def close(self, older_than: float = 0.0) -> int:
-        """Close the untaken duplicates made more than ``older_than`` seconds ago; how
-        many were closed."""
-        sharer = _resource_sharer()
-        now = self._clock()
-        with self._lock:
-            keys = [k for k, made in self._out.items() if now - made > older_than]
-            for k in keys:
-                del self._out[k]
-        closed = 0
-        for k in keys:
-            ent = None
-            if sharer is not None:
-                with sharer._lock:
-                    ent = sharer._cache.pop(k[1], None)  # None: a receiver took it
-            if ent is not None:
-                with contextlib.suppress(OSError):
-                    ent[1]()  # the sharer's close()
-                closed += 1
-        return closed
-
-    def untaken(self) -> int:
-        """Duplicates made and still waiting for a receiver."""
-        sharer = _resource_sharer()
-        with self._lock:
-            keys = list(self._out)
-        if sharer is None:
-            return 0
-        with sharer._lock:
-            return sum(1 for k in keys if k[1] in sharer._cache)
-
-
-def _resource_sharer() -> Any:
-    """``multiprocessing``'s resource sharer (where a pickled DupFd waits), if any."""
-    from multiprocessing import resource_sharer
-
-    rs = getattr(resource_sharer, "_resource_sharer", None)
-    return rs if hasattr(rs, "_cache") and hasattr(rs, "_lock") else None
-
-
-_SENT = _SentDescriptors()
-
-
-def _close_fd(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
+def _importer() -> Any:
+    return _sharing_context().importer
 
 
 class PoolIpcHandle(IpcHandle):
@@ -632,7 +449,7 @@ class PoolIpcHandle(IpcHandle):
         self._keepalive = keepalive  # exporter: the cuda.core allocation handle
         self._fd = received_fd  # receiver: our duplicate, until the pool is imported
         self._fd_finalizer = (
-            weakref.finalize(self, _close_fd, received_fd) if received_fd is not None else None
+            weakref.finalize(self, close_fd, received_fd) if received_fd is not None else None
         )
         self._rec: Any = None  # the importer's mapping while open
         self._local = False
@@ -697,18 +514,16 @@ class PoolIpcHandle(IpcHandle):
             )
         from multiprocessing.reduction import DupFd
 
-        from ._sharing import settings
-
-        timeout = settings.inflight_timeout
+        timeout = _sharing_context().settings.inflight_timeout
         if timeout is not None:
-            _SENT.close(older_than=timeout)
+            SENT.close(older_than=timeout)
         try:
             dup = DupFd(self._export_fd)
         except OSError as exc:
             raise SharingError(
                 f"the exporting pool's file descriptor is unusable (was the pool closed?): {exc}"
             ) from exc
-        _SENT.add(dup)
+        SENT.add(dup)
         return (
             _rebuild_pool_ipc_handle,
             (
@@ -923,7 +738,7 @@ def _rebuild_pool_ipc_handle(
     u = _uuid.UUID(pool_uuid)
     if str(u) in _importer().pools:
         # This process has the pool already: the duplicate descriptor is spare.
-        _close_fd(fd)
+        close_fd(fd)
         fd = None
     return PoolIpcHandle(
         None,

@@ -47,8 +47,8 @@ from typing import Any
 from cupy_poolmem._errors import CUDADriverError, SharingError
 from cupy_poolmem._sharing import _transport, _wire
 from cupy_poolmem._sharing._context import SharingContext
-from cupy_poolmem._sharing._exporter import LocalHold
-from cupy_poolmem._sharing._importer import Imported
+from cupy_poolmem._sharing._mapping import Imported
+from cupy_poolmem._sharing._records import LocalHold
 from cupy_poolmem._sharing._reducers import describe, receive
 from cupy_poolmem._sharing._settings import SharingSettings
 
@@ -725,6 +725,7 @@ class FakeCore:
         self.small_max = small
         self._small: Any = None  # (uuid, resource, fake GPU pool, write end of its pipe)
         self._small_ptrs: set[int] = set()
+        self.misreport_small = False  # name the main pool for small blocks too (a test's lie)
         if small:
             rfd, wfd = os.pipe()
             mr = type("MR", (), {"allocation_handle": rfd})()
@@ -735,8 +736,9 @@ class FakeCore:
         return self._small[2] if ptr in self._small_ptrs else self._pool
 
     def _ipc_pool_of(self, ptr: int) -> tuple[str, Any]:
-        """(uuid, resource) of the CUDA pool holding ``ptr`` (as the driver says)."""
-        if ptr in self._small_ptrs:
+        """(uuid, resource) of the CUDA pool holding ``ptr`` (as the driver says; the
+        main pool's for every block when ``misreport_small`` is set)."""
+        if ptr in self._small_ptrs and not self.misreport_small:
             return self._small[0], self._small[1]
         return self._pool_uuid, self.memory_resource
 

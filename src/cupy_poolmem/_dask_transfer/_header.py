@@ -22,10 +22,17 @@ def make_header(desc: tuple, sender: str) -> dict[str, Any]:
     return {HEADER_KEY: PROTOCOL, "desc": list(desc), "sender": sender}
 
 
-def _bad(what: str) -> SharingError:
-    from .._sharing._wire import ProtocolError
+def _sharing_wire() -> Any:
+    """The sharing package's wire format (descriptor checks, ``ProtocolError``)."""
+    # Loaded late: importing the sharing package hooks it into the pools and pickling,
+    # which a client or scheduler importing this package must not get.
+    from .._sharing import _wire
 
-    return ProtocolError(
+    return _wire
+
+
+def _bad(what: str) -> SharingError:
+    return _sharing_wire().ProtocolError(
         f"a Dask chunk's cupy_poolmem header is malformed ({what}); it was not mapped. "
         "Install one cupy_poolmem version on every worker"
     )
@@ -37,8 +44,7 @@ def parse_header(sub: Any) -> tuple[Any, str]:
     The descriptor is checked field by field (``_wire.check_descriptor``) before
     anything is mapped; lists that msgpack made of tuples are turned back.
     """
-    from .._sharing import _wire
-
+    _wire = _sharing_wire()
     if not isinstance(sub, dict):
         raise _bad(f"a {type(sub).__name__}, not a mapping")
     proto = sub.get(HEADER_KEY)

@@ -14,6 +14,7 @@ import os
 from multiprocessing import current_process
 from typing import Any
 
+from .. import __version__
 from ._protocol import PROTOCOL
 
 __all__ = ["boot_id", "check_identity", "local_identity"]
@@ -65,8 +66,6 @@ def local_identity(
     >>> ident["auth"], local_identity(["GPU-0"], authkey=b"k" * 32)["auth"]
     ('process', 'secret')
     """
-    from .. import __version__
-
     return {
         "proto": PROTOCOL,
         "version": __version__,

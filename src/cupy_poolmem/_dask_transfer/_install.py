@@ -16,6 +16,7 @@ from . import _process, _receiver, _sender, _warm
 from ._config import CONFIG_KEY, TransferConfig
 from ._identity import local_identity
 from ._protocol import HANDSHAKE_KEY, REFETCH_OP, WARM_OP
+from ._secret import authkey_from_secret, load_secret
 
 __all__ = ["install", "uninstall"]
 
@@ -28,7 +29,7 @@ def _register() -> None:
     import distributed.protocol.cupy  # noqa: F401 - registers the originals
     from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
-    st = _process._state
+    st = _process.state()
     cur = dask_serialize.dispatch(cupy.ndarray)
     if cur is not _sender.serialize:
         st.orig_serialize = cur
@@ -46,7 +47,7 @@ def _unregister() -> None:
     import cupy
     from distributed.protocol.serialize import dask_serialize
 
-    st = _process._state
+    st = _process.state()
     if st.orig_serialize is not None and dask_serialize.dispatch(cupy.ndarray) is _sender.serialize:
         dask_serialize.register(cupy.ndarray, st.orig_serialize)
 
@@ -65,8 +66,6 @@ def _sharing_key(cfg: TransferConfig, sharing: Any) -> bytes | None:
     """Set the sharing context's key from the per-host secret, if configured; the
     context's key when it is not the process family's (None when it is)."""
     if cfg.secret is not None:
-        from ._secret import authkey_from_secret, load_secret
-
         secret = load_secret(cfg.secret)
         assert secret is not None
         sharing.use_authkey(authkey_from_secret(secret))
@@ -80,7 +79,7 @@ def _start_meeting(worker: Any) -> None:
         asyncio.get_running_loop()
     except RuntimeError:
         return  # no event loop here (a test's fake worker): nothing to meet
-    st = _process._state
+    st = _process.state()
     task = asyncio.ensure_future(_warm.meet_peers(worker))
     st.tasks.add(task)
     task.add_done_callback(st.tasks.discard)
@@ -112,17 +111,19 @@ def install(
         uninstall(worker)
         logger.info("cupy_poolmem: same-host IPC transfers off (%s.ipc is false)", CONFIG_KEY)
         return False
-    if sharing is None:
-        from .._sharing import context
+    st = _process.state()
+    if st.gpu is None:
+        # Loaded late: the GPU steps import the sharing package, which hooks into the
+        # pools and pickling; a client or scheduler importing this package must not.
+        from ._steps import GpuSteps
 
-        sharing = context()
+        st.gpu = GpuSteps(st)
+    if sharing is None:
+        sharing = st.gpu.sharing()
     key = _sharing_key(cfg, sharing)
     if devices is None:
-        from .._device import device_count, device_uuid
-
-        devices = [device_uuid(i) for i in range(device_count())]
+        devices = st.gpu.device_uuids()
     ident = local_identity(devices, authkey=key)
-    st = _process._state
     with st.lock:
         _register()
         st.config, st.identity, st.device = cfg, ident, device
@@ -138,7 +139,7 @@ def install(
         }
         handlers = getattr(worker, "handlers", None)
         if isinstance(handlers, dict):
-            handlers[REFETCH_OP] = _sender._serve_refetch
+            handlers[REFETCH_OP] = _sender.serve_refetch
             handlers[WARM_OP] = _warm.serve
     if cfg.warm:
         _start_meeting(worker)
@@ -157,11 +158,9 @@ def _write_counters(directory: str) -> None:
     import json
     import os
 
-    from ._process import counters
-
     try:
         os.makedirs(directory, exist_ok=True)
-        out = dict(counters(), address=_process._state.address, pid=os.getpid())
+        out = dict(_process.counters(), address=_process.state().address, pid=os.getpid())
         path = os.path.join(directory, f"counters-{os.getpid()}.json")
         with open(path, "w") as f:
             json.dump(out, f)
@@ -176,7 +175,7 @@ def uninstall(worker: Any = None) -> None:
 
     With ``counters-dir`` configured, the counters are written there first.
     """
-    st = _process._state
+    st = _process.state()
     cfg = st.config
     if st.identity is not None and cfg is not None and cfg.counters_dir:
         _write_counters(cfg.counters_dir)
@@ -196,7 +195,7 @@ def uninstall(worker: Any = None) -> None:
                     else:
                         ca.pop("handshake_overrides", None)
             handlers = getattr(w, "handlers", None)
-            if isinstance(handlers, dict) and handlers.get(REFETCH_OP) is _sender._serve_refetch:
+            if isinstance(handlers, dict) and handlers.get(REFETCH_OP) is _sender.serve_refetch:
                 del handlers[REFETCH_OP]
             if isinstance(handlers, dict) and handlers.get(WARM_OP) is _warm.serve:
                 del handlers[WARM_OP]

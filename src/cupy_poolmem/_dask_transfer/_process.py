@@ -1,10 +1,10 @@
 """This process's transfer state and its counters: their one owner.
 
 One worker per process (as dask-cuda runs them), so the state is the process's: the
-installed config and identity, the worker, the serializers that were wrapped, and
-the :class:`Counters`.  The other parts read it as ``_process._state`` at call time
-(never a name bound at import), so a test that replaces ``_process._state`` replaces
-it for all of them.
+installed config and identity, the worker, the serializers that were wrapped, the
+:class:`Counters` and the GPU steps (``gpu``).  :data:`PROCESS` owns the current
+:class:`TransferState`; the other parts read it with :func:`state` at call time, so a
+test that gives ``PROCESS`` another state gives it to all of them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ._config import TransferConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Counters", "counters"]
+__all__ = ["Counters", "counters", "TransferState", "ProcessState", "PROCESS", "state"]
 
 
 class Counters:
@@ -84,8 +84,13 @@ class Counters:
         return out
 
 
-class _State:
-    def __init__(self) -> None:
+class TransferState:
+    """What the transfer path of this process knows: set by ``install``, read by the
+    serializers, the refetch and the meetings.  ``gpu``: the GPU and sharing steps
+    (``_steps.GpuSteps``, made by ``install`` unless a test gave one of its own)."""
+
+    def __init__(self, gpu: Any = None) -> None:
+        self.gpu: Any = gpu
         self.lock = threading.Lock()
         self.config: TransferConfig | None = None
         self.identity: dict[str, Any] | None = None
@@ -102,7 +107,19 @@ class _State:
         self.met: set[str] = set()  # peers met (their addresses)
 
 
-_state = _State()
+class ProcessState:
+    """The owner of this process's :class:`TransferState` (``current``)."""
+
+    def __init__(self) -> None:
+        self.current = TransferState()
+
+
+PROCESS = ProcessState()
+
+
+def state() -> TransferState:
+    """This process's transfer state."""
+    return PROCESS.current
 
 
 def counters() -> dict[str, Any]:
@@ -110,8 +127,9 @@ def counters() -> dict[str, Any]:
     with ``installed``, ``ipc`` and ``met_peers`` (the addresses of the workers whose
     blocks this worker mapped at a meeting: its receives from them make no first
     contact)."""
-    out = _state.counters.to_dict()
-    out["installed"] = _state.identity is not None
-    out["ipc"] = bool(_state.config is not None and _state.config.ipc)
-    out["met_peers"] = sorted(_state.met)
+    st = state()
+    out = st.counters.to_dict()
+    out["installed"] = st.identity is not None
+    out["ipc"] = bool(st.config is not None and st.config.ipc)
+    out["met_peers"] = sorted(st.met)
     return out

@@ -3,7 +3,7 @@
 :func:`deserialize` maps the block of an IPC header on this worker's GPU (a view on
 the same GPU, one device-to-device copy on another) and hands everything else to the
 original deserializer.  A block it cannot map is asked again from the sender
-(:func:`_refetch`) through Dask's own serialization.
+(:func:`refetch`) through Dask's own serialization.
 """
 
 from __future__ import annotations
@@ -22,13 +22,6 @@ from ._protocol import HEADER_KEY, REFETCH_OP
 __all__ = ["deserialize"]
 
 logger = logging.getLogger("cupy_poolmem.dask")
-
-
-def _worker_device() -> Any:
-    """A context manager making the worker's GPU current (CuPy's ``Device``)."""
-    import cupy
-
-    return cupy.cuda.Device(_process._state.device)
 
 
 def first_steps(ctx: Any, d: Any) -> str:
@@ -52,45 +45,6 @@ def first_steps(ctx: Any, d: Any) -> str:
     return "claim"
 
 
-def _receive(d: Any, step: str = "receive") -> tuple[Any, str]:
-    """Map the block of ``d``: ``(array, "view" | "copy")`` on this worker's GPU.
-
-    The seconds each step took go to the counters' ``timings``: ``<step>.<kind>``
-    (:func:`first_steps`; ``step`` is ``"receive"`` for a chunk, ``"warm"`` for a
-    meeting's block, so ``receive.first-contact`` counts chunks only) and ``copy``
-    (the device-to-device copy from another GPU).
-    """
-    import cupy
-
-    from .._sharing import context
-    from .._sharing._reducers import array_on, receive
-
-    ctx = context()
-    counters = _process._state.counters
-    kind = first_steps(ctx, d)
-    t0 = time.perf_counter()
-    owner, dev = receive(ctx, d)
-    counters.timed(f"{step}.{kind}", time.perf_counter() - t0)
-    view = array_on(owner, d, dev)
-    mine = _process._state.device
-    if dev == mine:
-        return view, "view"
-    t0 = time.perf_counter()
-    try:
-        with _worker_device():
-            order = "F" if view.flags.f_contiguous and not view.flags.c_contiguous else "C"
-            out = cupy.empty(view.shape, view.dtype, order=order)
-            stream = cupy.cuda.get_current_stream()
-            # One device-to-device copy; CuPy enables peer access between the two GPUs
-            # where they allow it, and the imported pool was granted to this GPU.
-            out.data.copy_from_device_async(view.data, view.nbytes, stream)
-            stream.synchronize()  # done before the mapping goes, ready on every stream
-    finally:
-        del view, owner  # the mapping is let go now (unmapped, lease returned)
-    counters.timed("copy", time.perf_counter() - t0)
-    return out, "copy"
-
-
 def _on_event_loop() -> bool:
     try:
         asyncio.get_running_loop()
@@ -101,7 +55,7 @@ def _on_event_loop() -> bool:
 
 def deserialize(header: Any, frames: list) -> Any:
     """``dask_deserialize`` of ``cupy.ndarray``: the IPC header, else the original."""
-    st = _process._state
+    st = _process.state()
     if not (isinstance(header, dict) and HEADER_KEY in header):
         if st.orig_deserialize is None:
             from distributed.protocol.cupy import dask_deserialize_cupy_ndarray
@@ -114,7 +68,7 @@ def deserialize(header: Any, frames: list) -> Any:
         st.counters.timed("transit", max(time.monotonic() - sent, 0.0))
     t0 = time.perf_counter()
     try:
-        arr, how = _receive(d)
+        arr, how = st.gpu.receive(d)
     except Exception as exc:
         logger.warning(
             "cupy_poolmem: could not map a chunk from %s (%s: %s); fetching it again "
@@ -123,7 +77,7 @@ def deserialize(header: Any, frames: list) -> Any:
             type(exc).__name__,
             exc,
         )
-        arr = _refetch(sender, header, exc)
+        arr = st.gpu.refetch(sender, header, exc)
         st.counters.add("refetched")
         return arr
     st.counters.add("received_" + how)
@@ -133,7 +87,7 @@ def deserialize(header: Any, frames: list) -> Any:
     return arr
 
 
-def _refetch(sender: str, header: dict, cause: BaseException) -> Any:
+def refetch(sender: str, header: dict, cause: BaseException) -> Any:
     """Ask ``sender`` for the chunk of ``header`` through Dask's own serialization.
 
     Runs in a thread with its own event loop: this one may be the worker's, blocked
@@ -142,7 +96,7 @@ def _refetch(sender: str, header: dict, cause: BaseException) -> Any:
     from distributed.comm import connect
     from distributed.protocol.serialize import Serialized, merge_and_deserialize
 
-    st = _process._state
+    st = _process.state()
     timeout = st.config.refetch_timeout if st.config is not None else 120.0
     args = dict(st.connection_args)
     box: dict[str, Any] = {}
@@ -179,5 +133,5 @@ def _refetch(sender: str, header: dict, cause: BaseException) -> Any:
     frames = data.frames
     if "compression" in data.header:
         frames = decompress(data.header, frames)
-    with _worker_device():
+    with _process.state().gpu.worker_device():
         return merge_and_deserialize(data.header, frames)

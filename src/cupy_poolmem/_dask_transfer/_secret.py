@@ -1,17 +1,9 @@
 """The per-host secret that lets separately started workers of one user share pool IPC.
 
-Workers started by one command (a ``LocalCUDACluster``, one ``dask cuda worker``
-with several GPUs) are one process family: their sharing sockets authenticate with
-the multiprocessing authkey they inherited.  Workers started by separate commands
-have different authkeys; with ``distributed.comm.cupy-poolmem.secret`` set they
-authenticate with a key derived from a secret file instead, which only the user
-(and root) can read:
-
-* ``auto``: ``cupy_poolmem/dask-secret`` in ``$XDG_RUNTIME_DIR`` (when it is the
-  user's own 0700 directory), else in ``/tmp/cupy_poolmem-$UID`` (created 0700);
-  created on first use with 32 random bytes, mode 0600;
-* a path: a regular file of the user, mode 0600 (no group or other bits), at
-  least 16 bytes; anything else is refused with :class:`InvalidOptionError`.
+``auto`` (a 0600 file in the user's runtime or 0700 temporary directory, made on
+first use) or a path to a 0600 file of the user; the sharing key is derived from
+it.  Anything less private is refused with :class:`InvalidOptionError`
+(docs/dask.rst, "per-host secret").
 """
 
 from __future__ import annotations

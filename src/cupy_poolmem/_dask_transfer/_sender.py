@@ -2,7 +2,7 @@
 
 :func:`serialize` sends a descriptor where :func:`~._decide.decide` allows it and
 hands everything else to the original serializer.  A receiver that could not map a
-block asks again (``REFETCH_OP``): :func:`_serve_refetch` answers with the same
+block asks again (``REFETCH_OP``): :func:`serve_refetch` answers with the same
 chunk through Dask's own serialization.
 """
 
@@ -13,7 +13,6 @@ import logging
 import time
 from typing import Any
 
-from .._errors import SharingError
 from . import _process
 from ._decide import decide
 from ._header import make_header, parse_header
@@ -24,57 +23,11 @@ __all__ = ["serialize"]
 logger = logging.getLogger("cupy_poolmem.dask")
 
 
-def _facts(x: Any) -> tuple[bool, str]:
-    """``(shareable, device_uuid)`` of a CuPy array's memory."""
-    from .._device import device_uuid
-    from .._sharing._reducers import _owner, _shareable
-
-    owner = _owner(x.data.mem)
-    return owner is not None and _shareable(owner), device_uuid(x.device.id)
-
-
-def _export(x: Any) -> tuple:
-    """The sharing descriptor of a new message for ``x`` (contiguous), ticket registered."""
-    from .._sharing import context
-    from .._sharing._reducers import _owner, describe
-
-    owner = _owner(x.data.mem)
-    offset = x.data.ptr - owner.ptr
-    return describe(context(), owner, "cupy", offset, x.shape, x.strides, x.dtype.str)
-
-
-def _contiguous(x: Any) -> Any:
-    """``x``, or a C-contiguous copy on its GPU (from the worker's pool)."""
-    if x.flags.c_contiguous or x.flags.f_contiguous:
-        return x
-    import cupy
-
-    with cupy.cuda.Device(x.device.id):
-        return cupy.ascontiguousarray(x)
-
-
-def _allocator_replaced() -> str | None:
-    """A description of CuPy's current allocator when it is no longer the one
-    cupy_poolmem installed (RMM's, set after the plugin ran...); else None."""
-    import cupy
-
-    from .. import _allocator
-
-    mine = _allocator._current.get("device")
-    cur = cupy.cuda.get_allocator()
-    if mine is None or cur is mine:
-        return None
-    owner = getattr(cur, "__self__", None)
-    mod = type(owner).__module__ if owner is not None else getattr(cur, "__module__", None)
-    name = getattr(cur, "__qualname__", None) or type(cur).__qualname__
-    return f"{mod or '?'}.{name}"
-
-
 def _not_ipc_memory_reason() -> str:
     """``"allocator-replaced"`` (warned once) when that explains the chunk's memory."""
-    st = _process._state
+    st = _process.state()
     try:
-        other = _allocator_replaced()
+        other = st.gpu.allocator_replaced()
     except Exception:  # noqa: BLE001 - a diagnosis only
         other = None
     if other is None:
@@ -95,18 +48,18 @@ def _not_ipc_memory_reason() -> str:
 
 def serialize(x: Any, context: Any = None) -> tuple[dict, list]:
     """``dask_serialize`` of ``cupy.ndarray`` while the path is installed."""
-    st = _process._state
+    st = _process.state()
     orig = st.orig_serialize
     assert orig is not None, "cupy_poolmem's dask serializer ran without being installed"
-    reason = decide(st.identity, st.config, context, int(x.nbytes), lambda: _facts(x))
+    reason = decide(st.identity, st.config, context, int(x.nbytes), lambda: st.gpu.facts(x))
     if reason == "ipc":
         t0 = time.perf_counter()
         try:
-            y = _contiguous(x)
-            if y is not x and not _facts(y)[0]:
+            y = st.gpu.contiguous(x)
+            if y is not x and not st.gpu.facts(y)[0]:
                 reason = "not-ipc-memory"
             else:
-                d = _export(y)
+                d = st.gpu.export(y)
         except Exception as exc:  # the sender's own failure: Dask's path instead
             logger.warning("cupy_poolmem: pool IPC export failed (%s: %s)", type(exc).__name__, exc)
             reason = "export-failed"
@@ -123,40 +76,22 @@ def serialize(x: Any, context: Any = None) -> tuple[dict, list]:
     return header, []
 
 
-async def _serve_refetch(header: Any = None) -> dict[str, Any]:
+async def serve_refetch(header: Any = None) -> dict[str, Any]:
     """The sender's handler: the chunk of ``header`` through Dask's own serialization."""
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(None, _refetch_reply, header)
+    return await loop.run_in_executor(None, refetch_reply, header)
 
 
-def _refetch_reply(header: Any) -> dict[str, Any]:
+def refetch_reply(header: Any) -> dict[str, Any]:
     from distributed.protocol.serialize import Serialized
     from distributed.protocol.serialize import serialize as dserialize
 
     d, _ = parse_header(header)
-    arr = _local_array(d)
+    arr = _process.state().gpu.local_array(d)
     if arr is None:
         return {"status": "gone", "message": "the block is no longer held by this worker"}
     head, frames = dserialize(
         arr, serializers=("dask",), on_error="raise", context={REFETCH_CONTEXT: True}
     )
-    _process._state.counters.add("refetch_served")
+    _process.state().counters.add("refetch_served")
     return {"status": "OK", "data": Serialized(head, frames)}
-
-
-def _local_array(d: Any) -> Any:
-    """The array ``d`` describes, read in the process that sent it (None if gone)."""
-    from .._sharing import context
-    from .._sharing._reducers import array_on, rebuild
-
-    try:
-        return rebuild(d)  # the ticket is live (or was claimed): the sharing round trip
-    except SharingError:
-        pass
-    ctx = context()
-    if ctx.exporter_address() != d.address:
-        return None
-    hold = ctx.exporter.hold_live(d.export_id, d.export_data, d.life)
-    if hold is None or hold.size != d.size:  # the header names bytes outside the block
-        return None
-    return array_on(hold, d, hold.rec.dev)

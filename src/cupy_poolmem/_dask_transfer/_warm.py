@@ -1,23 +1,10 @@
 """Meeting same-host peers when a worker starts: the once-only costs paid early.
 
-The first chunk between two workers would otherwise pay for the connection to the
-sender's sharing socket (and its authentication), the import of the sender's pool,
-and on another GPU the first peer copy, all inside the receiving worker's
-deserialization.  So when the path is installed, the worker waits until it is
-registered with the scheduler, asks for the workers of its host, and *meets* each:
-it calls the peer's :data:`~._protocol.WARM_OP` handler with its identity; the peer
-checks it (:func:`~._decide.peer_reason`), exports one small and one large block of
-its pool (the two CUDA pools chunks come from) and answers their descriptors, then
-meets the caller the other way round.  Each side maps the other's blocks through
-the ordinary sharing path (a claim per block, the pool's descriptor with the first
-claim) and lets them go at once: the connection and the imported pools stay.
-Workers that start later meet the ones already running, so every pair meets once.
-
-How each meeting ended is counted (``warm`` in the transfer counters: ``met``, or
-the reason it did not happen; ``served`` on the side that was met, whose own
-meeting back may still be under way), the peers whose blocks this worker mapped are
-listed (``met_peers``), and the seconds go to ``timings["warm"]`` (each meeting)
-and ``timings["warm.<kind>"]`` (its receives, apart from the chunks' ``receive.*``).
+Once registered, a worker calls each same-host peer's :data:`~._protocol.WARM_OP`
+handler; both sides export a small and a large block, map the other's and let them
+go, so the connection and the imported pools are made before the first chunk.  How
+each meeting ended and its seconds go to the counters (docs/dask.rst, "Warm-up and
+where the time goes").
 """
 
 from __future__ import annotations
@@ -27,9 +14,9 @@ import logging
 import time
 from typing import Any
 
-from . import _process, _receiver, _sender
+from . import _process
 from ._decide import peer_reason
-from ._header import make_header, parse_header
+from ._header import parse_header
 from ._identity import check_identity
 
 __all__ = ["meet", "meet_peers", "serve", "warm_sizes"]
@@ -61,33 +48,6 @@ def warm_sizes(small_pool: int, min_bytes: int) -> list[int]:
     return sizes
 
 
-def _pool_small_limit() -> int:
-    import cupy_poolmem
-
-    try:
-        return int(getattr(cupy_poolmem.get_pool(), "small_pool", 0) or 0)
-    except Exception:  # noqa: BLE001 - no pool: the one size
-        return 0
-
-
-def _export_blocks() -> list[dict[str, Any]]:
-    """Headers of fresh blocks of this worker's pool (their tickets registered); the
-    blocks go back to the pool once the peer has claimed (or dropped) them."""
-    import cupy
-
-    st = _process._state
-    cfg = st.config
-    min_bytes = cfg.min_bytes if cfg is not None else MiB
-    headers = []
-    with cupy.cuda.Device(st.device):
-        for n in warm_sizes(_pool_small_limit(), min_bytes):
-            x = cupy.empty(n, dtype="u1")
-            if not _sender._facts(x)[0]:
-                continue  # not IPC memory: nothing to meet
-            headers.append(make_header(tuple(_sender._export(x)), st.address or ""))
-    return headers
-
-
 def _receive_blocks(headers: list[Any]) -> int:
     """Map each block of ``headers`` and let it go; how many were received.
 
@@ -96,7 +56,7 @@ def _receive_blocks(headers: list[Any]) -> int:
     n = 0
     for h in headers:
         d, _ = parse_header(h)
-        arr, _how = _receiver._receive(d, step="warm")
+        arr, _how = _process.state().gpu.receive(d, step="warm")
         del arr
         n += 1
     return n
@@ -104,7 +64,7 @@ def _receive_blocks(headers: list[Any]) -> int:
 
 def _visible(peer: dict[str, Any]) -> bool:
     """The peer sees this worker's GPU (it can map this worker's blocks)."""
-    st = _process._state
+    st = _process.state()
     uuid = st.device_uuid
     return uuid is None or uuid in peer.get("devices", ())
 
@@ -113,7 +73,7 @@ async def serve(
     identity: Any = None, address: Any = None, reciprocate: bool = True
 ) -> dict[str, Any]:
     """The :data:`~._protocol.WARM_OP` handler: blocks to map for a peer that meets us."""
-    st = _process._state
+    st = _process.state()
     if st.identity is None or st.worker is None:
         return {"status": "skip", "reason": "disabled"}
     peer = check_identity(identity)
@@ -124,7 +84,7 @@ async def serve(
         st.counters.warmed("served-" + reason)
         return {"status": "skip", "reason": reason}
     loop = asyncio.get_running_loop()
-    headers = await loop.run_in_executor(None, _export_blocks)
+    headers = await loop.run_in_executor(None, st.gpu.export_blocks)
     if reciprocate and isinstance(address, str) and "://" in address:
         task = asyncio.ensure_future(meet(st.worker, address, reciprocate=False))
         st.tasks.add(task)
@@ -135,7 +95,7 @@ async def serve(
 
 async def meet(worker: Any, address: str, reciprocate: bool = True) -> str:
     """Meet the worker at ``address``: map its blocks (and it ours); the outcome."""
-    st = _process._state
+    st = _process.state()
     if st.identity is None:
         return "disabled"
     t0 = time.perf_counter()

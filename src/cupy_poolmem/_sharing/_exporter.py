@@ -4,7 +4,8 @@ One :class:`Exporter` per process (owned by the sharing context).  Its state is 
 table of :class:`Record` s (one per exported block) and the connected receivers
 (:class:`Peer`); every change to either happens under ``Exporter.lock``, and nothing
 is sent while that lock is held (frames go through each peer's :class:`Sender`, or
-are replies written by the peer's own server thread).
+are replies written by the peer's own server thread).  The records are in
+``_records``, the server's frame handling in ``_server``.
 """
 
 from __future__ import annotations
@@ -15,166 +16,23 @@ import threading
 import time
 import warnings
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from .._errors import SharingError
 from . import _wire
+from ._records import LocalHold, Peer, Record
+from ._server import Server
 from ._settings import SharingSettings
-from ._transport import Conn, Listener, Sender
+from ._transport import Listener
+from ._warn import warn_kept
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Exporter", "Record", "LocalHold"]
 
-# Claimed tickets a record remembers (another copy of a message may claim again): the
-# most recent ones only, so a block sent a million times stays small.
-_CLAIMED_MAX = 4096
 
-
-class Record:
-    """One exported block, as its exporter sees it.
-
-    ``tickets``: messages on their way (ticket -> time registered); ``claimed``:
-    the last ``_CLAIMED_MAX`` tickets received (another copy of one of those messages
-    may still claim while the block lives; a copy of an older one is refused); ``leases``:
-    mappings per receiver connection (each holder is asked to evict when the block is
-    freed); ``events``: receivers' unmap and idle events the final free (and a reuse) waits on.
-
-    Recycling (P12): ``life`` numbers the block's lives in its pool's reuse
-    cache (0: a block that is never recycled); ``idle``: per receiver connection, the
-    life its last ``Idle`` said (its mapping unused, messages of that life or earlier
-    claimed); ``released``: the life each receiver was asked to say ``Idle`` for;
-    ``retiring``: the cache let the block go, it waits for its final free.  While the
-    block is *dormant* (in the reuse cache, or reused by a new block not exported yet)
-    ``core`` is None: the pool's cache holds the record, never the other way round, so
-    a pool dropped without ``close()`` can still be collected (the hot path's hooks
-    hand the pool back).  ``orphan``: its pool was finalized (a garbage cycle), so its
-    stream may be destroyed: the receivers' events are waited for on the host and the
-    final free goes to the pool's retirer (``_orphan``), which frees it after a device
-    synchronise.
-    """
-
-    __slots__ = (
-        "exporter",
-        "export_id",
-        "ptr",
-        "size",
-        "core",
-        "stream",
-        "stream_ptr",
-        "dev",
-        "dev_uuid",
-        "data",
-        "pool_uuid",
-        "pool_mr",
-        "ident",
-        "tickets",
-        "claimed",
-        "leases",
-        "asked",
-        "events",
-        "local",
-        "in_limbo",
-        "block_ref",
-        "life",
-        "idle",
-        "released",
-        "retiring",
-        "orphan",
-    )
-
-    def __init__(
-        self,
-        exporter: Exporter,
-        export_id: int,
-        block: Any,
-        data: bytes,
-        dev: int,
-        dev_uuid: str,
-        pool: tuple[str, Any],
-    ) -> None:
-        self.exporter = exporter
-        self.export_id = export_id
-        self.ptr, self.size, self.core = block.ptr, block.size, block.core
-        self.stream = block.stream
-        self.stream_ptr = int(block.stream_ptr)
-        self.dev, self.dev_uuid, self.data = dev, dev_uuid, data
-        # The CUDA pool that holds the block (a DevicePool may have two): its uuid goes
-        # in every message, its descriptor to a receiver that has not imported it.
-        self.pool_uuid, self.pool_mr = pool
-        # what a claim must name: this allocation, of this pool, of this kind
-        self.ident = _wire.block_id(self.pool_uuid, block.core.kind, data)
-        self.tickets: dict[bytes, float] = {}
-        self.claimed: OrderedDict[bytes, None] = OrderedDict()
-        self.leases: dict[int, int] = {}
-        self.asked: set[int] = set()
-        self.events: dict[tuple[int, bytes], Any] = {}
-        self.local = 0  # round-tripped arrays alive in this process
-        self.in_limbo = False
-        self.block_ref: Any = weakref.ref(block)
-        # Only a plain device pool's block that fits its reuse cache recycles (a pinned
-        # pool defers its frees, a managed block may carry hints): see docs/sharing.rst,
-        # "Recycled blocks", for the rule.
-        core = self.core
-        recycle = (
-            core.kind == _wire.POOL_DEVICE
-            and core.release_hook is None
-            and getattr(core, "_cache_shared", None) is not None
-            and 0 < self.size <= getattr(core, "cache_limit", 0)
-        )
-        self.life = 1 if recycle else 0
-        self.idle: dict[int, int] = {}
-        self.released: dict[int, int] = {}
-        self.retiring = False
-        self.orphan = False
-
-    def busy(self, cid: int) -> bool:
-        """Whether receiver ``cid``'s mapping may be in use in the block's current life
-        (a block that is never recycled: whether it maps the block at all)."""
-        return not self.life or self.idle.get(cid, 0) < self.life
-
-    def held(self) -> bool:
-        """Whether anything but the exporter's own arrays holds the block (a recycled
-        block: anything but mappings whose receivers said they are idle)."""
-        if self.tickets or self.local:
-            return True
-        if self.life and not self.retiring:
-            return any(self.busy(c) for c in self.leases)
-        return bool(self.leases)
-
-
-class LocalHold:
-    """An array that came back to its exporter: keeps the block (or its limbo entry)."""
-
-    __slots__ = ("exporter", "rec", "block", "ptr", "size", "__weakref__")
-
-    def __init__(self, exporter: Exporter, rec: Record) -> None:
-        self.exporter, self.rec = exporter, rec
-        self.block = rec.block_ref()
-        self.ptr, self.size = rec.ptr, rec.size
-
-    def __del__(self) -> None:
-        try:
-            self.exporter.let_go_local(self.rec)
-        except Exception:  # interpreter shutdown
-            pass
-
-
-class Peer:
-    """The exporter's end of one receiver's connection."""
-
-    __slots__ = ("cid", "conn", "sender", "events", "mapping")
-
-    def __init__(self, cid: int, conn: Conn) -> None:
-        self.cid, self.conn = cid, conn
-        self.mapping = 0  # claims granted that it has not said ``Mapped`` for yet
-        self.sender = Sender(conn, f"cupy_poolmem-to-{conn.peer.pid}")
-        self.events: dict[bytes, Any] = {}  # the receiver's IPC events, opened here
-
-
-class Exporter:
+class Exporter(Server):
     """Tickets, leases and limbo of this process's exported blocks; the listener.
 
     Parameters
@@ -190,6 +48,9 @@ class Exporter:
     listener_options
         Keyword arguments for its :class:`~cupy_poolmem._sharing._transport.Listener`
         (handshake deadline and cap, thread factory, peer credentials: tests).
+    claimed_max
+        Claimed tickets a record remembers (another copy of a message may claim
+        again): the most recent ones only, so a block sent a million times stays small.
     """
 
     def __init__(
@@ -199,6 +60,7 @@ class Exporter:
         authkey: bytes,
         ticket_source: Callable[[int], bytes] = os.urandom,
         listener_options: dict[str, Any] | None = None,
+        claimed_max: int = 4096,
     ) -> None:
         self.driver = driver
         self.settings = settings
@@ -217,6 +79,7 @@ class Exporter:
         self.stranded = 0  # leases of gone receivers of unknown pid, held until exit
         self._syncing = 0  # host waits on receivers' events under way (lock not held)
         self.events_max = 64  # receivers' events kept open per receiver, oldest out first
+        self.claimed_max = claimed_max
         self._close_later: list[Any] = []  # events _reap closes once those are done
         self.ignored_hits = 0  # Hits of a dead ticket or another life (acknowledge nothing)
         self._janitor: threading.Thread | None = None
@@ -646,215 +509,13 @@ class Exporter:
         """Mark ``ticket`` received (lock held); False if it is not one of ``rec``'s."""
         if rec.tickets.pop(ticket, None) is not None:
             rec.claimed[ticket] = None
-            if len(rec.claimed) > _CLAIMED_MAX:
+            if len(rec.claimed) > self.claimed_max:
                 rec.claimed.popitem(last=False)
             return True
         if ticket in rec.claimed:
             rec.claimed.move_to_end(ticket)
             return True
         return False
-
-    # -- the server ----------------------------------------------------------------------
-    def _serve(self, conn: Conn) -> None:
-        """One receiver's connection (its own thread): handle frames until it closes."""
-        with self.lock:
-            self._cids += 1
-            peer = self.peers[self._cids] = Peer(self._cids, conn)
-        try:
-            while True:
-                data = conn.recv()
-                try:
-                    frames = _wire.decode(data)
-                    for f in frames:
-                        if not isinstance(f, _FROM_RECEIVERS):
-                            raise _wire.ProtocolError(f"{type(f).__name__} is not a receiver's")
-                except _wire.ProtocolError as exc:
-                    _warn_kept("a malformed frame from a receiver", exc)
-                    continue
-                for f in frames:
-                    try:
-                        self._handle(peer, f)
-                    except Exception as exc:  # keep serving: leaking beats freeing early
-                        _warn_kept(f"sharing message {type(f).__name__}", exc)
-        except (EOFError, OSError):
-            pass
-        finally:
-            with self.lock:
-                peer.mapping = 0  # it can no longer say so
-            conn.close()
-            peer.sender.close()
-            threading.Thread(
-                target=self._reap, args=(peer,), name="cupy_poolmem-reap", daemon=True
-            ).start()
-
-    def _reap(self, peer: Peer) -> None:
-        """A receiver's connection closed: once its process (and GPU context) is gone,
-        give back its leases (P4)."""
-        if peer.conn.peer.pid <= 0:
-            self._strand(peer)
-            return
-        peer.conn.peer.wait_gone()
-        log.info("sharing: receiver pid %s is gone; its leases are released", peer.conn.peer.pid)
-        peer.conn.peer.close()
-        with self.lock:
-            self.peers.pop(peer.cid, None)
-            held = []
-            for rec in list(self.records.values()):
-                if rec.leases.pop(peer.cid, None):
-                    held.append(rec)
-                rec.asked.discard(peer.cid)
-                rec.idle.pop(peer.cid, None)
-                rec.released.pop(peer.cid, None)
-                for key in [k for k in rec.events if k[0] == peer.cid]:
-                    del rec.events[key]  # its work is gone with its context
-            events, peer.events = list(peer.events.values()), {}
-            # Under the lock, and only when no host wait is under way (it may be waiting
-            # on one of these): then by the last of those waits.
-            if self._syncing:
-                self._close_later.extend(events)
-            else:
-                self._close_events(events)
-        for rec in held:
-            self._settle(rec)
-
-    def _strand(self, peer: Peer) -> None:
-        """A receiver whose process this one cannot see (another pid namespace: the
-        kernel said pid 0) closed its connection: nothing tells when its process, and
-        the work it queued on its mappings, is gone.  Its leases (and the events its
-        blocks' frees wait on) stay until this process exits: memory held, never freed
-        under it."""
-        with self.lock:
-            self.peers.pop(peer.cid, None)
-            held = sum(rec.leases.get(peer.cid, 0) for rec in self.records.values())
-            self.stranded += held
-        if held:
-            warnings.warn(
-                f"cupy_poolmem: a receiver in another pid namespace closed its sharing "
-                f"connection holding {held} mapping(s); the blocks stay held until this "
-                "process exits (its exit cannot be seen from here)",
-                ResourceWarning,
-                stacklevel=2,
-            )
-
-    def _handle(self, peer: Peer, f: Any) -> None:
-        cid = peer.cid
-        if isinstance(f, _wire.Claim):
-            self._on_claim(peer, f)
-            return
-        if isinstance(f, _wire.Mapped):
-            with self.lock:
-                peer.mapping = max(peer.mapping - 1, 0)
-                rec = self.records.get(f.export_id)
-                if rec is not None:
-                    # A Release sent between the grant and now reached a receiver that
-                    # did not know the mapping yet (ignored): it is asked again.
-                    rec.released.pop(cid, None)
-            # A claim may have taken a limbo block's last ticket: ask its holders now
-            # that the receiver knows the mapping (an Evict before it would be lost).
-            if rec is not None:
-                self._settle(rec)
-            return
-        if isinstance(f, _wire.Register):
-            with self.lock:
-                rec = self.records.get(f.export_id)
-                # Only a receiver whose arrays may use the block (in this life) forwards it.
-                ok = rec is not None and rec.leases.get(cid, 0) > 0 and rec.busy(cid)
-                if ok:
-                    assert rec is not None
-                    if f.ticket in rec.tickets or f.ticket in rec.claimed:
-                        ok = False  # a duplicate registration is refused
-                    else:
-                        rec.tickets[f.ticket] = time.monotonic()
-                        self._start_janitor()
-            peer.conn.send(
-                _wire.encode(_wire.Reply(f.seq, _wire.OK if ok else _wire.NOT_HELD, False))
-            )
-            return
-        with self.lock:
-            rec = self.records.get(f.export_id)
-            if rec is None:
-                return
-            if isinstance(f, _wire.Hit):
-                # An acknowledgement only: a ticket of this life is received.  A dead
-                # ticket, or another life's, is ignored (it keeps nothing alive) and
-                # counted; the receiver refused such messages itself (I1).
-                if f.life != rec.life or not self._claim_ticket(rec, f.ticket):
-                    self.ignored_hits += 1
-            elif isinstance(f, _wire.Drop):
-                rec.tickets.pop(f.ticket, None)
-            elif isinstance(f, _wire.Unmap):
-                n = rec.leases.get(cid, 0) - 1
-                if n < 0:
-                    return  # not a lease of this peer: ignored
-                if f.event is not None:  # opened first: if that fails the lease stays
-                    ev = peer.events.get(f.event)
-                    if ev is None:
-                        with self.driver.on_device(self._dev(rec)):
-                            ev = peer.events[f.event] = self.driver.open_event(f.event)
-                        self._retire_events(peer)
-                    rec.events[(cid, f.event)] = ev
-                if n > 0:
-                    rec.leases[cid] = n
-                else:
-                    rec.leases.pop(cid, None)
-                    rec.idle.pop(cid, None)
-                    rec.released.pop(cid, None)
-                rec.asked.discard(cid)
-            elif isinstance(f, _wire.Idle):
-                if rec.leases.get(cid, 0) <= 0:
-                    return  # not a lease of this peer: ignored
-                ev = peer.events.get(f.event)  # opened first: if that fails it stays busy
-                if ev is None:
-                    with self.driver.on_device(self._dev(rec)):
-                        ev = peer.events[f.event] = self.driver.open_event(f.event)
-                    self._retire_events(peer)
-                rec.events[(cid, f.event)] = ev
-                # Never beyond the block's current life: a later life starts busy.
-                life = min(f.life, rec.life)
-                if life > rec.idle.get(cid, 0):
-                    rec.idle[cid] = life
-        self._settle(rec)
-
-    def _on_claim(self, peer: Peer, f: _wire.Claim) -> None:
-        """A receiver wants to map a block: grant a lease for a live ticket, else refuse."""
-        fd = None
-        with self.lock:
-            rec = self.records.get(f.export_id)
-            # The message's life and span are the block's (checked before its ticket is
-            # spent): nothing outside the block, nor another life of it, is granted.
-            # The allocation the receiver will map is this block's (its pool and export
-            # data): a live ticket of one block never maps another.
-            other = rec is not None and f.block != rec.ident
-            outside = rec is not None and (f.size != rec.size or f.end > rec.size)
-            ok = (
-                rec is not None
-                and not other
-                and not outside
-                and rec.core is not None
-                and f.life == rec.life
-                and self._claim_ticket(rec, f.ticket)
-            )
-            if ok:
-                assert rec is not None
-                if not f.held or rec.leases.get(peer.cid, 0) <= 0:
-                    rec.leases[peer.cid] = rec.leases.get(peer.cid, 0) + 1
-                # The receiver will use the block: busy until its next Idle.
-                rec.idle.pop(peer.cid, None)
-                rec.released.pop(peer.cid, None)
-                peer.mapping += 1  # the exit waits until the receiver has mapped it
-                if f.want_fd:  # the pool travels only to a peer with a live ticket for it
-                    fd = int(rec.pool_mr.allocation_handle)
-        status = (
-            _wire.OK
-            if ok
-            else _wire.OTHER_BLOCK
-            if other
-            else _wire.OUT_OF_SPAN
-            if outside
-            else _wire.REFUSED
-        )
-        reply = _wire.Reply(f.seq, status, fd is not None)
-        peer.conn.send(_wire.encode(reply), fd)
 
     # -- tickets nobody claims -------------------------------------------------------------
     def _start_janitor(self) -> None:
@@ -873,7 +534,7 @@ class Exporter:
             try:
                 self.expire()
             except Exception as exc:  # keep sweeping: later tickets must still expire
-                _warn_kept("freeing a block whose message expired", exc)
+                warn_kept("freeing a block whose message expired", exc)
 
     def expire(self, now: float | None = None) -> int:
         """Give back tickets older than ``inflight_timeout``; return how many."""
@@ -958,24 +619,3 @@ class Exporter:
         self._wake.set()
         if self._listener is not None:
             self._listener.close()
-
-
-_FROM_RECEIVERS = (
-    _wire.Claim,
-    _wire.Hit,
-    _wire.Drop,
-    _wire.Unmap,
-    _wire.Register,
-    _wire.Mapped,
-    _wire.Idle,
-)
-
-
-def _warn_kept(what: str, exc: BaseException) -> None:
-    """A protocol step failed in a background thread: say so; what it held stays held."""
-    warnings.warn(
-        f"cupy_poolmem: {what} failed ({type(exc).__name__}: {exc}); the block stays held "
-        "until the process holding it exits",
-        RuntimeWarning,
-        stacklevel=3,
-    )

@@ -1,275 +1,36 @@
-"""The importer: connections to exporters, this process's mappings, and their eviction.
+"""The importer: connections to exporters, and receiving their messages into mappings.
 
 One :class:`Importer` per process (owned by the sharing context).  It keeps the only
 table of mappings and the only cache of imported pools in the process: the CuPy
 reducers and the Numba plugin both map through it, so one driver allocation is
 imported once however it arrives (P8).  State changes happen under
 ``Importer.lock``; the lock is never held while waiting for an exporter's reply.
+Letting go of mappings is in ``_unmapping``, the connection in ``_client``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from .._errors import SharingError
 from . import _wire
+from ._client import Client
+from ._mapping import GONE, LEGACY_STREAM, Imported, ImportedPool, Mapping
 from ._settings import SharingSettings
-from ._transport import Conn, Sender, connect
+from ._transport import connect
+from ._unmapping import Unmapping
 
 __all__ = ["Importer", "Mapping", "Imported", "Client"]
 
 _T = TypeVar("_T")
 
-_SEEN_MAX = 4096
-_CLOSING_MAX = 1024
-_FREES_MAX = 8  # free events kept per imported pool before the done ones are let go
-_KEEP = object()  # an unmap the driver refused: the lease stays (leaking is the safe side)
 
-
-class _Stream(NamedTuple):
-    ptr: int
-
-
-LEGACY_STREAM = _Stream(0)
-
-
-class ImportedPool:
-    """An exporter's pool imported into this process (one per pool, whoever asked)."""
-
-    __slots__ = (
-        "uuid",
-        "handle",
-        "keepalive",
-        "dev",
-        "kind",
-        "users",
-        "client",
-        "granted",
-        "frees",
-    )
-
-    def __init__(self, uuid: str, handle: int, keepalive: Any, dev: int, kind: int) -> None:
-        self.uuid, self.handle, self.keepalive = uuid, handle, keepalive
-        self.dev, self.kind = dev, kind
-        self.users = 0  # mappings of this pool alive here
-        self.client: Client | None = None  # the exporter it came from, when known
-        self.granted: set[int] = set()  # devices given access to it here
-        # stream -> event recorded after the latest free of one of its mappings there: the
-        # pool is destroyed once they are done (see Importer.close_done_pools)
-        self.frees: dict[int, Any] = {}
-
-
-class Mapping:
-    """One exported block mapped into this process (one per driver allocation)."""
-
-    __slots__ = (
-        "key",
-        "ptr",
-        "size",
-        "pool",
-        "dev",
-        "client",
-        "export_id",
-        "leased",
-        "users",
-        "keep",
-        "evict",
-        "last_use",
-        "last_stream",
-        "waits",
-        "life",
-        "fence",
-        "told",
-        "ask",
-        "eager",
-    )
-
-    def __init__(self, key: tuple[str, bytes], ptr: int, size: int, pool: ImportedPool) -> None:
-        self.key, self.ptr, self.size, self.pool, self.dev = key, ptr, size, pool, pool.dev
-        self.client: Client | None = None
-        self.export_id = 0
-        self.leased = False  # a lease at the exporter covers it (the CuPy protocol)
-        self.users = 1  # live Imported owners and open Numba handles
-        self.keep = False  # received before: likely to come again (P5)
-        self.evict = False  # the exporter asked for it back
-        self.last_use: Any = None  # event recorded when the last user went (idle)
-        self.last_stream = 0  # the stream ``last_use`` was recorded on
-        self.waits: dict[int, Any] = {}  # stream -> event of earlier users' last use
-        # Recycled blocks (P12): ``life``: the life of the messages its arrays
-        # came from; ``fence``: messages of this life or earlier are claimed, never hit
-        # (promised to the exporter by an Idle); ``told``: the life of the last Idle the
-        # exporter still counts (a granted claim makes it count us busy again);
-        # ``ask``: the life a Release asked for; ``eager``: say Idle when the last array
-        # goes, unasked (the exporter recycles this block between messages).
-        self.life = 0
-        self.fence = 0
-        self.told = 0
-        self.ask = 0
-        self.eager = False
-
-
-class Imported:
-    """What the arrays of one received message hold on a mapping.
-
-    ``stream`` is the stream that was current when the message was unpickled; the
-    mapping is let go in order on it (the way the pools free a block on its
-    allocation stream), after every other stream that used the mapping.
-    """
-
-    __slots__ = ("importer", "m", "ptr", "size", "stream", "__weakref__")
-
-    def __init__(self, importer: Importer, m: Mapping, stream: Any) -> None:
-        self.importer, self.m, self.ptr, self.size, self.stream = importer, m, m.ptr, m.size, stream
-
-    def __del__(self) -> None:
-        try:
-            self.importer.dropped(self.m, self.stream)
-        except Exception as exc:
-            if not sys.is_finalizing():  # at shutdown the mappings go with the process
-                from ._exporter import _warn_kept
-
-                _warn_kept("letting go of a received array", exc)
-
-
-class Client:
-    """This process's connection to one exporter; a reader thread takes its frames."""
-
-    def __init__(self, importer: Importer, address: str, conn: Conn) -> None:
-        self.importer, self.address, self.conn = importer, address, conn
-        self.sender = Sender(conn, "cupy_poolmem-to-exporter")
-        self.closed = False
-        self.events: dict[bytes, Any] = {}  # the exporter's IPC events, opened here
-        self.retired: list[Any] = []  # out of ``events``, closed once nothing uses them
-        self.keys: set[tuple[str, bytes]] = set()  # mappings of its blocks
-        self.by_export: dict[int, tuple[str, bytes]] = {}
-        self.busy = 0  # receives using it (and its events) now
-        self._seq = 0
-        self._lock = threading.Lock()
-        self._waiters: dict[int, list[Any]] = {}
-        # seq -> frames that give back what a reply granted after its asker gave up
-        self._late: dict[int, tuple[Any, ...]] = {}
-        threading.Thread(target=self._read, name="cupy_poolmem-from-exporter", daemon=True).start()
-
-    def request(
-        self, make: Callable[[int], Any], timeout: float, give_back: tuple[Any, ...] = ()
-    ) -> tuple[_wire.Reply, int | None]:
-        """Send a frame that expects a reply (``make(seq)``); wait for the reply.
-
-        ``give_back``: the frames that undo what an OK reply grants, sent if that reply
-        arrives after this call gave up waiting (a lease nobody maps is returned).
-        """
-        done = threading.Event()
-        with self._lock:
-            if self.closed:
-                raise SharingError(_GONE)
-            self._seq = self._seq % 0xFFFFFFFF + 1  # the frame's u32, never 0
-            seq = self._seq
-            slot: list[Any] = [done, None, None, None]  # event, reply, fd, fd lost
-            self._waiters[seq] = slot
-        try:
-            # In order after the frames posted before it: a claim must not overtake an
-            # Idle that said the mapping is unused (P12).
-            self._send_in_order(make(seq))
-        except OSError as exc:
-            with self._lock:
-                self._waiters.pop(seq, None)
-            raise SharingError(f"{_GONE} ({exc})") from None
-        if not done.wait(timeout):
-            with self._lock:
-                late = self._waiters.pop(seq, None) is not None
-                if late and not self.closed:
-                    self._late[seq] = give_back
-            if late or not done.wait(timeout):  # else the reply is being handed over
-                raise SharingError(
-                    f"the process that owns this array did not answer within {timeout} s"
-                )
-        if slot[1] is None:
-            raise SharingError(_GONE)
-        if slot[3] is not None:  # granted, but its descriptor was lost: undo the grant
-            if slot[1].status == _wire.OK:
-                for frame in give_back:
-                    self.sender.post(frame)
-            raise SharingError(str(slot[3])) from None
-        return slot[1], slot[2]
-
-    def send_now(self, frame: Any) -> None:
-        """Send at once when nothing is queued and the connection is free (no thread
-        hand-off), else queue it behind what is queued."""
-        if not (self.sender.idle() and self.conn.try_send(_wire.encode(frame))):
-            self.sender.post(frame)
-
-    def _send_in_order(self, frame: Any) -> None:
-        """:meth:`send_now` for a frame whose reply is awaited: :class:`OSError` when
-        the connection is gone (a queued frame's loss shows as the connection closing)."""
-        if self.sender.idle() and self.conn.try_send(_wire.encode(frame)):
-            return
-        if self.sender.dead or self.conn.closed:
-            raise OSError("sharing connection closed")
-        self.sender.post(frame)
-
-    def _read(self) -> None:
-        try:
-            while True:
-                for f in _wire.decode(self.conn.recv()):
-                    if isinstance(f, _wire.Reply):
-                        fd, lost = None, None
-                        if f.has_fd:
-                            try:
-                                fd = self.conn.recv_fd()
-                            except RuntimeError as exc:  # lost (EMFILE): the exporter lives
-                                lost = exc
-                        with self._lock:
-                            slot = self._waiters.pop(f.seq, None)
-                            late = self._late.pop(f.seq, ()) if slot is None else ()
-                        if slot is None:  # the asker timed out: undo what was granted
-                            if fd is not None:
-                                os.close(fd)
-                            if f.status == _wire.OK:
-                                for frame in late:
-                                    self.sender.post(frame)
-                            continue
-                        slot[1], slot[2], slot[3] = f, fd, lost
-                        slot[0].set()
-                    elif isinstance(f, _wire.Release):
-                        try:
-                            self.importer.release(self, f.export_id, f.life)
-                        except Exception as exc:  # keep reading: the block stays held
-                            from ._exporter import _warn_kept
-
-                            _warn_kept("telling the exporter a mapping is idle", exc)
-                    elif isinstance(f, _wire.Evict):
-                        try:
-                            self.importer.evict(self, f.export_id)
-                        except Exception as exc:  # keep reading: the lease stays held
-                            from ._exporter import _warn_kept
-
-                            _warn_kept("evicting a mapping the exporter asked back", exc)
-        except (EOFError, OSError, _wire.ProtocolError):
-            pass
-        finally:
-            with self._lock:
-                self.closed = True
-                waiters, self._waiters = list(self._waiters.values()), {}
-                self._late.clear()
-            for slot in waiters:
-                slot[0].set()
-            self.conn.close()
-            self.sender.close()
-            self.importer.exporter_gone(self)
-
-
-_GONE = (
-    "the process that owns this array has exited (or closed its sharing connection); "
-    "memory shared by an exited process is gone: keep it alive until receivers have the "
-    "array (see cupy_poolmem.sharing.exit_timeout)"
-)
 _STALE = (
     "this message is stale: the process that shared the array no longer holds its memory "
     "for it (it was received already and every holder let go, or it waited longer than "
@@ -328,11 +89,26 @@ def _span_end(d: _wire.Descriptor, m: Mapping | None) -> int:
     return end
 
 
-class Importer:
-    """Mappings of other processes' blocks in this process, and the connections to them."""
+class Importer(Unmapping):
+    """Mappings of other processes' blocks in this process, and the connections to them.
 
-    def __init__(self, driver: Any, settings: SharingSettings, authkey: bytes) -> None:
+    ``seen_max``: exports remembered as received once (their next message is kept
+    mapped); ``closing_max``: frees of unmapped blocks a re-import waits for (an older
+    one is synchronised when it falls out); ``frees_max``: free events kept per
+    imported pool before the done ones are let go.
+    """
+
+    def __init__(
+        self,
+        driver: Any,
+        settings: SharingSettings,
+        authkey: bytes,
+        seen_max: int = 4096,
+        closing_max: int = 1024,
+        frees_max: int = 8,
+    ) -> None:
         self.driver, self.settings, self.authkey = driver, settings, authkey
+        self.seen_max, self.closing_max, self.frees_max = seen_max, closing_max, frees_max
         self.lock = threading.RLock()
         self.clients: dict[str, Client] = {}
         self.pools: dict[str, ImportedPool] = {}
@@ -369,14 +145,14 @@ class Importer:
                     try:
                         conn = connect(address, self.authkey)
                     except Exception as exc:  # gone, refused, or not of this family
-                        raise SharingError(f"{_GONE} ({type(exc).__name__}: {exc})") from None
+                        raise SharingError(f"{GONE} ({type(exc).__name__}: {exc})") from None
                     c = Client(self, address, conn)
                 finally:
                     self._turn_done(self.clients, self._connecting, address, c)
                 if c.closed:  # it closed before it was listed: forget it now
                     self._tidy(c)
         if c.closed:
-            raise SharingError(_GONE)
+            raise SharingError(GONE)
         return c
 
     def _entry_or_turn(self, table: dict[str, Any], busy: set[str], key: str) -> Any:
@@ -457,7 +233,7 @@ class Importer:
         c = self.client(d.address)
         with self.lock:  # its events stay open while this receive uses them
             if c.closed:
-                raise SharingError(_GONE)
+                raise SharingError(GONE)
             c.busy += 1
         told = False  # the exporter has heard of this ticket from us
         try:
@@ -742,329 +518,6 @@ class Importer:
         finally:
             self._turn_done(self.pools, self._importing, uuid, pool)
         return pool
-
-    # -- letting go ------------------------------------------------------------------------------
-    def dropped(self, m: Mapping, stream: Any) -> None:
-        """One user of ``m`` is gone (its arrays, or a Numba handle) on ``stream``."""
-        if self.abandoned:
-            return
-        sptr = stream.ptr
-        if self.driver.is_capturing(sptr):  # a free now would become part of the graph
-            with self.lock:
-                self._deferred.append((m, stream))
-            self._schedule_deferred()
-            return
-        out: list[tuple[Mapping, Any]] = []
-        with self.driver.on_device(m.dev), self.lock:
-            m.users -= 1
-            if m.users:  # other users remain: the final free waits for this stream too
-                m.waits[sptr] = self.driver.plain_event(sptr, m.waits.get(sptr))
-                return
-            reuse = m.waits.pop(sptr, None)  # this stream's: ordered already
-            for ev in m.waits.values():
-                self.driver.wait_event(sptr, ev)
-                self.driver.close_event(ev)
-            m.waits.clear()
-            keep = (
-                m.leased
-                and m.keep
-                and not m.evict
-                and m.client is not None
-                and not m.client.closed
-                and self.settings.keep_mappings > 0
-            )
-            if keep:
-                m.last_use = self.driver.plain_event(sptr, reuse)
-                m.last_stream = sptr
-                self.idle[m.key] = m
-                self._say_idle(m, sptr)
-                out = self._over_cap()
-            else:
-                if reuse is not None:
-                    self.driver.close_event(reuse)
-                self._forget(m)
-                out = [(m, self._unmap(m, sptr))]
-        self._tell(out)
-
-    def _wake(self, m: Mapping) -> None:
-        """``m`` gets a user (lock held): if it was idle, its last use becomes a wait of
-        the next final drop (work of another stream before it stays ordered)."""
-        self.idle.pop(m.key, None)
-        if m.last_use is not None:
-            old = m.waits.pop(m.last_stream, None)
-            if old is not None:
-                self.driver.close_event(old)
-            m.waits[m.last_stream] = m.last_use
-            m.last_use = None
-
-    def _unmap(self, m: Mapping, sptr: int) -> Any:
-        """Free ``m`` in order on ``sptr`` (lock held, device current): the event handle
-        for the exporter, or ``_KEEP`` when the driver refused (the lease then stays)."""
-        if m.last_use is not None:
-            self.driver.close_event(m.last_use)
-            m.last_use = None
-        try:  # importers free first (driver rule)
-            self.driver.free_async(m.ptr, sptr)
-        except Exception as exc:
-            from ._exporter import _warn_kept
-
-            _warn_kept("unmapping a shared block", exc)
-            return _KEEP
-        ev, handle = self.driver.record_ipc_event(m.dev, sptr)
-        frees = m.pool.frees
-        if sptr not in frees and len(frees) >= _FREES_MAX:
-            self._prune_frees(frees)
-        frees[sptr] = self.driver.plain_event(sptr, frees.get(sptr))
-        self.closing[m.key] = ev
-        if len(self.closing) > _CLOSING_MAX:
-            # Forgetting it, a re-import would not wait for that free: make sure it ran.
-            _, old = self.closing.popitem(last=False)
-            if not self.driver.event_done(old):
-                self.driver.sync_event(old)
-        m.pool.users -= 1
-        return handle if m.leased else None
-
-    def _prune_frees(self, frees: dict[int, Any]) -> None:
-        """Let go of the free events that are done (lock held, device current): a worker
-        that makes a new stream per task would otherwise keep one event per stream for
-        as long as the exporter lives.  Each is synchronised first (returns at once),
-        which is what the driver needs to settle those frees (see close_done_pools)."""
-        for s, ev in list(frees.items()):
-            if self.driver.event_done(ev):
-                self.driver.sync_event(ev)
-                self.driver.close_event(ev)
-                del frees[s]
-
-    def _forget(self, m: Mapping) -> None:
-        """Take ``m`` out of the tables (lock held); remember it was received."""
-        self.maps.pop(m.key, None)
-        self.idle.pop(m.key, None)
-        c = m.client
-        if c is not None:
-            c.keys.discard(m.key)
-            c.by_export.pop(m.export_id, None)
-            self.seen[(c.address, m.export_id)] = None
-            if len(self.seen) > _SEEN_MAX:
-                self.seen.popitem(last=False)
-
-    def _tell(self, out: list[tuple[Mapping, Any]]) -> None:
-        """Send ``unmap`` for mappings just freed; tidy up after exporters that are gone."""
-        if not out:
-            return
-        gone = set()
-        for m, handle in out:
-            c = m.client
-            if c is None or handle is _KEEP:
-                continue
-            if m.leased and not c.closed:
-                c.sender.post(_wire.Unmap(m.export_id, handle))
-            if c.closed:
-                gone.add(c)
-        for c in gone:
-            self._tidy(c)
-
-    def _take_idle(self, ms: list[Mapping]) -> list[tuple[Mapping, Any]]:
-        """Unmap idle mappings (lock held) after their last use, on the legacy stream.
-
-        A stream of our own would add an IPC event per process; on driver 580 that
-        made every later event record and wait of both processes take milliseconds.
-        """
-        out = []
-        for m in ms:
-            self._forget(m)
-            with self.driver.on_device(m.dev):
-                if m.last_use is not None:
-                    self.driver.wait_event(0, m.last_use)
-                out.append((m, self._unmap(m, 0)))
-        return out
-
-    def _over_cap(self) -> list[tuple[Mapping, Any]]:
-        n = len(self.idle) - self.settings.keep_mappings
-        return self._take_idle(list(self.idle.values())[:n]) if n > 0 else []
-
-    def trim_idle(self, limit: int | None = None) -> int:
-        """Unmap idle mappings beyond ``limit`` (``keep_mappings`` by default)."""
-        with self.lock:
-            if limit is None:
-                out = self._over_cap()
-            else:
-                out = self._take_idle(list(self.idle.values())[: max(len(self.idle) - limit, 0)])
-        self._tell(out)
-        return len(out)
-
-    def _say_idle(self, m: Mapping, sptr: int) -> None:
-        """Tell the exporter that no array uses idle mapping ``m`` (lock held, device
-        current), when it asked or recycles the block between messages."""
-        life = m.ask
-        if m.eager and m.life > life:
-            life = m.life
-        if life <= m.told or m.client is None or m.client.closed:
-            return
-        if life > m.fence:
-            m.fence = life  # from now on, messages of this life or earlier are claimed
-        m.told = m.fence
-        _, handle = self.driver.record_ipc_event(m.dev, sptr)
-        # Posted under the lock: in order with any claim of this mapping made after it;
-        # urgent (the exporter reuses the block once every receiver has said it).
-        m.client.sender.post(_wire.Idle(m.export_id, m.fence, handle))
-
-    def release(self, c: Client, export_id: int, life: int) -> None:
-        """The exporter wants to recycle block ``export_id`` after ``life``: say Idle
-        once no array uses our mapping (now, if it is idle); keep the mapping."""
-        with self.lock:
-            key = c.by_export.get(export_id)
-            m = self.maps.get(key) if key is not None else None
-            if m is None or not m.leased or m.client is not c:
-                return  # unmapped already: the exporter gets that unmap
-            m.keep = m.eager = True
-            if life > m.ask:
-                m.ask = life
-            m.told = 0  # it asks only while it counts us busy: always answer
-            if m.users:
-                return  # the last array's drop says it
-            with self.driver.on_device(m.dev):
-                if m.last_use is not None:
-                    self.driver.wait_event(0, m.last_use)
-                self._say_idle(m, 0)
-
-    def evict(self, c: Client, export_id: int) -> None:
-        """The exporter freed block ``export_id``: unmap it once no array uses it."""
-        with self.lock:
-            key = c.by_export.get(export_id)
-            m = self.maps.get(key) if key is not None else None
-            if m is None:
-                return  # unmapped already; the exporter gets that unmap
-            m.evict = True
-            if m.users:
-                return
-            out = self._take_idle([m])
-        self._tell(out)
-
-    def exporter_gone(self, c: Client) -> None:
-        """An exporter's connection closed: unmap its idle mappings; tidy when unused."""
-        with self.lock:
-            out = self._take_idle([m for m in self.idle.values() if m.client is c])
-        self._tell(out)
-        self._tidy(c)
-
-    def _tidy(self, c: Client) -> None:
-        """Release what this process keeps for a gone exporter once nothing maps its
-        blocks: its connection entry, opened events, imported pools, remembered keys."""
-        with self.lock:
-            if c.keys or c.busy or self.clients.get(c.address) is not c:
-                return
-            del self.clients[c.address]
-            events, c.events = [*c.events.values(), *c.retired], {}
-            c.retired = []
-            pools = [p for p in self.pools.values() if p.client is c and p.users == 0]
-            for p in pools:
-                del self.pools[p.uuid]
-                for key in [key for key in self.closing if key[0] == p.uuid]:
-                    del self.closing[key]
-            for seen in [seen for seen in self.seen if seen[0] == c.address]:
-                del self.seen[seen]
-        for ev in events:
-            try:
-                self.driver.close_event(ev)
-            except Exception:
-                pass
-        with self.lock:
-            self._closing_pools.extend(pools)
-        if not self.close_done_pools():
-            self._schedule_deferred()
-
-    def close_done_pools(self) -> bool:
-        """Destroy the gone exporters' pools whose frees have run; True when none is left.
-
-        Destroying an imported pool while a free of its memory is pending is legal, but
-        the driver (580) then keeps a descriptor of ``/dev/nvidiactl`` open for good, and
-        so it does when the frees are done but no call has synchronised with them (seen
-        on an H100: one descriptor per pool, a long-lived receiver of short-lived
-        producers runs out).  A pool goes once its free events are done (a query, never a
-        wait), after a synchronise on each (returns at once) lets the driver settle them.
-        Run in relaxed capture mode: another thread's graph capture is left alone.  A
-        pool whose close fails is kept (never destroyed unsynchronised) and counted.
-        """
-        with self.driver.relaxed():
-            with self.lock:
-                ready = [p for p in self._closing_pools if self._frees_done(p)]
-                for p in ready:
-                    self._closing_pools.remove(p)
-                left = not self._closing_pools
-            for p in ready:
-                try:
-                    with self.driver.on_device(p.dev):
-                        for ev in list(p.frees.values()):
-                            self.driver.sync_event(ev)
-                            self.driver.close_event(ev)
-                    p.frees.clear()
-                    self.driver.forget_pool(p.handle)
-                    self.driver.close_pool(p.keepalive)
-                except Exception as exc:
-                    from ._exporter import _warn_kept
-
-                    with self.lock:
-                        self._kept_pools.append(p)  # leaking beats an unsynchronised destroy
-                    _warn_kept("closing the pool of an exporter that is gone", exc)
-        return left
-
-    def _frees_done(self, p: ImportedPool) -> bool:
-        """Whether every free queued on ``p``'s memory here has run (lock held)."""
-        try:
-            with self.driver.on_device(p.dev):
-                return all(self.driver.event_done(ev) for ev in p.frees.values())
-        except Exception:
-            return False  # asked again later (the retry backs off)
-
-    # -- later: frees during graph capture, pools of gone exporters ------------------------------
-    def _schedule_deferred(self) -> None:
-        with self.lock:
-            if self._deferred_thread is not None:
-                return
-            t = threading.Thread(
-                target=self._retry_deferred, name="cupy_poolmem-deferred", daemon=True
-            )
-            self._deferred_thread = t
-        try:
-            t.start()
-        except RuntimeError:  # interpreter shutdown: nothing runs later
-            with self.lock:
-                self._deferred_thread = None
-
-    def _retry_deferred(self) -> None:
-        """Retry deferred frees and pool closes: every 50 ms while work gets done, backing
-        off to once a second while nothing changes (a capture that lasts, frees that
-        wait on a stalled stream)."""
-        delay = 0.05
-        try:
-            while True:
-                time.sleep(delay)
-                before = (len(self._deferred), len(self._closing_pools))
-                try:
-                    self.drain_deferred()
-                    self.close_done_pools()
-                except Exception as exc:
-                    from ._exporter import _warn_kept
-
-                    _warn_kept("a deferred unmap or pool close", exc)
-                with self.lock:
-                    now = (len(self._deferred), len(self._closing_pools))
-                    if now == (0, 0):  # checked and cleared under one lock: no lost work
-                        self._deferred_thread = None
-                        return
-                delay = 0.05 if now != before else min(delay * 2, 1.0)
-        except BaseException:  # the thread dies (shutdown): a later call starts another
-            with self.lock:
-                if self._deferred_thread is threading.current_thread():
-                    self._deferred_thread = None
-            raise
-
-    def drain_deferred(self) -> None:
-        """Let go, now, of mappings dropped while their stream was being captured."""
-        with self.lock:
-            todo, self._deferred = self._deferred, []
-        for m, stream in todo:
-            self.dropped(m, stream)  # re-deferred if still capturing
 
     # -- forwarding ----------------------------------------------------------------------------------
     def forward(self, imp: Imported) -> bytes:

@@ -1,19 +1,10 @@
 """Sharing connections: an authenticated Unix socket between a receiver and an exporter.
 
-- The listener binds a filesystem socket in a fresh 0700 directory (never an abstract
-  socket, on every Python version; under a shorter base when ``TMPDIR``'s path is too
-  long for one), removed at exit, with a real backlog; each accepted connection is
-  authenticated (multiprocessing's HMAC challenge with the process family's authkey,
-  both ways) in a thread of its own, by a deadline from its acceptance, a bounded
-  number at once (more wait in the backlog), so a peer that connects and says
-  nothing, or trickles, holds a slot for that deadline at most.
-- The kernel tells each end who the other is (``SO_PEERCRED``): peers of another user
-  are refused, and the exporter keeps a pidfd of each receiver so that it can tell
-  when the receiver's process, and with it its GPU context, is really gone (pid 0, a
-  process of another pid namespace: never).
-- :class:`Sender` sends one connection's frames in order from a thread of its own,
-  through a bounded queue: a stalled peer stalls only its own messages, and posting
-  never blocks (it is called from ``__del__``).
+:class:`Listener` (the exporter's socket, bounded authenticated handshakes),
+:func:`connect` (a receiver's end), :class:`Conn` (frames and file descriptors, the
+peer's credentials and process) and :class:`Sender` (one connection's frames in
+order from a thread of its own, never blocking the poster).  The security and
+liveness rules are in docs/sharing.rst.
 """
 
 from __future__ import annotations

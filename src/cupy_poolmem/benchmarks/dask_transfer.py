@@ -41,7 +41,7 @@ def _consume(x) -> float:
 
 
 def _set_ipc(flag: bool) -> bool:
-    cfg = _process._state.config
+    cfg = _process.state().config
     if cfg is None:
         return False
     cfg.ipc = flag
