@@ -20,6 +20,8 @@ import pytest
 from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, InterruptedName, alloc, free, observer
 
 from cupy_poolmem import _runtime, stats
+from cupy_poolmem._observe import log_writer, tags
+from cupy_poolmem._observe import observer as observing
 from cupy_poolmem.stats import LOG_COLUMNS
 
 
@@ -640,6 +642,7 @@ def test_forked_child_counts_only_its_own_open_tag_scopes():
     code = textwrap.dedent("""
         import os, threading
         from cupy_poolmem import stats
+        from cupy_poolmem._observe import tags
         inside, done = threading.Event(), threading.Event()
         def other():
             with stats.tag("other"):
@@ -649,17 +652,17 @@ def test_forked_child_counts_only_its_own_open_tag_scopes():
         t.start()
         inside.wait(30)
         with stats.tag("a"), stats.tag("b"):
-            assert stats._tag_scopes[0] == 3
+            assert tags._tag_scopes[0] == 3
             pid = os.fork()
             if pid == 0:
-                ok = stats._tag_scopes[0] == 2 and stats.current_tag() == "a/b"
+                ok = tags._tag_scopes[0] == 2 and stats.current_tag() == "a/b"
                 with stats.tag("c"):
-                    ok = ok and stats._tag_scopes[0] == 3
-                os._exit(0 if ok and stats._tag_scopes[0] == 2 else 1)
+                    ok = ok and tags._tag_scopes[0] == 3
+                os._exit(0 if ok and tags._tag_scopes[0] == 2 else 1)
             _, status = os.waitpid(pid, 0)
         done.set()
         t.join(30)
-        assert stats._tag_scopes[0] == 0
+        assert tags._tag_scopes[0] == 0
         print(os.waitstatus_to_exitcode(status))
     """)
     proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
@@ -668,19 +671,19 @@ def test_forked_child_counts_only_its_own_open_tag_scopes():
 
 
 def test_tag_scopes_are_counted_for_the_recorder():
-    assert stats._tag_scopes[0] == 0
+    assert tags._tag_scopes[0] == 0
     with stats.tag("a"):
         with stats.tag("b"):
-            assert stats._tag_scopes[0] == 2
-        assert stats._tag_scopes[0] == 1
+            assert tags._tag_scopes[0] == 2
+        assert tags._tag_scopes[0] == 1
     with pytest.raises(KeyError):
         with stats.tag("c"):
             raise KeyError
-    assert stats._tag_scopes[0] == 0
+    assert tags._tag_scopes[0] == 0
 
 
 def test_flush_log_writes_while_the_log_stays_open(tmp_path, monkeypatch):
-    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)  # the writer thread stays asleep
+    monkeypatch.setattr(log_writer, "LOG_INTERVAL_S", 3600.0)  # the writer thread stays asleep
     assert stats.flush_log() is None
     path = stats.start_log(tmp_path / "f.csv")
     core = FakeCore()
@@ -695,8 +698,8 @@ def test_flush_log_writes_while_the_log_stays_open(tmp_path, monkeypatch):
 
 
 def test_a_writer_falling_behind_is_caught_up_by_the_allocating_thread(tmp_path, monkeypatch):
-    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)
-    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 0)
+    monkeypatch.setattr(log_writer, "LOG_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(log_writer, "_MAX_PENDING_BATCHES", 0)
     path = stats.start_log(tmp_path / "b.csv")
     w = stats._OBSERVER._writer
     w._closing = True  # the thread ends at its next wake: only this thread writes
@@ -784,7 +787,7 @@ def test_ctrl_c_in_an_observed_allocation_is_not_swallowed(tmp_path, monkeypatch
     """A KeyboardInterrupt raised while the observer runs Python code (here: the
     thread's name) reaches the program; it is no observer error."""
 
-    monkeypatch.setattr(stats._tls, "thread", InterruptedName("MainThread"))
+    monkeypatch.setattr(tags._tls, "thread", InterruptedName("MainThread"))
     stats.start_log(tmp_path / "k.csv")
     with pytest.raises(KeyboardInterrupt):
         alloc(FakeCore(), 0x1000, 8)
@@ -852,7 +855,7 @@ def test_fork_inside_start_logs_switch_leaves_no_logging_without_a_writer(tmp_pa
     w, stats._OBSERVER._writer = stats._OBSERVER._writer, None
     orphan = rec.add_scope(None, None)
     try:
-        stats._after_fork_child()  # what the child runs (here in this process)
+        observing._after_fork_child()  # what the child runs (here in this process)
         assert rec.logging is False
         assert orphan not in rec.scopes
         with stats.statistics():  # _CTL usable
@@ -936,7 +939,7 @@ def test_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(tmp_path, mo
     writer thread's slow write to end and writes the backlog itself: a fast allocation
     rate into a slow disk does not grow memory without bound.  The slow write ends
     after 1 s (a timer); no record is lost."""
-    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 2)
+    monkeypatch.setattr(log_writer, "_MAX_PENDING_BATCHES", 2)
     w, rec, core, release = _writer_stuck_in_a_write(tmp_path / "slow.csv")
     timer = threading.Timer(1.0, release.set)
     timer.start()
@@ -955,8 +958,8 @@ def test_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(tmp_path, mo
 def test_backlog_is_dropped_with_a_warning_when_the_writer_stays_stuck(tmp_path, monkeypatch):
     """A write stuck beyond _MAX_WAIT_S (a hung network disk): the allocating thread
     stops waiting, drops the records waiting (counted, one warning) and goes on."""
-    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 2)
-    monkeypatch.setattr(stats, "_MAX_WAIT_S", 0.05)
+    monkeypatch.setattr(log_writer, "_MAX_PENDING_BATCHES", 2)
+    monkeypatch.setattr(log_writer, "_MAX_WAIT_S", 0.05)
     w, rec, core, release = _writer_stuck_in_a_write(tmp_path / "stuck.csv")
     n = _runtime.hp.LOG_BATCH
     try:
@@ -1057,7 +1060,7 @@ def test_log_has_no_torn_line_after_a_partial_write_and_enospc(tmp_path, monkeyp
     first next time: the torn line is finished, not glued to the next batch's first
     line (which read back with a time 10^6 times too big).  The failed batch's later
     lines are lost (counted); the lines after read back right."""
-    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(log_writer, "LOG_INTERVAL_S", 3600.0)
     path = stats.start_log(tmp_path / "full.csv")
     w = stats._OBSERVER._writer
     w.file = _DiskFull(w.file)
@@ -1131,7 +1134,7 @@ def test_flush_of_a_replaced_writer_does_not_take_the_new_logs_lines(tmp_path, m
     thread's start_log() closed that writer in between, that flush must leave the
     recorder's records (they belong to the new log) alone.  Here the old writer's
     flush is called at that point."""
-    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(log_writer, "LOG_INTERVAL_S", 3600.0)
     core = FakeCore()
     stats.start_log(tmp_path / "1.csv")
     old = stats._OBSERVER._writer

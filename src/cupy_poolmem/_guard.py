@@ -476,7 +476,7 @@ class _Rec:
 def _site() -> str | None:
     """The call site of the guard's caller: the first frame outside the packages that
     tracking skips (:func:`cupy_poolmem.track`'s list) and outside ``weakref``."""
-    from .stats import _OBSERVER
+    from ._observe.observer import _OBSERVER
 
     skip = _OBSERVER._skip if _OBSERVER._skip is not None else _OBSERVER._skip_prefixes()
     f: Any = sys._getframe(1)
@@ -1255,14 +1255,14 @@ class Guard:
 
 
 def _current_tag() -> str:
-    from .stats import current_tag
+    from ._observe.tags import current_tag
 
     return current_tag() or ""
 
 
 def _log(pool: Any, err: GuardError) -> None:
     """Write a ``guard:<kind>`` line to the allocation log (when one is open)."""
-    from .stats import _log_guard_event
+    from ._observe.observer import _log_guard_event
 
     b = err.block
     sites = ""
