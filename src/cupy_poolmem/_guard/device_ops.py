@@ -26,9 +26,9 @@ import cupy
 import numpy as np
 from cuda.bindings import driver as _drv
 
-from . import _streams
-from ._device import on_device
-from ._errors import UnsupportedError, check_driver
+from .. import _streams
+from .._device import on_device
+from .._errors import UnsupportedError, check_driver
 
 __all__ = ["DeviceOps"]
 
