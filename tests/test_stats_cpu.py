@@ -20,8 +20,9 @@ import pytest
 from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, InterruptedName, alloc, free, observer
 
 from cupy_poolmem import _runtime, stats
-from cupy_poolmem._observe import log_writer, tags
-from cupy_poolmem._observe import observer as observing
+from cupy_poolmem._observe.log_writer import LogSettings
+from cupy_poolmem._observe.observer import OBSERVER
+from cupy_poolmem._observe.tags import TAGS
 from cupy_poolmem.stats import LOG_COLUMNS
 
 
@@ -30,14 +31,14 @@ def clean_state():
     """Every test starts and ends with nothing observed."""
     stats.stop_log()
     stats.track(False, depth=32, skip=[FAKES_FILE])
-    assert stats._OBSERVER._scopes == ()
+    assert OBSERVER.scopes == ()
     assert observer() is None
     yield
     stats.stop_log()
     stats.track(False)
-    assert stats._OBSERVER._scopes == (), "a test left a statistics() scope open"
+    assert OBSERVER.scopes == (), "a test left a statistics() scope open"
     assert observer() is None
-    assert stats._OBSERVER.n_errors == 0, "the observer swallowed an error"
+    assert OBSERVER.n_errors == 0, "the observer swallowed an error"
 
 
 def _lineno() -> int:
@@ -56,7 +57,7 @@ def test_observer_installed_only_while_needed():
             assert observer() is None
             assert core.observer is None
         with stats.statistics():
-            assert observer() is stats._OBSERVER.recorder is _runtime.RECORDER
+            assert observer() is OBSERVER.recorder is _runtime.RECORDER
             assert core.observer is _runtime.RECORDER  # live pools get it
         assert observer() is None and core.observer is None
         assert stats.track(True) is False
@@ -360,13 +361,13 @@ def test_call_site_walk_is_bounded():
 # ------------------------------------------------------------------------------------------
 def test_on_free_never_raises():
     with stats.statistics():
-        before = stats._OBSERVER.n_errors
+        before = OBSERVER.n_errors
         with pytest.warns(RuntimeWarning):
             observer().on_free(object(), 0x10, 8, 0, None)  # a core without attributes
         observer().on_free(None, "x", None, None, ("bad",))
-        assert stats._OBSERVER.n_errors == before + 2
-    stats._OBSERVER.n_errors = 0
-    stats._OBSERVER._warned = False
+        assert OBSERVER.n_errors == before + 2
+    OBSERVER.n_errors = 0
+    OBSERVER.warned = False
 
 
 def test_free_reentering_during_an_alloc_is_applied_not_deadlocked():
@@ -642,7 +643,7 @@ def test_forked_child_counts_only_its_own_open_tag_scopes():
     code = textwrap.dedent("""
         import os, threading
         from cupy_poolmem import stats
-        from cupy_poolmem._observe import tags
+        from cupy_poolmem._observe.tags import TAGS
         inside, done = threading.Event(), threading.Event()
         def other():
             with stats.tag("other"):
@@ -652,17 +653,17 @@ def test_forked_child_counts_only_its_own_open_tag_scopes():
         t.start()
         inside.wait(30)
         with stats.tag("a"), stats.tag("b"):
-            assert tags._tag_scopes[0] == 3
+            assert TAGS.scopes[0] == 3
             pid = os.fork()
             if pid == 0:
-                ok = tags._tag_scopes[0] == 2 and stats.current_tag() == "a/b"
+                ok = TAGS.scopes[0] == 2 and stats.current_tag() == "a/b"
                 with stats.tag("c"):
-                    ok = ok and tags._tag_scopes[0] == 3
-                os._exit(0 if ok and tags._tag_scopes[0] == 2 else 1)
+                    ok = ok and TAGS.scopes[0] == 3
+                os._exit(0 if ok and TAGS.scopes[0] == 2 else 1)
             _, status = os.waitpid(pid, 0)
         done.set()
         t.join(30)
-        assert tags._tag_scopes[0] == 0
+        assert TAGS.scopes[0] == 0
         print(os.waitstatus_to_exitcode(status))
     """)
     proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
@@ -671,19 +672,21 @@ def test_forked_child_counts_only_its_own_open_tag_scopes():
 
 
 def test_tag_scopes_are_counted_for_the_recorder():
-    assert tags._tag_scopes[0] == 0
+    assert TAGS.scopes[0] == 0
     with stats.tag("a"):
         with stats.tag("b"):
-            assert tags._tag_scopes[0] == 2
-        assert tags._tag_scopes[0] == 1
+            assert TAGS.scopes[0] == 2
+        assert TAGS.scopes[0] == 1
     with pytest.raises(KeyError):
         with stats.tag("c"):
             raise KeyError
-    assert tags._tag_scopes[0] == 0
+    assert TAGS.scopes[0] == 0
 
 
 def test_flush_log_writes_while_the_log_stays_open(tmp_path, monkeypatch):
-    monkeypatch.setattr(log_writer, "LOG_INTERVAL_S", 3600.0)  # the writer thread stays asleep
+    monkeypatch.setattr(
+        OBSERVER, "log_settings", LogSettings(interval=3600.0)
+    )  # the writer thread stays asleep
     assert stats.flush_log() is None
     path = stats.start_log(tmp_path / "f.csv")
     core = FakeCore()
@@ -698,14 +701,13 @@ def test_flush_log_writes_while_the_log_stays_open(tmp_path, monkeypatch):
 
 
 def test_a_writer_falling_behind_is_caught_up_by_the_allocating_thread(tmp_path, monkeypatch):
-    monkeypatch.setattr(log_writer, "LOG_INTERVAL_S", 3600.0)
-    monkeypatch.setattr(log_writer, "_MAX_PENDING_BATCHES", 0)
+    monkeypatch.setattr(OBSERVER, "log_settings", LogSettings(interval=3600.0, max_pending=0))
     path = stats.start_log(tmp_path / "b.csv")
-    w = stats._OBSERVER._writer
+    w = OBSERVER.writer
     w._closing = True  # the thread ends at its next wake: only this thread writes
     w._wake.set()
     w._thread.join(30)
-    rec = stats._OBSERVER.recorder
+    rec = OBSERVER.recorder
     core = FakeCore()
     n = _runtime.hp.LOG_BATCH
     for i in range(n + 10):
@@ -787,7 +789,7 @@ def test_ctrl_c_in_an_observed_allocation_is_not_swallowed(tmp_path, monkeypatch
     """A KeyboardInterrupt raised while the observer runs Python code (here: the
     thread's name) reaches the program; it is no observer error."""
 
-    monkeypatch.setattr(tags._tls, "thread", InterruptedName("MainThread"))
+    monkeypatch.setattr(TAGS.tls, "thread", InterruptedName("MainThread"))
     stats.start_log(tmp_path / "k.csv")
     with pytest.raises(KeyboardInterrupt):
         alloc(FakeCore(), 0x1000, 8)
@@ -801,10 +803,11 @@ import os, signal, sys, threading
 sys.path.insert(0, {tests!r})
 from cupy_poolmem import stats
 from _observer_fakes import FakeCore, alloc
+from cupy_poolmem._observe.observer import OBSERVER
 
 stats.start_log({path!r})
 kept = [alloc(FakeCore(), 0x1000 + i, 8) for i in range(3)]
-w = stats._OBSERVER._writer
+w = OBSERVER.writer
 entered, release = threading.Event(), threading.Event()
 
 class Slow:
@@ -851,17 +854,17 @@ def test_fork_inside_start_logs_switch_leaves_no_logging_without_a_writer(tmp_pa
     child's after-fork hook turns logging off, so records do not pile up unread; a
     recorder scope with no statistics() (a fork inside statistics()'s entry) goes."""
     stats.start_log(tmp_path / "a.csv")
-    rec = stats._OBSERVER.recorder
-    w, stats._OBSERVER._writer = stats._OBSERVER._writer, None
+    rec = OBSERVER.recorder
+    w, OBSERVER.writer = OBSERVER.writer, None
     orphan = rec.add_scope(None, None)
     try:
-        observing._after_fork_child()  # what the child runs (here in this process)
+        OBSERVER.after_fork_child()  # what the child runs (here in this process)
         assert rec.logging is False
         assert orphan not in rec.scopes
         with stats.statistics():  # _CTL usable
             pass
     finally:
-        stats._OBSERVER._writer = w
+        OBSERVER.writer = w
         rec.set_logging(True)
         rec.remove_scope(orphan)
 
@@ -879,7 +882,7 @@ def test_log_keeps_its_lines_when_a_call_site_path_is_not_utf8(tmp_path):
     kept = ns["f"](alloc, core)
     alloc(core, 0x3000, 8)
     stats.stop_log()
-    assert stats._OBSERVER.n_errors == 0
+    assert OBSERVER.n_errors == 0
     events = _events(path)
     assert [e.ptr for e in events] == [0x1000, 0x2000, 0x3000]
     assert events[1].callsite.startswith(fname.encode("utf-8", "backslashreplace").decode())
@@ -923,8 +926,8 @@ def _writer_stuck_in_a_write(path):
     """A log at ``path`` whose writer thread is inside a write that blocks until
     ``release`` is set: (writer, recorder, core, release)."""
     stats.start_log(path)
-    w = stats._OBSERVER._writer
-    rec = stats._OBSERVER.recorder
+    w = OBSERVER.writer
+    rec = OBSERVER.recorder
     entered, release = threading.Event(), threading.Event()
     w.file = _StuckFile(w.file, entered, release)
     core = FakeCore()
@@ -939,7 +942,7 @@ def test_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(tmp_path, mo
     writer thread's slow write to end and writes the backlog itself: a fast allocation
     rate into a slow disk does not grow memory without bound.  The slow write ends
     after 1 s (a timer); no record is lost."""
-    monkeypatch.setattr(log_writer, "_MAX_PENDING_BATCHES", 2)
+    monkeypatch.setattr(OBSERVER, "log_settings", LogSettings(max_pending=2))
     w, rec, core, release = _writer_stuck_in_a_write(tmp_path / "slow.csv")
     timer = threading.Timer(1.0, release.set)
     timer.start()
@@ -958,8 +961,7 @@ def test_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(tmp_path, mo
 def test_backlog_is_dropped_with_a_warning_when_the_writer_stays_stuck(tmp_path, monkeypatch):
     """A write stuck beyond _MAX_WAIT_S (a hung network disk): the allocating thread
     stops waiting, drops the records waiting (counted, one warning) and goes on."""
-    monkeypatch.setattr(log_writer, "_MAX_PENDING_BATCHES", 2)
-    monkeypatch.setattr(log_writer, "_MAX_WAIT_S", 0.05)
+    monkeypatch.setattr(OBSERVER, "log_settings", LogSettings(max_pending=2, max_wait=0.05))
     w, rec, core, release = _writer_stuck_in_a_write(tmp_path / "stuck.csv")
     n = _runtime.hp.LOG_BATCH
     try:
@@ -971,9 +973,9 @@ def test_backlog_is_dropped_with_a_warning_when_the_writer_stays_stuck(tmp_path,
         release.set()
     assert held <= 3 * n
     assert w.n_dropped >= n and w.n_dropped + held <= 6 * n
-    assert stats._OBSERVER.n_errors >= 1
-    stats._OBSERVER.n_errors = 0
-    stats._OBSERVER._warned = False
+    assert OBSERVER.n_errors >= 1
+    OBSERVER.n_errors = 0
+    OBSERVER.warned = False
 
 
 # ------------------------------------------------------------------------------------------
@@ -1060,15 +1062,15 @@ def test_log_has_no_torn_line_after_a_partial_write_and_enospc(tmp_path, monkeyp
     first next time: the torn line is finished, not glued to the next batch's first
     line (which read back with a time 10^6 times too big).  The failed batch's later
     lines are lost (counted); the lines after read back right."""
-    monkeypatch.setattr(log_writer, "LOG_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(OBSERVER, "log_settings", LogSettings(interval=3600.0))
     path = stats.start_log(tmp_path / "full.csv")
-    w = stats._OBSERVER._writer
+    w = OBSERVER.writer
     w.file = _DiskFull(w.file)
     core = FakeCore()
     t0 = time.time()
     first = [alloc(core, 0x1000 + i, 8) for i in range(4)]
     stats.flush_log()  # the disk fills up
-    assert stats._OBSERVER.n_errors == 1
+    assert OBSERVER.n_errors == 1
     second = [alloc(core, 0x2000 + i, 8) for i in range(4)]
     stats.flush_log()  # space again
     stats.stop_log()
@@ -1077,8 +1079,8 @@ def test_log_has_no_torn_line_after_a_partial_write_and_enospc(tmp_path, monkeyp
     assert [e.ptr for e in events if e.ptr >= 0x2000] == [0x2000, 0x2001, 0x2002, 0x2003]
     assert all(t0 <= e.time <= t1 for e in events), [e.time for e in events]
     assert len([e for e in events if e.ptr < 0x2000]) >= 1  # the torn line, finished
-    stats._OBSERVER.n_errors = 0
-    stats._OBSERVER._warned = False
+    OBSERVER.n_errors = 0
+    OBSERVER.warned = False
     del first, second
 
 
@@ -1134,14 +1136,14 @@ def test_flush_of_a_replaced_writer_does_not_take_the_new_logs_lines(tmp_path, m
     thread's start_log() closed that writer in between, that flush must leave the
     recorder's records (they belong to the new log) alone.  Here the old writer's
     flush is called at that point."""
-    monkeypatch.setattr(log_writer, "LOG_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(OBSERVER, "log_settings", LogSettings(interval=3600.0))
     core = FakeCore()
     stats.start_log(tmp_path / "1.csv")
-    old = stats._OBSERVER._writer
+    old = OBSERVER.writer
     second = stats.start_log(tmp_path / "2.csv")
     a = alloc(core, 0x10, 1)
     old.flush()  # the other thread's flush_log(), which got `old` before the switch
     stats.stop_log()
-    assert stats._OBSERVER.n_errors == 0
+    assert OBSERVER.n_errors == 0
     assert [(e.op, e.ptr) for e in _events(second)] == [("alloc", 0x10)]
     del a

@@ -34,21 +34,13 @@ the first one warned about.
 
 from __future__ import annotations
 
-# The observer first: the log writer reads it (until the writer takes its observer).
-from ._observe.observer import (  # noqa: I001
-    _OBSERVER,  # noqa: F401  (named by the observer's warnings; tests read it)
-    _reserved,  # noqa: F401  (tests read it)
-    flush_log,
-    is_tracking,
-    log_path,
-    start_log,
-    stop_log,
-    track,
-)
 from ._observe.log_writer import LOG_COLUMNS, LOG_INTERVAL_S  # noqa: F401
+from ._observe.observer import OBSERVER as _OBSERVER  # noqa: F401  (its warnings name it)
+from ._observe.observer import reserved_bytes as _reserved  # noqa: F401
 from ._observe.outstanding import Allocation, Outstanding, outstanding
-from ._observe.startup import _init_from_env  # noqa: F401  (run by __init__)
+from ._observe.startup import init_from_env as _init_from_env  # noqa: F401  (__init__ runs it)
 from ._observe.statistics import Statistics, TagStatistics, get_statistics, statistics
+from ._observe.switches import flush_log, is_tracking, log_path, start_log, stop_log, track
 from ._observe.tags import current_tag, tag
 
 __all__ = [

@@ -12,18 +12,18 @@ from .._sizes import format_bytes
 from .options import GuardOptions
 from .records import (
     FREED,
+    GENERATIONS,
     LIVE,
     QUARANTINED,
     GuardedBlock,
     GuardEvent,
-    _current_tag,
-    _generations,
-    _Rec,
-    _site,
-    _where,
+    Record,
+    call_site,
+    describe_site,
+    tag_now,
 )
-from .registry import _GUARDS, _IN_GC, _watch_gc
-from .reports import _Reports
+from .registry import GUARDS
+from .reports import Reports
 
 _FLAG_CAPTURED = 2  # _hotpath FLAG_CAPTURED: graph-owned memory (never guarded)
 _EVENTS_KEPT = 1000
@@ -32,7 +32,7 @@ _EVENTS_KEPT = 1000
 # ----------------------------------------------------------------------------------------
 # The guard
 # ----------------------------------------------------------------------------------------
-class Guard(_Reports):
+class Guard(Reports):
     """The guard of one :class:`~cupy_poolmem.DevicePool` (``pool.guard``).
 
     Created by ``DevicePool(guard=...)``; not instantiated directly.
@@ -76,13 +76,13 @@ class Guard(_Reports):
         self._rz = options.red_zone
         self._q_max_bytes = int(options.quarantine_bytes)  # parsed by GuardOptions
         self._lock = threading.RLock()
-        self._live: dict[int, _Rec] = {}
+        self._live: dict[int, Record] = {}
         self._sorted: list[int] | None = None
         self._passthrough: set[int] = set()  # graph-owned blocks (a capture): not guarded
-        self._q: deque[_Rec] = deque()
-        self._q_index: dict[int, _Rec] = {}
+        self._q: deque[Record] = deque()
+        self._q_index: dict[int, Record] = {}
         self._q_bytes = 0
-        self._history: OrderedDict[int, _Rec] = OrderedDict()  # generation -> freed record
+        self._history: OrderedDict[int, Record] = OrderedDict()  # generation -> freed record
         self._pending: deque[GuardError] = deque()
         self.events: deque[GuardEvent] = deque(maxlen=_EVENTS_KEPT)
         self.counts: dict[str, int] = {
@@ -99,7 +99,7 @@ class Guard(_Reports):
         self._warned_internal = False
         self._closed = False  # the pool is closing: no block enters the quarantine
         self.n_unchecked = 0  # quarantined blocks handed to the retirer without a check
-        _GUARDS.add(self)
+        GUARDS.alive.add(self)
 
     # -- allocation --------------------------------------------------------------------
     def malloc(self, size: Any) -> Any:
@@ -144,7 +144,7 @@ class Guard(_Reports):
             except Exception as exc:
                 self._internal(exc)
                 rz = 0
-        rec = _Rec(ptr, size, size + self._rz, next(_generations), stream, _site(), _current_tag())
+        rec = Record(ptr, size, size + self._rz, next(GENERATIONS), stream, call_site(), tag_now())
         rec.red_zone = rz  # 0 when the canary could not be written: nothing to check
         with self._lock:
             self._live[ptr] = rec
@@ -237,9 +237,9 @@ class Guard(_Reports):
                 return False
         ops = self._ops
         if rec is None:
-            return self._bad_free(ptr, "the pool's free", _site())
-        rec.free_site = _site()
-        if _IN_GC[0]:
+            return self._bad_free(ptr, "the pool's free", call_site())
+        rec.free_site = call_site()
+        if GUARDS.in_gc:
             # Freed by the garbage collector: streams in the same garbage may be
             # destroyed already (a CuPy Stream's finalizer), and a check, a fill or an
             # eviction on one crashed the driver; the stream current now says nothing of
@@ -282,7 +282,7 @@ class Guard(_Reports):
         self._evict(everything=False)
         return True
 
-    def _ordered(self, cur: int, rec: _Rec) -> bool:
+    def _ordered(self, cur: int, rec: Record) -> bool:
         """Whether the free (on ``rec``'s stream) is ordered after work on ``cur``."""
         if cur == rec.stream_ptr or cur in rec.streams or cur <= 2:
             return True  # a default stream current at the free: no sign of other use
@@ -309,7 +309,7 @@ class Guard(_Reports):
             self._leave_quarantine(rec)
             n += 1
 
-    def _leave_quarantine(self, rec: _Rec) -> None:
+    def _leave_quarantine(self, rec: Record) -> None:
         try:
             first, n = self._ops.find(rec.ptr, rec.total, self.options.poison, rec.stream)
         except Exception as exc:
@@ -354,7 +354,7 @@ class Guard(_Reports):
             self._remember(rec)
         return [rec.ptr for rec in recs]
 
-    def _remember(self, rec: _Rec) -> None:
+    def _remember(self, rec: Record) -> None:
         """``rec`` is freed (or about to be, by the pool): keep it in the history."""
         rec.state = FREED
         rec.stream = None  # the stream object is needed only until the real free
@@ -365,7 +365,7 @@ class Guard(_Reports):
                     self._history.popitem(last=False)
 
     # -- lookups -----------------------------------------------------------------------
-    def _find_live(self, ptr: int) -> _Rec | None:
+    def _find_live(self, ptr: int) -> Record | None:
         rec = self._live.get(ptr)
         if rec is not None:
             return rec
@@ -379,7 +379,7 @@ class Guard(_Reports):
             rec = self._live.get(keys[i]) if i >= 0 else None
         return rec if rec is not None and rec.contains(ptr) else None
 
-    def _find_dead(self, ptr: int, generation: int | None = None) -> _Rec | None:
+    def _find_dead(self, ptr: int, generation: int | None = None) -> Record | None:
         with self._lock:
             if generation is not None:
                 rec = self._history.get(generation)
@@ -457,7 +457,7 @@ class Guard(_Reports):
             msg = (
                 f"cupy_poolmem guard: {where}: the address is in live "
                 f"{rec.snapshot(self._device).describe()}, allocated at "
-                f"{_where(rec.alloc_site)}, but you hold generation {generation}, which this "
+                f"{describe_site(rec.alloc_site)}, but you hold generation {generation}, which this "
                 f"guard no longer remembers (older than the last {self.options.history} frees). "
                 "The allocation you kept the pointer for is gone and its memory was reused: "
                 "keep the array (not its pointer) alive while the pointer is used."
@@ -471,7 +471,7 @@ class Guard(_Reports):
         snap = dead.snapshot(self._device)
         now = (
             f"the address now belongs to {rec.snapshot(self._device).describe()}, allocated at "
-            f"{_where(rec.alloc_site)}"
+            f"{describe_site(rec.alloc_site)}"
             if rec is not None
             else (
                 f"it is still in the quarantine, poisoned with 0x{self.options.poison:02X} bytes"
@@ -481,8 +481,8 @@ class Guard(_Reports):
         )
         msg = (
             f"cupy_poolmem guard: use after free: {where} points into {snap.describe()}, "
-            f"which was freed at {_where(dead.free_site)} (allocated at "
-            f"{_where(dead.alloc_site)}); {now}. Something kept a raw pointer (arr.data.ptr, "
+            f"which was freed at {describe_site(dead.free_site)} (allocated at "
+            f"{describe_site(dead.alloc_site)}); {now}. Something kept a raw pointer (arr.data.ptr, "
             "DLPack, a Numba or C-library view) after the last array went: keep the array "
             "alive while its pointer is used."
         )
@@ -654,7 +654,7 @@ class Guard(_Reports):
         >>> pool.guard.report_foreign_free(ptr, gen, "a Numba pointer's finalizer")  # doctest: +SKIP
         """
         try:
-            self._bad_free(int(ptr), via, _site(), generation or None)
+            self._bad_free(int(ptr), via, call_site(), generation or None)
         except BaseException as exc:
             self._internal(exc)
 
@@ -667,8 +667,8 @@ class Guard(_Reports):
             snap = dead.snapshot(self._device)
             msg = (
                 f"cupy_poolmem guard: double free of {snap.describe()}: freed at "
-                f"{_where(dead.free_site)}, then again through {via} at {_where(site)} "
-                f"(allocated at {_where(dead.alloc_site)}). The second free was not done. "
+                f"{describe_site(dead.free_site)}, then again through {via} at {describe_site(site)} "
+                f"(allocated at {describe_site(dead.alloc_site)}). The second free was not done. "
                 "Two owners free the same memory: give each allocation one owner (for Numba, "
                 "do not reset() the memory manager while device arrays are alive; do not "
                 "free() a pointer something else frees)."
@@ -676,7 +676,7 @@ class Guard(_Reports):
             self._report(DoubleFreeError(msg, snap))
             return True
         msg = (
-            f"cupy_poolmem guard: free of pointer 0x{ptr:x} through {via} at {_where(site)}, "
+            f"cupy_poolmem guard: free of pointer 0x{ptr:x} through {via} at {describe_site(site)}, "
             "which this pool's guard never handed out (or freed longer ago than the last "
             f"{self.options.history} frees it remembers). Memory must go back to the "
             "allocator it came from."
@@ -696,15 +696,17 @@ class Guard(_Reports):
 def attach(pool: Any, options: GuardOptions, ops: Any = None) -> Guard:
     """Put ``pool`` under a guard: its ``malloc``, ``release_hook`` and ``guard`` attributes.
 
-    ``ops`` does the device work (``_guard_device.DeviceOps`` by default; a fake in CPU
+    ``ops`` does the device work (``device_ops.DeviceOps`` by default; a fake in CPU
     tests).  The pool's reuse cache is turned off: freed blocks go to the quarantine.
     """
     if ops is None:
+        # Late: device_ops imports cupy and cuda.bindings, which CPU tests and the
+        # base install (GuardOptions, resolve) do without.
         from .device_ops import DeviceOps
 
         ops = DeviceOps(int(pool.device_id))
         ops.prepare()
-    _watch_gc()
+    GUARDS.watch_gc()
     g = Guard(pool, options, ops)
     pool.cache_limit = 0
     pool.cache_max_block = 0

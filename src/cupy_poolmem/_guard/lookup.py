@@ -8,7 +8,7 @@ from .._errors import InvalidOptionError, OptionTypeError, UsageError
 from .guard import Guard
 from .options import ENV
 from .records import QUARANTINED, GuardedBlock
-from .registry import _GUARDS
+from .registry import GUARDS
 
 
 # ----------------------------------------------------------------------------------------
@@ -110,7 +110,7 @@ def _locate(obj: Any, generation: int | None = None) -> tuple[Guard, int]:
                 f"pool with guard=True (or set {ENV}=1) to check pointers"
             )
         return g, ptr
-    guards = list(_GUARDS)
+    guards = list(GUARDS.alive)
     if not guards:
         raise UsageError(
             "check(): no pool in this process has a guard; use DevicePool(guard=True), "

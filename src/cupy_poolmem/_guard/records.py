@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import GuardError
+from .._observe.events import EVENTS
+from .._observe.sites import SITES
+from .._observe.tags import current_tag
 
 LIVE = "live"
 QUARANTINED = "quarantined"
@@ -17,7 +20,7 @@ FREED = "freed"
 
 # One generation counter for the whole process: (pointer, generation) never repeats,
 # and a generation alone names one allocation, whichever pool made it.
-_generations = itertools.count(1)
+GENERATIONS = itertools.count(1)
 _WEAKREF_FILE = weakref.__file__
 
 
@@ -139,7 +142,7 @@ class GuardEvent:
         return str(self.error)
 
 
-class _Rec:
+class Record:
     """The guard's mutable record of one allocation."""
 
     __slots__ = (
@@ -191,14 +194,12 @@ class _Rec:
         )
 
 
-def _site() -> str | None:
+def call_site() -> str | None:
     """The call site of the guard's caller: the first frame outside the packages that
     tracking skips (:func:`cupy_poolmem.track`'s list) and outside ``weakref``."""
-    from .._observe.observer import _OBSERVER
-
-    skip = _OBSERVER._skip if _OBSERVER._skip is not None else _OBSERVER._skip_prefixes()
+    skip = SITES.prefixes()
     f: Any = sys._getframe(1)
-    for _ in range(_OBSERVER.depth + 8):
+    for _ in range(SITES.depth + 8):
         if f is None:
             return None
         fn = f.f_code.co_filename
@@ -208,25 +209,24 @@ def _site() -> str | None:
     return None
 
 
-def _where(site: str | None) -> str:
+def describe_site(site: str | None) -> str:
+    """A call site as a report names it."""
     return site or "(unknown: no Python frame outside cupy_poolmem, CuPy and Numba)"
 
 
-def _current_tag() -> str:
-    from .._observe.tags import current_tag
-
+def tag_now() -> str:
+    """The tag path of this thread ("" when untagged)."""
     return current_tag() or ""
 
 
-def _log(pool: Any, err: GuardError) -> None:
-    """Write a ``guard:<kind>`` line to the allocation log (when one is open)."""
-    from .._observe.observer import _log_guard_event
-
+def log_report(pool: Any, err: GuardError) -> None:
+    """Write a ``guard:<kind>`` line to the allocation log (when one is open), through
+    the event hook the observer installs."""
     b = err.block
     sites = ""
     if b is not None:
         sites = f"alloc {b.alloc_site or '?'}" + (f" | free {b.free_site}" if b.free_site else "")
-    _log_guard_event(
+    EVENTS.note(
         pool,
         f"guard:{err.kind}",
         b.ptr if b is not None else 0,

@@ -17,10 +17,10 @@ from .._errors import (
     UseAfterFreeError,
 )
 from .options import GuardOptions
-from .records import GuardEvent, _log, _Rec, _where
+from .records import GuardEvent, Record, describe_site, log_report
 
 
-class _Reports:
+class Reports:
     """The reporting half of :class:`~cupy_poolmem.Guard` (a base class of it)."""
 
     options: GuardOptions
@@ -33,30 +33,30 @@ class _Reports:
     _warned_internal: bool
 
     # -- reports -----------------------------------------------------------------------
-    def _report_oob(self, rec: _Rec, first: int, n: int, when: str) -> None:
+    def _report_oob(self, rec: Record, first: int, n: int, when: str) -> None:
         snap = rec.snapshot(self._device)
         past = first  # offset into the red zone
         msg = (
             f"cupy_poolmem guard: out-of-bounds write past the end of {snap.describe()}: "
             f"{n} byte(s) of the {rec.red_zone}-byte red zone after it were changed, the "
             f"first at offset {rec.size + past:,} ({past} byte(s) past the end), found "
-            f"{when}. Allocated at {_where(rec.alloc_site)}"
-            + (f"; freed at {_where(rec.free_site)}" if rec.free_site else "")
+            f"{when}. Allocated at {describe_site(rec.alloc_site)}"
+            + (f"; freed at {describe_site(rec.free_site)}" if rec.free_site else "")
             + ". A kernel or library wrote beyond the array: check its bounds test "
             "(i < n), its grid size and the sizes given to raw kernels or C libraries."
         )
         self._report(OutOfBoundsWriteError(msg, snap, rec.size + past, n))
 
     def _report_uaf(
-        self, rec: _Rec, first: int, n: int, when: str = "when it left the quarantine"
+        self, rec: Record, first: int, n: int, when: str = "when it left the quarantine"
     ) -> None:
         snap = rec.snapshot(self._device)
         part = "its red zone" if first >= rec.size else "the block"
         msg = (
             f"cupy_poolmem guard: write after free into {snap.describe()}: {n} byte(s) "
             f"changed after it was freed, the first at offset {first:,} (in {part}), found "
-            f"{when}. Allocated at {_where(rec.alloc_site)}; freed at "
-            f"{_where(rec.free_site)} (stream 0x{rec.stream_ptr:x}). Something kept a raw "
+            f"{when}. Allocated at {describe_site(rec.alloc_site)}; freed at "
+            f"{describe_site(rec.free_site)} (stream 0x{rec.stream_ptr:x}). Something kept a raw "
             "pointer (arr.data.ptr, DLPack, a Numba or C-library view) or work on another "
             "stream still wrote after the last array went: keep the array alive while its "
             "memory is used, and call cupy_poolmem.record_stream(array, stream) for other "
@@ -64,14 +64,14 @@ class _Reports:
         )
         self._report(UseAfterFreeError(msg, snap, first, n))
 
-    def _report_unordered(self, rec: _Rec, cur: int) -> None:
+    def _report_unordered(self, rec: Record, cur: int) -> None:
         snap = rec.snapshot(self._device)
         msg = (
             f"cupy_poolmem guard: {snap.describe()} allocated on stream 0x{rec.stream_ptr:x} "
-            f"was freed at {_where(rec.free_site)} while stream 0x{cur:x} was current, which "
+            f"was freed at {describe_site(rec.free_site)} while stream 0x{cur:x} was current, which "
             "is neither its allocation stream nor recorded with record_stream: the pool "
             f"reuses the memory in the order of stream 0x{rec.stream_ptr:x} only, possibly "
-            f"while 0x{cur:x} still uses it. Allocated at {_where(rec.alloc_site)}. Call "
+            f"while 0x{cur:x} still uses it. Allocated at {describe_site(rec.alloc_site)}. Call "
             "cupy_poolmem.record_stream(array, stream) for every other stream that uses the "
             "array before dropping it (or synchronize that stream first). If that stream "
             "never used it, this is a false alarm: drop the array outside its `with "
@@ -84,7 +84,7 @@ class _Reports:
         kind = err.kind
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self.events.append(GuardEvent(kind, time.time(), err))
-        _log(self._pool, err)
+        log_report(self._pool, err)
         policy = self.options.cross_stream if kind == "unordered_stream" else self.options.mode
         if policy == "warn":
             with contextlib.suppress(Exception):

@@ -7,8 +7,8 @@ import contextlib
 import os
 import threading
 import warnings
-
-from . import observer as _observer
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 #: Columns of the allocation log, in order (see :func:`~cupy_poolmem.start_log`).
 LOG_COLUMNS: tuple[str, ...] = (
@@ -30,26 +30,54 @@ LOG_COLUMNS: tuple[str, ...] = (
 #: of 4096 records, the hot path's ``LOG_BATCH``, is written at once).
 LOG_INTERVAL_S = 0.1
 
-# Beyond this many full batches not yet written (4096 records each: 64 is about 20 MB)
-# the allocating thread waits for the writer and writes them itself (bounded memory);
-# if the writer is stuck in a write for _MAX_WAIT_S, the records waiting are dropped
-# (counted in the writer's n_dropped and as an observer error, with a warning) rather
-# than the program hanging on a stalled disk.
-_MAX_PENDING_BATCHES = 64
-_MAX_WAIT_S = 30.0
+
+@dataclass(frozen=True)
+class LogSettings:
+    """How a log writer paces itself.
+
+    Beyond ``max_pending`` full batches not yet written (4096 records each: 64 is about
+    20 MB) the allocating thread waits for the writer and writes them itself (bounded
+    memory); if the writer is stuck in a write for ``max_wait`` seconds, the records
+    waiting are dropped (counted in the writer's ``n_dropped`` and as an observer error,
+    with a warning) rather than the program hanging on a stalled disk.
+    """
+
+    interval: float = LOG_INTERVAL_S
+    max_pending: int = 64
+    max_wait: float = 30.0
 
 
-class _LogWriter:
+class ErrorSink(Protocol):
+    """Where a writer counts its errors (the observer)."""
+
+    def error(self, exc: BaseException) -> None: ...
+
+    def count_error(self) -> None: ...
+
+
+class LogWriter:
     """The log file and its writer thread, which writes the recorder's batches.
 
     Lines are formatted from the recorder's records in batches (``Batch.format``, in C
     without the GIL in the compiled hot path) and each batch goes to the file in one
     ``write``: whole lines, so processes appending to one file never cut each other's.
+    ``rec`` is the recorder whose batches it takes (``None``: nothing to write), and
+    ``errors`` counts what fails (nothing here raises into the allocating thread).
     """
 
-    def __init__(self, template: str, append: bool) -> None:
+    def __init__(
+        self,
+        template: str,
+        append: bool,
+        rec: Any,
+        errors: ErrorSink,
+        settings: LogSettings | None = None,
+    ) -> None:
         self.template = template
         self.append = append
+        self.rec = rec
+        self.errors = errors
+        self.settings = settings or LogSettings()
         self.n_lines = 0
         self._tail = b""  # the rest of a line a failed write left unfinished
         self.n_dropped = 0  # records dropped while the writer was stuck (see batch_full)
@@ -85,21 +113,21 @@ class _LogWriter:
 
     def _run(self) -> None:
         while not self._closing:
-            self._wake.wait(LOG_INTERVAL_S)
+            self._wake.wait(self.settings.interval)
             self._wake.clear()
             self.flush()
 
     def batch_full(self) -> None:
         """A batch is full (called by the recorder in the allocating thread)."""
         self._pending += 1
-        if self._pending <= _MAX_PENDING_BATCHES or self._owner == threading.get_ident():
+        if self._pending <= self.settings.max_pending or self._owner == threading.get_ident():
             # A write on this very thread (a garbage collection inside it freed
             # blocks) writes these records next.
             self._wake.set()
             return
         # The writer falls behind: this thread waits for the write under way, then
         # writes what is left, so memory stays bounded (spdlog's "block" policy).
-        if self._lock.acquire(timeout=_MAX_WAIT_S):
+        if self._lock.acquire(timeout=self.settings.max_wait):
             try:
                 self._flush_owned()
             finally:
@@ -109,23 +137,23 @@ class _LogWriter:
 
     def _drop(self) -> None:
         """The writer is stuck in a write: drop the records waiting (counted)."""
-        rec = _observer._OBSERVER._rec
+        rec = self.rec
         if rec is None or self._closed:
             return
         try:
             n = sum(len(b) for b in rec.take_batches())
         except Exception as exc:
-            _observer._OBSERVER._error(exc)
+            self.errors.error(exc)
             return
         self._pending = 0
         first = not self.n_dropped
         self.n_dropped += n
-        _observer._OBSERVER._errors += 1
+        self.errors.count_error()
         if first:
             with contextlib.suppress(BaseException):
                 warnings.warn(
                     f"cupy_poolmem: the allocation log {self.path} has been stuck in a "
-                    f"write for over {_MAX_WAIT_S:g} s: {n} records dropped (later drops "
+                    f"write for over {self.settings.max_wait:g} s: {n} records dropped (later drops "
                     "are counted in cupy_poolmem.stats._OBSERVER.n_errors)",
                     RuntimeWarning,
                     stacklevel=2,
@@ -146,21 +174,21 @@ class _LogWriter:
             self._owner = None
 
     def _flush_locked(self) -> None:
-        rec = _observer._OBSERVER._rec
+        rec = self.rec
         if rec is None or self._closed:
             return
         self._pending = 0
         try:
             batches = rec.take_batches()
         except Exception as exc:
-            _observer._OBSERVER._error(exc)
+            self.errors.error(exc)
             return
         for batch in batches:  # each on its own: one that fails loses no other
             try:
                 self._write(batch.format(self.pid))
                 self.n_lines += len(batch)
             except Exception as exc:
-                _observer._OBSERVER._error(exc)
+                self.errors.error(exc)
 
     def _write(self, data: bytes) -> None:
         """Write whole lines.  A write that fails after part of a line (a disk that
@@ -197,7 +225,7 @@ class _LogWriter:
                 try:
                     self._write(b"")
                 except Exception as exc:
-                    _observer._OBSERVER._error(exc)
+                    self.errors.error(exc)
             # A flush of this writer from now on (flush_log() or batch_full() on a
             # thread that fetched it before start_log replaced it) must not take the
             # recorder's records: they belong to the next log.

@@ -10,7 +10,7 @@ from typing import Any
 
 from .._errors import InvalidOptionError, OptionTypeError
 from .._sizes import format_bytes
-from .observer import _OBSERVER
+from .observer import OBSERVER
 
 _time = time.time
 
@@ -140,13 +140,13 @@ def outstanding(pool: Any = None, limit: int | None = 20) -> Outstanding:
     if limit is not None and limit < 0:
         raise InvalidOptionError(f"limit must be a non-negative int or None; got {limit!r}")
     out = Outstanding()
-    if not _OBSERVER.active:
+    if not OBSERVER.active:
         out.observed = False
         out.note = _NOT_OBSERVED
         warnings.warn(_NOT_OBSERVED, UserWarning, stacklevel=2)
         return out
     now = _time()
-    rec = _OBSERVER._rec
+    rec = OBSERVER.rec
     for info in rec.live(pool) if rec is not None else ():
         out.append(
             Allocation(

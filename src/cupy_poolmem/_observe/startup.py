@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import warnings
 
-from .observer import start_log, track
+from .switches import start_log, track
 
 _ENV_LOG = "CUPY_POOLMEM_LOG"
 _ENV_TRACK = "CUPY_POOLMEM_TRACK"
 
 
-def _init_from_env() -> None:
+def init_from_env() -> None:
     """Start a log / tracking from ``CUPY_POOLMEM_LOG`` and ``CUPY_POOLMEM_TRACK``.
 
     Called once by ``cupy_poolmem/__init__.py``.  A log that cannot be opened gives a

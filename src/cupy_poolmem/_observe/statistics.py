@@ -10,7 +10,7 @@ from typing import Any
 
 from .._errors import InvalidOptionError, OptionTypeError
 from .._sizes import format_bytes
-from .observer import _KIND_NAMES, _OBSERVER
+from .observer import KIND_NAMES, OBSERVER
 
 _time = time.time
 
@@ -324,18 +324,18 @@ def statistics(*, device: int | None = None, kind: str | None = None) -> Iterato
     ...         run_step()
     >>> print(st.peak_used_bytes, st.n_allocs, st.per_tag["step"].peak_bytes)  # doctest: +SKIP
     """
-    if kind is not None and kind not in _KIND_NAMES.values():
+    if kind is not None and kind not in KIND_NAMES.values():
         raise InvalidOptionError(
             f"kind must be 'device', 'pinned', 'managed' or None; got {kind!r}"
         )
     if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
         raise OptionTypeError(f"device must be an int ordinal or None; got {device!r}")
     st = Statistics(device=device, kind=kind, start_time=_time())
-    _OBSERVER._add_scope(st)
+    OBSERVER.add_scope(st)
     try:
         yield st
     finally:
-        _OBSERVER._remove_scope(st)
+        OBSERVER.remove_scope(st)
 
 
 def get_statistics() -> Statistics | None:
@@ -356,5 +356,5 @@ def get_statistics() -> Statistics | None:
     >>> cupy_poolmem.get_statistics() is None
     True
     """
-    scopes = _OBSERVER._scopes
+    scopes = OBSERVER.scopes
     return scopes[-1] if scopes else None

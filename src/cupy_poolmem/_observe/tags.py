@@ -24,52 +24,56 @@ class _TagState(threading.local):
         self.thread = _current_thread()
 
 
-_tls = _TagState()
-# tag() scopes open in all threads: while none is, the recorder does not read _tls.
-_tag_scopes = array("q", [0])
-_tag_lock = threading.Lock()
+class Tags:
+    """The process's tag state: the thread-local tag path (``tls``) and the count of
+    ``tag()`` scopes open in all threads (``scopes``, an array the recorder reads: while
+    it is 0 the recorder does not read ``tls``), with its fork hook."""
+
+    def __init__(self) -> None:
+        self.tls = _TagState()
+        self.scopes = array("q", [0])
+        self.lock = threading.Lock()
+
+    def after_fork_child(self) -> None:
+        """In a forked child only this thread is left: its own open tag scopes count."""
+        self.lock = threading.Lock()
+        self.scopes[0] = len(self.tls.stack)
 
 
-class _TagScope(contextlib.ContextDecorator):
+TAGS = Tags()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=TAGS.after_fork_child)
+
+
+class TagScope(contextlib.ContextDecorator):
     """Context manager (and decorator) returned by :func:`~cupy_poolmem.tag`."""
 
     def __init__(self, name: str) -> None:
         self.name = str(name)  # a plain str: the recorder looks tags up from C
 
-    def _recreate_cm(self) -> _TagScope:  # a fresh scope per decorated call
-        return _TagScope(self.name)
+    def _recreate_cm(self) -> TagScope:  # a fresh scope per decorated call
+        return TagScope(self.name)
 
     def __enter__(self) -> str:
-        with _tag_lock:  # counted before the tag is set: the recorder then reads it
-            _tag_scopes[0] += 1
-        tls = _tls
+        with TAGS.lock:  # counted before the tag is set: the recorder then reads it
+            TAGS.scopes[0] += 1
+        tls = TAGS.tls
         prev = tls.tag
         tls.stack.append(prev)
         tls.tag = f"{prev}/{self.name}" if prev else self.name
         return tls.tag
 
     def __exit__(self, *exc: Any) -> None:
-        tls = _tls
+        tls = TAGS.tls
         if not tls.stack:
             tls.tag = ""
             return
         tls.tag = tls.stack.pop()
-        with _tag_lock:
-            _tag_scopes[0] -= 1
+        with TAGS.lock:
+            TAGS.scopes[0] -= 1
 
 
-def _tags_after_fork() -> None:
-    """In a forked child only this thread is left: its own open tag scopes count."""
-    global _tag_lock
-    _tag_lock = threading.Lock()
-    _tag_scopes[0] = len(_tls.stack)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_tags_after_fork)
-
-
-def tag(name: str) -> _TagScope:
+def tag(name: str) -> TagScope:
     """Label every allocation made in this thread inside the ``with`` block.
 
     Tags nest: inside ``tag("model")`` and then ``tag("attention")`` allocations carry
@@ -107,7 +111,7 @@ def tag(name: str) -> _TagScope:
     """
     if not isinstance(name, str) or not name:
         raise OptionTypeError(f"tag name must be a non-empty string; got {name!r}")
-    return _TagScope(name)
+    return TagScope(name)
 
 
 def current_tag() -> str | None:
@@ -126,4 +130,4 @@ def current_tag() -> str | None:
     >>> cupy_poolmem.current_tag() is None
     True
     """
-    return _tls.tag or None
+    return TAGS.tls.tag or None
