@@ -20,7 +20,7 @@ import pytest
 from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, InterruptedName, alloc, free, observer
 
 from cupy_poolmem import _runtime, stats
-from cupy_poolmem._observe.log_writer import LogSettings
+from cupy_poolmem._observe.log_writer import LogSettings, LogWriter
 from cupy_poolmem._observe.observer import OBSERVER
 from cupy_poolmem._observe.tags import TAGS
 from cupy_poolmem.stats import LOG_COLUMNS
@@ -1147,3 +1147,74 @@ def test_flush_of_a_replaced_writer_does_not_take_the_new_logs_lines(tmp_path, m
     assert OBSERVER.n_errors == 0
     assert [(e.op, e.ptr) for e in _events(second)] == [("alloc", 0x10)]
     del a
+
+
+# ------------------------------------------------------------------------------------------
+# The log writer on its own: its recorder, error sink and pacing come from its constructor
+# ------------------------------------------------------------------------------------------
+class _Batch:
+    """A recorder batch: ``n`` CSV lines, or a format that fails."""
+
+    def __init__(self, first: int, n: int, fail: bool = False) -> None:
+        self.first, self.n, self.fail = first, n, fail
+
+    def __len__(self) -> int:
+        return self.n
+
+    def format(self, pid: int) -> bytes:
+        if self.fail:
+            raise ValueError("cannot format this batch")
+        rows = [f"1.0,{pid},T,0,0,alloc,0x{self.first + i:x},8,,,8,\n" for i in range(self.n)]
+        return "".join(rows).encode()
+
+
+class _Recorder:
+    """Hands out the batches queued in ``batches``, as ``Recorder.take_batches`` does."""
+
+    def __init__(self) -> None:
+        self.batches: list[_Batch] = []
+
+    def take_batches(self) -> list[_Batch]:
+        out, self.batches = self.batches, []
+        return out
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.errors: list[BaseException] = []
+        self.counted = 0
+
+    def error(self, exc: BaseException) -> None:
+        self.errors.append(exc)
+
+    def count_error(self) -> None:
+        self.counted += 1
+
+
+def test_a_writer_of_its_own_writes_every_good_batch_and_counts_the_bad_one(tmp_path):
+    """A batch that cannot be formatted loses only its own lines (counted in the
+    writer's error sink, never raised); the batches around it are written whole."""
+    rec, sink = _Recorder(), _Sink()
+    w = LogWriter(str(tmp_path / "own.csv"), False, rec, sink, LogSettings(interval=3600.0))
+    rec.batches = [_Batch(0x100, 3), _Batch(0x200, 2, fail=True), _Batch(0x300, 2)]
+    w.flush()
+    w.close()
+    rows = _read(w.path)
+    assert [int(r["pointer"], 0) for r in rows] == [0x100, 0x101, 0x102, 0x300, 0x301]
+    assert w.n_lines == 5
+    assert [str(e) for e in sink.errors] == ["cannot format this batch"]
+    assert sink.counted == 0
+
+
+def test_a_closed_writer_of_its_own_takes_no_more_records(tmp_path):
+    """After close() the writer never takes the recorder's records (they belong to the
+    next log), even when a batch fills and the writer is flushed again."""
+    rec, sink = _Recorder(), _Sink()
+    w = LogWriter(str(tmp_path / "closed.csv"), False, rec, sink, LogSettings(max_pending=0))
+    w.start()
+    w.close()
+    rec.batches = [_Batch(0x100, 4)]
+    w.batch_full()
+    w.flush()
+    assert len(rec.batches) == 1, "a closed writer took the next log's records"
+    assert _read(w.path) == [] and sink.errors == []
