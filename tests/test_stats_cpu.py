@@ -1218,3 +1218,140 @@ def test_a_closed_writer_of_its_own_takes_no_more_records(tmp_path):
     w.flush()
     assert len(rec.batches) == 1, "a closed writer took the next log's records"
     assert _read(w.path) == [] and sink.errors == []
+
+
+# ------------------------------------------------------------------------------------------
+# The observer's protocol: installed exactly while something needs it (stateful model)
+# ------------------------------------------------------------------------------------------
+def _observer_model():
+    """A state machine over statistics scopes, logs, tracking, allocations and frees.
+
+    Invariants after every step: the recorder is on the pools exactly while a scope,
+    a log or tracking needs it; tracking is on exactly while track(True) or a tracking
+    log asks for it; every open scope counts exactly the allocations made (and freed)
+    while it was open; no error is swallowed."""
+    import shutil
+    import tempfile
+
+    from hypothesis import strategies as hst
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+    class ObserverModel(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dir = tempfile.mkdtemp(prefix="observer-model-")
+            self.core = FakeCore()
+            with _runtime.registry_lock():
+                _runtime.POOLS.add(self.core)
+            self.scopes: list[tuple[object, object]] = []  # (context manager, Statistics)
+            self.expected: dict[int, list[int]] = {}  # id(st) -> [n_allocs, n_frees, live]
+            self.live: list[tuple[FakeBlock, tuple[int, ...]]] = []
+            self.log: bool | None = None  # None: no log; else its track flag
+            self.user_track = False
+            self.next_ptr = 0x10000
+            self.n_logs = 0
+
+        def teardown(self) -> None:
+            try:
+                for b, _ in self.live:
+                    free(b)
+                for cm, _ in reversed(self.scopes):
+                    cm.__exit__(None, None, None)
+                stats.stop_log()
+                stats.track(False)
+            finally:
+                with _runtime.registry_lock():
+                    _runtime.POOLS.discard(self.core)
+                shutil.rmtree(self.dir, ignore_errors=True)
+
+        @rule()
+        def open_scope(self) -> None:
+            cm = stats.statistics()
+            st = cm.__enter__()
+            self.scopes.append((cm, st))
+            self.expected[id(st)] = [0, 0, 0]
+
+        @precondition(lambda self: self.scopes)
+        @rule(data=hst.data())
+        def close_scope(self, data) -> None:
+            i = data.draw(hst.integers(0, len(self.scopes) - 1))
+            cm, st = self.scopes.pop(i)
+            cm.__exit__(None, None, None)
+            assert not st.active
+            del self.expected[id(st)]
+
+        @rule(track=hst.booleans())
+        def start_log(self, track: bool) -> None:
+            self.n_logs += 1
+            stats.start_log(os.path.join(self.dir, f"{self.n_logs}.csv"), track=track)
+            self.log = track
+
+        @rule()
+        def stop_log(self) -> None:
+            path = stats.stop_log()
+            assert (path is None) == (self.log is None)
+            self.log = None
+
+        @rule(enabled=hst.booleans())
+        def track(self, enabled: bool) -> None:
+            assert stats.track(enabled) is self.user_track
+            self.user_track = enabled
+
+        @rule(size=hst.integers(0, 4096))
+        def allocate(self, size: int) -> None:
+            self.next_ptr += 0x1000
+            b = alloc(self.core, self.next_ptr, size)
+            inside = tuple(id(st) for _, st in self.scopes)
+            for k in inside:
+                e = self.expected[k]
+                e[0] += 1
+                e[2] += size
+            self.live.append((b, inside))
+
+        @precondition(lambda self: self.live)
+        @rule(data=hst.data())
+        def free_one(self, data) -> None:
+            b, inside = self.live.pop(data.draw(hst.integers(0, len(self.live) - 1)))
+            free(b)
+            for k in inside:
+                if k in self.expected:
+                    e = self.expected[k]
+                    e[1] += 1
+                    e[2] -= b.size
+
+        @invariant()
+        def installed_exactly_while_needed(self) -> None:
+            tracking = self.user_track or bool(self.log)
+            need = bool(self.scopes) or self.log is not None or tracking
+            assert stats.is_tracking() is tracking
+            assert (observer() is not None) is need
+            assert self.core.observer is observer()
+            assert [st for _, st in self.scopes] == list(OBSERVER.scopes)
+            assert (stats.log_path() is None) == (self.log is None)
+
+        @invariant()
+        def scopes_count_what_they_saw(self) -> None:
+            for _, st in self.scopes:
+                n_allocs, n_frees, live = self.expected[id(st)]
+                assert (st.n_allocs, st.n_frees, st.current_bytes) == (n_allocs, n_frees, live)
+
+        @invariant()
+        def no_error_swallowed(self) -> None:
+            assert OBSERVER.n_errors == 0
+
+    return ObserverModel
+
+
+def test_observer_protocol_model():
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(
+        _observer_model(),
+        settings=hypothesis.settings(
+            max_examples=40,
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=list(hypothesis.HealthCheck),
+        ),
+    )
