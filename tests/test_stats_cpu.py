@@ -21,7 +21,8 @@ from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, InterruptedName, al
 
 from cupy_poolmem import _runtime, stats
 from cupy_poolmem._observe.log_writer import LogSettings, LogWriter
-from cupy_poolmem._observe.observer import OBSERVER
+from cupy_poolmem._observe.observer import OBSERVER, Observer
+from cupy_poolmem._observe.sites import CallSites
 from cupy_poolmem._observe.tags import TAGS
 from cupy_poolmem.stats import LOG_COLUMNS
 
@@ -1243,8 +1244,9 @@ def _observer_model():
             self.core = FakeCore()
             with _runtime.registry_lock():
                 _runtime.POOLS.add(self.core)
-            self.scopes: list[tuple[object, object]] = []  # (context manager, Statistics)
-            self.expected: dict[int, list[int]] = {}  # id(st) -> [n_allocs, n_frees, live]
+            self.scopes: list[tuple[object, object, int]] = []  # (manager, Statistics, serial)
+            self.expected: dict[int, list[int]] = {}  # serial -> [n_allocs, n_frees, live]
+            self.serial = 0
             self.live: list[tuple[FakeBlock, tuple[int, ...]]] = []
             self.log: bool | None = None  # None: no log; else its track flag
             self.user_track = False
@@ -1255,7 +1257,7 @@ def _observer_model():
             try:
                 for b, _ in self.live:
                     free(b)
-                for cm, _ in reversed(self.scopes):
+                for cm, _, _ in reversed(self.scopes):
                     cm.__exit__(None, None, None)
                 stats.stop_log()
                 stats.track(False)
@@ -1268,17 +1270,18 @@ def _observer_model():
         def open_scope(self) -> None:
             cm = stats.statistics()
             st = cm.__enter__()
-            self.scopes.append((cm, st))
-            self.expected[id(st)] = [0, 0, 0]
+            self.serial += 1  # not id(st): a closed scope's id may come back
+            self.scopes.append((cm, st, self.serial))
+            self.expected[self.serial] = [0, 0, 0]
 
         @precondition(lambda self: self.scopes)
         @rule(data=hst.data())
         def close_scope(self, data) -> None:
             i = data.draw(hst.integers(0, len(self.scopes) - 1))
-            cm, st = self.scopes.pop(i)
+            cm, st, serial = self.scopes.pop(i)
             cm.__exit__(None, None, None)
             assert not st.active
-            del self.expected[id(st)]
+            del self.expected[serial]
 
         @rule(track=hst.booleans())
         def start_log(self, track: bool) -> None:
@@ -1301,7 +1304,7 @@ def _observer_model():
         def allocate(self, size: int) -> None:
             self.next_ptr += 0x1000
             b = alloc(self.core, self.next_ptr, size)
-            inside = tuple(id(st) for _, st in self.scopes)
+            inside = tuple(serial for _, _, serial in self.scopes)
             for k in inside:
                 e = self.expected[k]
                 e[0] += 1
@@ -1326,13 +1329,13 @@ def _observer_model():
             assert stats.is_tracking() is tracking
             assert (observer() is not None) is need
             assert self.core.observer is observer()
-            assert [st for _, st in self.scopes] == list(OBSERVER.scopes)
+            assert [st for _, st, _ in self.scopes] == list(OBSERVER.scopes)
             assert (stats.log_path() is None) == (self.log is None)
 
         @invariant()
         def scopes_count_what_they_saw(self) -> None:
-            for _, st in self.scopes:
-                n_allocs, n_frees, live = self.expected[id(st)]
+            for _, st, serial in self.scopes:
+                n_allocs, n_frees, live = self.expected[serial]
                 assert (st.n_allocs, st.n_frees, st.current_bytes) == (n_allocs, n_frees, live)
 
         @invariant()
@@ -1355,3 +1358,19 @@ def test_observer_protocol_model():
             suppress_health_check=list(hypothesis.HealthCheck),
         ),
     )
+
+
+def test_an_observer_without_a_runtime_observes_nothing_and_fails_nothing(tmp_path):
+    """The base install (no CUDA packages, so no runtime): scopes, a tracking log and
+    their ends all work on an observer of its own, with nothing to record."""
+    obs = Observer(sites=CallSites(), runtime=lambda: None)
+    st = stats.Statistics()
+    obs.add_scope(st)
+    assert obs.active and obs.recorder is None
+    path = obs.open_log(str(tmp_path / "base.csv"), False, True)
+    assert obs.tracking and obs.writer is not None
+    obs.remove_scope(st)
+    assert st.end_time is not None and obs.active  # the log still needs it
+    assert obs.close_log() == path
+    assert not obs.active and not obs.tracking and obs.n_errors == 0
+    assert _read(path) == []

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .events import EVENTS
@@ -63,12 +64,19 @@ def runtime_module() -> Any:
 class Observer:
     """The recorder's configuration and the log writer (see :doc:`observability`).
 
-    ``ctl`` serialises configuration changes; ``track_user`` (``track(True)``) and
-    ``track_log`` (``start_log(..., track=True)``) together decide ``tracking``.
+    ``runtime`` returns the pools' registry and the recorder (``_runtime``; ``None`` on
+    a base install).  ``ctl`` serialises configuration changes; ``track_user``
+    (``track(True)``) and ``track_log`` (``start_log(..., track=True)``) together decide
+    ``tracking``.
     Errors in the hooks and the writer are counted, never raised (``n_errors``).
     """
 
-    def __init__(self, sites: CallSites = SITES, log_settings: LogSettings | None = None) -> None:
+    def __init__(
+        self,
+        sites: CallSites = SITES,
+        log_settings: LogSettings | None = None,
+        runtime: Callable[[], Any] = runtime_module,
+    ) -> None:
         self.active = False
         self.tracking = False
         self.track_user = False
@@ -80,6 +88,7 @@ class Observer:
         self.scopes: tuple[Statistics, ...] = ()
         self.writer: LogWriter | None = None
         self.warned = False
+        self._runtime_of = runtime  # the pools' registry and recorder, or None
         self._runtime: Any = None  # cupy_poolmem._runtime, once observing
         self._pid = os.getpid()
         self._errors = 0
@@ -89,7 +98,7 @@ class Observer:
     def recorder(self) -> Any:
         """The process's Recorder (``None`` on a base install without CUDA packages)."""
         if self.rec is None:
-            runtime = runtime_module()
+            runtime = self._runtime_of()
             if runtime is None:
                 return None
             rec = runtime.RECORDER
@@ -155,7 +164,7 @@ class Observer:
             return
         rec.tracking = self.tracking
         rec.start()
-        runtime = self._runtime = runtime_module()
+        runtime = self._runtime = self._runtime_of()
         runtime.GLOBAL_OBSERVER[0] = rec  # pools made from now on: observed from birth
         all_pools = runtime.all_pools()
         for p in all_pools:
