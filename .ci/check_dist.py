@@ -35,8 +35,8 @@ def check_sdist(path: str) -> None:
         "src/cupy_poolmem/py.typed",
         "src/cupy_poolmem/benchmarks/alloc.py",
         "tests/conftest.py",
-        "tests/_observer_fakes.py",
-        "tests/_mp_workers.py",
+        "tests/fakes/observer.py",
+        "tests/support/mp_workers.py",
         "docs/conf.py",
         "docs/index.rst",
         "docs/_static/cupy_poolmem.css",
@@ -47,7 +47,9 @@ def check_sdist(path: str) -> None:
     missing = sorted(need - names)
     if missing:
         fail(f"{os.path.basename(path)} lacks {missing}")
-    tests_here = {f"tests/{n}" for n in os.listdir("tests") if n.endswith(".py")}
+    tests_here = {
+        os.path.join(d, n) for d, _, ns in os.walk("tests") for n in ns if n.endswith(".py")
+    }
     if tests_here - names:
         fail(f"{os.path.basename(path)} lacks {sorted(tests_here - names)}")
     junk = sorted(n for n in names if n.endswith((".c", ".so", ".pyc")))

@@ -63,9 +63,9 @@ def fake_retirer():
 
 @pytest.fixture
 def sharing_world():
-    """tests/_sharing_fakes.World: simulated processes on a fake GPU.  At the end every
+    """tests/fakes/sharing.World: simulated processes on a fake GPU.  At the end every
     thread the protocol started has ended and the fake GPU saw no violation."""
-    from _sharing_fakes import World, sharing_threads, wait_for
+    from fakes.sharing import World, sharing_threads, wait_for
 
     before = set(sharing_threads())
     w = World()
@@ -79,18 +79,18 @@ def sharing_world():
 @pytest.fixture(scope="module")
 def tp():
     """``cupy_poolmem._pools`` loaded again over the pure-Python hot path (one per module)."""
-    from _hotpath_fakes import twin_pools
+    from fakes.hotpath import twin_pools
 
     return twin_pools()
 
 
 @pytest.fixture
 def twin_world(monkeypatch, tp):
-    """tests/_hotpath_fakes.World playing the driver for the twin pools ``tp``; streams'
+    """tests/fakes/hotpath.World playing the driver for the twin pools ``tp``; streams'
     waits do nothing.  Garbage is collected before the fakes are undone (a fake block
     must never reach the real driver).  A test that also wants ``fake_retirer`` asks for
     it *before* this fixture, so the collection runs while the fake retirer is in place."""
-    from _hotpath_fakes import World
+    from fakes.hotpath import World
 
     from cupy_poolmem import _hotpath_py, _pools, _streams
 

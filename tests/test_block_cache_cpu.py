@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from _event_fakes import FakeEvents, use_driver
 from cuda.bindings import driver as real
+from fakes.events import FakeEvents, use_driver
 
 from cupy_poolmem import _block_cache
 

@@ -1,6 +1,6 @@
 """The reuse cache when something runs in the middle of it: a garbage collection (whose
 finalizers may switch to another thread) or another thread's flush between two steps,
-and exceptions from a free.  Against the fake driver (tests/_hotpath_fakes) for the
+and exceptions from a free.  Against the fake driver (tests/fakes/hotpath) for the
 twin's allocation path, and on a bare PoolCore (no CUDA pool, legacy streams) for what
 both implementations run on a CPU.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import cupy
 import pytest
-from _hotpath_fakes import bare_core, compiled_hotpath
+from fakes.hotpath import bare_core, compiled_hotpath
 
 from cupy_poolmem import _hotpath_py as twin
 

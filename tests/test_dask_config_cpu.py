@@ -444,7 +444,7 @@ def test_the_secrets_key_differs_per_secret_and_hides_it():
 # -- the sharing key ----------------------------------------------------------------------------
 @pytest.fixture
 def world():
-    from _sharing_fakes import World
+    from fakes.sharing import World
 
     w = World()
     yield w

@@ -574,7 +574,7 @@ def test_plugin_teardown_uninstalls_the_transfer_path(monkeypatch):
 # -- the exporter reads a block whose ticket a receiver gave back ------------------------------
 @pytest.fixture
 def world():
-    from _sharing_fakes import World
+    from fakes.sharing import World
 
     w = World()
     yield w

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the fixtures drv, made and world come from tests/fakes/expandable.py)
 """``DevicePool(large_blocks="expandable")`` on a CPU: the ranges' mapping, growth and
 release on a fake driver, both hot paths taking and giving blocks in the arenas, the
 options, and the churn trace's reserved peak.  A GPU checks the data
@@ -10,9 +11,14 @@ import threading
 from pathlib import Path
 
 import pytest
-from _event_fakes import use_driver
-from _hotpath_fakes import bare_core, compiled_hotpath, recorded_device_pools
-from test_mapped_cpu import VmmDriver
+from fakes.expandable import (  # noqa: F401  (fixtures: drv, made, world)
+    SPAN,
+    drv,
+    expandable_twin,
+    made,
+    world,
+)
+from fakes.hotpath import bare_core, compiled_hotpath
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _arena_py, _expandable, _pools, _runtime
@@ -22,40 +28,10 @@ from cupy_poolmem.benchmarks.churn import trace
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
 MiB, GiB = 1 << 20, 1 << 30
-SPAN = 1 * GiB  # the fake driver's address ranges are 4 GiB apart
 ARENAS = [_arena_py.Arena]
 _hp = compiled_hotpath()
 if _hp is not None:
     ARENAS.append(_hp.ARENA)
-
-
-class Driver(VmmDriver):
-    """The VMM fake, with streams that are idle unless listed in ``busy``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.busy: set = set()
-
-        self.capturing: set = set()
-
-    def cuStreamQuery(self, s):  # noqa: N802
-        self.log.append(("query", s))
-        return (600 if s in self.busy else 0,)  # CUDA_ERROR_NOT_READY
-
-    def cuStreamIsCapturing(self, s):  # noqa: N802
-        return 0, int(s in self.capturing)
-
-
-@pytest.fixture
-def drv(monkeypatch):
-    d = use_driver(monkeypatch, Driver())
-
-    def sync(dev):
-        d.log.append(("devsync", dev))
-        d.busy.clear()  # every stream's work done
-
-    monkeypatch.setattr(_expandable, "_device_sync", sync)
-    return d
 
 
 @pytest.fixture(params=ARENAS, ids=lambda a: a.__module__.rsplit(".", 1)[1])
@@ -302,37 +278,8 @@ def test_random_blocks_never_overlap(ranges):
 
 
 # -- the hot paths ------------------------------------------------------------------
-class Ranges(_expandable.ExpandableBlocks):
-    """The ranges with every slow-path call counted."""
-
-    def alloc(self, size, stream_ptr):
-        self.slow.append(("alloc", size, stream_ptr))
-        return super().alloc(size, stream_ptr)
-
-    def free(self, ptr, stream_ptr):
-        self.slow.append(("free", ptr, stream_ptr))
-        return super().free(ptr, stream_ptr)
-
-
-@pytest.fixture
-def world(fake_retirer, twin_world, drv):
-    twin_world.retirer = fake_retirer
-    return twin_world
-
-
-def _expandable_twin(world, drv):
-    p = world.pool(reuse_cache=1 << 30)
-    b = Ranges(0, span=SPAN, arena=twin.ARENA, driver=drv)
-    b.slow = []
-    p._backend = b
-    p._attach_backend(b, 0, b)
-    p._attach_arenas(b.arenas, _expandable.SMALL_MAX)
-    p.cache_limit = p.cache_max_block = 0
-    return p, b
-
-
 def test_twin_blocks_come_from_the_arenas_without_the_backend_once_mapped(world, drv):
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     x = p.malloc(5 * MiB)
     assert b.slow == [("alloc", 5 * MiB, 0x5000)]  # the first: the ranges are made
     y, z = p.malloc(1000), p.malloc(7 * MiB)
@@ -351,7 +298,7 @@ def test_twin_blocks_come_from_the_arenas_without_the_backend_once_mapped(world,
 def test_twin_each_stream_takes_from_its_own_arenas(world, drv):
     import cupy
 
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     x = p.malloc(4 * MiB)
     xp = x.ptr
     del x
@@ -366,7 +313,7 @@ def test_twin_each_stream_takes_from_its_own_arenas(world, drv):
 def test_twin_the_per_thread_default_stream_is_another_stream_in_each_thread(world, drv):
     import cupy
 
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     world.current = cupy.cuda.ExternalStream(2, 0)
     x = p.malloc(4 * MiB)
     xp = x.ptr
@@ -381,7 +328,7 @@ def test_twin_the_per_thread_default_stream_is_another_stream_in_each_thread(wor
 
 
 def test_twin_a_trim_unmaps_the_free_tops_and_the_next_allocation_maps_again(world, drv):
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     x = p.malloc(30 * MiB)
     del x
     assert p.trim() == 30 * MiB and b.arenas == {} and drv.mapped == {}
@@ -391,7 +338,7 @@ def test_twin_a_trim_unmaps_the_free_tops_and_the_next_allocation_maps_again(wor
 
 
 def test_twin_a_slow_path_free_goes_to_the_ranges(world, drv):
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     x = p.malloc(4 * MiB)
     ptr = x.ptr
     p._free_now(ptr, 0x5000)  # as a free held for a capture would be done
@@ -435,19 +382,6 @@ def test_the_compiled_allocation_path_takes_from_the_arenas_as_the_twin_does():
 
 
 # -- the option -----------------------------------------------------------------------
-@pytest.fixture
-def made(monkeypatch, fake_retirer, drv):
-    out = recorded_device_pools(monkeypatch, retirer=fake_retirer, drv=drv)
-    monkeypatch.setattr(
-        _pools,
-        "_new_expandable_blocks",
-        lambda dev, peers, total: _expandable.ExpandableBlocks(
-            dev, peers, span=SPAN, arena=_runtime.hp.ARENA, driver=drv
-        ),
-    )
-    return out
-
-
 def test_an_expandable_pool_takes_every_block_from_its_arenas(made):
     p = cpm.DevicePool(large_blocks="expandable")
     assert p.large_blocks == "expandable" and len(made.mrs) == 1  # graph captures' pool

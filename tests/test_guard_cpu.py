@@ -1,7 +1,7 @@
 """CPU tests of guard mode against a fake driver and a fake of its device work.
 
 The guard's logic runs for real on a pool of the pure-Python hot path
-(``tests/_hotpath_fakes.World``); ``tests/_guard_fakes.FakeOps`` plays the fills and
+(``tests/fakes/hotpath.World``); ``tests/fakes/guard.FakeOps`` plays the fills and
 checks on a byte map, ``Heap`` hands freed addresses out again.  Bugs are planted by
 writing into that byte map where a kernel should not.
 """
@@ -17,7 +17,7 @@ import weakref
 import cupy
 import numpy as np
 import pytest
-from _guard_fakes import FakeOps, Heap
+from fakes.guard import FakeOps, Heap
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _guard, _pools, report, stats

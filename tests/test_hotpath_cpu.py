@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _hotpath_fakes import compiled_hotpath
 from cuda.bindings import driver
+from fakes.hotpath import compiled_hotpath
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _hotpath_py as twin

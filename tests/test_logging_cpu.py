@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from _sharing_fakes import wait_for
+from fakes.sharing import wait_for
 
 import cupy_poolmem
 

@@ -9,11 +9,11 @@ import itertools
 import cupy
 import numpy as np
 import pytest
-from _event_fakes import FakeEvents, use_driver
-from _gc_locks import GcUnderLock
-from _hotpath_fakes import World, twin_pools
 from cuda.bindings import driver as real
 from cupy.cuda.memory import MemoryPointer, UnownedMemory
+from fakes.events import FakeEvents, use_driver
+from fakes.hotpath import World, twin_pools
+from support.gc_locks import GcUnderLock
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _block_cache, _managed_alloc, _pools, managed

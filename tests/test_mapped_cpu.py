@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (the fixtures drv, made and world come from tests/fakes/mapped.py)
 """``DevicePool(large_blocks="mapped")`` on a CPU: the block cache's reuse and release
 rules, the mapping calls and their unwinding, which blocks go where in both hot paths,
 and the options.  A GPU checks the data (tests/test_pools_mapped_gpu.py).
@@ -5,119 +6,30 @@ and the options.  A GPU checks the data (tests/test_pools_mapped_gpu.py).
 
 from __future__ import annotations
 
-import itertools
 import threading
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from _event_fakes import FakeEvents, use_driver
-from _hotpath_fakes import compiled_hotpath, recorded_device_pools
-from _waits import wait_for
 from cuda.bindings import driver as real
+from fakes.events import use_driver
+from fakes.hotpath import compiled_hotpath
+from fakes.mapped import (  # noqa: F401  (fixtures: drv, made, world)
+    FakeBackend,
+    a_view_of_a_mapped_block,
+    drv,
+    made,
+    mapped_twin,
+    world,
+)
+from fakes.vmm import OOM, MiB, ReusingVA, VmmDriver
+from support.waits import wait_for
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _device, _managed_alloc, _mapped, _pools
 from cupy_poolmem import _hotpath_py as twin
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
-
-MiB = 1 << 20
-OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
-
-
-#: Address ranges for every fake driver of the session: as on the real one, no two live
-#: blocks share an address, even blocks of pools that earlier tests left open (where
-#: ``check_access`` looks among all the pools' blocks).
-_VAS = itertools.count(0x7F00_0000_0000, 0x1_0000_0000)
-
-
-class VmmDriver(FakeEvents):
-    """Virtual memory management and events, played on the host; every call logged."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.vas = _VAS
-        self.handles = itertools.count(1)
-        self.log: list = []
-        self.fail: dict[str, int] = {}  # call name -> CUresult it returns once
-        self.mapped: dict[int, int] = {}  # va -> bytes, mapped now
-        self.reserved_va: set = set()
-        self.handles_alive: set = set()
-        self.access: dict[int, list] = {}  # va -> [(device, flags name), ...] last set
-        self.grants: dict[int, dict[int, str]] = {}  # va -> device -> flags name, merged
-
-    def __getattr__(self, name):
-        return getattr(real, name)
-
-    def _failing(self, name: str) -> int:
-        return self.fail.pop(name, 0)
-
-    def cuMemGetAllocationGranularity(self, prop, flag):  # noqa: N802
-        return 0, 2 * MiB
-
-    def cuMemCreate(self, size, prop, flags):  # noqa: N802
-        if err := self._failing("cuMemCreate"):
-            return err, None
-        h = next(self.handles)
-        self.handles_alive.add(h)
-        self.log.append(("create", h, size))
-        return 0, h
-
-    def cuMemRelease(self, h):  # noqa: N802
-        self.handles_alive.discard(h)
-        self.log.append(("release", h))
-        return (0,)
-
-    def cuMemAddressReserve(self, size, align, hint, flags):  # noqa: N802
-        if err := self._failing("cuMemAddressReserve"):
-            return err, 0
-        va = next(self.vas)
-        self.reserved_va.add(va)
-        self.log.append(("reserve", va, size))
-        return 0, va
-
-    def cuMemAddressFree(self, va, size):  # noqa: N802
-        self.reserved_va.discard(va)
-        self.log.append(("unreserve", va, size))
-        return (0,)
-
-    def cuMemMap(self, va, size, offset, h, flags):  # noqa: N802
-        if err := self._failing("cuMemMap"):
-            return (err,)
-        self.mapped[va] = size
-        self.log.append(("map", va, size, h))
-        return (0,)
-
-    def cuMemUnmap(self, va, size):  # noqa: N802
-        if err := self._failing("cuMemUnmap"):
-            return (err,)
-        assert self.mapped.pop(va) == size
-        self.grants.pop(va, None)
-        self.log.append(("unmap", va, size))
-        return (0,)
-
-    def cuMemSetAccess(self, va, size, descs, n):  # noqa: N802
-        if err := self._failing("cuMemSetAccess"):
-            return (err,)
-        assert n == len(descs)
-        self.access[va] = [(d.location.id, d.flags.name.rsplit("_", 1)[1]) for d in descs]
-        self.grants.setdefault(va, {}).update(self.access[va])
-        self.log.append(("access", va, size, tuple(self.access[va])))
-        return (0,)
-
-    def cuMemGetAccess(self, where, va):  # noqa: N802
-        assert where.type == real.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        flags = self.grants.get(va, {}).get(where.id, "NONE")
-        return 0, getattr(real.CUmemAccess_flags, f"CU_MEM_ACCESS_FLAGS_PROT_{flags}")
-
-    def last_event(self) -> str:
-        return next(e[1] for e in reversed(self.log) if e[0] == "record")
-
-
-@pytest.fixture
-def drv(monkeypatch):
-    return use_driver(monkeypatch, VmmDriver())
 
 
 def blocks(drv, **kw):
@@ -270,42 +182,8 @@ def test_a_leftover_is_freed_on_the_legacy_stream_and_given_back_at_close(drv):
 
 
 # -- the hot paths: which blocks the backend serves -----------------------------------
-class FakeBackend:
-    """The backend as the hot path sees it: alloc/free and the addresses it owns."""
-
-    def __init__(self) -> None:
-        self.ptrs: dict[int, int] = {}
-        self.next = itertools.count(0x7F00_0000_0000, 0x1000_0000)
-        self.log: list = []
-
-    def alloc(self, size, sptr):
-        p = next(self.next)
-        self.ptrs[p] = size
-        self.log.append(("alloc", p, size, sptr))
-        return 0, p
-
-    def free(self, ptr, sptr):
-        self.ptrs.pop(ptr)
-        self.log.append(("free", ptr, sptr))
-
-
-@pytest.fixture
-def world(fake_retirer, twin_world):
-    twin_world.retirer = fake_retirer
-    return twin_world
-
-
-def _mapped_twin(world, reuse_cache=0):
-    p = world.pool(reuse_cache=reuse_cache)
-    be = FakeBackend()
-    p._backend = be
-    p._attach_backend(be, 8 * MiB + 1, be.ptrs)
-    p.cache_max_block = min(p.cache_max_block, 8 * MiB)
-    return p, be
-
-
 def test_twin_blocks_above_the_threshold_come_from_the_backend_and_go_back_to_it(world):
-    p, be = _mapped_twin(world)
+    p, be = mapped_twin(world)
     small, large = p.malloc(8 * MiB), p.malloc(8 * MiB + 1)
     assert world.alloc_pools == [0xABC]  # only the small one from the CUDA pool
     assert be.log == [("alloc", large.ptr, 8 * MiB + 1, 0x5000)]
@@ -318,14 +196,14 @@ def test_twin_blocks_above_the_threshold_come_from_the_backend_and_go_back_to_it
 
 
 def test_twin_large_blocks_skip_the_reuse_cache(world):
-    p, be = _mapped_twin(world, reuse_cache=1 << 30)
+    p, be = mapped_twin(world, reuse_cache=1 << 30)
     m = p.malloc(16 * MiB)
     del m
     assert p.cached_bytes == 0 and be.log[-1][0] == "free"  # the backend's cache decides
 
 
 def test_twin_a_capture_takes_large_blocks_from_the_cuda_pool(world):
-    p, be = _mapped_twin(world)
+    p, be = mapped_twin(world)
     world.status[0x5000] = (1, 7)  # capturing
     m = p.malloc(32 * MiB)
     assert be.log == [] and world.log[-1][0] == "pool_alloc"  # graph memory
@@ -335,7 +213,7 @@ def test_twin_a_capture_takes_large_blocks_from_the_cuda_pool(world):
 
 
 def test_twin_a_large_free_on_a_capturing_stream_waits_for_the_capture(world):
-    p, be = _mapped_twin(world)
+    p, be = mapped_twin(world)
     m = p.malloc(32 * MiB)
     ptr = m.ptr
     world.status[0x5000] = (1, 7)
@@ -379,17 +257,6 @@ def test_compiled_routes_as_the_twin_does():
 
 
 # -- the option -----------------------------------------------------------------------
-@pytest.fixture
-def made(monkeypatch, fake_retirer, drv):
-    out = recorded_device_pools(monkeypatch, retirer=fake_retirer, drv=drv)
-    monkeypatch.setattr(
-        _pools,
-        "_new_mapped_blocks",
-        lambda dev, peers: _mapped.MappedBlocks(dev, peers, driver=drv),
-    )
-    return out
-
-
 def test_a_mapped_pool_has_one_cuda_pool_and_maps_above_the_small_pool_size(made):
     p = cpm.DevicePool(large_blocks="mapped", reuse_cache="1GiB")
     assert p.large_blocks == "mapped" and len(made.mrs) == 1 and p._mrs == (made.mrs[0],)
@@ -493,32 +360,7 @@ def test_twin_and_compiled_agree_on_the_backend_interface():
         assert "_attach_backend" in dir(hp.PoolCore) and "backend_min" in dir(hp.PoolCore)
 
 
-# -- what a review found --------------------------------------------------------------
-class ReusingVA(VmmDriver):
-    """The driver hands a freed address range out again (as the real one does);
-    ``on_free`` runs once inside the next cuMemAddressFree (another thread there)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.freed_vas: list[int] = []
-        self.on_free: Any = None
-
-    def cuMemAddressReserve(self, size, align, hint, flags):  # noqa: N802
-        if self.freed_vas:
-            va = self.freed_vas.pop()
-            self.reserved_va.add(va)
-            return 0, va
-        return super().cuMemAddressReserve(size, align, hint, flags)
-
-    def cuMemAddressFree(self, va, size):  # noqa: N802
-        res = super().cuMemAddressFree(va, size)
-        self.freed_vas.append(va)
-        if self.on_free is not None:
-            fn, self.on_free = self.on_free, None
-            fn()
-        return res
-
-
+# -- reused addresses, failing calls, peers, trims and statistics ---------------------
 def test_a_block_made_at_the_address_of_one_being_unmapped_keeps_its_bookkeeping(monkeypatch):
     d = use_driver(monkeypatch, ReusingVA())
     b = _mapped.MappedBlocks(0, driver=d)
@@ -713,21 +555,6 @@ def _two_peer_gpus(monkeypatch):
     monkeypatch.setattr(_pools, "sync_device", lambda dev: None)
 
 
-def a_view_of_a_mapped_block(monkeypatch):
-    """``(pool, block address, view)``: a 10 MiB mapped block of a pool that grants no
-    peer, and a ``__cuda_array_interface__`` view into it (no pool Block behind it, as
-    a torch or Numba array), on memory the driver says is not from a CUDA pool."""
-    p = cpm.DevicePool(large_blocks="mapped", peer_access=None)
-    va = p._backend.alloc(10 * MiB, 0x5000)[1]
-    monkeypatch.setattr(_device, "_pointer_info", lambda ptr: (0, 0, False))
-    monkeypatch.setattr(_device, "check_device", lambda d, name="device": d)
-    monkeypatch.setattr(_device, "can_access_peer", lambda a, c: True)
-    cai = SimpleNamespace(
-        __cuda_array_interface__={"data": (va + 4096, False), "shape": (4,), "version": 3}
-    )
-    return p, va, cai
-
-
 def test_peer_access_stays_as_it_was_when_the_mapped_blocks_refuse(made, monkeypatch):
     """The CUDA pool is granted first; the mapped blocks then refuse: the CUDA pool goes
     back to what it granted, so the pool's peers are not half set."""
@@ -745,7 +572,7 @@ def test_peer_access_stays_as_it_was_when_the_mapped_blocks_refuse(made, monkeyp
     assert p.peer_access == (1,) and p._backend.has_access(va, 1)
 
 
-# -- review: peer access under concurrency and failure -----------------------------
+# -- peer access under concurrency and failure -------------------------------------
 _INVALID = real.CUresult.CUDA_ERROR_INVALID_VALUE
 
 

@@ -1,6 +1,6 @@
 """The hot path's free against dead streams, empty blocks and a concurrent close().
 
-They drive the pure-Python hot path (the twin) against tests/_hotpath_fakes.World and the
+They drive the pure-Python hot path (the twin) against tests/fakes/hotpath.World and the
 fake retirer, with real garbage collections where the order is the garbage collector's;
 the last test checks that the compiled hot path takes the same branches.
 """
@@ -12,7 +12,7 @@ import threading
 
 import cupy
 import pytest
-from _guard_fakes import FakeOps
+from fakes.guard import FakeOps
 
 from cupy_poolmem import _guard, _streams
 from cupy_poolmem import _hotpath_py as twin

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 
-from _waits import spin, wait_for  # noqa: E402
+from support.waits import spin, wait_for  # noqa: E402
 
 cupyx = pytest.importorskip("cupyx")
 

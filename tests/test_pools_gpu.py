@@ -16,24 +16,9 @@ pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 cupyx = pytest.importorskip("cupyx")
 
-from _waits import fd_kinds, grown, wait_for  # noqa: E402
+from support.waits import fd_kinds, grown, spin, wait_for  # noqa: E402
 
 SIZES = [0, 1, 7, 256, 4096, (1 << 20) + 3, 64 << 20]
-
-_SPIN = r"""
-extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-}
-"""
-
-
-def spin(ms: float = 50.0, stream=None):
-    """Keep ``stream`` busy for about ``ms`` milliseconds (a long-running kernel)."""
-    k = cupy.RawKernel(_SPIN, "spin")
-    rate = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)  # kHz
-    with stream or cupy.cuda.get_current_stream():
-        k((1,), (1,), (np.int64(int(ms * rate)),))
 
 
 @pytest.fixture
@@ -757,15 +742,16 @@ def test_set_allocator_dispatches_per_device():
     before = cupy.cuda.get_allocator()
     try:
         alloc = cpm.set_allocator()
+        n = cpm.device_count()  # every GPU, however many
         arrays = []
-        for d in range(2):
+        for d in range(n):
             with cupy.cuda.Device(d):
                 arrays.append(cupy.full(1 << 20, d + 1, dtype=cupy.int32))
-        assert arrays[0].device.id == 0 and arrays[1].device.id == 1
+        assert [a.device.id for a in arrays] == list(range(n))
         pools = alloc.pools()
-        assert set(pools) == {0, 1} and pools[0] is not pools[1]
-        assert pools[1].stats().n_allocs >= 1
-        for d in range(2):
+        assert set(pools) == set(range(n)) and len({id(p) for p in pools.values()}) == n
+        assert all(pools[d].stats().n_allocs >= 1 for d in range(1, n))
+        for d in range(n):
             with cupy.cuda.Device(d):
                 assert int(arrays[d].sum()) == (d + 1) << 20
     finally:

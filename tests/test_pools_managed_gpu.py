@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 
-from _waits import spin  # noqa: E402
+from support.waits import spin  # noqa: E402
 
 
 def _small_enough(nbytes: int) -> None:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 
-from _waits import freed_behind_a_spin, spin, wait_for, warm_up  # noqa: E402
+from support.waits import freed_behind_a_spin, spin, wait_for, warm_up  # noqa: E402
 
 MiB = 1 << 20
 

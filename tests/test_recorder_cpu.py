@@ -1,7 +1,7 @@
 """CPU tests of the observation recorder, both implementations (compiled and twin).
 
 The Recorder needs no driver: each implementation is driven directly with fake pools
-(``_observer_fakes``) and through its own hot path (``PoolCore._make_block`` and the
+(``fakes.observer``) and through its own hot path (``PoolCore._make_block`` and the
 block's free need no CUDA call with a reuse cache and the legacy stream), and their
 transcripts are compared: counters, records, CSV lines.
 """
@@ -17,8 +17,8 @@ from array import array
 from pathlib import Path
 
 import pytest
-from _hotpath_fakes import compiled_hotpath
-from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, InterruptedName
+from fakes.hotpath import compiled_hotpath
+from fakes.observer import FAKES_FILE, FakeBlock, FakeCore, InterruptedName
 
 from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem import _runtime, stats

@@ -8,7 +8,7 @@ import os
 import sys
 
 import pytest
-from _observer_fakes import FAKES_FILE, FakeCore, alloc, free
+from fakes.observer import FAKES_FILE, FakeCore, alloc, free
 
 from cupy_poolmem import report, stats
 from cupy_poolmem._errors import InvalidOptionError, LogFormatError, OptionTypeError

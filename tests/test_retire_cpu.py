@@ -4,7 +4,7 @@ Driver 580 corrupts its heap when a pool, plain or shareable, is destroyed while
 free of its memory is pending (seen on an H100: a pool created later crashed in
 ``cuMemAllocFromPoolAsync``), so
 the pools hand their cuda.core resource to ``_retire.Retirer``; these tests play the
-driver (``tests/_hotpath_fakes.World`` and the ``fake_retirer`` fixture).
+driver (``tests/fakes/hotpath.World`` and the ``fake_retirer`` fixture).
 """
 
 from __future__ import annotations
@@ -908,7 +908,7 @@ def test_a_guard_quarantine_handed_over_after_the_pool_was_retired_is_freed_firs
     between does not retire the pool (close() does, at its end): the quarantined block
     is freed, after a sync, before the CUDA pool is destroyed, not dropped with the
     token."""
-    from _guard_fakes import FakeOps
+    from fakes.guard import FakeOps
 
     from cupy_poolmem import _guard
     from cupy_poolmem._guard import GuardOptions

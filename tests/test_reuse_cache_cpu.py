@@ -1,4 +1,4 @@
-"""The hot path's reuse cache, block by block, against the fake driver (tests/_hotpath_fakes).
+"""The hot path's reuse cache, block by block, against the fake driver (tests/fakes/hotpath).
 
 Per (stream handle, size) bins, the last bin remembered: reuse only on the same stream
 and the exact size, last freed first; ``cached_bytes``, ``cache_limit`` and
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import cupy
 import pytest
-from _hotpath_fakes import bare_core, compiled_hotpath
+from fakes.hotpath import bare_core, compiled_hotpath
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _hotpath_py as twin

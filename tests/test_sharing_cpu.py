@@ -3,7 +3,7 @@
 Each test builds simulated processes (``SimProc``: a ``SharingContext`` with its own
 settings and ``FakeDriver``) on one ``FakeGPU`` and checks what a receiver sees (the
 generation and payload of the allocation it maps), the counts of ``ctx.stats()``, and
-that the fake recorded no driver-rule violation.  See ``tests/_sharing_fakes.py``.
+that the fake recorded no driver-rule violation.  See ``tests/fakes/sharing.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import warnings
 from multiprocessing import connection as mpc
 
 import pytest
-from _sharing_fakes import (
+from fakes.sharing import (
     FakeDriver,
     FakeStream,
     World,

@@ -19,10 +19,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("ipc_allocator")]
 
 cupy = pytest.importorskip("cupy")
 
-import _mp_workers as W  # noqa: E402
-from _waits import ipc_allocator  # noqa: E402, F401 - the module fixture
-from _waits import join as _join  # noqa: E402
-from _waits import wait_for as _wait_for  # noqa: E402
+from support import mp_workers as W  # noqa: E402
+from support.waits import ipc_allocator  # noqa: E402, F401 - the module fixture
+from support.waits import join as _join  # noqa: E402
+from support.waits import wait_for as _wait_for  # noqa: E402
 
 TIMEOUT = 120
 
@@ -210,7 +210,7 @@ def test_consumer_sees_writes_enqueued_before_put_without_sync():
     p.start()
     time.sleep(3)  # let the child start CUDA first
     try:
-        from test_pools_gpu import spin
+        from support.waits import spin
 
         s = cupy.cuda.Stream(non_blocking=True)
         with s:
@@ -401,7 +401,9 @@ def test_different_visible_device_order_matches_by_uuid():
     ctx = mp.get_context("spawn")
     q_in, q_out = ctx.Queue(), ctx.Queue()
     old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = "1,0"
+    # This process's GPUs 1 and 0, in that order, whichever GPUs it sees.
+    seen = old.split(",") if old else ["0", "1"]
+    os.environ["CUDA_VISIBLE_DEVICES"] = f"{seen[1]},{seen[0]}"
     try:
         p = ctx.Process(target=W.visible_devices_reader, args=(q_in, q_out))
         p.start()

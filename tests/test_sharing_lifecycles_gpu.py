@@ -24,14 +24,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("ipc_allocator")]
 
 cupy = pytest.importorskip("cupy")
 
-import _mp_lifecycle as L  # noqa: E402
-from _waits import (  # noqa: E402
+from support import mp_lifecycle as L  # noqa: E402
+from support.waits import (  # noqa: E402
     fd_kinds,
     grown,
     ipc_allocator,  # noqa: E402, F401 - the module fixture
 )
-from _waits import join as _join  # noqa: E402
-from _waits import wait_for as _wait_for  # noqa: E402
+from support.waits import join as _join  # noqa: E402
+from support.waits import wait_for as _wait_for  # noqa: E402
 
 TIMEOUT = 120
 SPAWN = mp.get_context("spawn")

@@ -1,6 +1,6 @@
 """The sharing protocol's model: a Hypothesis state machine over simulated processes.
 
-Exporters, receivers and forwarders (``_sharing_fakes.SimProc``: the package's real
+Exporters, receivers and forwarders (``fakes.sharing.SimProc``: the package's real
 protocol code and transport, a fake GPU) are driven through random sequences of
 allocations, sends, copies of messages delivered late or to other processes, forged
 fields, drops in any process, recycling and trims, ticket expiry, normal exits, kills
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from _sharing_fakes import World, open_fds, sharing_threads, wait_for
+from fakes.sharing import World, open_fds, sharing_threads, wait_for
 
 from cupy_poolmem._errors import PoolmemError, SharingError
 from cupy_poolmem._sharing._exporter import LocalHold

@@ -18,7 +18,7 @@ import threading
 import weakref
 
 import pytest
-from _sharing_fakes import FakeStream, wait_for
+from fakes.sharing import FakeStream, wait_for
 
 from cupy_poolmem._errors import SharingError
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from _sharing_fakes import wait_for
+from fakes.sharing import wait_for
 
 from cupy_poolmem._errors import PoolmemError
 from cupy_poolmem._sharing._exporter import LocalHold

@@ -2,7 +2,7 @@
 pool-wide operations (statistics, trim, peak reset, release threshold, retirement)
 covering both CUDA pools.
 
-They drive the pure-Python hot path (the twin) against tests/_hotpath_fakes.World; the
+They drive the pure-Python hot path (the twin) against tests/fakes/hotpath.World; the
 compiled hot path's choice is checked on a GPU (tests/test_pools_gpu.py), and
 test_hotpath_cpu.py checks that both have ``_attach_small``.
 """
@@ -197,7 +197,7 @@ def test_a_bad_small_pool_value_raises_a_typed_error(bad):
 
 
 def test_device_pool_checks_small_pool_before_creating_a_cuda_pool(monkeypatch):
-    from _hotpath_fakes import fake_device_pools
+    from fakes.hotpath import fake_device_pools
 
     def no_pool(*a, **k):
         raise AssertionError("a CUDA pool was created before the option was checked")

@@ -1,6 +1,6 @@
 """CPU tests of cupy_poolmem.stats: the observer is driven by fake blocks, no GPU needed.
 
-See ``_observer_fakes.py`` for how the fakes mimic the hot path.
+See ``tests/fakes/observer.py`` for how the fakes mimic the hot path.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import weakref
 
 import pytest
-from _observer_fakes import FAKES_FILE, FakeBlock, FakeCore, InterruptedName, alloc, free, observer
+from fakes.observer import FAKES_FILE, FakeBlock, FakeCore, InterruptedName, alloc, free, observer
 
 from cupy_poolmem import _runtime, stats
 from cupy_poolmem._observe.log_writer import LogSettings, LogWriter
@@ -522,7 +522,7 @@ _CHILD = """
 import os, sys
 sys.path.insert(0, {tests!r})
 from cupy_poolmem import stats
-from _observer_fakes import FakeCore, alloc
+from fakes.observer import FakeCore, alloc
 stats.start_log({path!r})
 blocks = [alloc(FakeCore(), 0x1000 * (i + 1), 10) for i in range(3)]
 {tail}
@@ -611,7 +611,7 @@ _MP_CHILD = """
 import multiprocessing as mp, os, sys
 sys.path.insert(0, {tests!r})
 from cupy_poolmem import stats
-from _observer_fakes import FakeCore, alloc
+from fakes.observer import FakeCore, alloc
 
 def work():
     global kept
@@ -803,7 +803,7 @@ _FORK_CTL = """
 import os, signal, sys, threading
 sys.path.insert(0, {tests!r})
 from cupy_poolmem import stats
-from _observer_fakes import FakeCore, alloc
+from fakes.observer import FakeCore, alloc
 from cupy_poolmem._observe.observer import OBSERVER
 
 stats.start_log({path!r})

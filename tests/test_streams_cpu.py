@@ -1,7 +1,7 @@
 """CPU tests of cross-stream frees (record_stream) and graph capture, against a fake driver.
 
 The pools' logic runs for real (the pure-Python hot path and the pools' slow paths);
-only the driver is played by ``tests/_hotpath_fakes.World``.
+only the driver is played by ``tests/fakes/hotpath.World``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import cupy
 import numpy as np
 import pytest
-from _gc_locks import GcUnderLock
-from _hotpath_fakes import World, twin_pools
 from cupy.cuda.memory import MemoryPointer, UnownedMemory
+from fakes.hotpath import World, twin_pools
+from support.gc_locks import GcUnderLock
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _device, _pools, _streams

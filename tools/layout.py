@@ -27,15 +27,15 @@ PKG = "cupy_poolmem"
 MAX_LINES = 800
 
 
-def modules() -> dict[str, str]:
+def modules(src: str = SRC) -> dict[str, str]:
     """Module name -> path for every .py and .pyx of the package (.pxd left out)."""
     out: dict[str, str] = {}
-    base = os.path.join(SRC, PKG)
+    base = os.path.join(src, PKG)
     for dirpath, _dirs, files in os.walk(base):
         for f in sorted(files):
             if not f.endswith((".py", ".pyx")):
                 continue
-            rel = os.path.relpath(os.path.join(dirpath, f), SRC)
+            rel = os.path.relpath(os.path.join(dirpath, f), src)
             name = rel.rsplit(".", 1)[0].replace(os.sep, ".")
             if name.endswith(".__init__"):
                 name = name[: -len(".__init__")]
@@ -84,7 +84,7 @@ class _Visitor(ast.NodeVisitor):
         above = self.lines[lineno - 2] if lineno >= 2 else ""
         return "#" in here or above.strip().startswith("#")
 
-    def _add(self, target: str | None, node: ast.stmt) -> None:
+    def _add(self, target: str | None, node: ast.stmt | ast.expr) -> None:
         if target is None or self.type_checking or target == self.current:
             return
         late = self.depth > 0
@@ -110,9 +110,27 @@ class _Visitor(ast.NodeVisitor):
         self.generic_visit(node)
         self.depth -= 1
 
-    visit_FunctionDef = _func  # type: ignore[assignment]
-    visit_AsyncFunctionDef = _func  # type: ignore[assignment]
-    visit_Lambda = _func  # type: ignore[assignment]
+    visit_FunctionDef = _func
+    visit_AsyncFunctionDef = _func
+    visit_Lambda = _func
+
+    def visit_Call(self, node: ast.Call) -> None:
+        """``importlib.import_module(...)`` of the package's own modules counts as an import
+        (one whose name is not a literal counts as a late import of the package itself)."""
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+        if name == "import_module" and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                text = arg.value
+                if text.startswith("."):
+                    level = len(text) - len(text.lstrip("."))
+                    text = _resolve(self.current, level, text.lstrip(".") or None, self.mods)
+                if text.split(".")[0] == PKG:
+                    self._add(_known(text, self.mods), node)
+            elif self.depth:
+                self._add(PKG, node)
+        self.generic_visit(node)
 
     def visit_Import(self, node: ast.Import) -> None:
         for a in node.names:
@@ -132,7 +150,9 @@ class _Visitor(ast.NodeVisitor):
 _PYX_IMPORT = re.compile(r"^(\s*)(?:from\s+(\.+)(\S*)\s+c?import\s+(.+)|c?import\s+(\S+))")
 
 
-def _pyx_imports(current: str, path: str, mods: dict[str, str]) -> list[tuple[str, int, bool, bool]]:
+def _pyx_imports(
+    current: str, path: str, mods: dict[str, str]
+) -> list[tuple[str, int, bool, bool]]:
     found = []
     lines = open(path, encoding="utf-8").read().splitlines()
     for i, line in enumerate(lines, 1):
@@ -232,18 +252,26 @@ def floors(edges: dict[str, set[str]], comps: list[list[str]]) -> dict[str, int]
     return {v: floor(rep.get(v, v)) for v in edges}
 
 
-_SETATTR = re.compile(r"monkeypatch\.setattr\(\s*([^,]+?)\s*,\s*(['\"])([^'\"]+)\2|monkeypatch\.setattr\(\s*(['\"])([^'\"]+)\4")
+_CALL = r"\b(?:monkeypatch|mp)\.setattr\("
+_SETATTR = re.compile(
+    _CALL + r"\s*([^,]+?)\s*,\s*(['\"])([^'\"]+)\2|" + _CALL + r"\s*(['\"])([^'\"]+)\4"
+)
 
 
 def private_patches(tests: str) -> tuple[int, int, list[str]]:
-    """(all monkeypatch.setattr calls, those on private names, where the private ones are)."""
+    """(all ``monkeypatch.setattr`` calls, those on private names, where the private ones
+    are); ``mp`` is counted as another name of the ``monkeypatch`` fixture."""
     total = 0
     where: list[str] = []
-    for f in sorted(os.listdir(tests)):
-        if not f.endswith(".py"):
-            continue
+    files = sorted(
+        os.path.relpath(os.path.join(d, f), tests)
+        for d, _dirs, fs in os.walk(tests)
+        for f in fs
+        if f.endswith(".py")
+    )
+    for f in files:
         text = open(os.path.join(tests, f), encoding="utf-8").read()
-        for m in re.finditer(r"monkeypatch\.setattr\(", text):
+        for m in re.finditer(_CALL, text):
             total += 1
             chunk = text[m.start() : m.start() + 300]
             line = text.count("\n", 0, m.start()) + 1
@@ -253,7 +281,7 @@ def private_patches(tests: str) -> tuple[int, int, list[str]]:
             elif mm:
                 obj, attr = mm.group(5).rsplit(".", 1)[0], mm.group(5).rsplit(".", 1)[-1]
             else:
-                args = chunk[len("monkeypatch.setattr(") :].split(",")
+                args = chunk[chunk.index("(") + 1 :].split(",")
                 obj = args[0].strip()
                 attr = args[0].strip().rsplit(".", 1)[-1] if len(args) > 1 else ""
             if attr.startswith("_") and not attr.startswith("__"):
@@ -261,8 +289,9 @@ def private_patches(tests: str) -> tuple[int, int, list[str]]:
     return total, len(where), where
 
 
-def measure() -> dict[str, object]:
-    mods = modules()
+def measure(root: str = ROOT) -> dict[str, object]:
+    """The figures of the checkout at *root* (its ``src/`` and ``tests/``)."""
+    mods = modules(os.path.join(root, "src"))
     g = graph(mods)
     edges = {m: {t for t, *_ in es} for m, es in g.items()}
     comps = circles(edges)
@@ -273,23 +302,24 @@ def measure() -> dict[str, object]:
         for t, line, is_late, commented in es
         if is_late
     ]
-    sizes = {
-        m: sum(1 for _ in open(p, encoding="utf-8")) for m, p in mods.items()
-    }
+    sizes = {m: sum(1 for _ in open(p, encoding="utf-8")) for m, p in mods.items()}
     back = [
         (m, t)
         for m, ws in edges.items()
         for t in ws
         if fl[t] >= fl[m] and not any(m in c and t in c for c in comps)
     ]
-    total, private, where = private_patches(os.path.join(ROOT, "tests"))
+    tests = os.path.join(root, "tests")
+    total, private, where = private_patches(tests) if os.path.isdir(tests) else (0, 0, [])
     return {
         "files": len(mods),
         "lines": sum(sizes.values()),
         "over_limit": {m: n for m, n in sorted(sizes.items()) if n > MAX_LINES},
         "circles": comps,
         "floors": 1 + max(fl.values(), default=-1),
-        "late_imports": [f"{m} -> {t} (line {line}){'' if c else ' UNCOMMENTED'}" for m, t, line, c in late],
+        "late_imports": [
+            f"{m} -> {t} (line {line}){'' if c else ' UNCOMMENTED'}" for m, t, line, c in late
+        ],
         "late_import_edges": len({(m, t) for m, t, _l, _c in late}),
         "back_arrows": len(back),
         "monkeypatch_setattr": total,
@@ -305,7 +335,9 @@ def _summary(r: dict[str, object], verbose: bool) -> Iterator[str]:
     yield f"files {r['files']}, lines {r['lines']}, floors {r['floors']}"
     over = r["over_limit"]
     assert isinstance(over, dict)
-    yield f"files over {MAX_LINES} lines: {len(over)}" + "".join(f"\n  {m}: {n}" for m, n in over.items())
+    yield f"files over {MAX_LINES} lines: {len(over)}" + "".join(
+        f"\n  {m}: {n}" for m, n in over.items()
+    )
     yield f"import circles: {len(circ)} ({', '.join(str(len(c)) for c in circ) or 'none'} modules)"
     if verbose:
         for c in circ:
@@ -323,15 +355,18 @@ def _summary(r: dict[str, object], verbose: bool) -> Iterator[str]:
         fl = r["floor_of"]
         assert isinstance(fl, dict)
         for n in range(r["floors"]):  # type: ignore[call-overload]
-            yield f"floor {n}: " + " ".join(sorted(m.removeprefix(PKG + ".") for m, f in fl.items() if f == n))
+            yield f"floor {n}: " + " ".join(
+                sorted(m.removeprefix(PKG + ".") for m, f in fl.items() if f == n)
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--root", default=ROOT, help="the checkout to measure (default: this one)")
     a = p.parse_args(argv)
-    r = measure()
+    r = measure(a.root)
     if a.json:
         print(json.dumps(r, indent=1))
     else:

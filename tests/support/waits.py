@@ -57,14 +57,15 @@ extern "C" __global__ void spin(long long cycles) {
 """
 
 
-def spin(ms: float, stream) -> None:
-    """Keep ``stream`` busy for about ``ms`` milliseconds (a long-running kernel)."""
+def spin(ms: float = 50.0, stream=None) -> None:
+    """Keep ``stream`` (the current stream by default) busy for about ``ms`` milliseconds
+    (a long-running kernel)."""
     import cupy
     import numpy as np
 
     k = cupy.RawKernel(_SPIN, "spin")
     rate = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, 0)  # kHz
-    with stream:
+    with stream or cupy.cuda.get_current_stream():
         k((1,), (1,), (np.int64(int(ms * rate)),))
 
 

@@ -4,7 +4,7 @@
 pattern, ``find`` compares, ``write`` plays a kernel that writes where it should not.
 ``Heap`` replaces the hot path's driver allocation so that freed addresses come back
 (last freed, first reused), as a CUDA pool's do.  Both record their calls in order in
-``world.log``, next to ``tests/_hotpath_fakes.World``'s own entries.
+``world.log``, next to ``tests/fakes/hotpath.World``'s own entries.
 """
 
 from __future__ import annotations

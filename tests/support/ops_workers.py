@@ -1,4 +1,4 @@
-"""Functions run in spawned children by tests/test_sharing_ops_gpu.py (importable by name)."""
+"""Functions run in spawned children by tests/test_sharing_operational_limits_gpu.py (importable by name)."""
 
 from __future__ import annotations
 

@@ -235,7 +235,7 @@ def slow_reader(q_in, q_out, keep=None):
     cupy, cpm = _setup()
     if keep is not None:
         cpm.sharing.keep_mappings = keep
-    from test_pools_gpu import spin
+    from support.waits import spin
 
     spin(1)  # compile the kernel first
     cupy.cuda.get_current_stream().synchronize()

@@ -7,7 +7,7 @@ import os
 import pickle
 
 import pytest
-from _sharing_fakes import wait_for
+from fakes.sharing import wait_for
 
 from cupy_poolmem._errors import SharingError
 from cupy_poolmem._sharing import _wire

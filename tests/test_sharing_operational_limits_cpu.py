@@ -2,7 +2,7 @@
 directories, fork handlers, locks held across waits, descriptor exhaustion, peers
 without a usable pid, bounded event and descriptor caches.
 
-The simulated processes are tests/_sharing_fakes.py's (real sockets, a fake driver).
+The simulated processes are tests/fakes/sharing.py's (real sockets, a fake driver).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from _sharing_fakes import sharing_threads, wait_for
+from fakes.sharing import sharing_threads, wait_for
 
 from cupy_poolmem._sharing import _transport
 
@@ -729,7 +729,7 @@ def _opened_not_closed(gpu, name):
 def test_a_receiver_keeps_a_bounded_number_of_an_exporters_events_open(world):
     """One event per stream the exporter sent from stayed open in the receiver for as
     long as the exporter lived."""
-    from _sharing_fakes import FakeStream
+    from fakes.sharing import FakeStream
 
     e = world.proc("exporter")
     r = world.proc("receiver")
@@ -754,7 +754,7 @@ def test_a_receiver_keeps_a_bounded_number_of_an_exporters_events_open(world):
 def test_an_exporter_keeps_a_bounded_number_of_a_receivers_events_open(world):
     """One event per stream a receiver unmapped on stayed open in the exporter for as
     long as the receiver lived."""
-    from _sharing_fakes import FakeStream
+    from fakes.sharing import FakeStream
 
     e = world.proc("exporter")
     r = world.proc("receiver")
@@ -776,7 +776,7 @@ def test_an_exporter_keeps_a_bounded_number_of_a_receivers_events_open(world):
 def test_an_event_taken_out_of_the_receivers_cache_is_not_closed_under_a_hit_waiting_on_it(
     world,
 ):
-    from _sharing_fakes import FakeStream
+    from fakes.sharing import FakeStream
 
     e = world.proc("exporter")
     r = world.proc("receiver")

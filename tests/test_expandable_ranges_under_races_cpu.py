@@ -1,16 +1,16 @@
-# ruff: noqa: F811  (the fixtures are test_expandable_cpu's, imported)
+# ruff: noqa: F811  (the fixtures are tests/fakes/expandable.py's, imported)
 """``DevicePool(large_blocks="expandable")`` under races on a CPU: other threads' hot
 paths between two steps of the ranges' slow paths, per-thread default streams, a
-capture under way during a trim, a collection inside the twin arena (the review's
-reproducers, kept)."""
+capture under way during a trim, a collection inside the twin arena (each race
+reproduced as it once broke them)."""
 
 from __future__ import annotations
 
 import threading
 
 import pytest
-from _hotpath_fakes import compiled_hotpath
-from test_expandable_cpu import SPAN, _expandable_twin, drv, made, world  # noqa: F401  (fixtures)
+from fakes.expandable import SPAN, drv, expandable_twin, made, world  # noqa: F401  (fixtures)
+from fakes.hotpath import compiled_hotpath
 
 from cupy_poolmem import _arena_py, _expandable, _pools
 
@@ -56,7 +56,7 @@ def test_per_thread_default_stream_block_goes_to_another_thread_at_once(drv, are
 def test_twin_pool_per_thread_default_stream(world, drv):  # noqa: F811
     import cupy
 
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     world.current = cupy.cuda.ExternalStream(2, 0)  # cupy.cuda.Stream.ptds's handle
     got = {}
 
@@ -170,7 +170,7 @@ def test_alloc_reports_oom_when_another_thread_takes_the_room_it_just_mapped(drv
 #    one too: CUDA forbids querying a capturing stream (or the legacy stream while a
 #    blocking stream captures) and invalidates the capture.
 def test_trim_during_capture_queries_the_capturing_stream(world, drv):  # noqa: F811
-    p, b = _expandable_twin(world, drv)
+    p, b = expandable_twin(world, drv)
     x = p.malloc(30 * MiB)  # made before the capture, on the stream that will capture
     del x
     queried = []
@@ -219,7 +219,7 @@ os._exit(0)
     assert rc == 0, "deadlock: a collection inside Arena.take re-entered Arena.give"
 
 
-# 7. (83fe05b) the per-thread key is the thread ident; idents are reused once a thread
+# 7. The per-thread key is the thread ident; idents are reused once a thread
 #    ends, so a new thread's per-thread stream takes the dead thread's freed blocks.
 def test_dead_threads_ptds_arena_goes_to_a_new_thread_with_its_ident(drv, arena_cls):
     b = _ranges(drv, arena_cls)

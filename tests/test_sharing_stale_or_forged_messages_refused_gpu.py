@@ -21,10 +21,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("ipc_allocator")]
 
 cupy = pytest.importorskip("cupy")
 
-import _mp_workers as W  # noqa: E402
-from _waits import ipc_allocator  # noqa: E402, F401 - the module fixture
-from _waits import join as _join  # noqa: E402
-from _waits import wait_for as _wait_for  # noqa: E402
+from support import mp_workers as W  # noqa: E402
+from support.waits import ipc_allocator  # noqa: E402, F401 - the module fixture
+from support.waits import join as _join  # noqa: E402
+from support.waits import wait_for as _wait_for  # noqa: E402
 
 TIMEOUT = 120
 N = 1 << 18  # float32 items: a 1 MiB block that fits the reuse cache

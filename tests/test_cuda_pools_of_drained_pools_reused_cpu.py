@@ -7,7 +7,7 @@ import itertools
 from types import SimpleNamespace
 
 import pytest
-from _hotpath_fakes import fake_device_pools
+from fakes.hotpath import fake_device_pools
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _pools, _retire

@@ -1,0 +1,4 @@
+"""Helpers of the multi-process and threaded tests: the functions spawned children run
+(``mp_workers``, ``mp_lifecycle``, ``ops_workers``, ``peer_workers``; children import them
+by module name, from ``tests/`` on ``sys.path``), waits and joins with a timeout
+(``waits``), and a garbage collection forced under a lock (``gc_locks``)."""
