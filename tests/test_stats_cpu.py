@@ -611,6 +611,8 @@ _MP_CHILD = """
 import multiprocessing as mp, os, sys
 sys.path.insert(0, {tests!r})
 from cupy_poolmem import stats
+from cupy_poolmem._observe.log_writer import LogSettings
+from cupy_poolmem._observe.observer import OBSERVER
 from fakes.observer import FakeCore, alloc
 
 def work():
@@ -618,7 +620,7 @@ def work():
     kept = [alloc(FakeCore(), 0xD000 + i, 1) for i in range(2)]  # no flush: exit does it
 
 if __name__ == "__main__":
-    stats.LOG_INTERVAL_S = 3600.0  # the writer thread would not write in time
+    OBSERVER.log_settings = LogSettings(interval=3600.0)  # the writer would not write in time
     stats.start_log({path!r})
     p = mp.get_context("fork").Process(target=work)
     p.start()
