@@ -116,7 +116,7 @@ def check_wheel(path: str) -> None:
         "cupy_poolmem/benchmarks/__init__.py",
         "cupy_poolmem/_sharing/__init__.py",
         "cupy_poolmem/_dask_transfer/__init__.py",
-        "cupy_poolmem/report.py",
+        "cupy_poolmem/report/__init__.py",
     ]
     missing = [n for n in need if n not in names]
     if missing:

@@ -214,10 +214,6 @@ def test_main_prints_the_observability_table_and_goal_lines(monkeypatch, capsys)
     monkeypatch.setattr(alloc, "peers", lambda: list(fake_peers))
     monkeypatch.setattr(alloc, "observed_entries", lambda: list(obs))
     monkeypatch.setattr(alloc, "measure_interleaved", fake_measure)
-    monkeypatch.setattr(alloc, "_pure_python_row", lambda n: None)
-    monkeypatch.setattr(alloc, "_stream_costs", lambda quick: "(stream table)")
-    monkeypatch.setattr(alloc, "_peer_costs", lambda quick: None)
-    monkeypatch.setattr(alloc, "_bare_costs", lambda quick: "(bare table)")
     quick_seen: list[bool] = []
 
     def fake_paired_pool(quick):
@@ -229,9 +225,15 @@ def test_main_prints_the_observability_table_and_goal_lines(monkeypatch, capsys)
         quick_seen.append(quick)
         return _paired(1.1, 1.5, 3.0)
 
-    monkeypatch.setattr(alloc, "_paired_pool", fake_paired_pool)
-    monkeypatch.setattr(alloc, "_paired_observability", fake_paired_obs)
-    alloc.main(["--quick"])
+    measurements = alloc.Measurements(
+        pure_python_row=lambda n: None,
+        paired_pool=fake_paired_pool,
+        paired_observability=fake_paired_obs,
+        bare_costs=lambda quick: "(bare table)",
+        stream_costs=lambda quick: "(stream table)",
+        peer_costs=lambda quick: None,
+    )
+    alloc.main(["--quick"], measurements)
     out = capsys.readouterr().out
     assert "observability: microseconds per op (ratio to the plain DevicePool" in out
     # The pool's goals after the first table, then the bare table, then observability.

@@ -236,10 +236,10 @@ class _Unreadable:
 def test_an_array_reaching_outside_its_block_is_not_read():
     expect = chaos.Forged(1 << 20, 512, 0, 4096, "size+shape")
     past = _Unreadable(((512 * 64,), (8,), 8, 0, 64 * 4096))
-    outcome, detail = chaos._check(past, object(), expect)
+    outcome, detail = chaos.worker.check_received(past, object(), expect)
     assert outcome == "wrong" and "outside its block" in detail
     before = _Unreadable(((4,), (-8,), 8, 8, 4096))
-    assert chaos._check(before, object(), expect)[0] == "wrong"
+    assert chaos.worker.check_received(before, object(), expect)[0] == "wrong"
     assert chaos.outside((0,), (8,), 8, 1 << 30, 4096, expect) == ""  # empty: reads nothing
     assert chaos.outside((512,), (8,), 8, 0, 4096, expect) == ""
 
@@ -280,7 +280,7 @@ def _descriptor():
 def _message(d) -> bytes:
     from cupy_poolmem._sharing._reducers import rebuild
 
-    return chaos.repickle(chaos._Call(rebuild, (d,)))
+    return chaos.repickle(chaos.forging.Call(rebuild, (d,)))
 
 
 def test_peek_reads_a_message_without_rebuilding_it():
@@ -525,10 +525,10 @@ def test_a_hub_that_keeps_descriptors_is_counted_as_leaking_every_round():
 def test_refusals_are_typed_errors_counted_by_type_and_anything_else_is_an_error():
     from cupy_poolmem import CUDADriverError, SharingError
 
-    assert chaos._classify_exc(SharingError("stale"))[0] == "refused:SharingError"
+    assert chaos.worker.classify_exc(SharingError("stale"))[0] == "refused:SharingError"
     err = CUDADriverError("cuIpcOpenEventHandle", 1, "CUDA_ERROR_INVALID_VALUE")
-    assert chaos._classify_exc(err)[0] == "refused:CUDADriverError"
-    outcome, detail = chaos._classify_exc(ValueError("odd"))
+    assert chaos.worker.classify_exc(err)[0] == "refused:CUDADriverError"
+    outcome, detail = chaos.worker.classify_exc(ValueError("odd"))
     assert outcome == "error" and detail.startswith("ValueError: odd")
     r = chaos.Result()
     hub = chaos.Hub(chaos.build_parser().parse_args([]), r, chaos.FakeGPU())

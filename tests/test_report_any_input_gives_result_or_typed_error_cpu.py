@@ -21,9 +21,10 @@ from hypothesis import strategies as st  # noqa: E402
 
 from cupy_poolmem import parse_bytes, report  # noqa: E402
 from cupy_poolmem._errors import PoolmemError  # noqa: E402
-from cupy_poolmem._report_export import rmm_rows, torch_snapshots  # noqa: E402
-from cupy_poolmem._report_read import BadRows, iter_events  # noqa: E402
-from cupy_poolmem._report_series import sample_series  # noqa: E402
+from cupy_poolmem.report import _summary as summary  # noqa: E402
+from cupy_poolmem.report._export import rmm_rows, torch_snapshots  # noqa: E402
+from cupy_poolmem.report._plot import sample_series  # noqa: E402
+from cupy_poolmem.report._read import BadRows, iter_events  # noqa: E402
 from cupy_poolmem.stats import LOG_COLUMNS  # noqa: E402
 
 FUZZ = settings(
@@ -42,7 +43,7 @@ def _check_reads(data: bytes) -> None:
         f.write(data)
     try:
         loaded = report.load(path)
-        s = report._summarize(loaded, 5, None)
+        s = summary.summarize_loaded(loaded, 5, None)
     except PoolmemError:
         return
     text = json.dumps(s.to_dict(), allow_nan=False)  # ValueError on a non-finite float
@@ -145,7 +146,7 @@ def test_csv_like_logs_of_the_real_columns(rows, bom, header_again):
 def test_the_quick_row_parse_agrees_with_the_checked_one(row):
     """Rows as the writer writes them take a quick path; any row gets the same event
     or is refused, whichever path reads it."""
-    from cupy_poolmem._report_read import _checked_event, _event
+    from cupy_poolmem.report._read import _checked_event, _event
 
     def outcome(fn, arg):
         try:

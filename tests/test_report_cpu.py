@@ -216,7 +216,7 @@ def test_plot_thins_long_logs(tmp_path):
     out = report.plot(p, tmp_path / "long.png", max_points=500, max_tags=4)
     _check_png(out)
     # The thinned series: at most two moments per bucket, and the peaks survive.
-    from cupy_poolmem._report_series import sample_series
+    from cupy_poolmem.report._plot import sample_series
 
     loaded = report.load(p)
     (panel,) = sample_series(loaded.events(), [(7, 0)], ["t0", "t1"], 0.0, 19.999, n_buckets=250)

@@ -278,7 +278,7 @@ def test_tags_that_look_like_math_plot(tmp_path):
 
 
 def test_plot_bands_add_up_to_the_used_column(tmp_path):
-    from cupy_poolmem._report_series import sample_series
+    from cupy_poolmem.report._plot import sample_series
 
     rows, used = [], 70  # 70 bytes allocated before the log
     for i in range(3000):
@@ -347,7 +347,7 @@ def test_more_logs_than_the_open_file_limit(tmp_path):
 
 @pytest.mark.parametrize("chunk", [1, 2, 5])
 def test_reading_in_chunks_gives_the_same_rows_and_reasons(tmp_path, chunk):
-    from cupy_poolmem._report_read import BadRows, LogSource, iter_events
+    from cupy_poolmem.report._read import BadRows, LogSource, iter_events
 
     head = ",".join(LOG_COLUMNS).encode()
     body = [
@@ -456,8 +456,8 @@ def test_a_full_disk_for_the_output_is_one_line_not_a_traceback(tmp_path):
 def test_plot_samples_stay_bounded_when_times_go_back():
     """Processes appending to one file write their batches out of time order: times
     before the first event or after the last still land in the first or last bucket."""
-    from cupy_poolmem._report_read import LogEvent
-    from cupy_poolmem._report_series import sample_series
+    from cupy_poolmem.report._plot import sample_series
+    from cupy_poolmem.report._read import LogEvent
 
     events = [
         LogEvent(T0 - i if i % 2 else T0 + i / 1000, 1, "T", 0, 0, "alloc", 64 * (i + 1), 64,

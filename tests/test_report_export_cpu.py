@@ -10,7 +10,7 @@ import re
 import pytest
 
 from cupy_poolmem import report
-from cupy_poolmem._report_export import RMM_HEADER, export
+from cupy_poolmem.report._export import RMM_HEADER, export
 from cupy_poolmem.stats import LOG_COLUMNS
 
 T0 = 1_700_000_000.0
@@ -279,7 +279,7 @@ def test_rmm_logs_of_more_processes_than_open_files(tmp_path):
         "resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit("
         "resource.RLIMIT_NOFILE)[1]))\n"
         "from cupy_poolmem import report\n"
-        "from cupy_poolmem._report_export import export\n"
+        "from cupy_poolmem.report._export import export\n"
         f"print(json.dumps(export(report.load({str(d)!r}), 'rmm-log', {str(tmp_path / 'r.csv')!r})))\n"
     )
     env = dict(os.environ, PYTHONPATH=parent + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -14,9 +14,15 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from . import __version__
+import cupy_poolmem as cpm  # its public names; the GPU ones load on first use
+
+from . import __version__, _doctor
 from ._cli import Parser, fail, guard_pipe
 from ._errors import GPU_EXTRA_HINT, MissingDependencyError, NoGPUError
+from .benchmarks import BENCHMARKS, DEFAULT
+from .benchmarks._common import child_env
+from .benchmarks.chaos import add_options, forward_args
+from .report import _cli as report_cli
 
 PROG = "python -m cupy_poolmem"
 
@@ -53,9 +59,7 @@ def _needs_gpu(prog: str, what: str) -> int | None:
     missing = _missing_gpu_packages()
     if missing is not None:
         return fail(prog, str(MissingDependencyError(what, f"no module named {missing!r}")))
-    import cupy_poolmem
-
-    if cupy_poolmem.device_count() == 0:
+    if cpm.device_count() == 0:
         return fail(
             prog,
             f"{what} needs a CUDA GPU, and CUDA sees none here (no driver, no device, or "
@@ -65,14 +69,12 @@ def _needs_gpu(prog: str, what: str) -> int | None:
 
 
 # -- doctor ------------------------------------------------------------------------------
-def _doctor(args: argparse.Namespace) -> int:
-    from ._doctor import _versions, doctor
-
+def _run_doctor(args: argparse.Namespace) -> int:
     missing = _missing_gpu_packages()
     if missing is None:
-        return doctor(check=not args.no_check)
+        return _doctor.doctor(check=not args.no_check)
     print("cupy_poolmem doctor")
-    for k, v in _versions():
+    for k, v in _doctor.versions():
         print(f"  {k:14s} {v}")
     print(
         f"\nThis is a base install: {missing} is not installed, so only the CPU features "
@@ -87,16 +89,12 @@ def _demo(args: argparse.Namespace) -> int:
     rc = _needs_gpu(f"{PROG} demo", "demo")
     if rc is not None:
         return rc
-    from ._doctor import doctor
-
-    rc = doctor(check=False)
+    rc = _doctor.doctor(check=False)
     if rc:
         return rc
     import cupy
     import cupyx
     import numpy as np
-
-    import cupy_poolmem as cpm
 
     alloc = cpm.set_allocator()
     cpm.set_pinned_memory_allocator()
@@ -120,9 +118,6 @@ def _demo(args: argparse.Namespace) -> int:
 # -- bench -------------------------------------------------------------------------------
 def _bench(args: argparse.Namespace) -> int:
     """Run each benchmark module in its own process (they spawn workers)."""
-    from .benchmarks import BENCHMARKS, DEFAULT
-    from .benchmarks.chaos import forward_args
-
     given = forward_args(args)
     if given and "chaos" not in args.names:
         return fail(
@@ -133,8 +128,6 @@ def _bench(args: argparse.Namespace) -> int:
     rc = _needs_gpu(f"{PROG} bench", "bench")
     if rc is not None:
         return rc
-    from .benchmarks._common import child_env
-
     names = list(dict.fromkeys(args.names)) or list(DEFAULT)
     save = ["--save", os.path.abspath(args.save)] if args.save else []
     env = child_env()
@@ -153,17 +146,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 # -- report ------------------------------------------------------------------------------
 def _report(args: argparse.Namespace) -> int:
-    from . import report
-
-    return report.run(args)
+    return report_cli.run(args)
 
 
 # -- parser ------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m cupy_poolmem`` parser with its four subcommands."""
-    from . import report
-    from .benchmarks import BENCHMARKS, DEFAULT
-
     parser = Parser(prog=PROG, description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"cupy_poolmem {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
@@ -178,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "exit status: 0 all checks passed, 1 a self-check failed, 2 no usable GPU or driver",
     )
     p.add_argument("--no-check", action="store_true", help="skip the self-check and timing")
-    p.set_defaults(func=_doctor)
+    p.set_defaults(func=_run_doctor)
 
     p = sub.add_parser(
         "demo",
@@ -225,18 +213,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write each benchmark's results to DIR/<bench>-<device>.json "
         "(tools/render_figures.py renders the docs' figures from them)",
     )
-    from .benchmarks.chaos import add_options
-
     add_options(p, defaults=False)
     p.set_defaults(func=_bench)
 
     p = sub.add_parser(
         "report",
         help="summarise and plot allocation logs (no GPU needed)",
-        description=report.DESCRIPTION,
-        epilog=report.EPILOG,
+        description=report_cli.DESCRIPTION,
+        epilog=report_cli.EPILOG,
     )
-    report.add_arguments(p)
+    report_cli.add_arguments(p)
     p.set_defaults(func=_report)
     return parser
 

@@ -15,7 +15,15 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-__all__ = ["Parser", "HelpFormatter", "int_at_least", "fail", "describe_os_error", "guard_pipe"]
+__all__ = [
+    "Parser",
+    "HelpFormatter",
+    "int_at_least",
+    "fail",
+    "describe_os_error",
+    "guard_pipe",
+    "printable",
+]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -49,10 +57,27 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return convert
 
 
+def printable(s: str) -> str:
+    """``s`` with every character a terminal would act on written as an escape.
+
+    Control characters (escape sequences, carriage returns, bells), format characters
+    (bidirectional overrides) and undecodable bytes become ``\\x1b``, ``\\u202e``...;
+    everything else is kept.
+
+    Examples
+    --------
+    >>> printable("step\\x1b[2J")
+    'step\\\\x1b[2J'
+    >>> printable("modèle/attention")
+    'modèle/attention'
+    """
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in s)
+
+
 def fail(prog: str, message: str, code: int = 2) -> int:
     """Print ``PROG: error: MESSAGE`` on stderr (one line) and return ``code``."""
-    from ._report_read import printable
-
     text = printable(" ".join(str(message).split()))  # no escape sequences
     print(f"{prog}: error: {text}", file=sys.stderr)
     return code

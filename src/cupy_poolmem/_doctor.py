@@ -9,10 +9,16 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["doctor", "self_check", "time_alloc"]
+import cupy_poolmem
+
+from ._device import can_access_peer, device_count, granted_access, nearest_numa_node, peer_topology
+
+__all__ = ["doctor", "self_check", "time_alloc", "versions"]
 
 
-def _versions() -> list[tuple[str, str]]:
+def versions() -> list[tuple[str, str]]:
+    """``(name, version)`` of Python, this package, CuPy, cuda.core, cuda.bindings, NumPy
+    and the loaded hot path; a package that cannot be imported says why."""
     out = [("python", platform.python_version())]
     for mod in ("cupy_poolmem", "cupy", "cuda.core", "cuda.bindings", "numpy"):
         try:
@@ -21,9 +27,7 @@ def _versions() -> list[tuple[str, str]]:
         except Exception as exc:
             out.append((mod, f"not importable ({type(exc).__name__}: {exc})"))
     try:
-        from ._pools import hotpath_implementation
-
-        out.append(("hot path", hotpath_implementation()))
+        out.append(("hot path", cupy_poolmem.hotpath_implementation()))
     except Exception as exc:
         out.append(("hot path", f"unavailable ({exc})"))
     return out
@@ -44,8 +48,6 @@ def _driver_version() -> tuple[int | None, str]:
 def _gpu_rows(n: int) -> list[str]:
     import cuda.core as cc
     import cupy
-
-    from ._device import nearest_numa_node
 
     rows = []
     for i in range(n):
@@ -135,9 +137,7 @@ def _access_rows(pools: list[Any], imported: dict[int, tuple[int, ...]]) -> list
 def _managed_row(device: int) -> str:
     """Which backend ManagedPool uses on ``device`` and why (runs the one-time probe)."""
     try:
-        from ._pools import managed_backend
-
-        backend, reason = managed_backend(device)
+        backend, reason = cupy_poolmem.managed_backend(device)
         return f"  GPU {device} managed backend: {backend!r} ({reason})"
     except Exception as exc:
         return f"  GPU {device} managed backend: unavailable ({type(exc).__name__}: {exc})"
@@ -149,7 +149,7 @@ def self_check(out: Callable[[str], Any] = print) -> bool:
     import cupyx
     import numpy as np
 
-    from ._pools import DevicePool, ManagedPool, PinnedPool
+    DevicePool, ManagedPool = cupy_poolmem.DevicePool, cupy_poolmem.ManagedPool
 
     ok = True
     n = 1 << 20
@@ -176,10 +176,8 @@ def self_check(out: Callable[[str], Any] = print) -> bool:
         return run
 
     def pinned_check() -> bool:
-        with PinnedPool() as pool:
-            from ._allocator import using
-
-            with using(pool):
+        with cupy_poolmem.PinnedPool() as pool:
+            with cupy_poolmem.using(pool):
                 h = cupyx.empty_pinned((n,), dtype=np.uint32)
                 h[:] = np.arange(n, dtype=np.uint32)
                 d = cupy.asarray(h)
@@ -210,8 +208,6 @@ def self_check(out: Callable[[str], Any] = print) -> bool:
     check("device", dev_check(DevicePool))
     check("pinned", pinned_check)
     check("managed", dev_check(ManagedPool))
-    from ._device import can_access_peer, device_count
-
     if device_count() > 1 and can_access_peer(1, 0):
         check("peer", peer_check)
     return ok
@@ -238,7 +234,7 @@ def doctor(out: Callable[[str], Any] = print, check: bool = True) -> int:
     usable GPU or driver, ``1`` when a self-check fails.
     """
     out("cupy_poolmem doctor")
-    for k, v in _versions():
+    for k, v in versions():
         out(f"  {k:14s} {v}")
     driver, text = _driver_version()
     out(f"  {'CUDA driver':14s} {text}")
@@ -264,10 +260,8 @@ def doctor(out: Callable[[str], Any] = print, check: bool = True) -> int:
     out(f"  {'GPUs':14s} {n}")
     for row in _gpu_rows(n):
         out(row)
-    from ._device import granted_access, peer_topology
-    from ._pools import all_pools
-
-    for row in _peer_rows(peer_topology(n)) + _access_rows(all_pools(), granted_access()):
+    pools = cupy_poolmem.all_pools()
+    for row in _peer_rows(peer_topology(n)) + _access_rows(pools, granted_access()):
         out(row)
     for i in range(n):
         out(_managed_row(i))
@@ -275,9 +269,7 @@ def doctor(out: Callable[[str], Any] = print, check: bool = True) -> int:
         return 0
     out("self-check (write a pattern, read it back):")
     ok = self_check(out)
-    from ._pools import DevicePool
-
-    with DevicePool() as pool:
+    with cupy_poolmem.DevicePool() as pool:
         mp = cupy.cuda.MemoryPool()
         ours, ref = float("inf"), float("inf")
         for _ in range(3):  # alternate, keep the best: clocks ramp up during the first rounds

@@ -1,19 +1,7 @@
 """What CUDA pools themselves allow on the churn trace: splits by size and trims.
 
-The churn goal (a reserved peak at most 0.8x ``MemoryPool``'s) is about the memory the
-CUDA pool under a DevicePool maps, which the driver places: 32 MiB chunks, blocks put
-where the driver chooses.  This table replays the same trace straight on CUDA pools
-(``cuMemAllocFromPoolAsync`` / ``cuMemFreeAsync`` on the legacy stream, no CuPy
-array, no reuse cache) with the two levers a pool built on them has:
-
-- *split*: blocks up to ``split`` bytes from a second CUDA pool, so small blocks never
-  pin a chunk that large ones could use again;
-- *trim*: ``cuMemPoolTrimTo(pool, 0)`` before each allocation that follows frees, so
-  chunks left empty go back to the device before the pool maps new ones.
-
-The peak is each variant's ``reserved_mem_high`` (summed over its pools).  Times per
-step include the Python binding calls, so compare them with each other, not with the
-CuPy rows of the main table.
+The trace replayed straight on CUDA pools, with a second pool for small blocks and
+trims after frees; the method: docs/cli.rst, "bench churn".
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 """Paired ratios: the cost of one thing over another's, robust to a CPU whose speed jumps.
 
-Some hosts run their CPU at two speed levels that switch every few seconds (about
-2.3 us against 4.2 us per ``cupy.empty`` + free).  Timing two allocators one after the
-other and keeping each one's best round then compares numbers caught at different
-levels, and a ratio of such numbers swings from run to run.  A paired ratio times the
-two sides in short bursts back to back, many times over, alternating which goes first
-(ABBA: A then B in pairs 0, 2, 4, ..., B then A in pairs 1, 3, 5, ...); both bursts of
-a pair see the same level (and the order's own effect cancels), so the median of the
-per-pair ratios holds still where each side's best would not.
-
-A *burst* is a callable ``burst(n) -> seconds per call`` that makes ``n`` calls and
-times them (:func:`timed_burst` makes one from a function); :func:`paired_ratio` takes
-two of them and gives a :class:`PairedRatio`: the median ratio, its quartiles and the
-number of pairs.
+The two sides timed in short bursts back to back (ABBA), the median of the per-pair
+ratios; why and how: docs/cli.rst, "Paired ratios".
 """
 
 from __future__ import annotations

@@ -1,53 +1,13 @@
 """Allocation speed: cupy.empty(n)+free and a temporaries-heavy chain, pools side by side.
 
-Prints one table: microseconds per operation and the ratio to CuPy's MemoryPool,
-all measured in this process and run, round-robin (each allocator's best of four
-rounds, so drift hits every row alike).  The DevicePool rows run with observability
-off (the default: no cost); the last row puts a pool under the debug guard
-(``DevicePool(guard=True)``: red zone fill, poison fill, a check that synchronises at
-each free and at each block's exit from the quarantine); a line after the table gives
-the guard's overhead per allocation and free.
-
-After the table, one line per size for issue 15's goal for the pool itself
-(``POOL_GOAL``: DevicePool at most 1.00x MemoryPool per ``cupy.empty`` + free), then a
-short table of the bare ``pool.malloc(n)`` + free (no ``cupy.empty``: the pool's own
-share of that cost), ``MemoryPool.malloc`` against ``DevicePool.malloc``.
-
-A second table gives what observability costs, measured together in a phase of their
-own: CuPy's MemoryPool, one DevicePool with nothing observed, the same pool inside
-``statistics()``, with ``start_log()`` and with ``start_log(track=True)``, each cell
-with its ratio to the plain pool and to MemoryPool; then one line per goal of issue
-15 (``GOALS``: at most 1.3x, 2x and 4x the plain pool per ``cupy.empty`` + free)
-saying whether this run met it.
-
-The goal lines do not come from the tables.  Some hosts' CPUs switch between two
-speed levels every few seconds, and each row's best round may have caught either, so
-a ratio of two rows swings from run to run.  Each goal is measured again as a
-*paired ratio* (:mod:`._paired`): the two sides timed in short bursts back to back
-(``BURST_CALLS`` calls each, ABBA order, ``PAIRS_QUICK`` or ``PAIRS`` pairs), the
-verdict on the median of the per-pair ratios, printed with its quartiles::
-
-    goal: DevicePool at most 1.00x MemoryPool per cupy.empty(1KiB) + free: 0.97x (paired median, IQR 0.95-0.99, 25 pairs) -> met
-
-An observing context is entered once for all of its pairs, so the observed pool is
-paired against MemoryPool (which no observer sees) inside it, the plain pool against
-MemoryPool outside any, and the ratio to the plain pool is
-``median(observed / MemoryPool) / median(plain / MemoryPool)``, both medians printed::
-
-    goal: DevicePool inside statistics() at most 1.3x the plain DevicePool per cupy.empty + free: worst 1.13x (empty 1MiB: observed/MemoryPool 1.25x (IQR 1.22-1.27, 25 pairs) over plain/MemoryPool 1.11x (IQR 1.09-1.13, 25 pairs), paired medians) -> met
-
-``python -m cupy_poolmem bench alloc [--quick]``
-
-With two GPUs or more, DevicePool rows with ``peer_access='all'`` (the default: GPU 0's
-pool is mapped on every peer too) and ``peer_access=None`` are measured side by side,
-and a second table gives what granting costs: pool creation, pool growth (new memory
-is mapped on each granted GPU), steady-state allocation, and a grant given to a pool
-already holding 1 GiB.
+One table per run, the goal lines after it (paired medians), then what observability
+and peer access cost.  What each row and goal measures: docs/cli.rst, "bench alloc".
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import statistics
@@ -565,7 +525,30 @@ def _stream_costs(quick: bool) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+@dataclasses.dataclass(frozen=True)
+class Measurements:
+    """The measurements :func:`main` runs besides its interleaved tables.
+
+    Each one runs on the GPU; a test hands in its own.
+
+    Examples
+    --------
+    >>> Measurements(peer_costs=lambda quick: None).peer_costs(True) is None
+    True
+    """
+
+    pure_python_row: Callable[[int], list[float] | None] = _pure_python_row
+    paired_pool: Callable[[bool], list[PairedRatio]] = _paired_pool
+    paired_observability: Callable[[list[tuple[Any, ...]], bool], dict[str, list[PairedRatio]]] = (
+        _paired_observability
+    )
+    bare_costs: Callable[[bool], str] = _bare_costs
+    stream_costs: Callable[[bool], str] = _stream_costs
+    peer_costs: Callable[[bool], str | None] = _peer_costs
+
+
+def main(argv: Sequence[str] | None = None, measurements: Measurements | None = None) -> None:
+    m = measurements or Measurements()
     argv = sys.argv[1:] if argv is None else list(argv)
     require_gpu("alloc")
     if "--child" in argv:
@@ -583,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     measured: list[tuple[str, list[float], Any]] = [
         (e[0], vals, e[2]) for e, vals in zip(plain + observed, results)
     ]
-    py = _pure_python_row(n)
+    py = m.pure_python_row(n)
     if py:
         measured.append(("cupy_poolmem DevicePool [pure python, child process]", py, None))
     for name, vals, cleanup in measured:
@@ -595,11 +578,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     overhead = guard_overhead(measured)
     if overhead:
         print(overhead)
-    for line in pool_goals(_paired_pool(quick)):
+    for line in pool_goals(m.paired_pool(quick)):
         print(line)
     print()
     print("the pool alone: microseconds per malloc(n) + free, no cupy.empty (ratio to MemoryPool)")
-    print(_bare_costs(quick))
+    print(m.bare_costs(quick))
     print()
     print(
         "observability: microseconds per op (ratio to the plain DevicePool, ratio to cupy "
@@ -607,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     obs = observed_entries()
     obs_vals = measure_interleaved(obs, n)
-    paired = _paired_observability(obs, quick)
+    paired = m.paired_observability(obs, quick)
     obs_rows, goals = observability_report([(e[0], v) for e, v in zip(obs, obs_vals)], paired)
     print(table(["allocator"] + [c[0] for c in CASES] + ["chain 10k f32"], obs_rows))
     for line in goals:
@@ -617,8 +600,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             e[2]()
     print()
     print("allocation on a non-blocking stream (the graph-capture query): microseconds")
-    print(_stream_costs(quick))
-    costs = _peer_costs(quick)
+    print(m.stream_costs(quick))
+    costs = m.peer_costs(quick)
     if costs:
         print()
         print("peer access costs: microseconds (ratio of 'all' to None)")

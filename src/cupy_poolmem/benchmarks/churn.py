@@ -1,46 +1,7 @@
 """A churn trace: many sizes, frees out of order; the memory each allocator reserves.
 
-One seeded trace is replayed on every allocator in this process and run: each step
-allocates a ``cupy.empty`` of a size drawn log-uniformly between 1 KiB and 64 MiB (a
-tenth of them repeat one of a few common sizes, as a model's activations do), and
-frees random live arrays, out of order, whenever more than ``live`` bytes are live.
-The table gives microseconds per step and the peak memory each allocator reserved from
-the device while replaying it (its high-water mark: what other processes and libraries
-could not use), each with its ratio to CuPy's ``MemoryPool``.
-
-Every allocator is timed warm, on a fresh instance per replay: a first round, untimed,
-warms each one up (a process's first device allocations pay the driver's first-use
-costs, about ten times a later replay's on an H100: the allocator measured first would
-be charged them), then each of three rounds replays the trace once on every allocator
-in turn, starting one further along the list each round.  The table gives the median.
-The goal's time ratios are paired (:mod:`._paired`): MemoryPool and the pool replayed
-back to back, ABBA, the median of the per-pair ratios, so a host whose CPU speed
-drifts does not move them.
-
-The peak comes from the allocator's own high-water mark where it keeps one (CUDA
-pools: ``reserved_mem_high``; torch: ``max_memory_reserved``); CuPy's ``MemoryPool``
-and RMM's pool keep none, so for them a further replay, untimed, samples what they hold
-after every step.
-
-Goal: a reserved peak at most 0.8x MemoryPool's, at equal speed (at most 1.05x its
-time per step), for the DevicePool that places every block in growing mapped ranges
-(``large_blocks="expandable"``, two per stream, first fit); the goal line says the
-ratios of the pool that maps each large block on memory of its own
-(``large_blocks="mapped"``) and of the default pool too.  The default DevicePool takes blocks
-up to 8 MiB from a CUDA pool of their own (``small_pool``); the ``ipc=True`` row is the
-pool ``set_allocator()`` makes (shareable, both CUDA pools IPC-enabled), the
-``small_pool=None`` row the same pool with one CUDA pool.  Its peak is the sum of both
-CUDA pools' peaks (an upper bound of the peak of their sum).  torch is replayed twice:
-its caching allocator as it comes, and with ``expandable_segments`` (segments that
-grow by mapping pages, switched on for that replay only), the peer that places
-blocks as ``large_blocks="expandable"`` does.
-
-A second table replays the trace straight on CUDA pools with the levers a pool built
-on them has (a second pool for small blocks, trims after frees; see
-``_churn_variants``): what the driver's own placement allows, against the same
-MemoryPool peak.
-
-``python -m cupy_poolmem bench churn [--quick]``
+One seeded trace replayed on every allocator in this process and run: time per step
+and reserved peak, against CuPy's MemoryPool.  The method: docs/cli.rst, "bench churn".
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
 """dask-cuda's own benchmark script, with cupy_poolmem switched on by the environment alone.
 
-One run of ``python -m dask_cuda.benchmarks.local_cupy -d 0,1 -o transpose_sum -s 20000
--c 5000`` (``(x + x.T).sum()``, 20000^2 float64 in 5000^2 chunks, one worker per GPU)
-for each peer, in this order, each in a process of its own:
-
-* ``tcp+cupy_poolmem``  TCP, cupy_poolmem configured only through Dask's environment
-                        variables (``DASK_DISTRIBUTED__NANNY__PRELOAD`` and
-                        ``DASK_DISTRIBUTED__WORKER__PRELOAD`` naming ``cupy_poolmem_dask``),
-                        and ``--disable-rmm`` so the script leaves CuPy's allocator alone
-                        (without it, it makes RMM CuPy's allocator on every worker after
-                        the plugin ran, and the worker warns that chunks take Dask's path)
-* ``tcp+rmm``           TCP with dask-cuda's defaults: the script's RMM pool
-* ``ucxx``              ``-p ucxx`` with dask-cuda's defaults (UCX's ``cuda_ipc`` between
-                        the GPUs of one host), when ``distributed_ucxx`` is installed
-
-A peer that cannot run here is skipped with the reason.  The script prints every
-run's wall clock (``--warmup-runs 0``: the first run is the cold one) and the
-worker-to-worker bandwidth; :func:`parse_local_cupy` reads them, and one table
-gives first, best and steady (median after the first) wall clocks, the bandwidth,
-and ratios to ``tcp+rmm`` and ``ucxx``, then the goal lines.  Afterwards the
-package's own ``bench transfer`` runs (``--no-transfer`` skips it).
-
-``python -m cupy_poolmem bench dask-cuda`` or
-``python -m cupy_poolmem.benchmarks.dask_cuda_local [--devices 0,1,2,3] [--runs 5]
-[--log-dir DIR]``
+Runs ``dask_cuda.benchmarks.local_cupy`` once per peer, each in its own process, and
+tabulates its wall clocks and bandwidth.  The peers: docs/cli.rst, "bench dask-cuda".
 """
 
 from __future__ import annotations
@@ -40,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._common import child_env, table
+from ._common import child_env, header, table
 
 __all__ = ["PEERS", "parse_local_cupy", "parse_time", "goals", "main"]
 
@@ -469,8 +447,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in names if n not in PEERS]
     if unknown:
         p.error(f"unknown peer(s) {unknown}; choose from {list(PEERS)}")
-    from ._common import header
-
     print(header("dask-cuda local_cupy transpose_sum: cupy_poolmem by environment vs peers"))
     print(f"versions: {_versions()}")
     print(

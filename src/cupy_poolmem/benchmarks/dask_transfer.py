@@ -1,26 +1,7 @@
 """Moving a CuPy chunk between two GPU workers: Dask over TCP vs cupy_poolmem's pool IPC.
 
-One run on a machine with two GPUs: a ``LocalCUDACluster`` over TCP with two workers
-(GPU 0 and GPU 1, one thread each) and the :class:`~cupy_poolmem.dask.PoolmemPlugin`.
-For each chunk size, the seconds from ``submit`` to the result of a task on worker B
-that needs a chunk made on worker A (``float(x.sum())``), median over repeats, a
-fresh chunk each time:
-
-* ``same-worker floor``   the same task on A, where the chunk is (no transfer)
-* ``tcp (dask)``          the plugin's pools, IPC path switched off: Dask's own
-                          serialization (device -> host -> TCP -> host -> device)
-* ``pool IPC``            the plugin's same-host path: a descriptor over TCP, the
-                          block mapped on B and copied once GPU to GPU
-* ``dask-cuda default``   (not with ``--quick``) a cluster without the plugin, CuPy's
-                          own pool: the TCP baseline as dask-cuda ships it
-
-and beside them the ``peer copy`` limit: one device-to-device copy GPU 0 -> GPU 1
-in this process.  Every received sum is checked, and the transfer counters say which
-path each row took.
-
-``python -m cupy_poolmem bench transfer [--quick]``, or
-``python -m cupy_poolmem.benchmarks.dask_transfer [--quick] [--repeats 7]
-[--sizes 1MiB,64MiB]``
+Seconds per cross-worker task for each chunk size and path, beside the same-worker
+floor and a peer copy.  The rows: docs/cli.rst, "bench transfer".
 """
 
 from __future__ import annotations
@@ -33,7 +14,17 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import cupy_poolmem
+
+from .._sizes import format_bytes, parse_bytes
 from ._common import header, table
+
+try:  # the dask extra; without it main() says what to install, in one line
+    from .. import _dask_transfer
+    from .._dask_transfer import _process
+    from ..dask import PoolmemPlugin
+except ImportError:
+    _dask_transfer = _process = PoolmemPlugin = None  # type: ignore[assignment, misc]
 
 SIZES = ("1MiB", "64MiB", "256MiB", "1GiB")
 
@@ -50,8 +41,6 @@ def _consume(x) -> float:
 
 
 def _set_ipc(flag: bool) -> bool:
-    from cupy_poolmem._dask_transfer import _process
-
     cfg = _process._state.config
     if cfg is None:
         return False
@@ -60,8 +49,6 @@ def _set_ipc(flag: bool) -> bool:
 
 
 def _counters() -> dict:
-    from cupy_poolmem import _dask_transfer
-
     return _dask_transfer.counters()
 
 
@@ -130,8 +117,6 @@ def run_cluster(plugin: bool, sizes: list[int], repeats: int) -> dict[tuple[str,
     ):
         client.wait_for_workers(2, timeout=120)
         if plugin:
-            from cupy_poolmem.dask import PoolmemPlugin
-
             client.register_plugin(PoolmemPlugin())
         a, b = sorted(client.scheduler_info()["workers"])
         modes = ["floor", "tcp", "ipc"] if plugin else ["default"]
@@ -185,8 +170,6 @@ def _fmt_ms(s: float) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from cupy_poolmem._sizes import format_bytes, parse_bytes
-
     ap = argparse.ArgumentParser(
         prog="python -m cupy_poolmem.benchmarks.dask_transfer",
         description=(__doc__ or "").splitlines()[0],
@@ -204,8 +187,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     for mod in ("dask", "distributed", "dask_cuda"):
         if importlib.util.find_spec(mod) is None:
             sys.exit(f"{mod} is not installed: pip install dask distributed dask-cuda")
-    import cupy_poolmem
-
     if cupy_poolmem.device_count() < 2:
         sys.exit(f"needs two CUDA GPUs; CUDA sees {cupy_poolmem.device_count()}")
 

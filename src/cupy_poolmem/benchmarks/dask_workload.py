@@ -1,35 +1,7 @@
 """Dask workloads on one GPU worker: the cupy_poolmem plugin against dask-cuda's allocators.
 
-Same run, same process, ``LocalCUDACluster`` (1 worker x 4 threads, TCP) per
-configuration:
-
-* ``cupy_poolmem plugin``            ``client.register_plugin(PoolmemPlugin())``
-* ``cupy_poolmem plugin pool_size``  ``PoolmemPlugin(pool_size=...)`` (reserved up front)
-* ``dask-cuda default``              CuPy's own ``MemoryPool``
-* ``dask-cuda rmm_pool_size``        RMM pool, CuPy allocating through RMM   (needs rmm)
-* ``dask-cuda rmm_async``            RMM ``cudaMallocAsync``, CuPy through RMM (needs rmm)
-
-The three configurations that need no start-up option share one cluster (dask-cuda's
-default first, then the plugin registered, re-registered with ``pool_size``); the RMM
-ones get a cluster each.  Cluster start-ups were most of the old run time.
-
-Workloads (inputs generated on the GPU and persisted before timing):
-
-* compute-bound: ``((x + x.T) * 2 - 1).mean(0).sum()`` on 16000^2 float64 in 2000^2 chunks
-* allocation-heavy: a fused chain of 8 elementwise ops plus a transpose and a sum on
-  4000^2 float64 in 250^2 chunks (256 chunks, ~20 temporaries each)
-
-Chunk counts stay in the hundreds: thousands of tiny tasks made the scheduler (in
-this process) the bottleneck, and starved the worker's heartbeats.
-
-Prints one table: median seconds per ``compute()`` and the ratio to ``rmm_pool_size``
-(or to dask-cuda's default when rmm is not installed).  Lower is better.  The full
-run takes about 2-3 minutes on one GPU, ``--quick`` (smaller arrays, 2 repeats, the
-plugin, dask-cuda's default and ``rmm_pool_size`` only) well under 90 s.
-
-``python -m cupy_poolmem bench dask [--quick]``, or for every option
-``python -m cupy_poolmem.benchmarks.dask_workload [--quick] [--repeats 3]
-[--configs plugin,default]``
+Seconds per ``compute()`` of a compute-bound and an allocation-heavy graph, for each
+configuration.  The configurations and workloads: docs/cli.rst, "bench dask".
 """
 
 from __future__ import annotations
@@ -42,7 +14,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import cupy_poolmem
+
 from ._common import header, table
+
+try:  # the dask extra; without it main() says what to install, in one line
+    from ..dask import PoolmemPlugin, gather_stats
+except ImportError:
+    PoolmemPlugin = gather_stats = None  # type: ignore[assignment, misc]
 
 
 def _gpu_random(seed: int, block_info=None):
@@ -76,8 +55,6 @@ def allocation_heavy(y):
 
 
 def _configs(pool_size: str, have_rmm: bool) -> list[tuple[str, dict, Any, str]]:
-    from cupy_poolmem.dask import PoolmemPlugin
-
     out: list[tuple[str, dict, Any, str]] = [
         ("cupy_poolmem plugin", {}, PoolmemPlugin(), "plugin"),
         (
@@ -172,8 +149,6 @@ def run_cluster(cluster_kw: dict, phases: list[tuple[str, Any]], args) -> dict[s
                 registered = False
             r = _run_workloads(client, args)
             if plugin is not None:
-                from cupy_poolmem.dask import gather_stats
-
                 (st,) = gather_stats(client).values()
                 r["pool"] = (
                     f"{st['n_allocs']:,} allocs, peak used "
@@ -239,8 +214,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     for mod in ("dask", "distributed", "dask_cuda"):
         if importlib.util.find_spec(mod) is None:
             sys.exit(f"{mod} is not installed: pip install dask distributed dask-cuda")
-    import cupy_poolmem
-
     if cupy_poolmem.device_count() == 0:
         sys.exit("needs a CUDA GPU")
     have_rmm = importlib.util.find_spec("rmm") is not None

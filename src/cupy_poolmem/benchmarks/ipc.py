@@ -1,23 +1,7 @@
 """Sharing arrays between processes: cupy_poolmem vs CuPy pickling vs torch.multiprocessing.
 
-One run, one table: milliseconds per message for a steady stream of put + ack (the
-consumer acknowledges on a second queue and drops the array), and the first send to a
-fresh worker measured after that worker has started CUDA.  The floor is the same queue
-round trip for a tiny numpy array, sent on the same queues just before each measured
-message; "over floor" (the median of the per-pair differences) is what sharing adds to
-the queue's own cost.
-"same array" re-sends one array (the receiver keeps its mapping); "fresh arrays" sends
-a newly allocated array each time (made and filled before the clock starts), the usual producer
-pattern, where the sender exports and the receiver maps new memory for every message
-(the driver's cost for both grows with the size), except that a DevicePool recycles an
-exported block through its reuse cache with its export record (docs/sharing.rst,
-"Recycled blocks"), so fresh arrays become hits on mappings the receiver keeps.
-"vs floor" is the median of the per-pair ratios (message time / floor time).
-
-Goals (the "goal" column, cupy_poolmem's rows): a re-sent array within 0.06 ms of the
-floor, a fresh array at most 2x the floor, at 1 MiB and 256 MiB.
-
-``python -m cupy_poolmem bench ipc [--quick]``
+Milliseconds per message against the queue's own floor, same and fresh arrays.  The
+method and goals: docs/cli.rst, "bench ipc".
 """
 
 from __future__ import annotations
@@ -28,6 +12,10 @@ import sys
 import time
 from collections.abc import Sequence
 
+import cupy_poolmem
+
+from ._common import header, require_gpu, table
+
 
 def consumer(kind: str, q_in, q_out) -> None:
     t0 = time.perf_counter()
@@ -37,8 +25,6 @@ def consumer(kind: str, q_in, q_out) -> None:
         torch.zeros(1, device="cuda")
     else:
         import cupy
-
-        import cupy_poolmem  # noqa: F401  (registers the rebuild functions)
 
         cupy.zeros(1)
     q_out.put(("ready", time.perf_counter() - t0))
@@ -55,8 +41,6 @@ def run_method(
 ) -> list[tuple]:
     import cupy
 
-    import cupy_poolmem
-
     if kind == "torch":
         import torch
         import torch.multiprocessing as tmp
@@ -67,10 +51,7 @@ def run_method(
     rows = []
     for size in sizes:
         q_in, q_out = ctx.Queue(), ctx.Queue()
-        # The importable function, also when this module runs as __main__.
-        from cupy_poolmem.benchmarks.ipc import consumer as target
-
-        p = ctx.Process(target=target, args=(kind, q_in, q_out))
+        p = ctx.Process(target=consumer, args=(kind, q_in, q_out))
         p.start()
         tag, cuda_start = q_out.get(timeout=300)
 
@@ -163,10 +144,6 @@ def _goal(kind: str, over: float, ratio: float) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     import cupy
 
-    import cupy_poolmem
-
-    from ._common import header, require_gpu, table
-
     argv = sys.argv[1:] if argv is None else list(argv)
     require_gpu("ipc")
     quick = "--quick" in argv
@@ -231,6 +208,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # The importable module's main, not __main__'s: the spawned consumers then find
+    # ``consumer`` by the module's name.
     from cupy_poolmem.benchmarks._common import run
+    from cupy_poolmem.benchmarks.ipc import main as _main
 
-    run(main, "ipc")  # --save DIR: also write DIR/ipc-<device>.json
+    run(_main, "ipc")  # --save DIR: also write DIR/ipc-<device>.json

@@ -1,22 +1,13 @@
-"""Reading allocation logs for :mod:`cupy_poolmem.report`: one row at a time.
-
-What this module owns:
-
-* which files a command line names: files, directories of ``*.csv``, quoted globs
-  (``'alloc-*.csv'``) and ``-`` (standard input; it and named pipes are spooled to a
-  temporary file so that a plot can read them a second time);
-* the checks of a file before any row is read (text, UTF-8, the log's header; a UTF-8
-  byte order mark is allowed, as spreadsheet programs write one);
-* the rows, parsed and checked one at a time (:func:`iter_events`), so memory does not
-  grow with the file.  A row with an invalid value is skipped and counted in a
-  :class:`BadRows`, which keeps the first reason;
-* :func:`printable`, which makes a string from a log safe to print on a terminal.
+"""Reading allocation logs, one row at a time: which files a command line names, the
+checks of a file before its rows are read, and the rows parsed and checked (a bad row
+is skipped and counted in a :class:`BadRows`); :func:`load` merges several by time.
 """
 
 from __future__ import annotations
 
 import csv
 import glob
+import heapq
 import math
 import operator
 import os
@@ -26,14 +17,15 @@ import stat
 import sys
 import tempfile
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, NamedTuple
 
-from ._errors import InvalidOptionError, LogFormatError
-from .stats import LOG_COLUMNS
+from .._cli import printable
+from .._errors import InvalidOptionError, LogFormatError
+from ..stats import LOG_COLUMNS
 
-__all__ = ["LogEvent", "BadRows", "LogSource", "expand", "iter_events", "printable"]
+__all__ = ["LogEvent", "BadRows", "LogSource", "expand", "iter_events"]
 
 _BOM = b"\xef\xbb\xbf"
 _MAX_U64 = 2**64 - 1
@@ -120,26 +112,7 @@ class LogSource:
     _keep: Any = field(default=None, repr=False)  # the spooled copy of stdin
 
 
-def printable(s: str) -> str:
-    """``s`` with every character a terminal would act on written as an escape.
-
-    Control characters (escape sequences, carriage returns, bells), format characters
-    (bidirectional overrides) and undecodable bytes become ``\\x1b``, ``\\u202e``...;
-    everything else is kept.
-
-    Examples
-    --------
-    >>> printable("step\\x1b[2J")
-    'step\\\\x1b[2J'
-    >>> printable("modèle/attention")
-    'modèle/attention'
-    """
-    if s.isprintable():
-        return s
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in s)
-
-
-def _tag_key(tag: str, depth: int | None) -> str:
+def tag_key(tag: str, depth: int | None) -> str:
     """``tag`` cut to its first ``depth`` components (``None``: whole)."""
     if depth is not None and tag:
         tag = "/".join(tag.split("/")[:depth])
@@ -449,3 +422,113 @@ def _rows(
             bad.add(f"{name} line {lines + reader.line_num}", str(exc))
             continue
         yield ev
+
+
+def read_log(path: str | os.PathLike) -> tuple[list[LogEvent], int]:
+    """Parse one log file.
+
+    Rows with an invalid value (a line cut short by a crash, a negative size, a time
+    that is not finite...) are skipped and counted; repeated header lines (several
+    processes appending to one file) are ignored.  A UTF-8 byte order mark is allowed.
+
+    Parameters
+    ----------
+    path : str or path-like
+        A CSV file written by :func:`cupy_poolmem.start_log`.
+
+    Returns
+    -------
+    events : list of LogEvent
+        In file order.
+    n_bad : int
+        Rows skipped because a value in them is invalid.
+
+    Raises
+    ------
+    LogFormatError
+        The file is empty, binary, not UTF-8 text, or does not start with the log's
+        header (a :class:`ValueError` too).
+    OSError
+        The file cannot be opened.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "alloc.csv")
+    >>> with open(path, "w") as f:
+    ...     _ = f.write(",".join(LOG_COLUMNS) + "\\n")
+    ...     _ = f.write("1.5,42,MainThread,0,0,alloc,0x7f00,4096,step,,4096,\\n")
+    >>> events, n_bad = read_log(path)
+    >>> events[0].op, events[0].size, events[0].tag, n_bad
+    ('alloc', 4096, 'step', 0)
+    """
+    name = str(os.fspath(path))
+    bad = BadRows()
+    events = list(iter_events(LogSource(name, name), bad))
+    return events, bad.n
+
+
+_MAX_OPEN = 64
+_MERGE_ROWS = 1 << 16
+
+
+@dataclass
+class Loaded:
+    """The logs to read, and what reading them found wrong.  :meth:`events` reads them
+    again at each call, one row at a time."""
+
+    files: list[str]
+    sources: list[LogSource]
+    skipped: list[tuple[str, str]]
+    bad: BadRows = field(default_factory=BadRows)
+
+    @property
+    def n_bad(self) -> int:
+        return self.bad.n
+
+    def events(self) -> Iterator[LogEvent]:
+        """All events, merged by time (each file's own order kept)."""
+        self.bad = BadRows()
+        n = len(self.sources)
+        # Beyond _MAX_OPEN logs, each is opened only to read a chunk of rows (a process
+        # may open about 1024 files at once); the chunks together hold _MERGE_ROWS rows.
+        chunk = None if n <= _MAX_OPEN else max(16, _MERGE_ROWS // n)
+        its = [iter_events(s, self.bad, chunk) for s in self.sources]
+        return heapq.merge(*its, key=lambda e: e.time) if len(its) > 1 else its[0]
+
+
+def load(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Loaded:
+    """The logs ``paths`` name (files, directories of ``*.csv``, globs, ``-``), checked.
+
+    Each file's header is checked now; its rows are read, merged by time, each time
+    ``events()`` of the result is iterated.  Each file's own order is kept (a k-way merge
+    on ``time``), so events of one process never swap places even when their
+    timestamps are equal.  In a directory or a glob's matches, files that are not
+    logs are skipped and listed in ``skipped``.
+
+    Parameters
+    ----------
+    paths : path or sequence of paths
+        Log files, directories of ``*.csv`` logs, globs, or ``-`` (standard input).
+
+    Returns
+    -------
+    object
+        The files read, their events in time order (:class:`LogEvent`) and the
+        number of lines that could not be parsed.
+
+    Raises
+    ------
+    LogFormatError
+        A file named explicitly is not an allocation log, or a directory holds none.
+    OSError
+        A file named explicitly cannot be read.
+
+    Examples
+    --------
+    >>> loaded = load(["alloc-101.csv", "alloc-102.csv"])  # doctest: +SKIP
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    sources, skipped = expand(paths)
+    return Loaded([s.name for s in sources], sources, skipped)

@@ -1,27 +1,8 @@
 """Allocation logs written for other memory tools: ``report LOG --to FORMAT FILE``.
 
-``torch-snapshot``
-    A pickle in the format of ``torch.cuda.memory._snapshot()``, which PyTorch's
-    memory viewer (``memory_viz``) opens: ``device_traces`` holds every allocation and
-    free of the log in time order, each with the logged call site as its frame and the
-    tag as an outer frame; ``segments`` holds the blocks still allocated at the end of
-    the log.  The log does not say how the pool laid its blocks out, so each block is
-    a segment of its own, in the trace too (``segment_alloc``, ``alloc``; then
-    ``free_requested``, ``free_completed``, ``segment_free``): the viewer's allocator
-    history finds every block in a segment at every event.
-``rmm-log``
-    The CSV file RMM's ``logging_resource_adaptor`` writes
-    (``Thread,Time,Action,Pointer,Size,Stream``), which RMM's replay benchmark reads.
-
-Both describe the memory of one process: logs of several processes give one file per
-process (``out.pid123.pickle``); the RMM log is also one memory resource, so one file
-per process and device (``out.pid123.dev1.csv``).  Pinned host memory (device
-``-1``) is not part of either format and is left out.  The events are matched as
-:func:`cupy_poolmem.report.summarize` matches them: an allocation at an address that
-is still live ends the earlier allocation there (its free was not logged); a free
-with no earlier allocation (memory allocated before the log started) is kept in the
-torch trace, which knows such frees, and left out of the RMM log, whose replay
-would fail on it.
+``torch-snapshot`` (a pickle PyTorch's ``memory_viz`` opens) and ``rmm-log`` (the CSV
+RMM's replay benchmark reads); one file per process (and device, for RMM).  What each
+holds: docs/cli.rst, "report".
 """
 
 from __future__ import annotations
@@ -35,8 +16,8 @@ import time as _time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from ._errors import InvalidOptionError
-from ._report_read import LogEvent, _tag_key
+from .._errors import InvalidOptionError
+from ._read import LogEvent, tag_key
 
 __all__ = ["EXPORT_FORMATS", "check_export", "export", "torch_snapshots", "rmm_rows"]
 
@@ -213,7 +194,7 @@ def export(
     ext = os.path.splitext(path)[1]
     events: Iterable[LogEvent] = loaded.events()
     if tag_depth is not None:
-        events = (e._replace(tag=_tag_key(e.tag, tag_depth)) for e in events)
+        events = (e._replace(tag=tag_key(e.tag, tag_depth)) for e in events)
     if fmt == "torch-snapshot":
         _frames.cache_clear()
         snaps = torch_snapshots(events)
