@@ -23,6 +23,7 @@ import cupy_poolmem as cpm
 from cupy_poolmem import _guard, _pools, report, stats
 from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem._guard import GuardOptions
+from cupy_poolmem._guard.registry import GUARDS
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
@@ -511,7 +512,7 @@ def test_blocks_freed_by_the_garbage_collector_are_freed_unchecked(world):
     assert [b.ptr for b in g.blocks()] == [po], "the quarantine is not evicted meanwhile"
     with pytest.raises(cpm.UseAfterFreeError, match="which was freed at"):
         _guard.check(ptr)  # remembered for later reports
-    assert not _guard._IN_GC[0]
+    assert not GUARDS.in_gc
 
 
 # ---------------------------------------------------------------------------- generations
@@ -551,7 +552,7 @@ def test_check_of_a_quarantined_or_unknown_pointer(world, monkeypatch):
         _guard.check("0x1000")
     with pytest.raises(cpm.OptionTypeError, match="generation"):
         _guard.check(ptr, generation="1")  # type: ignore[arg-type]
-    monkeypatch.setattr(_guard, "_GUARDS", type(_guard._GUARDS)())
+    monkeypatch.setattr(GUARDS, "alive", type(GUARDS.alive)())
     with pytest.raises(cpm.UsageError, match="no pool in this process has a guard"):
         _guard.check(ptr)
 

@@ -20,6 +20,10 @@ import pytest
 from fakes.observer import FAKES_FILE, FakeBlock, FakeCore, InterruptedName, alloc, free, observer
 
 from cupy_poolmem import _runtime, stats
+from cupy_poolmem._observe.log_writer import LogSettings, LogWriter
+from cupy_poolmem._observe.observer import OBSERVER, Observer
+from cupy_poolmem._observe.sites import CallSites
+from cupy_poolmem._observe.tags import TAGS
 from cupy_poolmem.stats import LOG_COLUMNS
 
 
@@ -28,14 +32,14 @@ def clean_state():
     """Every test starts and ends with nothing observed."""
     stats.stop_log()
     stats.track(False, depth=32, skip=[FAKES_FILE])
-    assert stats._OBSERVER._scopes == ()
+    assert OBSERVER.scopes == ()
     assert observer() is None
     yield
     stats.stop_log()
     stats.track(False)
-    assert stats._OBSERVER._scopes == (), "a test left a statistics() scope open"
+    assert OBSERVER.scopes == (), "a test left a statistics() scope open"
     assert observer() is None
-    assert stats._OBSERVER.n_errors == 0, "the observer swallowed an error"
+    assert OBSERVER.n_errors == 0, "the observer swallowed an error"
 
 
 def _lineno() -> int:
@@ -54,7 +58,7 @@ def test_observer_installed_only_while_needed():
             assert observer() is None
             assert core.observer is None
         with stats.statistics():
-            assert observer() is stats._OBSERVER.recorder is _runtime.RECORDER
+            assert observer() is OBSERVER.recorder is _runtime.RECORDER
             assert core.observer is _runtime.RECORDER  # live pools get it
         assert observer() is None and core.observer is None
         assert stats.track(True) is False
@@ -358,13 +362,13 @@ def test_call_site_walk_is_bounded():
 # ------------------------------------------------------------------------------------------
 def test_on_free_never_raises():
     with stats.statistics():
-        before = stats._OBSERVER.n_errors
+        before = OBSERVER.n_errors
         with pytest.warns(RuntimeWarning):
             observer().on_free(object(), 0x10, 8, 0, None)  # a core without attributes
         observer().on_free(None, "x", None, None, ("bad",))
-        assert stats._OBSERVER.n_errors == before + 2
-    stats._OBSERVER.n_errors = 0
-    stats._OBSERVER._warned = False
+        assert OBSERVER.n_errors == before + 2
+    OBSERVER.n_errors = 0
+    OBSERVER.warned = False
 
 
 def test_free_reentering_during_an_alloc_is_applied_not_deadlocked():
@@ -607,6 +611,8 @@ _MP_CHILD = """
 import multiprocessing as mp, os, sys
 sys.path.insert(0, {tests!r})
 from cupy_poolmem import stats
+from cupy_poolmem._observe.log_writer import LogSettings
+from cupy_poolmem._observe.observer import OBSERVER
 from fakes.observer import FakeCore, alloc
 
 def work():
@@ -614,7 +620,7 @@ def work():
     kept = [alloc(FakeCore(), 0xD000 + i, 1) for i in range(2)]  # no flush: exit does it
 
 if __name__ == "__main__":
-    stats.LOG_INTERVAL_S = 3600.0  # the writer thread would not write in time
+    OBSERVER.log_settings = LogSettings(interval=3600.0)  # the writer would not write in time
     stats.start_log({path!r})
     p = mp.get_context("fork").Process(target=work)
     p.start()
@@ -640,6 +646,7 @@ def test_forked_child_counts_only_its_own_open_tag_scopes():
     code = textwrap.dedent("""
         import os, threading
         from cupy_poolmem import stats
+        from cupy_poolmem._observe.tags import TAGS
         inside, done = threading.Event(), threading.Event()
         def other():
             with stats.tag("other"):
@@ -649,17 +656,17 @@ def test_forked_child_counts_only_its_own_open_tag_scopes():
         t.start()
         inside.wait(30)
         with stats.tag("a"), stats.tag("b"):
-            assert stats._tag_scopes[0] == 3
+            assert TAGS.scopes[0] == 3
             pid = os.fork()
             if pid == 0:
-                ok = stats._tag_scopes[0] == 2 and stats.current_tag() == "a/b"
+                ok = TAGS.scopes[0] == 2 and stats.current_tag() == "a/b"
                 with stats.tag("c"):
-                    ok = ok and stats._tag_scopes[0] == 3
-                os._exit(0 if ok and stats._tag_scopes[0] == 2 else 1)
+                    ok = ok and TAGS.scopes[0] == 3
+                os._exit(0 if ok and TAGS.scopes[0] == 2 else 1)
             _, status = os.waitpid(pid, 0)
         done.set()
         t.join(30)
-        assert stats._tag_scopes[0] == 0
+        assert TAGS.scopes[0] == 0
         print(os.waitstatus_to_exitcode(status))
     """)
     proc = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True, text=True)
@@ -668,19 +675,21 @@ def test_forked_child_counts_only_its_own_open_tag_scopes():
 
 
 def test_tag_scopes_are_counted_for_the_recorder():
-    assert stats._tag_scopes[0] == 0
+    assert TAGS.scopes[0] == 0
     with stats.tag("a"):
         with stats.tag("b"):
-            assert stats._tag_scopes[0] == 2
-        assert stats._tag_scopes[0] == 1
+            assert TAGS.scopes[0] == 2
+        assert TAGS.scopes[0] == 1
     with pytest.raises(KeyError):
         with stats.tag("c"):
             raise KeyError
-    assert stats._tag_scopes[0] == 0
+    assert TAGS.scopes[0] == 0
 
 
 def test_flush_log_writes_while_the_log_stays_open(tmp_path, monkeypatch):
-    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)  # the writer thread stays asleep
+    monkeypatch.setattr(
+        OBSERVER, "log_settings", LogSettings(interval=3600.0)
+    )  # the writer thread stays asleep
     assert stats.flush_log() is None
     path = stats.start_log(tmp_path / "f.csv")
     core = FakeCore()
@@ -695,14 +704,13 @@ def test_flush_log_writes_while_the_log_stays_open(tmp_path, monkeypatch):
 
 
 def test_a_writer_falling_behind_is_caught_up_by_the_allocating_thread(tmp_path, monkeypatch):
-    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)
-    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 0)
+    monkeypatch.setattr(OBSERVER, "log_settings", LogSettings(interval=3600.0, max_pending=0))
     path = stats.start_log(tmp_path / "b.csv")
-    w = stats._OBSERVER._writer
+    w = OBSERVER.writer
     w._closing = True  # the thread ends at its next wake: only this thread writes
     w._wake.set()
     w._thread.join(30)
-    rec = stats._OBSERVER.recorder
+    rec = OBSERVER.recorder
     core = FakeCore()
     n = _runtime.hp.LOG_BATCH
     for i in range(n + 10):
@@ -784,7 +792,7 @@ def test_ctrl_c_in_an_observed_allocation_is_not_swallowed(tmp_path, monkeypatch
     """A KeyboardInterrupt raised while the observer runs Python code (here: the
     thread's name) reaches the program; it is no observer error."""
 
-    monkeypatch.setattr(stats._tls, "thread", InterruptedName("MainThread"))
+    monkeypatch.setattr(TAGS.tls, "thread", InterruptedName("MainThread"))
     stats.start_log(tmp_path / "k.csv")
     with pytest.raises(KeyboardInterrupt):
         alloc(FakeCore(), 0x1000, 8)
@@ -798,10 +806,11 @@ import os, signal, sys, threading
 sys.path.insert(0, {tests!r})
 from cupy_poolmem import stats
 from fakes.observer import FakeCore, alloc
+from cupy_poolmem._observe.observer import OBSERVER
 
 stats.start_log({path!r})
 kept = [alloc(FakeCore(), 0x1000 + i, 8) for i in range(3)]
-w = stats._OBSERVER._writer
+w = OBSERVER.writer
 entered, release = threading.Event(), threading.Event()
 
 class Slow:
@@ -848,17 +857,17 @@ def test_fork_inside_start_logs_switch_leaves_no_logging_without_a_writer(tmp_pa
     child's after-fork hook turns logging off, so records do not pile up unread; a
     recorder scope with no statistics() (a fork inside statistics()'s entry) goes."""
     stats.start_log(tmp_path / "a.csv")
-    rec = stats._OBSERVER.recorder
-    w, stats._OBSERVER._writer = stats._OBSERVER._writer, None
+    rec = OBSERVER.recorder
+    w, OBSERVER.writer = OBSERVER.writer, None
     orphan = rec.add_scope(None, None)
     try:
-        stats._after_fork_child()  # what the child runs (here in this process)
+        OBSERVER.after_fork_child()  # what the child runs (here in this process)
         assert rec.logging is False
         assert orphan not in rec.scopes
         with stats.statistics():  # _CTL usable
             pass
     finally:
-        stats._OBSERVER._writer = w
+        OBSERVER.writer = w
         rec.set_logging(True)
         rec.remove_scope(orphan)
 
@@ -876,7 +885,7 @@ def test_log_keeps_its_lines_when_a_call_site_path_is_not_utf8(tmp_path):
     kept = ns["f"](alloc, core)
     alloc(core, 0x3000, 8)
     stats.stop_log()
-    assert stats._OBSERVER.n_errors == 0
+    assert OBSERVER.n_errors == 0
     events = _events(path)
     assert [e.ptr for e in events] == [0x1000, 0x2000, 0x3000]
     assert events[1].callsite.startswith(fname.encode("utf-8", "backslashreplace").decode())
@@ -920,8 +929,8 @@ def _writer_stuck_in_a_write(path):
     """A log at ``path`` whose writer thread is inside a write that blocks until
     ``release`` is set: (writer, recorder, core, release)."""
     stats.start_log(path)
-    w = stats._OBSERVER._writer
-    rec = stats._OBSERVER.recorder
+    w = OBSERVER.writer
+    rec = OBSERVER.recorder
     entered, release = threading.Event(), threading.Event()
     w.file = _StuckFile(w.file, entered, release)
     core = FakeCore()
@@ -936,7 +945,7 @@ def test_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(tmp_path, mo
     writer thread's slow write to end and writes the backlog itself: a fast allocation
     rate into a slow disk does not grow memory without bound.  The slow write ends
     after 1 s (a timer); no record is lost."""
-    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 2)
+    monkeypatch.setattr(OBSERVER, "log_settings", LogSettings(max_pending=2))
     w, rec, core, release = _writer_stuck_in_a_write(tmp_path / "slow.csv")
     timer = threading.Timer(1.0, release.set)
     timer.start()
@@ -955,8 +964,7 @@ def test_backlog_stays_bounded_while_the_writer_is_stuck_in_a_write(tmp_path, mo
 def test_backlog_is_dropped_with_a_warning_when_the_writer_stays_stuck(tmp_path, monkeypatch):
     """A write stuck beyond _MAX_WAIT_S (a hung network disk): the allocating thread
     stops waiting, drops the records waiting (counted, one warning) and goes on."""
-    monkeypatch.setattr(stats, "_MAX_PENDING_BATCHES", 2)
-    monkeypatch.setattr(stats, "_MAX_WAIT_S", 0.05)
+    monkeypatch.setattr(OBSERVER, "log_settings", LogSettings(max_pending=2, max_wait=0.05))
     w, rec, core, release = _writer_stuck_in_a_write(tmp_path / "stuck.csv")
     n = _runtime.hp.LOG_BATCH
     try:
@@ -968,9 +976,9 @@ def test_backlog_is_dropped_with_a_warning_when_the_writer_stays_stuck(tmp_path,
         release.set()
     assert held <= 3 * n
     assert w.n_dropped >= n and w.n_dropped + held <= 6 * n
-    assert stats._OBSERVER.n_errors >= 1
-    stats._OBSERVER.n_errors = 0
-    stats._OBSERVER._warned = False
+    assert OBSERVER.n_errors >= 1
+    OBSERVER.n_errors = 0
+    OBSERVER.warned = False
 
 
 # ------------------------------------------------------------------------------------------
@@ -1057,15 +1065,15 @@ def test_log_has_no_torn_line_after_a_partial_write_and_enospc(tmp_path, monkeyp
     first next time: the torn line is finished, not glued to the next batch's first
     line (which read back with a time 10^6 times too big).  The failed batch's later
     lines are lost (counted); the lines after read back right."""
-    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(OBSERVER, "log_settings", LogSettings(interval=3600.0))
     path = stats.start_log(tmp_path / "full.csv")
-    w = stats._OBSERVER._writer
+    w = OBSERVER.writer
     w.file = _DiskFull(w.file)
     core = FakeCore()
     t0 = time.time()
     first = [alloc(core, 0x1000 + i, 8) for i in range(4)]
     stats.flush_log()  # the disk fills up
-    assert stats._OBSERVER.n_errors == 1
+    assert OBSERVER.n_errors == 1
     second = [alloc(core, 0x2000 + i, 8) for i in range(4)]
     stats.flush_log()  # space again
     stats.stop_log()
@@ -1074,8 +1082,8 @@ def test_log_has_no_torn_line_after_a_partial_write_and_enospc(tmp_path, monkeyp
     assert [e.ptr for e in events if e.ptr >= 0x2000] == [0x2000, 0x2001, 0x2002, 0x2003]
     assert all(t0 <= e.time <= t1 for e in events), [e.time for e in events]
     assert len([e for e in events if e.ptr < 0x2000]) >= 1  # the torn line, finished
-    stats._OBSERVER.n_errors = 0
-    stats._OBSERVER._warned = False
+    OBSERVER.n_errors = 0
+    OBSERVER.warned = False
     del first, second
 
 
@@ -1131,14 +1139,240 @@ def test_flush_of_a_replaced_writer_does_not_take_the_new_logs_lines(tmp_path, m
     thread's start_log() closed that writer in between, that flush must leave the
     recorder's records (they belong to the new log) alone.  Here the old writer's
     flush is called at that point."""
-    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(OBSERVER, "log_settings", LogSettings(interval=3600.0))
     core = FakeCore()
     stats.start_log(tmp_path / "1.csv")
-    old = stats._OBSERVER._writer
+    old = OBSERVER.writer
     second = stats.start_log(tmp_path / "2.csv")
     a = alloc(core, 0x10, 1)
     old.flush()  # the other thread's flush_log(), which got `old` before the switch
     stats.stop_log()
-    assert stats._OBSERVER.n_errors == 0
+    assert OBSERVER.n_errors == 0
     assert [(e.op, e.ptr) for e in _events(second)] == [("alloc", 0x10)]
     del a
+
+
+# ------------------------------------------------------------------------------------------
+# The log writer on its own: its recorder, error sink and pacing come from its constructor
+# ------------------------------------------------------------------------------------------
+class _Batch:
+    """A recorder batch: ``n`` CSV lines, or a format that fails."""
+
+    def __init__(self, first: int, n: int, fail: bool = False) -> None:
+        self.first, self.n, self.fail = first, n, fail
+
+    def __len__(self) -> int:
+        return self.n
+
+    def format(self, pid: int) -> bytes:
+        if self.fail:
+            raise ValueError("cannot format this batch")
+        rows = [f"1.0,{pid},T,0,0,alloc,0x{self.first + i:x},8,,,8,\n" for i in range(self.n)]
+        return "".join(rows).encode()
+
+
+class _Recorder:
+    """Hands out the batches queued in ``batches``, as ``Recorder.take_batches`` does."""
+
+    def __init__(self) -> None:
+        self.batches: list[_Batch] = []
+
+    def take_batches(self) -> list[_Batch]:
+        out, self.batches = self.batches, []
+        return out
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.errors: list[BaseException] = []
+        self.counted = 0
+
+    def error(self, exc: BaseException) -> None:
+        self.errors.append(exc)
+
+    def count_error(self) -> None:
+        self.counted += 1
+
+
+def test_a_writer_of_its_own_writes_every_good_batch_and_counts_the_bad_one(tmp_path):
+    """A batch that cannot be formatted loses only its own lines (counted in the
+    writer's error sink, never raised); the batches around it are written whole."""
+    rec, sink = _Recorder(), _Sink()
+    w = LogWriter(str(tmp_path / "own.csv"), False, rec, sink, LogSettings(interval=3600.0))
+    rec.batches = [_Batch(0x100, 3), _Batch(0x200, 2, fail=True), _Batch(0x300, 2)]
+    w.flush()
+    w.close()
+    rows = _read(w.path)
+    assert [int(r["pointer"], 0) for r in rows] == [0x100, 0x101, 0x102, 0x300, 0x301]
+    assert w.n_lines == 5
+    assert [str(e) for e in sink.errors] == ["cannot format this batch"]
+    assert sink.counted == 0
+
+
+def test_a_closed_writer_of_its_own_takes_no_more_records(tmp_path):
+    """After close() the writer never takes the recorder's records (they belong to the
+    next log), even when a batch fills and the writer is flushed again."""
+    rec, sink = _Recorder(), _Sink()
+    w = LogWriter(str(tmp_path / "closed.csv"), False, rec, sink, LogSettings(max_pending=0))
+    w.start()
+    w.close()
+    rec.batches = [_Batch(0x100, 4)]
+    w.batch_full()
+    w.flush()
+    assert len(rec.batches) == 1, "a closed writer took the next log's records"
+    assert _read(w.path) == [] and sink.errors == []
+
+
+# ------------------------------------------------------------------------------------------
+# The observer's protocol: installed exactly while something needs it (stateful model)
+# ------------------------------------------------------------------------------------------
+def _observer_model():
+    """A state machine over statistics scopes, logs, tracking, allocations and frees.
+
+    Invariants after every step: the recorder is on the pools exactly while a scope,
+    a log or tracking needs it; tracking is on exactly while track(True) or a tracking
+    log asks for it; every open scope counts exactly the allocations made (and freed)
+    while it was open; no error is swallowed."""
+    import shutil
+    import tempfile
+
+    from hypothesis import strategies as hst
+    from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+    class ObserverModel(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dir = tempfile.mkdtemp(prefix="observer-model-")
+            self.core = FakeCore()
+            with _runtime.registry_lock():
+                _runtime.POOLS.add(self.core)
+            self.scopes: list[tuple[object, object, int]] = []  # (manager, Statistics, serial)
+            self.expected: dict[int, list[int]] = {}  # serial -> [n_allocs, n_frees, live]
+            self.serial = 0
+            self.live: list[tuple[FakeBlock, tuple[int, ...]]] = []
+            self.log: bool | None = None  # None: no log; else its track flag
+            self.user_track = False
+            self.next_ptr = 0x10000
+            self.n_logs = 0
+
+        def teardown(self) -> None:
+            try:
+                for b, _ in self.live:
+                    free(b)
+                for cm, _, _ in reversed(self.scopes):
+                    cm.__exit__(None, None, None)
+                stats.stop_log()
+                stats.track(False)
+            finally:
+                with _runtime.registry_lock():
+                    _runtime.POOLS.discard(self.core)
+                shutil.rmtree(self.dir, ignore_errors=True)
+
+        @rule()
+        def open_scope(self) -> None:
+            cm = stats.statistics()
+            st = cm.__enter__()
+            self.serial += 1  # not id(st): a closed scope's id may come back
+            self.scopes.append((cm, st, self.serial))
+            self.expected[self.serial] = [0, 0, 0]
+
+        @precondition(lambda self: self.scopes)
+        @rule(data=hst.data())
+        def close_scope(self, data) -> None:
+            i = data.draw(hst.integers(0, len(self.scopes) - 1))
+            cm, st, serial = self.scopes.pop(i)
+            cm.__exit__(None, None, None)
+            assert not st.active
+            del self.expected[serial]
+
+        @rule(track=hst.booleans())
+        def start_log(self, track: bool) -> None:
+            self.n_logs += 1
+            stats.start_log(os.path.join(self.dir, f"{self.n_logs}.csv"), track=track)
+            self.log = track
+
+        @rule()
+        def stop_log(self) -> None:
+            path = stats.stop_log()
+            assert (path is None) == (self.log is None)
+            self.log = None
+
+        @rule(enabled=hst.booleans())
+        def track(self, enabled: bool) -> None:
+            assert stats.track(enabled) is self.user_track
+            self.user_track = enabled
+
+        @rule(size=hst.integers(0, 4096))
+        def allocate(self, size: int) -> None:
+            self.next_ptr += 0x1000
+            b = alloc(self.core, self.next_ptr, size)
+            inside = tuple(serial for _, _, serial in self.scopes)
+            for k in inside:
+                e = self.expected[k]
+                e[0] += 1
+                e[2] += size
+            self.live.append((b, inside))
+
+        @precondition(lambda self: self.live)
+        @rule(data=hst.data())
+        def free_one(self, data) -> None:
+            b, inside = self.live.pop(data.draw(hst.integers(0, len(self.live) - 1)))
+            free(b)
+            for k in inside:
+                if k in self.expected:
+                    e = self.expected[k]
+                    e[1] += 1
+                    e[2] -= b.size
+
+        @invariant()
+        def installed_exactly_while_needed(self) -> None:
+            tracking = self.user_track or bool(self.log)
+            need = bool(self.scopes) or self.log is not None or tracking
+            assert stats.is_tracking() is tracking
+            assert (observer() is not None) is need
+            assert self.core.observer is observer()
+            assert [st for _, st, _ in self.scopes] == list(OBSERVER.scopes)
+            assert (stats.log_path() is None) == (self.log is None)
+
+        @invariant()
+        def scopes_count_what_they_saw(self) -> None:
+            for _, st, serial in self.scopes:
+                n_allocs, n_frees, live = self.expected[serial]
+                assert (st.n_allocs, st.n_frees, st.current_bytes) == (n_allocs, n_frees, live)
+
+        @invariant()
+        def no_error_swallowed(self) -> None:
+            assert OBSERVER.n_errors == 0
+
+    return ObserverModel
+
+
+def test_observer_protocol_model():
+    hypothesis = pytest.importorskip("hypothesis")
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(
+        _observer_model(),
+        settings=hypothesis.settings(
+            max_examples=40,
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=list(hypothesis.HealthCheck),
+        ),
+    )
+
+
+def test_an_observer_without_a_runtime_observes_nothing_and_fails_nothing(tmp_path):
+    """The base install (no CUDA packages, so no runtime): scopes, a tracking log and
+    their ends all work on an observer of its own, with nothing to record."""
+    obs = Observer(sites=CallSites(), runtime=lambda: None)
+    st = stats.Statistics()
+    obs.add_scope(st)
+    assert obs.active and obs.recorder is None
+    path = obs.open_log(str(tmp_path / "base.csv"), False, True)
+    assert obs.tracking and obs.writer is not None
+    obs.remove_scope(st)
+    assert st.end_time is not None and obs.active  # the log still needs it
+    assert obs.close_log() == path
+    assert not obs.active and not obs.tracking and obs.n_errors == 0
+    assert _read(path) == []

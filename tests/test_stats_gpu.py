@@ -9,6 +9,7 @@ import pytest
 
 import cupy_poolmem
 from cupy_poolmem import report, stats
+from cupy_poolmem._observe.observer import OBSERVER
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,8 +31,8 @@ def nothing_observed():
     yield
     stats.stop_log()
     stats.track(False)
-    assert stats._OBSERVER._scopes == ()
-    assert stats._OBSERVER.n_errors == 0, "the observer swallowed an error"
+    assert OBSERVER.scopes == ()
+    assert OBSERVER.n_errors == 0, "the observer swallowed an error"
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""A fake of the guard's device work (``_guard_device.DeviceOps``) and a recycling heap.
+"""A fake of the guard's device work (``_guard.device_ops.DeviceOps``) and a recycling heap.
 
 ``FakeOps`` keeps device memory as a sparse ``{address: byte}`` map: ``fill`` writes a
 pattern, ``find`` compares, ``write`` plays a kernel that writes where it should not.

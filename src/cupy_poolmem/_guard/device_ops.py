@@ -1,6 +1,6 @@
 """The guard's device work: byte-pattern fills and checks, and questions about streams.
 
-``_guard.Guard`` calls one object with this interface; CPU tests give it a fake.
+``Guard`` calls one object with this interface; CPU tests give it a fake.
 
 - ``fill(ptr, n, byte, stream)``: ``cuMemsetD8Async`` on the stream (no sync).
 - ``find(ptr, n, byte, stream)``: ``(first offset whose byte differs or -1, how many
@@ -26,9 +26,9 @@ import cupy
 import numpy as np
 from cuda.bindings import driver as _drv
 
-from . import _streams
-from ._device import on_device
-from ._errors import UnsupportedError, check_driver
+from .. import _streams
+from .._device import on_device
+from .._errors import UnsupportedError, check_driver
 
 __all__ = ["DeviceOps"]
 
@@ -54,10 +54,21 @@ _MAX_BLOCKS = 4096
 _NONE = np.uint64(0xFFFFFFFFFFFFFFFF)
 _CU_STREAM_NON_BLOCKING = 1
 
-_lock = threading.Lock()
-_kernels: dict[int, Any] = {}
-_keep: list[Any] = []  # the compiled programs (their kernels are used by handle)
-_buffers: dict[int, list[int]] = {}  # device -> free 16-byte result buffers
+
+class DeviceResources:
+    """What the checks keep for the process, per device: the compiled check kernel
+    (``kernels``; ``keep`` holds its programs, whose kernels are used by handle) and
+    the free 16-byte result buffers (``buffers``), under ``lock``.  Nothing to do at a
+    fork: the package never forks after CUDA is initialised."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.kernels: dict[int, Any] = {}
+        self.keep: list[Any] = []
+        self.buffers: dict[int, list[int]] = {}
+
+
+RESOURCES = DeviceResources()
 
 
 def _sptr(stream: Any) -> int:
@@ -81,15 +92,17 @@ class DeviceOps:
     read-back are driver calls.
     """
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, resources: DeviceResources = RESOURCES) -> None:
         self.device = int(device)
+        self.resources = resources
 
     def prepare(self) -> None:
         """Compile the check kernel now (NVRTC), not in a free."""
         self._kernel()
 
     def _kernel(self) -> Any:
-        k = _kernels.get(self.device)
+        res = self.resources
+        k = res.kernels.get(self.device)
         if k is None:
             from cuda.core import Device, Program, ProgramOptions
 
@@ -100,27 +113,29 @@ class DeviceOps:
                     code = Program(_SOURCE, code_type="c++", options=opts).compile("cubin")
                     kobj = code.get_kernel(_NAME)
                     k = _drv.CUkernel(int(kobj.handle))
-                    _keep.append((code, kobj))  # the library stays loaded for the process
+                    res.keep.append((code, kobj))  # the library stays loaded for the process
             except Exception as exc:
                 raise UnsupportedError(
                     f"the guard's check kernel does not compile on device {self.device} "
                     f"({type(exc).__name__}: {exc}); the guard needs NVRTC (cuda.core's "
                     "Program). Create the pool without guard=..."
                 ) from exc
-            k = _kernels.setdefault(self.device, k)
+            k = res.kernels.setdefault(self.device, k)
         return k
 
     def _take(self) -> int:
-        with _lock:
-            free = _buffers.setdefault(self.device, [])
+        res = self.resources
+        with res.lock:
+            free = res.buffers.setdefault(self.device, [])
             if free:
                 return free.pop()
         with on_device(self.device):
             return int(check_driver(_drv.cuMemAlloc(16), "cuMemAlloc"))
 
     def _give(self, buf: int) -> None:
-        with _lock:
-            _buffers.setdefault(self.device, []).append(buf)
+        res = self.resources
+        with res.lock:
+            res.buffers.setdefault(self.device, []).append(buf)
 
     def fill(self, ptr: int, n: int, byte: int, stream: Any) -> None:
         if n <= 0:
