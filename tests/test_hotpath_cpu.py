@@ -4,6 +4,7 @@ behaviour without a CUDA context, and typed errors for bad sizes."""
 from __future__ import annotations
 
 import gc
+import importlib
 import inspect
 import re
 import sys
@@ -15,9 +16,17 @@ from cuda.bindings import driver
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _hotpath_py as twin
-from cupy_poolmem import _pools
+from cupy_poolmem import _log_batch_py, _pools, _recorder_py
 
-PYX = Path(_pools.__file__).with_name("_hotpath.pyx")
+# Each compiled module of the hot path, by its .pyx, and its pure-Python twin.
+PAIRS = {
+    Path(_pools.__file__).with_name(f"{name}.pyx"): mod
+    for name, mod in (
+        ("_hotpath", twin),
+        ("_recorder", _recorder_py),
+        ("_log_batch", _log_batch_py),
+    )
+}
 
 
 def _params(arglist: str) -> list[str]:
@@ -30,12 +39,14 @@ def _params(arglist: str) -> list[str]:
     return out
 
 
-def _pyx_api() -> tuple[set[str], dict[str, dict[str, object]]]:
-    """Public module names and, per class, ``{name: params | "attr" | "cdef"}``."""
+def _pyx_api(pyx: Path | None = None) -> tuple[set[str], dict[str, dict[str, object]]]:
+    """Public module names and, per class, ``{name: params | "attr" | "cdef"}``, of one
+    .pyx (of all of them when ``pyx`` is None)."""
     module: set[str] = set()
     classes: dict[str, dict[str, object]] = {}
     cur = None
-    for line in PYX.read_text().splitlines():
+    lines = [t for f in ([pyx] if pyx else PAIRS) for t in f.read_text().splitlines()]
+    for line in lines:
         if m := re.match(r"cdef class (\w+)", line):
             cur = classes.setdefault(m.group(1), {})
             continue
@@ -70,10 +81,12 @@ def test_pyx_parser_sees_the_api():
     assert classes["Block"]["wait_recorded"] == ["self", "stream"]
 
 
-def test_twin_has_every_name_and_signature_of_the_pyx():
-    module, classes = _pyx_api()
+@pytest.mark.parametrize("pyx", list(PAIRS), ids=lambda p: p.name)
+def test_twin_has_every_name_and_signature_of_the_pyx(pyx):
+    twin = PAIRS[pyx]
+    module, classes = _pyx_api(pyx)
     missing = sorted(n for n in module if not hasattr(twin, n))
-    assert not missing, f"in _hotpath.pyx but not in _hotpath_py.py: {missing}"
+    assert not missing, f"in {pyx.name} but not in {twin.__name__}: {missing}"
     for cls_name, members in classes.items():
         cls = getattr(twin, cls_name)
         slots = set(getattr(cls, "__slots__", ()))
@@ -103,20 +116,22 @@ def test_compiled_and_twin_match_when_the_extension_imports():
     if hp is None:
         pytest.skip("the Cython hot path is not built in this checkout (the .pyx was compared)")
     assert hp.IMPLEMENTATION == "cython" and hp.VERSION == twin.VERSION
-    for name in (
-        "Block",
-        "_Bin",
-        "PoolCore",
-        "Dispatch",
-        "Recorder",
-        "Scope",
-        "Counts",
-        "Info",
-        "Batch",
-        "PoolObs",
-        "DevObs",
+    rec = importlib.import_module("cupy_poolmem._recorder")
+    batch = importlib.import_module("cupy_poolmem._log_batch")
+    for compiled, py, name in (
+        (hp, twin, "Block"),
+        (hp, twin, "_Bin"),
+        (hp, twin, "PoolCore"),
+        (hp, twin, "Dispatch"),
+        (rec, _recorder_py, "Recorder"),
+        (rec, _recorder_py, "Scope"),
+        (rec, _recorder_py, "Counts"),
+        (rec, _recorder_py, "Info"),
+        (batch, _log_batch_py, "Batch"),
+        (rec, _recorder_py, "PoolObs"),
+        (rec, _recorder_py, "DevObs"),
     ):
-        c, t = getattr(hp, name), getattr(twin, name)
+        c, t = getattr(compiled, name), getattr(py, name)
         for attr, v in vars(c).items():
             if attr.startswith("__"):
                 continue
@@ -205,16 +220,16 @@ def test_allocator_rejects_bad_sizes_with_the_same_errors():
 
 
 def test_twin_size_conversion_matches_cythons_size_t():
-    assert twin._as_size(True) == 1
+    assert _recorder_py.as_size(True) == 1
     import numpy as np
 
-    assert twin._as_size(np.int64(12)) == 12
+    assert _recorder_py.as_size(np.int64(12)) == 12
     with pytest.raises(OverflowError):
-        twin._as_size(-1)
+        _recorder_py.as_size(-1)
     with pytest.raises(OverflowError):
-        twin._as_size(1 << 64)
+        _recorder_py.as_size(1 << 64)
     with pytest.raises(TypeError):
-        twin._as_size(1.0)
+        _recorder_py.as_size(1.0)
 
 
 def test_closed_pool_refuses_before_touching_cuda():
