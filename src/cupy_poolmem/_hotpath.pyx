@@ -1,22 +1,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""The allocation hot path: ``malloc -> MemoryPointer`` and the stream-ordered free.
+"""The allocation hot path: ``malloc -> MemoryPointer``, the stream-ordered free, and
+the reuse cache between them.
 
-Everything that happens per allocation is in :meth:`PoolCore.malloc` and
-:meth:`Block.__dealloc__`; everything else (creating pools, statistics, errors,
-sharing) lives in Python modules that call into this one.  ``_hotpath_py.py`` is the
-pure-Python twin used when this extension is not built; keep the two in step.
-
-Stream rule (documented for users): a block is allocated on CuPy's current stream
-and freed, stream-ordered, on that same stream when its last reference goes away.
-Streams recorded with ``record_stream`` make that free wait for their work first.
-
-Graph capture: handles 0 and 1 name the legacy default stream, which cannot be
-captured.  For any other stream the allocation asks the driver once whether it is
-capturing (``cuStreamIsCapturing``) before the reuse cache is looked at; a capturing
-stream goes to the pool's ``_capture_malloc`` slow path, which hands out graph-owned
-memory flagged ``FLAG_CAPTURED``.  Such a block never enters the reuse cache, and no
-cached block is ever handed to a capture.  A driver free on a stream that is
-capturing is held by the pool until the capture ends.
+It owns a pool's per-allocation state (``PoolCore``) and its live blocks (``Block``);
+the pool classes subclass ``PoolCore`` and supply the slow paths.  ``_hotpath_py.py``
+is its pure-Python twin; docs/hotpath.rst describes both.
 """
 
 cimport cython
@@ -53,22 +41,16 @@ cdef extern from *:
     """
     object _make "cpm_make"(type t, tuple args)
 
-# CuPy's memory objects, made without the generic call (two per device allocation):
-# the types checked here are the ones made (the module's names may be rebound).
+# CuPy's memory objects, made without the generic call (the types checked are those made).
 cdef type _c_memory_pointer = _MemoryPointer
 cdef type _c_unowned_memory = _UnownedMemory
 cdef bint _direct = type(_MemoryPointer) is type and type(_UnownedMemory) is type
 
 import cuda.bindings.cydriver as _cydriver
 from operator import index as _operator_index
-from weakref import ref as weakref_ref
 
-# The four driver calls of the hot path, taken from cuda.bindings' compiled
-# ``cydriver`` module (its exported C functions, which load libcuda themselves).
-# Resolving them at import time, with their signatures checked, means this module
-# needs no CUDA header to build and works with any cuda-bindings release that
-# exports these signatures; on a mismatch the import fails and the package uses
-# the pure-Python twin.  The types are the driver ABI's on 64-bit Linux.
+# The four driver calls, from cuda.bindings' compiled ``cydriver`` (its exported C
+# functions, signatures checked: see docs/hotpath.rst); the driver ABI's 64-bit types.
 ctypedef int CUresult
 ctypedef int CUdevice
 ctypedef unsigned long long CUdeviceptr
@@ -100,8 +82,7 @@ cdef _ctxdev_fn cuCtxGetDevice = <_ctxdev_fn>_driver_fn(
 cdef _capturing_fn cuStreamIsCapturing = <_capturing_fn>_driver_fn(
     "cuStreamIsCapturing", b"CUresult (CUstream, CUstreamCaptureStatus *)")
 
-# CuPy exports its C function for the current stream's handle; calling it directly
-# costs nanoseconds where get_current_stream() costs a Python call.
+# CuPy's exported C function for the current stream's handle (no Python call).
 ctypedef intptr_t (*_stream_ptr_fn)() noexcept
 cdef _stream_ptr_fn _c_current_stream_ptr = NULL
 try:
@@ -142,14 +123,10 @@ cdef unsigned int _FLAG_RECORDED = 1
 cdef unsigned int _FLAG_ADVISED = 4
 cdef unsigned int _FLAG_SPECIAL = 2 | 4
 
-# Set by cupy_poolmem._sharing: called as fn(core, ptr, size, stream, share) for a
-# block that was exported to other processes; returns True when it kept the block
-# (limbo, or back in the reuse cache with its record: see _cache_shared).
+# Set by cupy_poolmem._sharing, both fn(core, ptr, size, stream, share) for an exported
+# block: on its free (True: the exporter kept it), and when the cache lets it go or its
+# pool was finalized (stream None; True: the exporter frees it after its receivers).
 _shared_release = None
-# And fn(core, ptr, size, stream, share) when the reuse cache lets such a block go
-# (trim, close, out of memory) or its pool was finalized (stream None: not to be
-# touched): True when the exporter keeps it until its receivers have unmapped it;
-# False: free it now (ordered after their unmaps).
 _shared_retire = None
 
 
@@ -222,16 +199,11 @@ cdef class Block:
         try:
             if (core.finalized or PyObject_GC_IsFinalized(self.stream)
                     or (self.flags & _FLAG_RECORDED and _any_finalized(self._recorded))):
-                # The pool's finalizer ran: it was dropped in a garbage cycle with this
-                # block, whose stream may be destroyed already (a cupy Stream's own
-                # finalizer), and tp_clear may have emptied the pool's __dict__.  Or the
-                # block's own stream, or one given to record_stream for it, was finalized
-                # (a cycle of this array and its streams, the pool alive).  No stream is
-                # touched: the retirer frees the block after a sync.
+                # Its pool, its stream or a recorded stream was finalized in a garbage
+                # cycle: no stream is touched (docs/hotpath.rst, frees in garbage cycles).
                 if core.observer is not None:
                     core.observer._free(core, self.ptr, self.size, self.stream_ptr, self.info)
-                # An exported block (reused from the cache) goes to its exporter first:
-                # receivers may map it still (then it frees the block after them).
+                # An exported block goes to its exporter first (receivers may map it).
                 if self.share is not None and core._retire_shared(
                         self.ptr, self.size, None, self.share):
                     kept = True
@@ -239,8 +211,7 @@ cdef class Block:
                     kept = core._orphan(self.ptr, self.size, self.flags)
             else:
                 if self.flags & _FLAG_RECORDED:
-                    # First, so every later path (cache, sharing limbo, pinned deferral,
-                    # the driver free) is ordered after the recorded streams' work.
+                    # First: every later path is ordered after the recorded streams.
                     core._wait_recorded(self.stream, self._recorded)
                 if core.observer is not None:
                     core.observer._free(core, self.ptr, self.size, self.stream_ptr, self.info)
@@ -253,8 +224,7 @@ cdef class Block:
                 if not kept and self.flags & _FLAG_SPECIAL:
                     kept = core._free_flagged(self.ptr, self.size, self.stream, self.flags)
         except BaseException:
-            # Never free memory whose fate a hook could not decide: leaking is safe,
-            # reuse while another process reads is not (nor is its pool destroyed).
+            # A hook could not decide its fate: leaked (reuse while mapped is not safe).
             core.n_free_errors += 1
             core.n_frees += 1
             return
@@ -262,12 +232,10 @@ cdef class Block:
             try:
                 core._release(self.ptr, self.size, self.stream_ptr, self.stream)
             except BaseException:
-                # Its free raised (a hook, a KeyboardInterrupt landing there, no memory
-                # for the cache): leaked, as above, and still counted below, or a
-                # closed pool would wait for it forever (never retired).
+                # Its free raised: leaked, and counted below (or a closed pool would
+                # wait for it forever).
                 core.n_free_errors += 1
-        # Counted once the free (or its hand-off) is queued: a close() in another thread
-        # that sees every block freed may retire the pool at once.
+        # Counted once its free is queued: a close() seeing every block freed may retire.
         core.n_frees += 1
         if core.closed and core.n_frees == core.n_allocs:
             core._drained()  # a closed pool's last block, however it went
@@ -286,13 +254,8 @@ cdef bint _any_finalized(list recorded):
 @cython.final
 @cython.no_gc_clear  # its list is never set to None (the pool's dict breaks cycles)
 cdef class _Bin:
-    """The reuse cache's blocks of one (stream handle, size); the last freed is reused first.
-
-    Addresses in a C array; the stream object that freed each block in a list beside
-    it, kept alive while the block is cached and handed to the block made of it.  The
-    list only grows (a taken slot is set to None), so a steady alloc + free moves no
-    memory.  Sharing records of exported blocks are the pool's ``_shares``.
-    """
+    """The reuse cache's blocks of one (stream handle, size), the last freed reused first:
+    addresses in a C array, the stream object that freed each in a list beside it."""
     cdef readonly uintptr_t stream_ptr
     cdef readonly size_t size
     cdef readonly Py_ssize_t n       # blocks held: ptrs[:n], streams[:n]
@@ -341,18 +304,8 @@ cdef class _Bin:
 cdef class PoolCore(Observed):
     """The per-pool state the hot path needs; Python pool classes subclass it.
 
-    Reuse cache: a freed block of at most ``cache_max_block`` bytes is kept, keyed by
-    (stream, size), while the cache holds under ``cache_limit`` bytes, and handed to
-    the next allocation of that size on that stream without a driver call.  Reuse on
-    the same stream is exactly the guarantee stream-ordered allocation gives, so the
-    cache changes speed, not semantics.  Out-of-memory, ``trim`` and ``close`` flush it.
-    An exported block comes back with its sharing record (``share``, see
-    ``_cache_shared``); the next block made of it carries that record.
-
-    The cache is ``_cache``: (stream handle, size) -> :class:`_Bin`, with the last bin
-    used in C fields, so a steady loop of one size on one stream finds it with two
-    compares (no key tuple, no hash); ``_shares`` maps the address of each cached
-    exported block to its record (empty unless something was shared).
+    It owns the reuse cache (``_cache``: (stream handle, size) -> ``_Bin``; ``_shares``:
+    address -> sharing record of each cached exported block) and the pool's counters.
     """
     cdef CUmemoryPool _pool
     cdef CUmemoryPool _small         # the small-block pool (``_pool`` when there is none)
@@ -420,19 +373,16 @@ cdef class PoolCore(Observed):
         self.backend_min = backend_min
 
     def _attach_arenas(self, dict arenas, size_t small_max):
-        """Every block from the arenas in ``arenas`` (stream handle -> (arena of blocks
-        up to ``small_max`` bytes, arena of larger ones)) before the backend; a freed
-        block goes back to its stream's arena.  The backend fills and empties the dict."""
+        """Blocks from ``arenas`` (stream handle -> (arena of blocks up to ``small_max``
+        bytes, arena of larger ones), the backend's dict) before the backend."""
         self._arenas = arenas
         self.arena_small_max = small_max
         self._arena_small = self._arena_large = None
 
     @cython.final
     cdef inline Arena _arena(self, uintptr_t sptr, size_t size):
-        """The arena of (``sptr``, ``size``), or None when the stream has none yet.
-
-        Handle 2, the per-thread default stream, is another stream in each thread: its
-        arenas are keyed by this thread's token (``_expandable.stream_key``)."""
+        """The arena of (``sptr``, ``size``), or None when the stream has none yet (handle
+        2, the per-thread default stream: this thread's arenas, by ``stream_key``)."""
         if sptr == 2:
             sptr = _stream_key(2)
         if self._arena_small is None or sptr != self._arena_sptr:
@@ -586,13 +536,8 @@ cdef class PoolCore(Observed):
         return _MemoryPointer(_UnownedMemory(dptr, size, b, self.device_id), 0)
 
     cdef _cache_missed(self):
-        """A miss while the cache holds blocks.  A hit takes one miss back (never below
-        zero), so the count reaches FLUSH_AFTER_MISSES when misses outrun hits (most
-        allocations find nothing: sizes or streams this program stopped asking for, or
-        sizes that never repeat); then the blocks it holds go back to the CUDA pool,
-        where an allocation of any size can reuse their memory.  A working set served
-        about two times in three or more keeps its cache; at one in two, a random order
-        of hits and misses flushes it every few hundred allocations."""
+        """A miss while the cache holds blocks (a hit takes one back): at
+        FLUSH_AFTER_MISSES the cache is flushed (docs/hotpath.rst, the reuse cache)."""
         self.cache_misses += 1
         if self.cache_misses >= _FLUSH_AFTER_MISSES:
             self.cache_misses = 0
@@ -660,10 +605,8 @@ cdef class PoolCore(Observed):
         return True
 
     cdef bint _retire_shared(self, ptr, size, stream, share):
-        """Whether the exporter keeps an exported block for its final free (True), or it
-        may be freed now (False: ordered after its receivers' unmaps, on ``stream``; on
-        the legacy stream when ``stream`` is None).  A failing hook keeps it: leaking is
-        safe, freeing while another process maps it is not."""
+        """Whether the exporter keeps an exported block for its final free (True, also when
+        its hook fails), or it may be freed now on ``stream`` (None: the legacy one)."""
         if _shared_retire is None:
             return False
         try:
@@ -673,11 +616,8 @@ cdef class PoolCore(Observed):
             return True
 
     def flush_cache(self):
-        """Free every block held in the reuse cache (stream-ordered); returns bytes freed.
-
-        An exported block's final free is its exporter's, after its receivers unmap it.
-        A free that raises does not stop the others: the first error is raised after.
-        """
+        """Free every block held in the reuse cache (stream-ordered; an exported one by its
+        exporter); returns bytes freed.  The first error of a free is raised at the end."""
         cdef size_t freed = 0
         cdef _Bin b
         err = None
@@ -700,20 +640,16 @@ cdef class PoolCore(Observed):
         return freed
 
     cdef _drop_stale(self, uintptr_t ptr, size_t size, object share):
-        """A cached block whose stream object was finalized since: a cupy Stream that
-        died in a garbage cycle after a finalizer there freed the block into the cache
-        (which resurrected the object, its CUDA stream destroyed; the handle may name a
-        new stream now).  Neither reused nor freed on it: an exported block goes to its
-        exporter, any other to the retirer (``_orphan``: freed after a sync)."""
+        """A cached block whose stream object was finalized since (its handle may name a
+        new stream now): an exported block goes to its exporter, any other to the
+        retirer (``_orphan``: freed after a sync)."""
         if share is not None and self._retire_shared(ptr, size, None, share):
             return
         self._orphan(ptr, size, 0)
 
     cdef dict _swap_cache(self):
-        """Empty the cache: its old ``_cache``, whose blocks are the caller's now.
-
-        The sharing records stay in ``_shares``: the caller pops those of the blocks it
-        took (a block taken by another path meanwhile keeps its record)."""
+        """Empty the cache: its old ``_cache``, whose blocks are the caller's now (who pops
+        their records from ``_shares``: a block taken meanwhile keeps its own)."""
         fresh = {}  # made first: a collection here may still cache a block in the old
         old = self._cache
         self._cache = fresh
@@ -722,14 +658,10 @@ cdef class PoolCore(Observed):
         return old
 
     def _take_cache(self):
-        """Empty the reuse cache without freeing: ``[ptr, ...]`` for the caller to free.
-
-        For a pool finalized inside a garbage cycle, whose cached blocks' streams may
-        be destroyed already: the retirer frees them after a device synchronise.  An
-        exported block goes to its exporter first (without its stream): it is in the
-        list only when no receiver maps it any more, else the exporter hands it to the
-        retirer once they have unmapped it.
-        """
+        """Empty the reuse cache without freeing: ``[ptr, ...]`` for the caller to free
+        after a device synchronise (a pool finalized in a garbage cycle).  An exported
+        block goes to its exporter first, without its stream, and is listed only when no
+        receiver maps it any more."""
         cdef _Bin b
         out = []
         for b in self._swap_cache().values():
