@@ -167,20 +167,20 @@ def test_twin_dispatch_without_a_context_asks_cupy_for_the_device(monkeypatch):
         return _FakePool(dev)
 
     err = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
-    monkeypatch.setattr(twin, "_ctx_device", lambda: (err, None))
+    monkeypatch.setattr(twin.driver, "ctx_device", lambda: (err, None))
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 1)
     d = twin.Dispatch(create, 2)
     assert d(64) == ("mem", 1, 64)
     assert created == [1]
 
     ok = driver.CUresult.CUDA_SUCCESS
-    monkeypatch.setattr(twin, "_ctx_device", lambda: (ok, driver.CUdevice(1)))
+    monkeypatch.setattr(twin.driver, "ctx_device", lambda: (ok, driver.CUdevice(1)))
     assert d(32) == ("mem", 1, 32)
     assert created == [1]  # the pool of device 1 is known now: no second creation
-    monkeypatch.setattr(twin, "_ctx_device", lambda: (ok, driver.CUdevice(0)))
+    monkeypatch.setattr(twin.driver, "ctx_device", lambda: (ok, driver.CUdevice(0)))
     assert d(16) == ("mem", 0, 16) and created == [1, 0]
     # An ordinal past the table (the device count changed): the slow path too.
-    monkeypatch.setattr(twin, "_ctx_device", lambda: (ok, driver.CUdevice(5)))
+    monkeypatch.setattr(twin.driver, "ctx_device", lambda: (ok, driver.CUdevice(5)))
     assert d(8) == ("mem", 1, 8)
 
 

@@ -103,8 +103,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 cdef int _KIND_PINNED = 1  # the C twin of KIND_PINNED (no module lookup and compare)
 IMPLEMENTATION = "cython"
-# Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 15
+VERSION = 16  # bumped whenever the pools' interface changes: a stale build is not used
 from cupy_poolmem._expandable import stream_key as _stream_key
 # The recorder of this hot path's pools (``_runtime`` makes the process's one from here).
 from cupy_poolmem._recorder import LOG_BATCH, Recorder  # noqa: F401
@@ -131,9 +130,11 @@ _shared_retire = None
 
 
 def set_shared_release(fn, retire=None):
+    """Install the sharing package's callbacks; returns the two it replaced."""
     global _shared_release, _shared_retire
-    _shared_release = fn
-    _shared_retire = retire
+    old = _shared_release, _shared_retire
+    _shared_release, _shared_retire = fn, retire
+    return old
 
 
 cdef object _index(object owner, object size):
@@ -583,8 +584,7 @@ cdef class PoolCore(Observed):
 
     def _cache_shared(self, uintptr_t ptr, size_t size, uintptr_t stream_ptr, stream, share):
         """Keep an exported block with its sharing record ``share`` (any size within
-        ``cache_limit``: ``cache_max_block`` is for blocks never exported); False when
-        the cache cannot take it (full, off, or the pool is closed or finalized)."""
+        ``cache_limit``); False when the cache cannot take it (full, off, closed)."""
         cdef _Bin b
         if self.closed or self.finalized or self.cached_bytes + size > self.cache_limit:
             return False

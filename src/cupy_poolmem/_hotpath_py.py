@@ -15,7 +15,7 @@ from cuda.bindings import driver as _drv
 from cupy.cuda.memory import MemoryPointer as _MemoryPointer
 from cupy.cuda.memory import UnownedMemory as _UnownedMemory
 from cupy.cuda.pinned_memory import PinnedMemoryPointer as _PinnedMemoryPointer
-from cupy.cuda.stream import get_current_stream as _get_current_stream
+from cupy.cuda.stream import get_current_stream
 
 from ._arena_py import Arena as ARENA  # noqa: F401  (the arena class of this hot path)
 from ._expandable import stream_key as _stream_key
@@ -30,7 +30,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 15
+VERSION = 16
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
@@ -42,16 +42,55 @@ FLUSH_AFTER_MISSES = 16
 
 _shared_release = None
 _shared_retire = None
-_alloc = _drv.cuMemAllocFromPoolAsync
-_free = _drv.cuMemFreeAsync
-_ctx_device = _drv.cuCtxGetDevice
-_is_capturing = _drv.cuStreamIsCapturing
 
 
-def set_shared_release(fn: Any, retire: Any = None) -> None:
+class Driver:
+    """The calls this hot path makes: cuda.bindings' driver functions and CuPy's
+    current stream, each replaceable (a test hands in fakes through ``use_driver``)."""
+
+    __slots__ = ("alloc", "free", "ctx_device", "is_capturing", "current_stream")
+
+    def __init__(
+        self,
+        alloc: Any = _drv.cuMemAllocFromPoolAsync,
+        free: Any = _drv.cuMemFreeAsync,
+        ctx_device: Any = _drv.cuCtxGetDevice,
+        is_capturing: Any = _drv.cuStreamIsCapturing,
+        current_stream: Any = get_current_stream,
+    ) -> None:
+        self.alloc = alloc
+        self.free = free
+        self.ctx_device = ctx_device
+        self.is_capturing = is_capturing
+        self.current_stream = current_stream
+
+
+#: The driver this hot path calls.
+driver = Driver()
+
+
+def use_driver(new: Driver) -> Driver:
+    """Make this hot path call ``new``; returns the driver it called until now.
+
+    Examples
+    --------
+    >>> from cupy_poolmem import _hotpath_py
+    >>> old = _hotpath_py.use_driver(_hotpath_py.Driver(ctx_device=lambda: (0, 0)))
+    >>> _hotpath_py.use_driver(old).ctx_device()
+    (0, 0)
+    """
+    global driver
+    old, driver = driver, new
+    return old
+
+
+def set_shared_release(fn: Any, retire: Any = None) -> tuple[Any, Any]:
+    """Install the sharing package's callbacks; returns the two it replaced."""
     global _shared_release, _shared_retire
+    old = _shared_release, _shared_retire
     _shared_release = fn
     _shared_retire = retire
+    return old
 
 
 class Block:
@@ -482,13 +521,13 @@ class PoolCore(Observed):
         if self.closed:
             self._raise_closed()
         if self.kind != KIND_PINNED:
-            err, cur = _ctx_device()
+            err, cur = driver.ctx_device()
             if err or int(cur) != self.device_id:
                 self._raise_wrong_device(int(cur) if not err else -1)
-        stream = _get_current_stream()
+        stream = driver.current_stream()
         sptr = stream.ptr
         if sptr > 1:  # 0 and 1 are the legacy stream, which cannot capture
-            err, cap = _is_capturing(sptr)
+            err, cap = driver.is_capturing(sptr)
             if err or cap:
                 return self._capture_malloc(size, int(err), int(cap))
         dptr = 0
@@ -523,7 +562,7 @@ class PoolCore(Observed):
                     if not dptr:
                         dptr = self._backend_alloc(size, stream)
                 elif size < self.backend_min:
-                    err, p = _alloc(size, self._pool_for(size), sptr)
+                    err, p = driver.alloc(size, self._pool_for(size), sptr)
                     dptr = int(p) if not err else self._alloc_failed(int(err), size, stream)
                 else:
                     dptr = self._backend_alloc(size, stream)
@@ -553,21 +592,21 @@ class PoolCore(Observed):
         """One raw attempt: returns ``(CUresult, ptr)``; used by the slow paths."""
         if size >= self.backend_min:
             return self._backend_try(size, stream_ptr)
-        err, p = _alloc(size, self._pool_for(size), stream_ptr)
+        err, p = driver.alloc(size, self._pool_for(size), stream_ptr)
         return int(err), (int(p) if not err else 0)
 
     def _free_now(self, ptr: int, stream_ptr: int, stream: Any = None) -> None:
         """Free a block a hook kept earlier (limbo, deferred pinned frees)."""
         # ``stream``: the stream object when the caller has it (kept alive while held).
         if stream_ptr > 1:
-            err, cap = _is_capturing(stream_ptr)
+            err, cap = driver.is_capturing(stream_ptr)
             if err or cap:
                 self._hold_free(ptr, stream_ptr, int(err), stream)
                 return
         if self._pool is None or (self._backend_ptrs is not None and ptr in self._backend_ptrs):
             self._backend_free(ptr, stream_ptr)
             return
-        (err,) = _free(ptr, stream_ptr)
+        (err,) = driver.free(ptr, stream_ptr)
         if err:
             self._free_failed(ptr, stream_ptr, int(err), stream)
 
@@ -576,7 +615,7 @@ class PoolCore(Observed):
         if self._pool is None or (self._backend_ptrs is not None and ptr in self._backend_ptrs):
             self._backend_free(ptr, stream_ptr)
             return 0
-        (err,) = _free(ptr, stream_ptr)
+        (err,) = driver.free(ptr, stream_ptr)
         return int(err)
 
     # Slow paths, overridden by the Python pool classes.
@@ -641,7 +680,7 @@ class Dispatch:
             except (TypeError, OverflowError):
                 self._bad_size(size)
                 raise
-        err, d = _ctx_device()
+        err, d = driver.ctx_device()
         # As the Cython version: no current context (a fresh thread) or an ordinal
         # past the table goes to the slow path, which asks CuPy for the device.
         if err or int(d) >= len(self._mallocs):
