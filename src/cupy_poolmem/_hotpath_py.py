@@ -1,9 +1,8 @@
 """Pure-Python twin of ``_hotpath.pyx``, used when the extension is not built.
 
-Same classes, same behaviour, roughly 1.6x slower per allocation (see
-``benchmarks/alloc.py``).  Keep the two files in step: ``tests/test_hotpath_cpu.py``
-compares their names and signatures, and ``.ci/gpu tests`` runs the GPU suites of
-the pools, sharing and Dask a second time with ``CUPY_POOLMEM_PURE_PYTHON=1``.
+Same classes, same behaviour, roughly 1.6x slower per allocation; keep the two in step
+(``tests/test_hotpath_cpu.py`` compares them).  Its driver calls go through one object,
+``driver``, which tests replace with ``use_driver``; docs/hotpath.rst has the design.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """The allocation recorder: the counters of statistics(), outstanding() and the log.
 
-The hot path calls ``Recorder._alloc`` and ``Recorder._free`` (declared in
-``_recorder.pxd``) for each allocation and free of an observed pool; stats.py
-configures the recorder and reads it.  ``_recorder_py.py`` is the pure-Python twin.
+It owns the process's observation records (scopes, live allocations, log batches).
+The hot path calls ``Recorder._alloc`` and ``_free`` in C (``_recorder.pxd``); stats
+configures and reads it.  ``_recorder_py.py`` is its twin; docs/hotpath.rst says how
+an allocation is recorded.
 """
 
 cimport cython
@@ -17,16 +18,9 @@ from cupy_poolmem._log_batch cimport Batch, Rec
 from weakref import ref as weakref_ref
 
 from cupy_poolmem._log_batch import LOG_BATCH  # noqa: F401  (re-exported)
+# What is not per allocation is the twin's code, one copy for both.
+from cupy_poolmem._recorder_py import Held, code_entry
 
-
-# One Recorder per process is every pool's ``observer`` while something observes
-# (stats.py installs it and reads it).  Per allocation it takes what may run Python
-# code first (the time, the thread's tag, the call site, the pool's record, a new
-# Info), then changes the counters and appends the log record in C, with no Python
-# code in between: the GIL makes that step atomic between threads, and a free that a
-# garbage collection runs on this thread lands before or after it, never inside.  The
-# log records are fixed-size C structs in batches of LOG_BATCH; stats' writer thread
-# takes the batches and formats them into CSV lines without the GIL (Batch.format).
 
 cdef extern from "Python.h":
     ctypedef struct PyFrameObject:
@@ -38,7 +32,6 @@ cdef extern from "Python.h":
     PyFrameObject* PyFrame_GetBack(PyFrameObject*)
     int PyFrame_GetLineNumber(PyFrameObject*)
 
-cdef Py_ssize_t _SITE_CACHE_MAX = 8192  # code objects whose call sites are cached
 cdef str _OP_ALLOC = "alloc"
 cdef str _OP_FREE = "free"
 cdef long long _ONE = 1  # open tag scopes until configure() says: read the thread-local
@@ -133,7 +126,7 @@ cdef class Info:
     exception's traceback holding the frame that holds the array), ``Block.__dealloc__``
     reads its tag, call site and pool after the collector's tp_clear ran on the
     cycle.  It can still be traversed (its pool may hold a pool without weak
-    references through ``_Held``), and nothing it holds refers back to it."""
+    references through ``Held``), and nothing it holds refers back to it."""
     cdef readonly unsigned long long serial
     cdef readonly double time
     cdef readonly object tag
@@ -188,18 +181,6 @@ cdef void _drop_list(Info head) noexcept:
         p = nxt
     head._prev = head._next = <PyObject*>head
 
-
-
-class _Held:
-    """A strong reference that answers like a weak one."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj):
-        self.obj = obj
-
-    def __call__(self):
-        return self.obj
 
 
 # No pickling support of their own (none to inherit): a pool class is made again by a
@@ -649,7 +630,7 @@ cdef class Recorder(Observer):
             try:
                 p.ref = weakref_ref(core)
             except TypeError:  # an object without weak references: held
-                p.ref = _Held(core)
+                p.ref = Held(core)
             p.core_id = key
             p.device = core.device_id
             p.kind = core.kind
@@ -703,7 +684,7 @@ cdef class Recorder(Observer):
                 try:
                     entry = self._codes.get(<uintptr_t>code)
                     if entry is None or (<tuple>entry)[0] is not <object>code:
-                        entry = self._code_lines(<object>code)
+                        entry = code_entry(self._codes, <object>code, self._skip)
                     lines = (<tuple>entry)[1]
                     if lines is not None:
                         lineno = PyFrame_GetLineNumber(f)
@@ -721,14 +702,6 @@ cdef class Recorder(Observer):
         finally:
             Py_XDECREF(<PyObject*>f)
         return site
-
-    cdef tuple _code_lines(self, object code):
-        """``(code, None)`` for a skipped frame's code, else ``(code, {line: site})``."""
-        if len(self._codes) >= _SITE_CACHE_MAX:
-            self._codes = {}
-        entry = (code, None if code.co_filename.startswith(self._skip) else {})
-        self._codes[id(code)] = entry
-        return entry
 
     cdef void _error(self, object exc) noexcept:
         """Count an error in a hook (stats warns about the first).  Never raises."""

@@ -13,13 +13,9 @@ from typing import Any
 
 from ._log_batch_py import LOG_BATCH, Batch
 
-# ----------------------------------------------------------------------------------------
-# Observation: the counters and log records of statistics(), outstanding() and the log
-# ----------------------------------------------------------------------------------------
-# See _hotpath.pyx for the design.  The twin serialises its updates with a lock (its
-# Python code can be interrupted anywhere) and queues an event re-entered from the
-# garbage collector on the thread that holds it.
-_SITE_CACHE_MAX = 8192  # code objects whose call sites are cached
+# It serialises its updates with a lock (its Python code can be interrupted anywhere)
+# and queues an event re-entered from the garbage collector on the thread holding it.
+SITE_CACHE_MAX = 8192  # code objects whose call sites are cached
 _OP_ALLOC = "alloc"
 _OP_FREE = "free"
 _now = time.time
@@ -185,7 +181,7 @@ class Observed:
 
 
 class Recorder(Observer):
-    """The pools' observer (``PoolCore.observer``): see ``_hotpath.pyx``."""
+    """The pools' observer (``PoolCore.observer``): see ``_recorder.pyx``."""
 
     active = False
     tracking = False
@@ -243,7 +239,7 @@ class Recorder(Observer):
 
     def install(self, core: Any, live_bytes: Any) -> None:
         """Become ``core``'s observer and count the bytes live in it at that instant
-        (see ``_hotpath.pyx``; here the two are consecutive statements)."""
+        (see ``_recorder.pyx``; here the two are consecutive statements)."""
         p = self._pool_of(core)
         if core.observer is self:
             return
@@ -367,7 +363,7 @@ class Recorder(Observer):
 
     # -- the work ------------------------------------------------------------------------
     def _alloc(self, core: Any, ptr: int, size: int, sptr: int, block: Any) -> None:
-        """Count an allocation, log it and set ``block.info`` (see ``_hotpath.pyx``: an
+        """Count an allocation, log it and set ``block.info`` (see ``_recorder.pyx``: an
         ``Exception`` is counted, any other ``BaseException`` raised once it is done)."""
         if not self.active:
             return
@@ -532,7 +528,7 @@ class Recorder(Observer):
         try:
             p.ref = weakref.ref(core)
         except TypeError:  # an object without weak references: held
-            p.ref = _Held(core)
+            p.ref = Held(core)
         p.core_id, p.device, p.kind = key, int(core.device_id), int(core.kind)
         p.used, p.reserved, p.reserved_t = 0, -1, 0.0
         d = self._devs.get(p.device)
@@ -575,7 +571,7 @@ class Recorder(Observer):
             code = f.f_code
             entry = codes.get(id(code))
             if entry is None or entry[0] is not code:
-                entry = self._code_lines(code)
+                entry = code_entry(codes, code, self._skip)
             lines = entry[1]
             if lines is not None:
                 lineno = f.f_lineno
@@ -585,14 +581,6 @@ class Recorder(Observer):
                 return site
             f = f.f_back
         return None
-
-    def _code_lines(self, code: Any) -> tuple:
-        """``(code, None)`` for a skipped frame's code, else ``(code, {line: site})``."""
-        if len(self._codes) >= _SITE_CACHE_MAX:
-            self._codes = {}
-        entry: tuple = (code, None if code.co_filename.startswith(self._skip) else {})
-        self._codes[id(code)] = entry
-        return entry
 
     def _error(self, exc: BaseException) -> None:
         """Count an error in a hook (stats warns about the first).  Never raises."""
@@ -604,8 +592,8 @@ class Recorder(Observer):
             pass
 
 
-class _Held:
-    """A strong reference that answers like a weak one."""
+class Held:
+    """A strong reference that answers like a weak one (both recorders use it)."""
 
     __slots__ = ("obj",)
 
@@ -614,3 +602,14 @@ class _Held:
 
     def __call__(self) -> Any:
         return self.obj
+
+
+def code_entry(codes: dict, code: Any, skip: tuple) -> tuple:
+    """The call-site cache's entry for ``code``, made and kept in ``codes`` (id(code) ->
+    entry; both recorders use it): ``(code, None)`` for the code of a skipped path,
+    else ``(code, {line: call site})``."""
+    if len(codes) >= SITE_CACHE_MAX:
+        codes.clear()
+    entry: tuple = (code, None if code.co_filename.startswith(skip) else {})
+    codes[id(code)] = entry
+    return entry
