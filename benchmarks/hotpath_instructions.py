@@ -137,8 +137,7 @@ class P(hp.PoolCore):
 
 
 p = P()
-p._attach(0, 0, hp.KIND_DEVICE)
-p._pool = object()
+p._attach(0xABC, 0, hp.KIND_DEVICE)  # a pretend CUDA pool (0: every block from a backend)
 """
 
 
