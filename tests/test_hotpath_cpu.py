@@ -293,3 +293,101 @@ def test_a_block_is_wrapped_in_cupys_memory_objects_and_freed_into_the_cache(imp
     with pytest.raises(RuntimeError, match="explicit device ID for a null pointer"):
         c._make_block(0, 0, stream, 0)
     assert c.n_allocs == c.n_frees == 1002
+
+
+# ---------------------------------------------------------------- the twin's seams
+def test_the_twin_calls_the_driver_it_is_given_and_use_driver_hands_the_old_one_back():
+    import types
+
+    calls: list[tuple] = []
+    stream = types.SimpleNamespace(ptr=0)
+    fake = twin.Driver(
+        alloc=lambda size, pool, s: calls.append(("alloc", size, s)) or (0, 0x9000),
+        free=lambda ptr, s: calls.append(("free", ptr, s)) or (0,),
+        ctx_device=lambda: calls.append(("ctx",)) or (0, 0),
+        is_capturing=lambda s: calls.append(("capturing", s)) or (0, 0),
+        current_stream=lambda: stream,
+    )
+    real = twin.driver
+    old = twin.use_driver(fake)
+    try:
+        assert old is real and twin.driver is fake
+
+        class Core(twin.PoolCore):
+            pass
+
+        c = Core()
+        c._attach(0xABC, 0, twin.KIND_DEVICE)  # no reuse cache: the free is the driver's
+        m = c.malloc(256)
+        assert m.ptr == 0x9000 and m.mem._owner.stream is stream
+        del m
+    finally:
+        assert twin.use_driver(old) is fake
+    assert twin.driver is real
+    assert calls == [("ctx",), ("alloc", 256, 0), ("free", 0x9000, 0)]  # legacy stream
+
+
+@pytest.mark.parametrize("impl", ["twin", "compiled"])
+def test_set_shared_release_hands_back_the_callbacks_it_replaced(impl):
+    hp = twin if impl == "twin" else compiled_hotpath()
+    if hp is None:
+        pytest.skip("the Cython hot path is not built in this checkout")
+
+    def release(*a):
+        return False
+
+    def retire(*a):
+        return False
+
+    old = hp.set_shared_release(release, retire)
+    try:
+        assert hp.set_shared_release(None) == (release, retire)
+        assert hp.set_shared_release(release) == (None, None)
+    finally:
+        assert hp.set_shared_release(*old) == (release, None)
+
+
+def test_a_compiled_pool_takes_only_a_compiled_recorder():
+    """The compiled hot path calls its observer in C: the twin's recorder (or any other
+    object) is refused when it is installed, not when an allocation calls it."""
+    hp = compiled_hotpath()
+    if hp is None:
+        pytest.skip("the Cython hot path is not built in this checkout")
+
+    class Core(hp.PoolCore):
+        pass
+
+    c = Core()
+    c._attach(0, 0, hp.KIND_DEVICE)
+    with pytest.raises(TypeError):
+        c.observer = _recorder_py.Recorder()
+    c.observer = hp.Recorder()
+    c.observer = None
+
+
+@pytest.mark.parametrize("module", ["_recorder_py", "_log_batch_py", "_recorder", "_log_batch"])
+def test_the_recorder_loads_without_the_hot_path_and_cupy(module):
+    """The recorder sits beside the hot path, not on it: it imports neither the hot path
+    nor CuPy or the cuda packages (the compiled one only when built)."""
+    import subprocess
+
+    if not module.endswith("_py") and compiled_hotpath() is None:
+        pytest.skip("the Cython hot path is not built in this checkout")
+    code = (  # what it loads beyond the package itself (which may load CuPy)
+        "import sys, cupy_poolmem\n"
+        "before = set(sys.modules)\n"
+        f"import cupy_poolmem.{module}\n"
+        "bad = [m for m in set(sys.modules) - before if m.split('.')[0] in ('cupy', 'cuda')\n"
+        "       or m.startswith(('cupy_poolmem._hotpath', 'cupy_poolmem._runtime'))]\n"
+        "assert not bad, bad\n"
+        "assert 'cupy_poolmem._hotpath_py' not in sys.modules\n"
+    )
+    src = str(Path(twin.__file__).parents[1])
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": src},
+    )
+    assert r.returncode == 0, r.stderr
