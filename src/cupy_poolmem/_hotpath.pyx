@@ -48,6 +48,7 @@ cdef bint _direct = type(_MemoryPointer) is type and type(_UnownedMemory) is typ
 
 import cuda.bindings.cydriver as _cydriver
 from operator import index as _operator_index
+from cupy_poolmem._recorder import LOG_BATCH, Recorder  # noqa: F401  (re-exported: _runtime)
 
 # The four driver calls, from cuda.bindings' compiled ``cydriver`` (its exported C
 # functions, signatures checked: see docs/hotpath.rst); the driver ABI's 64-bit types.
@@ -103,10 +104,9 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 cdef int _KIND_PINNED = 1  # the C twin of KIND_PINNED (no module lookup and compare)
 IMPLEMENTATION = "cython"
-VERSION = 16  # bumped whenever the pools' interface changes: a stale build is not used
+# Bumped whenever the interface the pools use changes: a stale build is not used.
+VERSION = 15
 from cupy_poolmem._expandable import stream_key as _stream_key
-# The recorder of this hot path's pools (``_runtime`` makes the process's one from here).
-from cupy_poolmem._recorder import LOG_BATCH, Recorder  # noqa: F401
 #: The arena class the hot path takes blocks from (``DevicePool(large_blocks="expandable")``).
 ARENA = Arena
 

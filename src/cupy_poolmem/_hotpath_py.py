@@ -29,7 +29,7 @@ KIND_PINNED = 1
 KIND_MANAGED = 2
 IMPLEMENTATION = "python"
 # Bumped whenever the interface the pools use changes: a stale build is not used.
-VERSION = 16
+VERSION = 15
 
 FLAG_RECORDED = 1
 FLAG_CAPTURED = 2
