@@ -1,4 +1,5 @@
-"""Build the optional Cython hot path (``cupy_poolmem._hotpath`` and its ``_arena``).
+"""Build the optional Cython hot path (``cupy_poolmem._hotpath``, its ``_arena``, ``_recorder``
+and ``_log_batch``).
 
 The extension needs only Cython and a C compiler: it takes its three driver calls from
 cuda.bindings' compiled ``cydriver`` module at import time, so no CUDA header or
@@ -53,10 +54,10 @@ def _extensions():
         return []
     from setuptools import Extension
 
-    # The arena first: the hot path cimports it (and imports it at run time).
+    # The hot path cimports the arena and the recorder (which cimports the log batch).
     exts = [
-        Extension("cupy_poolmem._arena", ["src/cupy_poolmem/_arena.pyx"], **_STRIPPED),
-        Extension("cupy_poolmem._hotpath", ["src/cupy_poolmem/_hotpath.pyx"], **_STRIPPED),
+        Extension(f"cupy_poolmem.{name}", [f"src/cupy_poolmem/{name}.pyx"], **_STRIPPED)
+        for name in ("_arena", "_log_batch", "_recorder", "_hotpath")
     ]
     try:
         return cythonize(exts, compiler_directives={"language_level": "3"}, quiet=True)

@@ -121,11 +121,15 @@ def alloc(size, pool, sptr):
     return 0, nxt[0]
 
 
-hp._ctx_device = lambda: (0, 0)
-hp._get_current_stream = lambda: S
-hp._is_capturing = lambda s: (0, 0)
-hp._alloc = alloc
-hp._free = lambda ptr, sptr: (0,)
+hp.use_driver(
+    hp.Driver(
+        alloc=alloc,
+        free=lambda ptr, sptr: (0,),
+        ctx_device=lambda: (0, 0),
+        is_capturing=lambda s: (0, 0),
+        current_stream=lambda: S,
+    )
+)
 
 
 class P(hp.PoolCore):
@@ -133,8 +137,7 @@ class P(hp.PoolCore):
 
 
 p = P()
-p._attach(0, 0, hp.KIND_DEVICE)
-p._pool = object()
+p._attach(0xABC, 0, hp.KIND_DEVICE)  # a pretend CUDA pool (0: every block from a backend)
 """
 
 

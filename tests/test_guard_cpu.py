@@ -256,13 +256,13 @@ def test_a_quarantined_block_keeps_its_stream_until_its_real_free(world, monkeyp
     del m  # quarantined: the record holds the only reference to its stream
     assert alive() is not None and _frees(world) == []
     seen = []
-    real = twin._free
+    real = twin.driver.free
 
     def free(fptr, sptr):
         seen.append((fptr, sptr, alive() is not None))
         return real(fptr, sptr)
 
-    monkeypatch.setattr(twin, "_free", free)
+    monkeypatch.setattr(twin.driver, "free", free)
     assert g.flush() == 1
     assert seen == [(ptr, 0x6000, True)], "freed on a stream that was already gone"
     assert alive() is None, "the stream goes once its last block is really freed"

@@ -4,6 +4,7 @@ behaviour without a CUDA context, and typed errors for bad sizes."""
 from __future__ import annotations
 
 import gc
+import importlib
 import inspect
 import re
 import sys
@@ -15,9 +16,17 @@ from fakes.hotpath import compiled_hotpath
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _hotpath_py as twin
-from cupy_poolmem import _pools
+from cupy_poolmem import _log_batch_py, _pools, _recorder_py
 
-PYX = Path(_pools.__file__).with_name("_hotpath.pyx")
+# Each compiled module of the hot path, by its .pyx, and its pure-Python twin.
+PAIRS = {
+    Path(_pools.__file__).with_name(f"{name}.pyx"): mod
+    for name, mod in (
+        ("_hotpath", twin),
+        ("_recorder", _recorder_py),
+        ("_log_batch", _log_batch_py),
+    )
+}
 
 
 def _params(arglist: str) -> list[str]:
@@ -30,12 +39,14 @@ def _params(arglist: str) -> list[str]:
     return out
 
 
-def _pyx_api() -> tuple[set[str], dict[str, dict[str, object]]]:
-    """Public module names and, per class, ``{name: params | "attr" | "cdef"}``."""
+def _pyx_api(pyx: Path | None = None) -> tuple[set[str], dict[str, dict[str, object]]]:
+    """Public module names and, per class, ``{name: params | "attr" | "cdef"}``, of one
+    .pyx (of all of them when ``pyx`` is None)."""
     module: set[str] = set()
     classes: dict[str, dict[str, object]] = {}
     cur = None
-    for line in PYX.read_text().splitlines():
+    lines = [t for f in ([pyx] if pyx else PAIRS) for t in f.read_text().splitlines()]
+    for line in lines:
         if m := re.match(r"cdef class (\w+)", line):
             cur = classes.setdefault(m.group(1), {})
             continue
@@ -70,10 +81,12 @@ def test_pyx_parser_sees_the_api():
     assert classes["Block"]["wait_recorded"] == ["self", "stream"]
 
 
-def test_twin_has_every_name_and_signature_of_the_pyx():
-    module, classes = _pyx_api()
+@pytest.mark.parametrize("pyx", list(PAIRS), ids=lambda p: p.name)
+def test_twin_has_every_name_and_signature_of_the_pyx(pyx):
+    twin = PAIRS[pyx]
+    module, classes = _pyx_api(pyx)
     missing = sorted(n for n in module if not hasattr(twin, n))
-    assert not missing, f"in _hotpath.pyx but not in _hotpath_py.py: {missing}"
+    assert not missing, f"in {pyx.name} but not in {twin.__name__}: {missing}"
     for cls_name, members in classes.items():
         cls = getattr(twin, cls_name)
         slots = set(getattr(cls, "__slots__", ()))
@@ -103,20 +116,22 @@ def test_compiled_and_twin_match_when_the_extension_imports():
     if hp is None:
         pytest.skip("the Cython hot path is not built in this checkout (the .pyx was compared)")
     assert hp.IMPLEMENTATION == "cython" and hp.VERSION == twin.VERSION
-    for name in (
-        "Block",
-        "_Bin",
-        "PoolCore",
-        "Dispatch",
-        "Recorder",
-        "Scope",
-        "Counts",
-        "Info",
-        "Batch",
-        "PoolObs",
-        "DevObs",
+    rec = importlib.import_module("cupy_poolmem._recorder")
+    batch = importlib.import_module("cupy_poolmem._log_batch")
+    for compiled, py, name in (
+        (hp, twin, "Block"),
+        (hp, twin, "_Bin"),
+        (hp, twin, "PoolCore"),
+        (hp, twin, "Dispatch"),
+        (rec, _recorder_py, "Recorder"),
+        (rec, _recorder_py, "Scope"),
+        (rec, _recorder_py, "Counts"),
+        (rec, _recorder_py, "Info"),
+        (batch, _log_batch_py, "Batch"),
+        (rec, _recorder_py, "PoolObs"),
+        (rec, _recorder_py, "DevObs"),
     ):
-        c, t = getattr(hp, name), getattr(twin, name)
+        c, t = getattr(compiled, name), getattr(py, name)
         for attr, v in vars(c).items():
             if attr.startswith("__"):
                 continue
@@ -152,20 +167,20 @@ def test_twin_dispatch_without_a_context_asks_cupy_for_the_device(monkeypatch):
         return _FakePool(dev)
 
     err = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
-    monkeypatch.setattr(twin, "_ctx_device", lambda: (err, None))
+    monkeypatch.setattr(twin.driver, "ctx_device", lambda: (err, None))
     monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 1)
     d = twin.Dispatch(create, 2)
     assert d(64) == ("mem", 1, 64)
     assert created == [1]
 
     ok = driver.CUresult.CUDA_SUCCESS
-    monkeypatch.setattr(twin, "_ctx_device", lambda: (ok, driver.CUdevice(1)))
+    monkeypatch.setattr(twin.driver, "ctx_device", lambda: (ok, driver.CUdevice(1)))
     assert d(32) == ("mem", 1, 32)
     assert created == [1]  # the pool of device 1 is known now: no second creation
-    monkeypatch.setattr(twin, "_ctx_device", lambda: (ok, driver.CUdevice(0)))
+    monkeypatch.setattr(twin.driver, "ctx_device", lambda: (ok, driver.CUdevice(0)))
     assert d(16) == ("mem", 0, 16) and created == [1, 0]
     # An ordinal past the table (the device count changed): the slow path too.
-    monkeypatch.setattr(twin, "_ctx_device", lambda: (ok, driver.CUdevice(5)))
+    monkeypatch.setattr(twin.driver, "ctx_device", lambda: (ok, driver.CUdevice(5)))
     assert d(8) == ("mem", 1, 8)
 
 
@@ -205,16 +220,16 @@ def test_allocator_rejects_bad_sizes_with_the_same_errors():
 
 
 def test_twin_size_conversion_matches_cythons_size_t():
-    assert twin._as_size(True) == 1
+    assert _recorder_py.as_size(True) == 1
     import numpy as np
 
-    assert twin._as_size(np.int64(12)) == 12
+    assert _recorder_py.as_size(np.int64(12)) == 12
     with pytest.raises(OverflowError):
-        twin._as_size(-1)
+        _recorder_py.as_size(-1)
     with pytest.raises(OverflowError):
-        twin._as_size(1 << 64)
+        _recorder_py.as_size(1 << 64)
     with pytest.raises(TypeError):
-        twin._as_size(1.0)
+        _recorder_py.as_size(1.0)
 
 
 def test_closed_pool_refuses_before_touching_cuda():
@@ -278,3 +293,101 @@ def test_a_block_is_wrapped_in_cupys_memory_objects_and_freed_into_the_cache(imp
     with pytest.raises(RuntimeError, match="explicit device ID for a null pointer"):
         c._make_block(0, 0, stream, 0)
     assert c.n_allocs == c.n_frees == 1002
+
+
+# ---------------------------------------------------------------- the twin's seams
+def test_the_twin_calls_the_driver_it_is_given_and_use_driver_hands_the_old_one_back():
+    import types
+
+    calls: list[tuple] = []
+    stream = types.SimpleNamespace(ptr=0)
+    fake = twin.Driver(
+        alloc=lambda size, pool, s: calls.append(("alloc", size, s)) or (0, 0x9000),
+        free=lambda ptr, s: calls.append(("free", ptr, s)) or (0,),
+        ctx_device=lambda: calls.append(("ctx",)) or (0, 0),
+        is_capturing=lambda s: calls.append(("capturing", s)) or (0, 0),
+        current_stream=lambda: stream,
+    )
+    real = twin.driver
+    old = twin.use_driver(fake)
+    try:
+        assert old is real and twin.driver is fake
+
+        class Core(twin.PoolCore):
+            pass
+
+        c = Core()
+        c._attach(0xABC, 0, twin.KIND_DEVICE)  # no reuse cache: the free is the driver's
+        m = c.malloc(256)
+        assert m.ptr == 0x9000 and m.mem._owner.stream is stream
+        del m
+    finally:
+        assert twin.use_driver(old) is fake
+    assert twin.driver is real
+    assert calls == [("ctx",), ("alloc", 256, 0), ("free", 0x9000, 0)]  # legacy stream
+
+
+@pytest.mark.parametrize("impl", ["twin", "compiled"])
+def test_set_shared_release_hands_back_the_callbacks_it_replaced(impl):
+    hp = twin if impl == "twin" else compiled_hotpath()
+    if hp is None:
+        pytest.skip("the Cython hot path is not built in this checkout")
+
+    def release(*a):
+        return False
+
+    def retire(*a):
+        return False
+
+    old = hp.set_shared_release(release, retire)
+    try:
+        assert hp.set_shared_release(None) == (release, retire)
+        assert hp.set_shared_release(release) == (None, None)
+    finally:
+        assert hp.set_shared_release(*old) == (release, None)
+
+
+def test_a_compiled_pool_takes_only_a_compiled_recorder():
+    """The compiled hot path calls its observer in C: the twin's recorder (or any other
+    object) is refused when it is installed, not when an allocation calls it."""
+    hp = compiled_hotpath()
+    if hp is None:
+        pytest.skip("the Cython hot path is not built in this checkout")
+
+    class Core(hp.PoolCore):
+        pass
+
+    c = Core()
+    c._attach(0, 0, hp.KIND_DEVICE)
+    with pytest.raises(TypeError):
+        c.observer = _recorder_py.Recorder()
+    c.observer = hp.Recorder()
+    c.observer = None
+
+
+@pytest.mark.parametrize("module", ["_recorder_py", "_log_batch_py", "_recorder", "_log_batch"])
+def test_the_recorder_loads_without_the_hot_path_and_cupy(module):
+    """The recorder sits beside the hot path, not on it: it imports neither the hot path
+    nor CuPy or the cuda packages (the compiled one only when built)."""
+    import subprocess
+
+    if not module.endswith("_py") and compiled_hotpath() is None:
+        pytest.skip("the Cython hot path is not built in this checkout")
+    code = (  # what it loads beyond the package itself (which may load CuPy)
+        "import sys, cupy_poolmem\n"
+        "before = set(sys.modules)\n"
+        f"import cupy_poolmem.{module}\n"
+        "bad = [m for m in set(sys.modules) - before if m.split('.')[0] in ('cupy', 'cuda')\n"
+        "       or m.startswith(('cupy_poolmem._hotpath', 'cupy_poolmem._runtime'))]\n"
+        "assert not bad, bad\n"
+        "assert 'cupy_poolmem._hotpath_py' not in sys.modules\n"
+    )
+    src = str(Path(twin.__file__).parents[1])
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "PYTHONPATH": src},
+    )
+    assert r.returncode == 0, r.stderr

@@ -336,17 +336,17 @@ def test_a_close_interrupted_in_its_cache_flush_still_retires_the_pool(
     ptr = m.ptr
     del m  # cached
     assert p.cached_bytes == KB
-    real_free = twin._free
+    real_free = twin.driver.free
 
     def free_interrupted(q, sptr):
         if q == ptr:
             raise KeyboardInterrupt
         return real_free(q, sptr)
 
-    monkeypatch.setattr(twin, "_free", free_interrupted)
+    monkeypatch.setattr(twin.driver, "free", free_interrupted)
     with pytest.raises(KeyboardInterrupt):
         p.close()
-    monkeypatch.setattr(twin, "_free", real_free)
+    monkeypatch.setattr(twin.driver, "free", real_free)
     p.close()  # again: "Closing twice is harmless"
     assert p.closed and p.n_allocs == p.n_frees
     assert not fake_retirer.is_held(token)  # handed to the retirer

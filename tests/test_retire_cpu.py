@@ -689,6 +689,9 @@ def _pyx_fields() -> tuple[list[str], list[str]]:
     pyx = Path(twin.__file__).with_name("_hotpath.pyx").read_text()
     body = pyx.split("cdef class PoolCore")[1].split("\ncdef class ")[0]
     classes = set(re.findall(r"^cdef class (\w+)", pyx, re.M))  # typed object fields too
+    classes |= {
+        n.strip() for c in re.findall(r"^from \S+ cimport (.+)$", pyx, re.M) for n in c.split(",")
+    }
     scalars, objects = [], []
     fields = re.findall(r"^    cdef (?:readonly |public )?([\w ]+?) (\w+)\s*(?:#.*)?$", body, re.M)
     for kind, name in fields:

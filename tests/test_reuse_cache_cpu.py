@@ -18,7 +18,7 @@ from pathlib import Path
 
 import cupy
 import pytest
-from fakes.hotpath import bare_core, compiled_hotpath
+from fakes.hotpath import bare_core, compiled_hotpath, sharing_hooks
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _hotpath_py as twin
@@ -187,7 +187,7 @@ def test_out_of_memory_flushes_the_cache_before_the_retry(world, monkeypatch):
     cached = m.ptr
     del m
     attempts = iter([(2, 0), (0, 0x777000)])
-    monkeypatch.setattr(twin, "_alloc", lambda size, pool, s: next(attempts))
+    monkeypatch.setattr(twin.driver, "alloc", lambda size, pool, s: next(attempts))
     big = p.malloc(8 * KB)  # a miss, the driver is out of memory, the cache goes back
     assert big.ptr == 0x777000 and p.n_oom == 1
     assert (cached, S) in _frees(world) and p.cached_bytes == 0
@@ -257,7 +257,7 @@ def test_exported_blocks_are_refused_when_the_cache_cannot_take_them(world):
     assert q._shares == {} and q.cached_bytes == 0
 
 
-def test_flush_and_take_give_exported_blocks_to_their_exporter(world, monkeypatch):
+def test_flush_and_take_give_exported_blocks_to_their_exporter(world, request):
     retired = []
     keep = set()
 
@@ -265,7 +265,7 @@ def test_flush_and_take_give_exported_blocks_to_their_exporter(world, monkeypatc
         retired.append((ptr, size, stream, share))
         return ptr in keep
 
-    monkeypatch.setattr(twin, "_shared_retire", retire)
+    sharing_hooks(request, twin, retire=retire)
     p = world.pool()
     s = world.current
     r1, r2 = object(), object()

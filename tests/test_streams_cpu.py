@@ -166,7 +166,7 @@ def test_capture_query_failures_are_driver_errors(world, monkeypatch):
     world.status[S] = (2, 0)
     with pytest.raises(cpm.CUDADriverError, match="STREAM_CAPTURE_INVALIDATED"):
         p.malloc(KB)
-    monkeypatch.setattr(twin, "_is_capturing", lambda s: (1, 0))
+    monkeypatch.setattr(twin.driver, "is_capturing", lambda s: (1, 0))
     with pytest.raises(cpm.CUDADriverError, match="CUDA_ERROR_INVALID_VALUE"):
         p.malloc(KB)
 
@@ -179,7 +179,7 @@ def test_free_refused_because_of_a_capture_is_retried_after_it(world, monkeypatc
     ptr = m.ptr
     refusals = [906]
     monkeypatch.setattr(
-        twin, "_free", lambda pt, s: (refusals.pop(),) if refusals else world._free(pt, s)
+        twin.driver, "free", lambda pt, s: (refusals.pop(),) if refusals else world._free(pt, s)
     )
     monkeypatch.setattr(_streams, "any_capture_underway", lambda: False)
     del m
@@ -347,13 +347,13 @@ def test_oom_collects_limbo_trims_and_retries_once(world, monkeypatch):
     collected: list = []
     monkeypatch.setattr(world.tp, "_OOM_CALLBACKS", [lambda: collected.append(1)])
     attempts = iter([(2, 0), (2, 0)])
-    monkeypatch.setattr(twin, "_alloc", lambda size, pool, s: next(attempts))
+    monkeypatch.setattr(twin.driver, "alloc", lambda size, pool, s: next(attempts))
     with pytest.raises(cpm.OutOfPoolMemoryError) as ei:
         p.malloc(KB)
     assert collected == [1] and ("trim", 0) in world.log and ("sync",) in world.log
     assert "after garbage collection" in str(ei.value) and p.n_oom == 1
     attempts = iter([(2, 0), (0, 0x777000)])
-    monkeypatch.setattr(twin, "_alloc", lambda size, pool, s: next(attempts))
+    monkeypatch.setattr(twin.driver, "alloc", lambda size, pool, s: next(attempts))
     assert p.malloc(KB).ptr == 0x777000 and collected == [1, 1]
 
 
@@ -363,7 +363,7 @@ def test_oom_beyond_the_device_says_so_without_reclaiming(world, monkeypatch):
     world.current = cupy.cuda.ExternalStream(0, 0)
     collected: list = []
     monkeypatch.setattr(world.tp, "_OOM_CALLBACKS", [lambda: collected.append(1)])
-    monkeypatch.setattr(twin, "_alloc", lambda size, pool, s: (1, 0))  # INVALID_VALUE
+    monkeypatch.setattr(twin.driver, "alloc", lambda size, pool, s: (1, 0))  # INVALID_VALUE
     with pytest.raises(cpm.OutOfPoolMemoryError, match="more than the 80.00 GiB") as ei:
         p.malloc(1 << 50)
     assert collected == [] and ("trim", 0) not in world.log

@@ -67,8 +67,8 @@ class Heap:
         self.world = world
         self.free: list[int] = []
         self.fresh = itertools.count(0x100000, 0x10000)
-        monkeypatch.setattr(twin, "_alloc", self._alloc)
-        monkeypatch.setattr(twin, "_free", self._free)
+        monkeypatch.setattr(twin.driver, "alloc", self._alloc)
+        monkeypatch.setattr(twin.driver, "free", self._free)
 
     def _alloc(self, size: int, pool: Any, sptr: int) -> tuple[int, int]:
         p = self.free.pop() if self.free else next(self.fresh)

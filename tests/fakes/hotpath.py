@@ -95,11 +95,14 @@ class World:
         self.alloc_pools: list[int] = []  # the CUDA pool handle of each _alloc, in order
         self.handles_read: list[int] = []  # allocation handles an ipc pool's setup read
         mp = monkeypatch
-        mp.setattr(twin, "_ctx_device", lambda: (0, 0))
-        mp.setattr(twin, "_get_current_stream", lambda: self.current)
-        mp.setattr(twin, "_is_capturing", self._is_capturing)
-        mp.setattr(twin, "_alloc", self._alloc)
-        mp.setattr(twin, "_free", self._free)
+        fake = twin.Driver(
+            alloc=self._alloc,
+            free=self._free,
+            ctx_device=lambda: (0, 0),
+            is_capturing=self._is_capturing,
+            current_stream=lambda: self.current,
+        )
+        mp.setattr(twin, "driver", fake)  # the twin hot path's driver seam
         mp.setattr(cupy.cuda, "get_current_stream", lambda *a: self.current)
         mp.setattr(_streams, "capture_info", lambda s: self.status.get(s, (0, 0)))
         mp.setattr(_streams, "capture_status", lambda s: self.status.get(s, (0, 0))[0])
@@ -182,6 +185,15 @@ class World:
         p._setup(mr, dev, kind, None, 0, reuse_cache, second)
         p._synchronize = lambda: self.log.append(("sync",))
         return p
+
+
+def sharing_hooks(request: Any, hp: Any, **hooks: Any) -> None:
+    """Replace the sharing callbacks of the hot path ``hp`` (``release``, ``retire``:
+    those not given stay) until the test ends, through its ``set_shared_release``."""
+    old = hp.set_shared_release(None)
+    new = dict(zip(("release", "retire"), old), **hooks)
+    hp.set_shared_release(new["release"], new["retire"])
+    request.addfinalizer(lambda: hp.set_shared_release(*old))
 
 
 def compiled_hotpath(same_version: bool = True) -> Any:
