@@ -147,7 +147,7 @@ class _Visitor(ast.NodeVisitor):
             self._add(target, node)
 
 
-_PYX_IMPORT = re.compile(r"^(\s*)(?:from\s+(\.+)(\S*)\s+c?import\s+(.+)|c?import\s+(\S+))")
+_PYX_IMPORT = re.compile(r"^(\s*)(?:from\s+(\.*)(\S*)\s+c?import\s+(.+)|c?import\s+(\S+))")
 
 
 def _pyx_imports(
@@ -167,6 +167,8 @@ def _pyx_imports(
                 found.append((t, i, late, commented))
             continue
         base = _resolve(current.removesuffix(".pyx"), len(dots), mod or None, mods)
+        if base.split(".")[0] != PKG:
+            continue
         for n in names.replace("(", "").replace(")", "").split(","):
             n = n.strip().split(" as ")[0]
             if not n:
