@@ -92,9 +92,9 @@ def twin_world(monkeypatch, tp):
     it *before* this fixture, so the collection runs while the fake retirer is in place."""
     from _hotpath_fakes import World
 
-    from cupy_poolmem import _hotpath_py, _pools, _streams
+    from cupy_poolmem import _hotpath_py, _runtime, _streams
 
-    monkeypatch.setattr(_pools, "_hp", _hotpath_py)
+    monkeypatch.setattr(_runtime, "hp", _hotpath_py)
     monkeypatch.setattr(_streams, "wait_streams", lambda *a: None)
     yield World(monkeypatch, tp)
     gc.collect()

@@ -439,7 +439,7 @@ def test_the_compiled_allocation_path_takes_from_the_arenas_as_the_twin_does():
 def made(monkeypatch, fake_retirer, drv):
     out = recorded_device_pools(monkeypatch, retirer=fake_retirer, drv=drv)
     monkeypatch.setattr(
-        _pools,
+        _pools.device,
         "_new_expandable_blocks",
         lambda dev, peers, total: _expandable.ExpandableBlocks(
             dev, peers, span=SPAN, arena=_runtime.hp.ARENA, driver=drv
@@ -484,7 +484,7 @@ def test_set_release_threshold_is_refused_by_an_expandable_pool(made):
 
 
 def test_an_expandable_pools_statistics_and_trim_count_its_ranges(made, monkeypatch):
-    monkeypatch.setattr(_pools._drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
+    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
     p = cpm.DevicePool(large_blocks="expandable")
     p._synchronize = lambda: None
     b = p._backend
@@ -508,7 +508,7 @@ def test_an_expandable_pool_unmaps_its_ranges_when_retired(made):
 
 def test_a_leftover_of_an_expandable_pool_goes_back_to_its_range(made):
     p = cpm.DevicePool(large_blocks="expandable")
-    owner = _pools._Resources.owner(p._mrs, p._backend, 0)
+    owner = _pools._recycle.Resources.owner(p._mrs, p._backend, 0)
     ptr = p._backend.alloc(20 * MiB, 0x5000)[1]
     owner.free_leftover(ptr)
     assert p._backend.cached == p._backend.reserved == 20 * MiB

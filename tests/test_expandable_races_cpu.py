@@ -115,7 +115,7 @@ def test_trim_unmaps_a_block_freed_after_its_sync(made, monkeypatch):  # noqa: F
         b.free(ps[0], 0x5000)
         return (0,)
 
-    monkeypatch.setattr(_pools._drv, "cuMemPoolTrimTo", other_thread_frees)
+    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", other_thread_frees)
     real_unmap, busy_unmaps = made.drv.cuMemUnmap, []
 
     def unmap(va, n):

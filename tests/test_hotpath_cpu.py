@@ -17,7 +17,7 @@ import cupy_poolmem as cpm
 from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem import _pools
 
-PYX = Path(_pools.__file__).with_name("_hotpath.pyx")
+PYX = Path(cpm.__file__).with_name("_hotpath.pyx")
 
 
 def _params(arglist: str) -> list[str]:

@@ -16,7 +16,7 @@ from cuda.bindings import driver as real
 from cupy.cuda.memory import MemoryPointer, UnownedMemory
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _block_cache, _managed_alloc, _pools, managed
+from cupy_poolmem import _block_cache, _managed_alloc, _runtime, managed
 from cupy_poolmem import _hotpath_py as twin
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
@@ -207,7 +207,7 @@ def test_prefetch_and_advise_check_everything_before_acting(fake_managed):
 def test_advise_marks_pool_blocks_whose_free_resets_the_hints(fake_managed, monkeypatch):
     log, _ = fake_managed
     tp = twin_pools()
-    monkeypatch.setattr(_pools, "_hp", twin)
+    monkeypatch.setattr(_runtime, "hp", twin)
     world = World(monkeypatch, tp)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: world.current)
     p = world.pool(kind=twin.KIND_MANAGED)

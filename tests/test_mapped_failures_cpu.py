@@ -158,7 +158,7 @@ def test_a3_a_mapping_call_failing_on_the_out_of_memory_retry_is_named(made, mon
     fails in cuMemMap with another error: ``_alloc_failed`` reports it under the pool's
     ``_alloc_call``, "cuMemAllocFromPoolAsync", a call that was never made (the first
     failure is named right: ``_backend_alloc`` asks the backend's ``failed_call``)."""
-    monkeypatch.setattr(_pools._drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
+    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
     p = cpm.DevicePool(large_blocks="mapped")
     p._synchronize = lambda: None
     made.drv.fail["cuMemCreate"] = OOM

@@ -840,8 +840,10 @@ def _breaking_polls(tp, monkeypatch):
     def broken(dev):
         raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT")
 
-    monkeypatch.setattr(tp, "on_device", broken)
-    return lambda: monkeypatch.setattr(tp, "on_device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(tp._capture, "on_device", broken)
+    return lambda: monkeypatch.setattr(
+        tp._capture, "on_device", lambda dev: contextlib.nullcontext()
+    )
 
 
 def test_a_closed_pool_whose_poll_raised_once_is_polled_again_and_retired(world, tp, monkeypatch):
@@ -1002,7 +1004,9 @@ def test_graph_memory_whose_stream_was_finalized_is_left_to_its_graph(world, tp,
     (s,) = resurrected
     assert gc.is_finalized(s)
     live = cupy.cuda.ExternalStream(0x8000, 0)
-    frees = tp._GraphFrees([("graph", 0xA, 64, 0x7000, s), ("graph", 0xB, 64, 0x8000, live)], 0)
+    frees = tp._capture.GraphFrees(
+        [("graph", 0xA, 64, 0x7000, s), ("graph", 0xB, 64, 0x8000, live)], 0
+    )
     assert frees()
     assert asked == [0x8000]  # the destroyed stream is never asked about
     assert ("graph_free", 0xA, 0x7000) not in world.log and ("graph_free", 0xB, 0x8000) in world.log

@@ -12,7 +12,9 @@ import cupy
 from . import _guard
 from ._device import nearest_numa_node, require_gpu, resolve_peer_access
 from ._errors import OptionTypeError, PoolClosedError
-from ._pools import DevicePool, PinnedPool, Pool, _hp, _raise_bad_size
+from ._pools import DevicePool, PinnedPool, Pool
+from ._pools._options import raise_bad_size
+from ._runtime import hp as _hp
 
 __all__ = [
     "set_allocator",
@@ -58,7 +60,7 @@ class PoolAllocator(_hp.Dispatch):
         super().__init__(self._create, require_gpu())
 
     def _bad_size(self, size: Any) -> None:
-        _raise_bad_size(size, f"PoolAllocator({self.kind!r})")
+        raise_bad_size(size, f"PoolAllocator({self.kind!r})")
 
     def _create(self, device: int) -> Pool:
         with self._plock:

@@ -183,7 +183,7 @@ def block_of(array: Any, what: str) -> Any:
     import cupy
     import numpy as np
 
-    from ._pools import _hp
+    from ._runtime import hp as _hp
 
     if isinstance(array, cupy.ndarray):
         if array.size == 0:

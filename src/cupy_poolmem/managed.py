@@ -244,7 +244,7 @@ def advise(
 
 def _mark_advised(items: list[tuple[str, Any]]) -> None:
     """Flag pool blocks whose hints must be reset when they are freed."""
-    from ._pools import _hp
+    from ._runtime import hp as _hp
 
     for _label, arr in items:
         if arr.size:
@@ -270,6 +270,6 @@ def _reset_advice(ptr: int, size: int, device: int) -> None:
 
 
 def _as_driver_error(exc: Exception, call: str) -> Exception:
-    from ._pools import _wrap
+    from ._pools._driver import wrap as _wrap
 
     return _wrap(exc, call)

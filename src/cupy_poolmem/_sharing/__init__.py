@@ -45,7 +45,7 @@ def _retire(core: object, ptr: int, size: int, stream: object, rec: object) -> b
 
 
 def _on_ipc_pool(pool: object) -> None:
-    from .._pools import _hp
+    from .._runtime import hp as _hp
     from ._reducers import register_numpy
 
     if getattr(pool, "kind", None) == _hp.KIND_PINNED:
@@ -55,7 +55,10 @@ def _on_ipc_pool(pool: object) -> None:
 def install() -> None:
     """Hook sharing into the pools and multiprocessing (run once, when this package is
     imported: by ``cupy_poolmem``'s GPU names, or by the first IPC-enabled pool)."""
-    from .._pools import _IPC_POOL_CALLBACKS, _OOM_CALLBACKS, _hp, all_pools
+    from .._runtime import IPC_POOL_CALLBACKS as _IPC_POOL_CALLBACKS
+    from .._runtime import OOM_CALLBACKS as _OOM_CALLBACKS
+    from .._runtime import all_pools
+    from .._runtime import hp as _hp
     from ._reducers import register_cupy
 
     _hp.set_shared_release(_release, _retire)

@@ -31,7 +31,7 @@ __all__ = [
 
 def _hotpath() -> Any:
     """The hot-path module the pools use (Cython or its pure-Python twin)."""
-    from .._pools import _hp
+    from .._runtime import hp as _hp
 
     return _hp
 
