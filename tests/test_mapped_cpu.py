@@ -689,7 +689,7 @@ def test_check_access_asks_a_mapped_blocks_own_grants(drv, monkeypatch):
     b = blocks(drv, peers=())
     va = b.alloc(10 * MiB, 0x5000)[1]
     # The driver reports no pool for mapped memory, and (driver 580) may name GPU 0.
-    monkeypatch.setattr(_device, "_pointer_info", lambda ptr: (1, 0, False))
+    monkeypatch.setattr(_device, "pointer_info", lambda ptr: (1, 0, False))
     monkeypatch.setattr(_device, "check_device", lambda d, name="device": d)
     monkeypatch.setattr(_device, "can_access_peer", lambda a, c: {a, c} <= {0, 1})
     x = _array_on(b, va, offset=4096)
@@ -719,7 +719,7 @@ def a_view_of_a_mapped_block(monkeypatch):
     a torch or Numba array), on memory the driver says is not from a CUDA pool."""
     p = cpm.DevicePool(large_blocks="mapped", peer_access=None)
     va = p._backend.alloc(10 * MiB, 0x5000)[1]
-    monkeypatch.setattr(_device, "_pointer_info", lambda ptr: (0, 0, False))
+    monkeypatch.setattr(_device, "pointer_info", lambda ptr: (0, 0, False))
     monkeypatch.setattr(_device, "check_device", lambda d, name="device": d)
     monkeypatch.setattr(_device, "can_access_peer", lambda a, c: True)
     cai = SimpleNamespace(

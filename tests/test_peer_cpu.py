@@ -471,7 +471,7 @@ def pointers(monkeypatch, access):
 
     monkeypatch.setattr(_device, "check_device", lambda d, name="device": 1 if d is None else d)
     monkeypatch.setattr(_device, "on_device", NoBind)
-    monkeypatch.setattr(_device, "_pointer_info", fake_info)
+    monkeypatch.setattr(_device, "pointer_info", fake_info)
     return info, asked, access[0]
 
 
@@ -531,7 +531,7 @@ def test_check_access_on_other_memory(pointers):
 
 
 class FakeDriver:
-    """What _pointer_info asks cuda.bindings.driver, answered from a table by pointer."""
+    """What pointer_info asks cuda.bindings.driver, answered from a table by pointer."""
 
     class CUpointer_attribute:
         CU_POINTER_ATTRIBUTE_IS_MANAGED = "managed"
@@ -578,13 +578,13 @@ def test_pointer_info_classifies_memory(monkeypatch):
     drv.add(0x40, pool=0xA0, ordinal=1)
     drv.add(0x50, ordinal=3)  # cudaMalloc: no pool
     drv.add(0x60, valid=False)  # pageable host memory
-    assert _device._pointer_info(0x10) == (-2, 0, True)
-    assert _device._pointer_info(0x20) == (-2, 0, True)
-    assert _device._pointer_info(0x30) == (-1, 0xF0, False)
-    assert _device._pointer_info(0x40) == (1, 0xA0, False)
-    assert _device._pointer_info(0x50) == (3, 0, False)
+    assert _device.pointer_info(0x10) == (-2, 0, True)
+    assert _device.pointer_info(0x20) == (-2, 0, True)
+    assert _device.pointer_info(0x30) == (-1, 0xF0, False)
+    assert _device.pointer_info(0x40) == (1, 0xA0, False)
+    assert _device.pointer_info(0x50) == (3, 0, False)
     with pytest.raises(cpm.InvalidOptionError, match="0x60 is not CUDA memory"):
-        _device._pointer_info(0x60)
+        _device.pointer_info(0x60)
 
 
 # ---------------------------------------------------------------- doctor

@@ -9,7 +9,11 @@ from typing import Any
 
 import cupy
 
-from . import _guard
+from . import (
+    _guard,
+    _runtime,
+    _sharing,  # noqa: F401  (importing it installs sharing's hooks in _runtime)
+)
 from ._device import nearest_numa_node, require_gpu, resolve_peer_access
 from ._errors import OptionTypeError, PoolClosedError
 from ._pools import DevicePool, PinnedPool, Pool
@@ -26,7 +30,8 @@ __all__ = [
 ]
 
 _lock = threading.Lock()
-_current: dict[str, PoolAllocator | None] = {"device": None, "pinned": None}
+# The installed allocators live in _runtime (sharing reads them there); one dict.
+_current: dict[str, PoolAllocator | None] = _runtime.INSTALLED_ALLOCATORS
 
 
 class PoolAllocator(_hp.Dispatch):

@@ -35,14 +35,14 @@ inside a range, below a live block, stays mapped.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from typing import Any, ClassVar
 
-from . import _arena_py
+from . import _arena_py, _streams
 from ._errors import add_note, check_driver
 from ._mapped import MappingCalls, access_descriptors, device_allocation, restore_access
+from ._streams import stream_key
 
 __all__ = [
     "ExpandableBlocks",
@@ -67,9 +67,7 @@ def _drv() -> Any:
 
 
 def _device_sync(device: int) -> None:
-    from ._device import sync_device
-
-    sync_device(device)
+    _streams.sync_device(device)
 
 
 def _round_up(n: int, unit: int) -> int:
@@ -364,14 +362,12 @@ class ExpandableBlocks(MappingCalls):
         without disturbing a capture: a stream that is capturing, the legacy stream
         while any capture is under way, and another thread's per-thread stream are
         not asked (not idle)."""
-        from ._streams import any_capture_underway
-
         if stream_ptr == _PER_THREAD:
             return False
         d = self._d
         try:
             if stream_ptr <= 1:
-                if any_capture_underway():
+                if _streams.any_capture_underway():
                     return False
             else:
                 err, status = d.cuStreamIsCapturing(stream_ptr)
@@ -446,24 +442,6 @@ class ExpandableBlocks(MappingCalls):
                     raise
             self._access = access_descriptors(d, (self.device, *peers), ())
             self.peers = peers
-
-
-_TOKENS = itertools.count(1)
-_THREAD = threading.local()
-
-
-def stream_key(stream_ptr: int) -> int:
-    """The key of a stream's arenas: its handle, but for handle 2, the per-thread
-    default stream, which is another stream in each thread: ``token << 2 | 2``, the
-    token the calling thread drew first (never another thread's, even once it ended,
-    whose stream's work may still run; no stream's handle, an aligned pointer, looks
-    like it).  Both hot paths ask this function for it."""
-    if stream_ptr == _PER_THREAD:
-        token = getattr(_THREAD, "token", 0)
-        if not token:
-            token = _THREAD.token = next(_TOKENS)
-        return (token << 2) | _PER_THREAD
-    return stream_ptr
 
 
 def expandable_range_of(ptr: int) -> tuple[ExpandableBlocks, int] | None:

@@ -24,7 +24,7 @@ from cupy.cuda.pinned_memory import PinnedMemoryPointer as _PinnedMemoryPointer
 from cupy.cuda.stream import get_current_stream as _get_current_stream
 
 from ._arena_py import Arena as ARENA  # noqa: F401  (the arena class of this hot path)
-from ._expandable import stream_key as _stream_key
+from ._streams import stream_key as _stream_key
 
 KIND_DEVICE = 0
 KIND_PINNED = 1

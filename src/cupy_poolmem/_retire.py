@@ -50,6 +50,7 @@ import warnings
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, NamedTuple
 
+from . import _device, _streams
 from ._streams import CAPTURE_ERRORS
 
 log = logging.getLogger(__name__)
@@ -699,25 +700,21 @@ class Retirer:
         self._polling = 0
 
 
-def _sync_device(dev: int) -> None:
-    from ._device import sync_device
+def _drv() -> Any:
+    from cuda.bindings import driver
 
-    sync_device(dev)
+    return driver
 
 
 def _free_on_legacy_stream(ptr: int, dev: int) -> None:
-    from ._device import _drv, on_device
-
-    with on_device(dev):
+    with _device.on_device(dev):
         _drv().cuMemFreeAsync(ptr, 0)
 
 
 def _active_devices() -> list[int]:
     """Devices whose primary context is alive (syncing others would create one)."""
-    from ._device import _drv, device_count
-
     out = []
-    for dev in range(device_count()):
+    for dev in range(_device.device_count()):
         err, _flags, active = _drv().cuDevicePrimaryCtxGetState(dev)
         if not int(err) and active:
             out.append(dev)
@@ -725,15 +722,11 @@ def _active_devices() -> list[int]:
 
 
 def _capture_underway() -> bool:
-    from ._streams import any_capture_underway
-
-    return any_capture_underway()
+    return _streams.any_capture_underway()
 
 
 def _relaxed_capture_mode() -> contextlib.AbstractContextManager[None]:
-    from ._streams import relaxed_capture_mode
-
-    return relaxed_capture_mode()
+    return _streams.relaxed_capture_mode()
 
 
 _OWNER: list[Retirer | None] = [None]
@@ -748,7 +741,10 @@ def retirer() -> Retirer:
             r = _OWNER[0]
             if r is None:
                 r = _OWNER[0] = Retirer(
-                    _sync_device, _capture_underway, _active_devices, relaxed=_relaxed_capture_mode
+                    _streams.sync_device,
+                    _capture_underway,
+                    _active_devices,
+                    relaxed=_relaxed_capture_mode,
                 )
     return r
 

@@ -3,7 +3,7 @@
 It owns which hot path is loaded, the pools alive in this process (and the lock
 guarding them, made anew in a fork child), and the hooks the upper layers install:
 callbacks before an out-of-memory retry, callbacks for each IPC-enabled pool, and the
-observer every pool reports to.  It imports nothing of the package but the hot path.
+observer every pool reports to; and the allocators ``set_allocator()`` installed.  It imports nothing of the package but the hot path.
 """
 
 from __future__ import annotations
@@ -57,6 +57,13 @@ IPC_POOL_CALLBACKS: list[Any] = []
 # the process's one recorder (the hot path's Recorder, which the statistics configure).
 GLOBAL_OBSERVER: list[Any] = [None]
 RECORDER = hp.Recorder()
+# The allocators set_allocator() installed, by kind ("device", "pinned"); None: CuPy's own.
+INSTALLED_ALLOCATORS: dict[str, Any] = {"device": None, "pinned": None}
+
+
+def installed_allocator(kind: str) -> Any:
+    """The allocator ``set_allocator()`` installed for ``kind`` ("device" or "pinned")."""
+    return INSTALLED_ALLOCATORS[kind]
 
 
 def hotpath_implementation() -> str:

@@ -112,9 +112,7 @@ class Pool(_capture.CaptureMixin):
             self._ipc_pools = tuple((int(m.handle), str(m.uuid), m) for m in self._mrs)
         with _registry_lock():
             _runtime.POOLS.add(self)
-        if self._ipc_pools:
-            from .. import _sharing  # noqa: F401  (a pool that can share: sharing is hooked in)
-
+        if self._ipc_pools:  # sharing, installed by the public layer, hooks in here
             for cb in list(_IPC_POOL_CALLBACKS):
                 cb(self)
 

@@ -17,11 +17,11 @@ from .._device import (
     grant_access,
     require_attribute,
     resolve_peer_access,
-    sync_device,
 )
 from .._errors import InvalidOptionError, UnsupportedError, add_note
 from .._runtime import hp as _hp
 from .._sizes import format_bytes, parse_bytes
+from .._streams import sync_device
 from . import _driver, _recycle
 from ._base import Pool
 from ._options import (

@@ -13,7 +13,9 @@ from multiprocessing import current_process
 from multiprocessing import util as _mp_util
 from typing import Any
 
+from .. import _runtime
 from .._errors import PoolmemError, SharingError
+from .._pools import DevicePool
 from ._exporter import Exporter
 from ._importer import Importer
 from ._settings import SharingSettings
@@ -116,10 +118,7 @@ class SharingContext:
 
     def sharing_pool(self, dev: int) -> Any:
         """An IPC pool for device copies: set_allocator's pool if IPC, else a private one."""
-        from .._allocator import _current
-        from .._pools import DevicePool
-
-        alloc = _current["device"]
+        alloc = _runtime.installed_allocator("device")
         if alloc is not None:
             p = alloc.pools().get(dev)
             if p is not None and getattr(p, "ipc", False) and not p.closed:
@@ -260,9 +259,7 @@ settings._collect = lambda: context().collect()
 if hasattr(os, "register_at_fork"):
 
     def _after_fork_in_child() -> None:
-        from .._pools import all_pools
-
-        pools = all_pools()
+        pools = _runtime.all_pools()
         for p in pools:
             p._forked = True
             p._poison()
