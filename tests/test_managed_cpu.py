@@ -210,7 +210,7 @@ def test_advise_marks_pool_blocks_whose_free_resets_the_hints(fake_managed, monk
     monkeypatch.setattr(_runtime, "hp", twin)
     world = World(monkeypatch, tp)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: world.current)
-    p = world.pool(kind=twin.KIND_MANAGED)
+    p = world.pool(cls=tp.ManagedPool, kind=twin.KIND_MANAGED)
     m = p.malloc(4096)
     x = cupy.ndarray((512,), np.float64, memptr=m)
     y = _managed_array(0x40000, 8)  # not from a pool: advised, nothing to mark
@@ -220,7 +220,7 @@ def test_advise_marks_pool_blocks_whose_free_resets_the_hints(fake_managed, monk
     blk = m.mem._owner
     assert blk.flags & twin.FLAG_ADVISED
     resets: list = []
-    monkeypatch.setattr(managed, "_reset_advice", lambda ptr, size, dev: resets.append(ptr))
+    monkeypatch.setattr(tp.managed, "reset_advice", lambda ptr, size, dev: resets.append(ptr))
     ptr = m.ptr
     del x, m, blk
     assert resets == [ptr] and p.cached_bytes == 4096  # reset, then the reuse cache

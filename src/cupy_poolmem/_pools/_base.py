@@ -224,10 +224,7 @@ class Pool(_capture.CaptureMixin):
             self.n_free_errors += 1
 
     def _reset_advice(self, ptr: int, size: int) -> None:
-        """Hints given to a managed block do not follow it to its next array."""
-        from ..managed import _reset_advice
-
-        _reset_advice(ptr, size, self.device_id)
+        """Only managed memory takes advice: ManagedPool resets it (see its method)."""
 
     # -- public API ------------------------------------------------------------------
     @property
@@ -434,6 +431,7 @@ class Pool(_capture.CaptureMixin):
         >>> pool.outstanding()[0].size  # doctest: +SKIP
         1048576
         """
+        # Observability sits above the pools: read late, never imported by them.
         from ..stats import outstanding
 
         return outstanding(self, limit=limit)

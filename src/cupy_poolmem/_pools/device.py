@@ -19,6 +19,7 @@ from .._device import (
     resolve_peer_access,
 )
 from .._errors import InvalidOptionError, UnsupportedError, add_note
+from .._mapped import MappedBlocks
 from .._runtime import hp as _hp
 from .._sizes import format_bytes, parse_bytes
 from .._streams import sync_device
@@ -425,8 +426,6 @@ def _new_expandable_blocks(device: int, peers: tuple[int, ...], total: int) -> A
 
 def _new_mapped_blocks(device: int, peers: tuple[int, ...]) -> Any:
     """The mapped-blocks backend of a DevicePool on ``device`` (VMM checked first)."""
-    from .._mapped import MappedBlocks
-
     require_attribute(
         device,
         "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",

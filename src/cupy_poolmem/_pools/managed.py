@@ -8,8 +8,9 @@ from typing import Any
 import cuda.core as cc
 import cupy
 
+from .. import _managed_alloc as ma
 from .. import _retire
-from .._device import check_device
+from .._device import check_device, on_device
 from .._errors import InvalidOptionError, OptionTypeError
 from .._runtime import hp as _hp
 from .._sizes import parse_bytes
@@ -77,8 +78,6 @@ class ManagedPool(Pool):
         reuse_cache: int | str = "1GiB",
         backend: str = "auto",
     ) -> None:
-        from .. import _managed_alloc as ma
-
         if not isinstance(backend, str):
             raise OptionTypeError(
                 f"backend must be 'auto', 'pool' or 'managed'; got {backend!r} of type "
@@ -158,6 +157,22 @@ class ManagedPool(Pool):
     def _describe(self) -> str:
         return f"ManagedPool(device={self.device_id}, backend={self.backend!r})"
 
+    def _reset_advice(self, ptr: int, size: int) -> None:
+        """Hints given to a managed block do not follow it to its next array."""
+        reset_advice(ptr, size, self.device_id)
+
+
+def reset_advice(ptr: int, size: int, device: int) -> None:
+    """Back to a fresh block of a ManagedPool: preferred location ``device``, no other hint."""
+    try:
+        with on_device(device):
+            buf = cc.ManagedBuffer.from_handle(ptr, size, owner=reset_advice)  # owns nothing
+            buf.read_mostly = False
+            buf.accessed_by = []
+            buf.preferred_location = cc.Device(device)
+    except Exception:  # a hint left behind is slower memory, never wrong data
+        pass
+
 
 def _managed_resource(dev: int) -> Any:
     try:
@@ -190,8 +205,6 @@ def managed_backend(device: int | None = None) -> tuple[str, str]:
     >>> cupy_poolmem.managed_backend(0)  # doctest: +SKIP
     ('managed', 'this driver refuses advice on managed-pool memory: ...')
     """
-    from .. import _managed_alloc as ma
-
     dev = check_device(device)
     known = ma.recorded_choice(dev)
     if known is not None:

@@ -16,6 +16,7 @@ from typing import Any
 from .. import _runtime
 from .._errors import PoolmemError, SharingError
 from .._pools import DevicePool
+from ._driver import Driver
 from ._exporter import Exporter
 from ._importer import Importer
 from ._settings import SharingSettings
@@ -55,8 +56,6 @@ class SharingContext:
     @property
     def driver(self) -> Any:
         if self._driver is None:
-            from ._driver import Driver
-
             with self._lock:
                 if self._driver is None:
                     self._driver = Driver()
