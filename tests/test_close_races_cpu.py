@@ -210,9 +210,9 @@ def two_gpus(monkeypatch, fake_retirer):
     fake_device_pools(monkeypatch, mr)
     monkeypatch.setattr(_pools.device, "device_count", lambda: 2)
     monkeypatch.setattr(
-        _pools.device, "_revoke_stale", lambda m, dev: out.grants.update({m.handle: ()})
+        _pools.device, "revoke_stale", lambda m, dev: out.grants.update({m.handle: ()})
     )
-    monkeypatch.setattr(_pools.device, "_set_peers", set_peers)
+    monkeypatch.setattr(_pools.device, "set_peers", set_peers)
     monkeypatch.setattr(
         _pools.device, "resolve_peer_access", lambda v, dev: (1,) if v == "all" else ()
     )
@@ -269,13 +269,13 @@ def test_b5_a_peer_change_on_a_closed_pool_never_touches_the_next_owners_cuda_po
             calls.append(t)
         return ok
 
-    monkeypatch.setattr(_pools.device, "_set_peers", set_peers_with_a_switch)
+    monkeypatch.setattr(_pools.device, "set_peers", set_peers_with_a_switch)
     try:
         p.peer_access = None  # revoke GPU 1 (allowed: a block is live)
     except cpm.PoolClosedError:
         pass  # a fix may refuse a closed pool: fine, as long as the next owner is intact
     calls[1].join(5.0)
-    monkeypatch.setattr(_pools.device, "_set_peers", two_gpus.set_peers)
+    monkeypatch.setattr(_pools.device, "set_peers", two_gpus.set_peers)
     (q,) = made
     assert _handles(q) == first  # the recycled CUDA pools
     assert [two_gpus.grants[h] for h in _handles(q)] == [(1,), (1,)]  # small: ()

@@ -440,7 +440,7 @@ def made(monkeypatch, fake_retirer, drv):
     out = recorded_device_pools(monkeypatch, retirer=fake_retirer, drv=drv)
     monkeypatch.setattr(
         _pools.device,
-        "_new_expandable_blocks",
+        "new_expandable_blocks",
         lambda dev, peers, total: _expandable.ExpandableBlocks(
             dev, peers, span=SPAN, arena=_runtime.hp.ARENA, driver=drv
         ),

@@ -384,7 +384,7 @@ def made(monkeypatch, fake_retirer, drv):
     out = recorded_device_pools(monkeypatch, retirer=fake_retirer, drv=drv)
     monkeypatch.setattr(
         _pools.device,
-        "_new_mapped_blocks",
+        "new_mapped_blocks",
         lambda dev, peers: _mapped.MappedBlocks(dev, peers, driver=drv),
     )
     return out
@@ -466,7 +466,7 @@ def test_a_gpu_without_virtual_memory_management_is_refused(monkeypatch):
 
     monkeypatch.setattr(_pools._driver.drv, "cuDeviceGetAttribute", get, raising=False)
     with pytest.raises(cpm.UnsupportedError, match="virtual memory management") as e:
-        _pools.device._new_mapped_blocks(3, ())
+        _pools.device.new_mapped_blocks(3, ())
     vmm = _pools._driver.drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
     assert asked == [(vmm, 3)]
     assert "device 3" in str(e.value) and "SUPPORTED is 0" in str(e.value)
@@ -709,7 +709,7 @@ def _two_peer_gpus(monkeypatch):
     for mod in (_device, _pools.device):
         monkeypatch.setattr(mod, "device_count", lambda: 2)
     monkeypatch.setattr(_device, "can_access_peer", lambda a, b: True)
-    monkeypatch.setattr(_pools.device, "_revoke_stale", lambda mr, dev: None)
+    monkeypatch.setattr(_pools.device, "revoke_stale", lambda mr, dev: None)
     monkeypatch.setattr(_pools.device, "sync_device", lambda dev: None)
 
 
@@ -878,7 +878,7 @@ def test_a_failed_undo_of_the_cuda_pools_grant_is_still_revoked_at_retire(made, 
     mr = made.mrs[0]
     mr.peer_accessible_by = ()
     p._backend.alloc(20 * MiB, 0x5000)
-    real_set_peers = _pools.device._set_peers
+    real_set_peers = _pools.device.set_peers
     calls = [0]
 
     def set_peers(m, owner, peers):
@@ -887,7 +887,7 @@ def test_a_failed_undo_of_the_cuda_pools_grant_is_still_revoked_at_retire(made, 
             raise cpm.UnsupportedError("refused")
         return real_set_peers(m, owner, peers)
 
-    monkeypatch.setattr(_pools.device, "_set_peers", set_peers)
+    monkeypatch.setattr(_pools.device, "set_peers", set_peers)
     made.drv.fail["cuMemSetAccess"] = int(real.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
     with pytest.raises(cpm.CUDADriverError) as ei:
         p.peer_access = [1]

@@ -20,11 +20,7 @@ from .._errors import (
     check_driver,
 )
 from .._poolstats import PoolStats
-from .._runtime import GLOBAL_OBSERVER as _GLOBAL_OBSERVER
-from .._runtime import IPC_POOL_CALLBACKS as _IPC_POOL_CALLBACKS
-from .._runtime import OOM_CALLBACKS as _OOM_CALLBACKS
 from .._runtime import hp as _hp
-from .._runtime import registry_lock as _registry_lock
 from .._sizes import format_bytes, parse_bytes
 from . import _capture, _driver, _recycle
 from ._options import check_expandable, raise_bad_size
@@ -101,7 +97,7 @@ class Pool(_capture.CaptureMixin):
         self.cache_limit = reuse_cache
         self.cache_max_block = min(reuse_cache, _CACHE_MAX_BLOCK)
         self.set_release_threshold(release_threshold)
-        self.observer = _GLOBAL_OBSERVER[0]
+        self.observer = _runtime.GLOBAL_OBSERVER[0]
         # (handle, uuid, resource) of each CUDA pool that can be shared: with a
         # small-block pool a block goes out under the uuid of the pool that holds it.
         self._ipc_pools: tuple[tuple[int, str, Any], ...] = ()
@@ -110,10 +106,10 @@ class Pool(_capture.CaptureMixin):
             for m in self._mrs:
                 m.allocation_handle  # noqa: B018
             self._ipc_pools = tuple((int(m.handle), str(m.uuid), m) for m in self._mrs)
-        with _registry_lock():
+        with _runtime.registry_lock():
             _runtime.POOLS.add(self)
         if self._ipc_pools:  # sharing, installed by the public layer, hooks in here
-            for cb in list(_IPC_POOL_CALLBACKS):
+            for cb in list(_runtime.IPC_POOL_CALLBACKS):
                 cb(self)
 
     # -- hot-path slow paths -------------------------------------------------------
@@ -184,7 +180,7 @@ class Pool(_capture.CaptureMixin):
         if self.guard is not None:
             self.guard.flush()  # blocks held in the guard's quarantine go back first
         self.flush_cache()
-        for cb in list(_OOM_CALLBACKS):
+        for cb in list(_runtime.OOM_CALLBACKS):
             try:
                 cb()
             except Exception:  # a failing collector must not hide the OOM
@@ -474,7 +470,7 @@ class Pool(_capture.CaptureMixin):
             left = self.guard.close()
             if left:
                 _retire.retirer().add_leftovers(self._retire_token, self._retire_device(), left)
-        with _registry_lock():
+        with _runtime.registry_lock():
             _runtime.POOLS.discard(self)
         # Only now may the pool be retired: a last free in another thread while the
         # quarantine was handed over above must not retire it first (its retirer entry

@@ -224,12 +224,12 @@ class DevicePool(Pool):
                     )
                 map_above = mapped_threshold(small_pool)
                 small_max = 0
-                backend: Any = _new_mapped_blocks(dev, peers)
+                backend: Any = new_mapped_blocks(dev, peers)
             elif mode == "expandable":
                 # Every block from the ranges (see _expandable.py); the CUDA pool
                 # serves graph captures only.
                 small_max = 0
-                backend = _new_expandable_blocks(dev, peers, int(total))
+                backend = new_expandable_blocks(dev, peers, int(total))
             else:
                 small_max = small_pool_size(small_pool, max_b)
                 backend = None
@@ -267,8 +267,8 @@ class DevicePool(Pool):
                 # so stale grants are revoked here, by the driver call itself.
                 try:
                     for m in mrs:
-                        _revoke_stale(m, dev)
-                        self._peers_set = _set_peers(m, dev, peers) or self._peers_set
+                        revoke_stale(m, dev)
+                        self._peers_set = set_peers(m, dev, peers) or self._peers_set
                 except BaseException:
                     if recycled:  # frees of the last owner may be pending: parked again
                         r = _retire.retirer()
@@ -344,7 +344,7 @@ class DevicePool(Pool):
         if self._parked:
             return ()
         try:
-            return _granted_peers(self._mr)
+            return granted_peers(self._mr)
         except Exception as exc:
             if self.closed:
                 return ()
@@ -376,7 +376,7 @@ class DevicePool(Pool):
             for mr in self._mrs:
                 if self._parked:  # retired by a collection in this thread meanwhile
                     self._raise_closed()
-                granted = _set_peers(mr, self.device_id, peers) or granted
+                granted = set_peers(mr, self.device_id, peers) or granted
             if self._backend is not None:  # mapped blocks: each block's own access
                 try:
                     self._backend.set_peers(peers)  # all or nothing
@@ -385,7 +385,7 @@ class DevicePool(Pool):
         except Exception as exc:
             for mr in self._mrs:  # the CUDA pools go back to what they granted
                 try:
-                    _set_peers(mr, self.device_id, before)
+                    set_peers(mr, self.device_id, before)
                 except Exception as undo:
                     self._peers_set = True  # a grant may stay: revoked at retirement
                     add_note(exc, f"the CUDA pool's previous peer access stays unset: {undo}")
@@ -410,7 +410,7 @@ class DevicePool(Pool):
             super()._retire_now(leftovers, before_destroy)
 
 
-def _new_expandable_blocks(device: int, peers: tuple[int, ...], total: int) -> Any:
+def new_expandable_blocks(device: int, peers: tuple[int, ...], total: int) -> Any:
     """The expandable ranges of a DevicePool on ``device`` (VMM checked first), each
     range with address space for all of the device's ``total`` bytes."""
     require_attribute(
@@ -424,7 +424,7 @@ def _new_expandable_blocks(device: int, peers: tuple[int, ...], total: int) -> A
         raise _driver.wrap(exc, "setting up expandable ranges") from exc
 
 
-def _new_mapped_blocks(device: int, peers: tuple[int, ...]) -> Any:
+def new_mapped_blocks(device: int, peers: tuple[int, ...]) -> Any:
     """The mapped-blocks backend of a DevicePool on ``device`` (VMM checked first)."""
     require_attribute(
         device,
@@ -437,12 +437,12 @@ def _new_mapped_blocks(device: int, peers: tuple[int, ...]) -> Any:
         raise _driver.wrap(exc, "setting up mapped blocks") from exc
 
 
-def _granted_peers(mr: Any) -> tuple[int, ...]:
+def granted_peers(mr: Any) -> tuple[int, ...]:
     """The devices a cuda.core ``DeviceMemoryResource`` grants access (driver state)."""
     return tuple(sorted(int(getattr(d, "device_id", d)) for d in mr.peer_accessible_by))
 
 
-def _revoke_stale(mr: Any, owner: int) -> None:
+def revoke_stale(mr: Any, owner: int) -> None:
     """Revoke (``PROT_NONE``) every GPU that could reach ``owner``: a new pool starts
     with its own GPU only, whatever a destroyed pool with the same handle granted."""
     others = [d for d in range(device_count()) if d != owner and can_access_peer(d, owner)]
@@ -450,7 +450,7 @@ def _revoke_stale(mr: Any, owner: int) -> None:
         grant_access(int(mr.handle), others, read_write=False)
 
 
-def _set_peers(mr: Any, owner: int, peers: tuple[int, ...]) -> bool:
+def set_peers(mr: Any, owner: int, peers: tuple[int, ...]) -> bool:
     """Make ``peers`` exactly the GPUs granted access to ``mr``; True if any is granted.
 
     cuda.core's ``peer_accessible_by`` compares with the driver's state and makes one
