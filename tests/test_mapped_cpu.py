@@ -17,7 +17,7 @@ from _waits import wait_for
 from cuda.bindings import driver as real
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _device, _managed_alloc, _mapped, _pools
+from cupy_poolmem import _device, _mapped, _pools
 from cupy_poolmem import _hotpath_py as twin
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
@@ -482,7 +482,7 @@ def test_a_gpu_without_managed_memory_is_refused_naming_the_attribute(monkeypatc
         _pools._driver.drv, "cuDeviceGetAttribute", lambda attr, dev: answer, raising=False
     )
     with pytest.raises(cpm.UnsupportedError, match=words) as e:
-        _managed_alloc.require_managed_memory(1)
+        _pools.managed.require_managed_memory(1)
     assert "ManagedPool needs" in str(e.value) and "use DevicePool" in str(e.value)
 
 

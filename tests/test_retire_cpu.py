@@ -27,7 +27,7 @@ import pytest
 
 from cupy_poolmem import _errors, _pools, _retire, _streams
 from cupy_poolmem import _hotpath_py as twin
-from cupy_poolmem._managed_alloc import ManagedAllocator
+from cupy_poolmem._pools.managed import ManagedAllocator
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 

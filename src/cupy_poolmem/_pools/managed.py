@@ -1,23 +1,135 @@
-"""ManagedPool and the choice of its backend (a CUDA managed pool or cached blocks)."""
+"""ManagedPool, its two backends and the probe that chooses between them.
+
+``"pool"`` is a CUDA managed memory pool; ``"managed"`` (:class:`ManagedAllocator`)
+caches ``cuMemAllocManaged`` blocks.  See docs/managed_pool.rst, "How it works".
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import cuda.core as cc
 import cupy
 
-from .. import _managed_alloc as ma
-from .. import _retire
+from .. import _device, _retire
+from .._block_cache import BlockCache
 from .._device import check_device, on_device
-from .._errors import InvalidOptionError, OptionTypeError
+from .._errors import InvalidOptionError, OptionTypeError, check_driver, error_name
 from .._runtime import hp as _hp
 from .._sizes import parse_bytes
 from . import _driver
 from ._base import Pool
 
 log = logging.getLogger("cupy_poolmem._pools")
+
+__all__ = ["ManagedPool", "managed_backend", "ManagedAllocator", "probe_pool_advice"]
+
+_GRANULE = 4096  # sizes are rounded up to pages: blocks of one class serve each other
+
+_choices: dict[int, tuple[str, str]] = {}  # device -> (backend, reason)
+_choices_lock = threading.Lock()
+
+
+def _drv() -> Any:
+    from cuda.bindings import driver
+
+    return driver
+
+
+def recorded_choice(device: int) -> tuple[str, str] | None:
+    """The backend the probe chose for ``device`` in this process, with its reason."""
+    return _choices.get(device)
+
+
+def record_choice(device: int, backend: str, reason: str) -> tuple[str, str]:
+    with _choices_lock:
+        return _choices.setdefault(device, (backend, reason))
+
+
+def _device_location(device: int) -> Any:
+    drv = _drv()
+    loc = drv.CUmemLocation()
+    loc.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    loc.id = device
+    return loc
+
+
+def mem_advise(ptr: int, size: int, advice: Any, device: int) -> int:
+    """``cuMemAdvise`` toward ``device`` with the signature of this cuda-bindings; CUresult."""
+    drv = _drv()
+    import cuda.bindings
+
+    if int(cuda.bindings.__version__.split(".")[0]) >= 13:
+        (res,) = drv.cuMemAdvise(ptr, size, advice, _device_location(device))
+    elif hasattr(drv, "cuMemAdvise_v2"):
+        (res,) = drv.cuMemAdvise_v2(ptr, size, advice, _device_location(device))
+    else:  # pragma: no cover - old 12.x bindings
+        (res,) = drv.cuMemAdvise(ptr, size, advice, device)
+    return int(res)
+
+
+def probe_pool_advice(pool_handle: int, device: int) -> tuple[bool, str]:
+    """Whether the driver takes placement advice on memory from the managed pool.
+
+    Allocates 4 KiB from the pool (nothing near the GPU's free memory), gives it the
+    pool's own preferred location and read-mostly on then off, and frees it.
+    """
+    drv = _drv()
+    A = drv.CUmem_advise
+    err, ptr = drv.cuMemAllocFromPoolAsync(_GRANULE, drv.CUmemoryPool(pool_handle), 0)
+    if int(err):
+        return False, f"probe allocation failed ({error_name(int(err))})"
+    try:
+        check_driver(drv.cuStreamSynchronize(0), "cuStreamSynchronize")
+        for advice in (
+            A.CU_MEM_ADVISE_SET_PREFERRED_LOCATION,
+            A.CU_MEM_ADVISE_SET_READ_MOSTLY,
+            A.CU_MEM_ADVISE_UNSET_READ_MOSTLY,
+        ):
+            res = mem_advise(ptr, _GRANULE, advice, device)
+            if res:
+                return False, (
+                    f"this driver refuses advice on managed-pool memory: cuMemAdvise "
+                    f"({advice.name}) returned {error_name(res)}"
+                )
+        return True, "this driver takes advice on managed-pool memory"
+    finally:
+        drv.cuMemFreeAsync(ptr, 0)
+        drv.cuStreamSynchronize(0)
+
+
+def require_managed_memory(device: int) -> None:
+    _device.require_attribute(
+        device, "MANAGED_MEMORY", "managed memory, which ManagedPool needs; use DevicePool"
+    )
+
+
+class ManagedAllocator(BlockCache):
+    """``cuMemAllocManaged`` blocks for one device, cached by size, reuse ordered by events.
+
+    A :class:`~cupy_poolmem._block_cache.BlockCache` of page-rounded blocks, each
+    serving its own size class only.  ``release`` (trim, close, out-of-memory) gives
+    cached blocks back with ``cuMemFree`` once their events have completed (all of
+    them with ``wait``).
+    """
+
+    def __init__(self, device: int) -> None:
+        super().__init__(device, _GRANULE)
+
+    def _create(self, r: int) -> tuple[int, int]:
+        drv = _drv()
+        err, p = drv.cuMemAllocManaged(r, drv.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL.value)
+        if int(err):
+            return int(err), 0
+        ptr = int(p)
+        # The pool prefers its GPU, as a managed pool created for it does.
+        mem_advise(ptr, r, drv.CUmem_advise.CU_MEM_ADVISE_SET_PREFERRED_LOCATION, self.device)
+        return 0, ptr
+
+    def _destroy(self, ptr: int, r: int) -> None:
+        check_driver(_drv().cuMemFree(ptr), "cuMemFree")
 
 
 class ManagedPool(Pool):
@@ -94,15 +206,15 @@ class ManagedPool(Pool):
             total = d.mem_info[1]
             max_b = parse_bytes(max_size, name="max_size", total=total, allow_none=True) or 0
             parse_bytes(release_threshold, name="release_threshold", allow_none=True)
-            ma.require_managed_memory(dev)
+            require_managed_memory(dev)
             mr, reason = None, ""
             if backend == "auto":
-                known = ma.recorded_choice(dev)
+                known = recorded_choice(dev)
                 missing = _driver.cuda13_missing()
                 if known is not None:
                     choice, reason = known
                 elif missing:
-                    choice, reason = ma.record_choice(
+                    choice, reason = record_choice(
                         dev, "managed", f"managed memory pools need CUDA 13 ({missing})"
                     )
                 else:
@@ -113,9 +225,9 @@ class ManagedPool(Pool):
                 if backend == "pool":
                     _driver.require_cuda13("ManagedPool(backend='pool')")
                 mr = _managed_resource(dev)
-                if backend == "auto" and ma.recorded_choice(dev) is None:
-                    ok, why = ma.probe_pool_advice(int(mr.handle), dev)
-                    choice, reason = ma.record_choice(dev, "pool" if ok else "managed", why)
+                if backend == "auto" and recorded_choice(dev) is None:
+                    ok, why = probe_pool_advice(int(mr.handle), dev)
+                    choice, reason = record_choice(dev, "pool" if ok else "managed", why)
                     if choice != "pool":
                         _retire.retirer().retire_resource(mr, dev)  # the probe's free
                         mr = None
@@ -126,7 +238,7 @@ class ManagedPool(Pool):
                     "ManagedPool on device %d: fallback to backend %r: %s", dev, choice, reason
                 )
             if mr is None:
-                self._backend = ma.ManagedAllocator(dev)
+                self._backend = ManagedAllocator(dev)
             self._setup(mr, dev, _hp.KIND_MANAGED, release_threshold, max_b, cache)
             if mr is None:
                 self._alloc_call = "cuMemAllocManaged"
@@ -206,19 +318,17 @@ def managed_backend(device: int | None = None) -> tuple[str, str]:
     ('managed', 'this driver refuses advice on managed-pool memory: ...')
     """
     dev = check_device(device)
-    known = ma.recorded_choice(dev)
+    known = recorded_choice(dev)
     if known is not None:
         return known
     with cupy.cuda.Device(dev):
-        ma.require_managed_memory(dev)
+        require_managed_memory(dev)
         missing = _driver.cuda13_missing()
         if missing:
-            return ma.record_choice(
-                dev, "managed", f"managed memory pools need CUDA 13 ({missing})"
-            )
+            return record_choice(dev, "managed", f"managed memory pools need CUDA 13 ({missing})")
         mr = _managed_resource(dev)
         try:
-            ok, why = ma.probe_pool_advice(int(mr.handle), dev)
+            ok, why = probe_pool_advice(int(mr.handle), dev)
         finally:
             _retire.retirer().retire_resource(mr, dev)  # after the probe's free is done
-    return ma.record_choice(dev, "pool" if ok else "managed", why)
+    return record_choice(dev, "pool" if ok else "managed", why)
