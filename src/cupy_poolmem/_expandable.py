@@ -1,36 +1,9 @@
 """``DevicePool(large_blocks="expandable")``: every block placed first fit in address
 ranges that grow by mapping device memory, two per stream.
 
-A CUDA pool, and CuPy's ``MemoryPool``, place blocks in chunks of memory of their
-own, and a chunk goes back only once it is empty: blocks of many sizes freed out of
-order leave holes in many chunks that a new block cannot span (the churn benchmark:
-0.98x ``MemoryPool``'s peak at best).  Here each stream's blocks are placed in one
-address range reserved once (``cuMemAddressReserve``, the device's size), mapped
-from its start upward as it fills (``cuMemCreate``, ``cuMemMap``,
-``cuMemSetAccess``: 20 MiB at a time, 2 MiB for the range of blocks up to
-:data:`SMALL_MAX`, which keeps small blocks from splitting the large ones' room).
-An :class:`~cupy_poolmem._arena_py.Arena` places the blocks: the free span of
-lowest address that fits, split to size; a freed block merges with free neighbours,
-so its room serves any later size.  torch's ``expandable_segments`` works this way
-(with best fit).
-
-The hot path takes and gives blocks in the arenas itself (two C calls, no driver
-call: ``_hotpath.pyx``'s ``_arena_take``/``_arena_give``); this module runs when an
-arena has no room: it maps more at the range's top, or makes the range.  A freed
-block goes back to the arena of the stream it was allocated on, where the next
-allocation on that stream may take it at once (stream order, as for CuPy's
-``MemoryPool``); ``record_stream`` orders its other streams' work first.  An arena
-keeps its stream object alive, so a CuPy stream's handle names no other stream
-meanwhile (an ``ExternalStream``'s owner must not destroy it while the pool has
-blocks or ranges of it).  The per-thread default stream (handle 2) is another
-stream in each thread: its ranges are keyed by a token of the thread, never reused.
-
-Nothing is unmapped on a free: :meth:`ExpandableBlocks.release` (the pool's
-``trim``, and before an out-of-memory error) takes what is free at the top of each
-range out of its arena, then waits for the range's stream (or, without waiting,
-puts it back if the stream is busy or capturing) and unmaps it, in the mapped
-steps it was mapped in; ranges left with nothing mapped are dropped.  Memory free
-inside a range, below a live block, stays mapped.
+:class:`ExpandableBlocks` owns the ranges of one pool (reserve, map at the top, unmap
+the free top on release) and the arenas that place blocks in them; the hot path takes
+and gives blocks in the arenas itself.  See docs/device_pool.rst, "How it works".
 """
 
 from __future__ import annotations
