@@ -56,9 +56,9 @@ def fake_retirer():
         background=False,
     )
     r.log = log
-    old, _retire._OWNER[0] = _retire._OWNER[0], r
+    old = _retire.PROCESS.install(r)
     yield r
-    _retire._OWNER[0] = old
+    _retire.PROCESS.install(old)
 
 
 @pytest.fixture

@@ -436,7 +436,7 @@ def test_a_mapped_pools_leftover_goes_to_whichever_holds_it(made, monkeypatch):
     assert ("record", made.drv.last_event(), 0) in made.drv.log and p._backend.cached
     freed = []
     monkeypatch.setattr(
-        _pools.device._retire, "_free_on_legacy_stream", lambda ptr, dev: freed.append((ptr, dev))
+        _pools._recycle._retire, "free_on_legacy_stream", lambda ptr, dev: freed.append((ptr, dev))
     )
     owner.free_leftover(0x1234)  # not a mapped block: the CUDA pool's free
     assert freed == [(0x1234, 0)]

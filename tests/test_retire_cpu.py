@@ -1347,12 +1347,11 @@ def test_parks_run_in_relaxed_capture_mode():
     )
     r.retire(r.adopt(Resource(log), "k", lambda res: log.append("park")), 0)
     assert r.drain() and log == ["relaxed", "park", "restored"]
-    monkey = _retire._OWNER[0]
+    monkey = _retire.PROCESS.install(None)
     try:
-        _retire._OWNER[0] = None
         assert _retire.retirer()._relaxed is _retire._relaxed_capture_mode
     finally:
-        _retire._OWNER[0] = monkey
+        _retire.PROCESS.install(monkey)
 
 
 def test_a_fork_child_never_parks_or_hands_out_the_parents_resources(fake_retirer):

@@ -117,7 +117,7 @@ class Retirer:
     ) -> None:
         self._sync, self._capture_underway = sync, capture_underway
         self._relaxed = relaxed
-        self._free = free or _free_on_legacy_stream
+        self._free = free or free_on_legacy_stream
         self._active_devices = active_devices
         self._delay, self._background = delay, background
         # Reentrant: retire() runs from pools' finalizers, and a garbage collection can
@@ -673,7 +673,7 @@ def _drv() -> Any:
     return driver
 
 
-def _free_on_legacy_stream(ptr: int, dev: int) -> None:
+def free_on_legacy_stream(ptr: int, dev: int) -> None:
     with _device.on_device(dev):
         _drv().cuMemFreeAsync(ptr, 0)
 
@@ -696,31 +696,46 @@ def _relaxed_capture_mode() -> contextlib.AbstractContextManager[None]:
     return _streams.relaxed_capture_mode()
 
 
-_OWNER: list[Retirer | None] = [None]
-_OWNER_LOCK = threading.Lock()
+class ProcessRetirer:
+    """Owns the process's one :class:`Retirer` (made on first use), with its fork hook."""
+
+    def __init__(self) -> None:
+        self.current: Retirer | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Retirer:
+        r = self.current
+        if r is None:
+            with self._lock:
+                r = self.current
+                if r is None:
+                    r = self.current = Retirer(
+                        _streams.sync_device,
+                        _capture_underway,
+                        _active_devices,
+                        relaxed=_relaxed_capture_mode,
+                    )
+        return r
+
+    def install(self, r: Retirer | None) -> Retirer | None:
+        """Make ``r`` the process's retirer (None: a new one on next use); the old one."""
+        with self._lock:
+            old, self.current = self.current, r
+        return old
+
+    def after_fork_in_child(self) -> None:
+        r = self.current
+        if r is not None:
+            r._after_fork_in_child()
+
+
+PROCESS = ProcessRetirer()
 
 
 def retirer() -> Retirer:
     """The process's :class:`Retirer` (created on first use)."""
-    r = _OWNER[0]
-    if r is None:
-        with _OWNER_LOCK:
-            r = _OWNER[0]
-            if r is None:
-                r = _OWNER[0] = Retirer(
-                    _streams.sync_device,
-                    _capture_underway,
-                    _active_devices,
-                    relaxed=_relaxed_capture_mode,
-                )
-    return r
-
-
-def _after_fork_in_child() -> None:
-    r = _OWNER[0]
-    if r is not None:
-        r._after_fork_in_child()
+    return PROCESS.get()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(after_in_child=PROCESS.after_fork_in_child)

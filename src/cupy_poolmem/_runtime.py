@@ -33,20 +33,30 @@ else:
 
 # Every pool alive in this process (statistics(), logs and sharing walk it).
 POOLS: weakref.WeakSet[Any] = weakref.WeakSet()
-_lock = threading.RLock()  # reentrant: a pool's __del__ may run inside a GC here
-_lock_pid = [os.getpid()]  # the process _lock was made in
 
 
-def registry_lock() -> threading.RLock:
+class _RegistryLock:
     """The lock of :data:`POOLS`, made anew in a fork child on its first use there: a
     parent thread may have held it at the fork, and then no thread of the child would
     ever release it (the fork handlers of every module use the registry, in any order)."""
-    global _lock
-    pid = os.getpid()
-    if _lock_pid[0] != pid:
-        _lock = threading.RLock()
-        _lock_pid[0] = pid
-    return _lock
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # reentrant: a pool's __del__ may run inside a GC here
+        self.pid = os.getpid()  # the process the lock was made in
+
+    def get(self) -> threading.RLock:
+        pid = os.getpid()
+        if self.pid != pid:
+            self.lock, self.pid = threading.RLock(), pid
+        return self.lock
+
+
+_REGISTRY_LOCK = _RegistryLock()
+
+
+def registry_lock() -> threading.RLock:
+    """The lock of :data:`POOLS` (made anew in a fork child on its first use there)."""
+    return _REGISTRY_LOCK.get()
 
 
 # Callables run before an out-of-memory retry (sharing's limbo collection registers here).

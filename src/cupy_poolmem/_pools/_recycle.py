@@ -90,4 +90,4 @@ class WithBackend(Resources):
         if self.backend.owns(ptr):
             self.backend.free_leftover(ptr)
         else:
-            _retire._free_on_legacy_stream(ptr, self.device)
+            _retire.free_on_legacy_stream(ptr, self.device)
