@@ -493,7 +493,7 @@ def test_twin_and_compiled_agree_on_the_backend_interface():
         assert "_attach_backend" in dir(hp.PoolCore) and "backend_min" in dir(hp.PoolCore)
 
 
-# -- what a review found --------------------------------------------------------------
+# -- failures and races -------------------------------------------------------------------
 class ReusingVA(VmmDriver):
     """The driver hands a freed address range out again (as the real one does);
     ``on_free`` runs once inside the next cuMemAddressFree (another thread there)."""
@@ -745,7 +745,7 @@ def test_peer_access_stays_as_it_was_when_the_mapped_blocks_refuse(made, monkeyp
     assert p.peer_access == (1,) and p._backend.has_access(va, 1)
 
 
-# -- review: peer access under concurrency and failure -----------------------------
+# -- peer access under concurrency and failure -----------------------------------
 _INVALID = real.CUresult.CUDA_ERROR_INVALID_VALUE
 
 

@@ -1,6 +1,6 @@
 # ruff: noqa: F811  (the fixtures drv, made and world come from test_mapped_cpu)
 """Mapped blocks and the block cache under failures, other contexts, captures and
-threads: what a review (review 5, A1-A9) broke at 232baca, each fixed since.  CPU only:
+threads: each test guards against a fault that once broke these paths.  CPU only:
 the driver is played by the fakes of tests/test_mapped_cpu.py.  Docstrings describe
 the fault each test guards against.
 """
@@ -34,7 +34,7 @@ _INVALID_HANDLE = 400  # CUDA_ERROR_INVALID_HANDLE
 _CAPTURE_IMPLICIT = 906  # CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
 
 
-# A1 ------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 class ContextVmm(VmmDriver):
     """Events belong to the context current when they are created, and cuEventRecord
     refuses an event of another context than the stream's (CUDA_ERROR_INVALID_HANDLE,
@@ -92,26 +92,26 @@ def ctx_drv(monkeypatch):
 
 @pytest.mark.parametrize("current", [1, None], ids=["gpu1-current", "no-context"])
 def test_a1_a_block_freed_while_another_device_is_current_is_cached(ctx_drv, current):
-    """A1: BlockCache.free creates its event (``_event`` -> cuEventCreate) before
+    """BlockCache.free creates its event (``_event`` -> cuEventCreate) before
     ``on_device(self.device)``, in whatever context the freeing thread has: another GPU's
     (a multi-GPU program, a garbage collection under ``with Device(1)``), or none (a
     fresh thread, the retirer freeing a finalized pool's leftovers).  The record on the
     block's stream then fails, the free raises, the hot path swallows it
     (``n_free_errors``) and the block is neither cached nor unmapped: leaked for good
-    (``reserved`` keeps it, ``close`` never unmaps it).  Before 1bdf8fb both calls ran
-    under ``on_device``."""
+    (``reserved`` keeps it, ``close`` never unmaps it).  Both calls once ran
+    outside ``on_device``."""
     b = _mapped.MappedBlocks(0, driver=ctx_drv)
     b.release_threshold = 1 << 40
     va = b.alloc(32 * MiB, 0x5000)[1]
     ctx_drv.current = current  # the freeing thread: GPU 1 current, or no context at all
-    b.free(va, 0x5000)  # raised CUDADriverError (A1)
+    b.free(va, 0x5000)  # raised CUDADriverError
     assert b.cached == 32 * MiB
     ctx_drv.current = 0
     b.close()
     assert ctx_drv.mapped == {} and b.reserved == 0
 
 
-# A2 ------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 class CapturingVmm(VmmDriver):
     """While ``capturing``, the legacy stream refuses work (another stream is capturing
     in global mode: cuEventRecord on it returns CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, as
@@ -128,7 +128,7 @@ class CapturingVmm(VmmDriver):
 def test_a2_a_mapped_block_freed_on_the_legacy_stream_during_a_capture_is_not_lost(
     monkeypatch, world
 ):
-    """A2: a CUDA-pool block freed on the legacy stream while a capture is under way
+    """a CUDA-pool block freed on the legacy stream while a capture is under way
     gets a capture error from cuMemFreeAsync and is held until the capture ends
     (``_free_failed`` -> ``_hold_free``).  A mapped block in the same place reaches
     BlockCache.free, whose cuEventRecord gets the same error: the exception is
@@ -152,9 +152,9 @@ def test_a2_a_mapped_block_freed_on_the_legacy_stream_during_a_capture_is_not_lo
     assert b.cached == 32 * MiB, "the mapped block is neither held, cached nor unmapped"
 
 
-# A3 ------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_a3_a_mapping_call_failing_on_the_out_of_memory_retry_is_named(made, monkeypatch):
-    """A3: the first try runs out of memory (cuMemCreate), the retry after reclaiming
+    """the first try runs out of memory (cuMemCreate), the retry after reclaiming
     fails in cuMemMap with another error: ``_alloc_failed`` reports it under the pool's
     ``_alloc_call``, "cuMemAllocFromPoolAsync", a call that was never made (the first
     failure is named right: ``_backend_alloc`` asks the backend's ``failed_call``)."""
@@ -168,9 +168,9 @@ def test_a3_a_mapping_call_failing_on_the_out_of_memory_retry_is_named(made, mon
     assert e.value.call == "cuMemMap", e.value.call
 
 
-# A4 ------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_a4_the_failing_mapping_call_is_named_when_another_thread_maps_meanwhile(made):
-    """A4: ``failed_call`` is one attribute of the backend, read by ``_backend_alloc``
+    """``failed_call`` is one attribute of the backend, read by ``_backend_alloc``
     after ``alloc`` has returned and released the mapping lock.  Forced switch: right
     after this thread's alloc fails in cuMemMap, another thread maps a block (which
     resets ``failed_call`` to "") before this one reads it: the error then names
@@ -194,9 +194,9 @@ def test_a4_the_failing_mapping_call_is_named_when_another_thread_maps_meanwhile
     assert e.value.call == "cuMemMap", e.value.call
 
 
-# A5 ------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_a5_a_size_near_size_t_max_raises_the_pools_error(made):
-    """A5: any size up to 2**64-1 passes the hot path's size check; the mapped
+    """any size up to 2**64-1 passes the hot path's size check; the mapped
     backend rounds it up to the 2 MiB granularity, past size_t, and cuda.bindings
     raises a bare OverflowError converting it (checked on the real binding:
     ``cuMemCreate(2**64, prop, 0)`` and ``cuMemAddressReserve(2**64, ...)`` raise
@@ -215,9 +215,9 @@ def test_a5_a_size_near_size_t_max_raises_the_pools_error(made):
         p._backend_alloc(2**64 - 1, SimpleNamespace(ptr=0x5000))
 
 
-# A6 ------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_a6_check_access_finds_a_live_mapped_block_of_a_closed_pool(made, monkeypatch):
-    """A6: ``check_access`` finds a mapped block behind a __cuda_array_interface__ view
+    """``check_access`` finds a mapped block behind a __cuda_array_interface__ view
     by its address among ``all_pools()``, which a pool leaves at ``close()`` while its
     live arrays stay valid ("Live allocations stay valid and are freed normally").  Such
     an array then passes as plain cudaMalloc memory for GPU 1 (device-level peer access),
@@ -230,14 +230,14 @@ def test_a6_check_access_finds_a_live_mapped_block_of_a_closed_pool(made, monkey
     p.close()
     assert p._backend.owns(va) and va in made.drv.mapped
     with pytest.raises(cpm.WrongDeviceError, match="mapped block"):
-        cpm.check_access(cai, device=1)  # closed pool, live block: passed (A6)
+        cpm.check_access(cai, device=1)  # closed pool, live block: passed
 
 
-# A7 ------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_a7_set_peers_never_sets_the_access_of_another_allocation_at_a_reused_address(
     monkeypatch,
 ):
-    """A7: set_peers lists the blocks under the cache lock, then sets each one's access
+    """set_peers lists the blocks under the cache lock, then sets each one's access
     holding only ``_map_lock``.  A free past the threshold (or a trim) in another thread
     may unmap a listed block and free its address range meanwhile; ``_map_lock`` stops
     *this* cache from mapping there again, but not another pool (a second mapped
@@ -268,7 +268,7 @@ def test_a7_set_peers_never_sets_the_access_of_another_allocation_at_a_reused_ad
                 t = threading.Thread(target=fn)
                 threads.append(t)
                 t.start()
-                # The release waits for set_peers (it used to unmap here, A7); the
+                # The release waits for set_peers (it used to unmap here); the
                 # join below lets both finish after it.
                 t.join(0.1)
         return real_set(va, size, descs, n)
@@ -282,9 +282,9 @@ def test_a7_set_peers_never_sets_the_access_of_another_allocation_at_a_reused_ad
     assert b.has_access(got[0], 1), "pool A's set_peers revoked GPU 1 on pool B's block"
 
 
-# A8 ------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_a8_close_destroys_the_idle_events_even_when_an_unmap_fails(drv):
-    """A8: BlockCache.close releases every cached block, then destroys the idle events;
+    """BlockCache.close releases every cached block, then destroys the idle events;
     when one unmap fails, release raises (after recycling every victim's event into
     the idle list) and close never reaches the destruction.  The retirer swallows the
     error and never closes the resource again: the events leak for good."""
@@ -309,9 +309,9 @@ def test_a8_close_destroys_the_idle_events_even_when_an_unmap_fails(drv):
     assert set(destroyed) == events, f"events never destroyed: {events - set(destroyed)}"
 
 
-# A9 ------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_a9_a_request_larger_than_the_device_leaves_the_cache_of_freed_blocks_alone(made):
-    """A9: ``_alloc_failed`` checks first whether a request exceeds the device ("Nothing
+    """``_alloc_failed`` checks first whether a request exceeds the device ("Nothing
     to reclaim can help: say so instead of trimming everything first").  A mapped
     request reaches the backend before that check, and the backend has already given
     back every freed block whose free has run: ``_make_room`` (the request is past the
