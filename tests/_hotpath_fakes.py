@@ -109,7 +109,7 @@ class World:
         mp.setattr(_streams, "capture_status", lambda s: self.status.get(s, (0, 0))[0])
         # Streams noted as capturing here are pretend handles: they must not stay in the
         # module's registry, where a GPU test's real driver query of one crashed.
-        mp.setattr(_streams, "_capturing", {})
+        mp.setattr(_streams.CAPTURES, "streams", {})
         mp.setattr(_streams, "relaxed_capture_mode", contextlib.nullcontext)
         mp.setattr(tp._driver, "drv", FakeDriver(self, tp._driver.drv))
         mp.setattr(tp._driver, "set_attr", lambda *a: None)

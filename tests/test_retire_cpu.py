@@ -813,7 +813,7 @@ def test_a_closed_pool_does_its_frees_held_for_a_capture_before_it_is_retired(wo
     del m  # held: a free now would become a node of the graph
     assert p.n_capture_held == 1 and world.retirer.pending == 0 and world.retirer.waiting == 1
     assert world.retirer.held == 1 and ("close_pool",) not in world.log
-    assert _streams._capturing  # the retirer knows of the capture now
+    assert _streams.CAPTURES.streams  # the retirer knows of the capture now
     assert not world.retirer.drain()  # still capturing: still held, nothing synchronised
     assert ("free", ptr, 0x5000) not in world.log and ("close_pool",) not in world.log
     del world.status[0x5000]  # end_capture()

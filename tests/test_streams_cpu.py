@@ -383,15 +383,15 @@ def _garbage_block(p) -> int:
 def test_a_gc_under_the_capture_registry_lock_may_free_a_block_on_a_capturing_stream(
     world, monkeypatch
 ):
-    """any_capture_underway() copies the registry under _streams._lock (the retirer asks
+    """any_capture_underway() copies the registry under its lock (the retirer asks
     at every drain); a collection started there frees a block on a capturing stream,
     whose held free notes the capture: the same lock, the same thread."""
     p = world.pool(reuse_cache=0)
     ptr = _garbage_block(p)
     world.status[S] = (1, 7)
-    _streams._capturing[S] = world.current
-    lock = GcUnderLock(_streams._lock)
-    monkeypatch.setattr(_streams, "_lock", lock)
+    _streams.CAPTURES.streams[S] = world.current
+    lock = GcUnderLock(_streams.CAPTURES.lock)
+    monkeypatch.setattr(_streams.CAPTURES, "lock", lock)
     assert _streams.any_capture_underway()
     assert not lock.deadlocked and lock.nested == 1
     assert p.n_capture_held == 1 and ptr not in _frees(world)  # held for the capture

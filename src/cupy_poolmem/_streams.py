@@ -33,13 +33,40 @@ CAPTURE_INVALIDATED = 2
 # a call that failed with one of them must be retried once no capture is under way.
 CAPTURE_ERRORS = frozenset(range(900, 909))
 
-# Reentrant: a garbage collection can start inside it (any allocation under it, such
-# as the copy in any_capture_underway), and a block freed there on a capturing stream
-# comes back through note_capture() in the same thread.
-_lock = threading.RLock()
-# Streams seen capturing by the pools, with their stream objects: a handle is only
-# queried while its object (hence the stream) is alive.  Pruned once not capturing.
-_capturing: dict[int, Any] = {}
+
+class CaptureRegistry:
+    """The streams the pools saw capturing, with their stream objects (a handle is only
+    queried while its object, hence the stream, is alive); pruned once not capturing.
+
+    The lock is reentrant: a garbage collection can start inside it (any allocation
+    under it, such as the copy in :meth:`any_underway`), and a block freed there on a
+    capturing stream comes back through :meth:`note` in the same thread.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.streams: dict[int, Any] = {}
+
+    def note(self, stream_ptr: int, stream: Any) -> None:
+        with self.lock:
+            self.streams[stream_ptr] = stream
+
+    def any_underway(self) -> bool:
+        with self.lock:
+            # A collection started here runs before the copy iterates (at the
+            # allocation of the list or of the dict's iterator): a nested note() cannot
+            # change the dict under the iteration.
+            streams = list(self.streams)
+        live = [s for s in streams if capture_status(s) != CAPTURE_NONE]
+        if len(live) != len(streams):
+            with self.lock:
+                for s in streams:
+                    if s not in live:
+                        self.streams.pop(s, None)
+        return bool(live)
+
+
+CAPTURES = CaptureRegistry()
 
 
 def _drv() -> Any:
@@ -117,24 +144,12 @@ def capture_info(stream_ptr: int) -> tuple[int, int]:
 
 def note_capture(stream_ptr: int, stream: Any) -> None:
     """Remember a stream the pools saw capturing (for :func:`any_capture_underway`)."""
-    with _lock:
-        _capturing[stream_ptr] = stream
+    CAPTURES.note(stream_ptr, stream)
 
 
 def any_capture_underway() -> bool:
     """Whether a stream the pools saw capturing still is (synchronising would break it)."""
-    with _lock:
-        # A collection started here runs before the copy iterates (at the allocation
-        # of the list or of the dict's iterator): a nested note_capture() cannot
-        # change the dict under the iteration.
-        streams = list(_capturing)
-    live = [s for s in streams if capture_status(s) != CAPTURE_NONE]
-    if len(live) != len(streams):
-        with _lock:
-            for s in streams:
-                if s not in live:
-                    _capturing.pop(s, None)
-    return bool(live)
+    return CAPTURES.any_underway()
 
 
 @contextlib.contextmanager
