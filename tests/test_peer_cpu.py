@@ -35,7 +35,7 @@ def grants(monkeypatch, four_gpus):
     calls: list[tuple[int, list[int]]] = []
     monkeypatch.setattr(_device, "grant_access", lambda h, devs: calls.append((h, list(devs))))
     g = _device.AccessGrants()
-    monkeypatch.setattr(_device, "_grants", g)
+    monkeypatch.setattr(_device, "GRANTS", g)
     return g, calls
 
 

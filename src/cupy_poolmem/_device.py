@@ -489,7 +489,7 @@ def pointer_info(ptr: int) -> tuple[int, int, bool]:
 class AccessGrants:
     """The read-write grants this process gave devices on pools it did not create.
 
-    One instance per process (module ``_grants``) records each ``(pool, device)`` pair
+    One instance per process (module ``GRANTS``) records each ``(pool, device)`` pair
     once, under one lock, so importers of a shared pool (array sharing, the Numba
     plugin, dask transfers) call ``cuMemPoolSetAccess`` once per pair however often
     they receive memory from that pool.
@@ -540,7 +540,7 @@ class AccessGrants:
             return {h: tuple(sorted(d)) for h, d in self._pairs.items() if d}
 
 
-_grants = AccessGrants()
+GRANTS = AccessGrants()
 
 
 def ensure_access(pool_handle: int, device: int, owner: int) -> None:
@@ -576,7 +576,7 @@ def ensure_access(pool_handle: int, device: int, owner: int) -> None:
     >>> mr = cuda.core.DeviceMemoryResource.from_allocation_handle(0, fd)  # doctest: +SKIP
     >>> ensure_access(int(mr.handle), device=1, owner=0)  # doctest: +SKIP
     """
-    _grants.ensure(pool_handle, device, owner)
+    GRANTS.ensure(pool_handle, device, owner)
 
 
 def ensure_peer_access(pool_handle: int, owner: int, peer_access: Any = "all") -> tuple:
@@ -589,14 +589,14 @@ def ensure_peer_access(pool_handle: int, owner: int, peer_access: Any = "all") -
     every GPU named.  Returns the devices granted (``owner`` excluded).  The place to
     call it is right after a pool is imported, before its first pointer is used.
     """
-    return _grants.ensure_peers(pool_handle, owner, peer_access)
+    return GRANTS.ensure_peers(pool_handle, owner, peer_access)
 
 
 def forget_access(pool_handle: int) -> None:
     """Forget the grants recorded for ``pool_handle`` (when that pool is closed)."""
-    _grants.forget(pool_handle)
+    GRANTS.forget(pool_handle)
 
 
 def granted_access() -> dict[int, tuple[int, ...]]:
     """The grants this process gave on imported pools: ``{pool handle: devices}``."""
-    return _grants.granted()
+    return GRANTS.granted()
