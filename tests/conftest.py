@@ -56,9 +56,9 @@ def fake_retirer():
         background=False,
     )
     r.log = log
-    old, _retire._OWNER[0] = _retire._OWNER[0], r
+    old = _retire.PROCESS.install(r)
     yield r
-    _retire._OWNER[0] = old
+    _retire.PROCESS.install(old)
 
 
 @pytest.fixture
@@ -92,9 +92,9 @@ def twin_world(monkeypatch, tp):
     it *before* this fixture, so the collection runs while the fake retirer is in place."""
     from fakes.hotpath import World
 
-    from cupy_poolmem import _hotpath_py, _pools, _streams
+    from cupy_poolmem import _hotpath_py, _runtime, _streams
 
-    monkeypatch.setattr(_pools, "_hp", _hotpath_py)
+    monkeypatch.setattr(_runtime, "hp", _hotpath_py)
     monkeypatch.setattr(_streams, "wait_streams", lambda *a: None)
     yield World(monkeypatch, tp)
     gc.collect()

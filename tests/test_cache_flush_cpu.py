@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 
 from cupy_poolmem import _hotpath_py as twin
-from cupy_poolmem import _pools
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
@@ -104,7 +103,7 @@ def test_an_empty_cache_counts_no_misses(world):
 
 
 def test_the_compiled_hot_path_counts_and_flushes_by_the_same_rule():
-    pyx = (_pools.__file__.rsplit("/", 1)[0]) + "/_hotpath.pyx"
+    pyx = (twin.__file__.rsplit("/", 1)[0]) + "/_hotpath.pyx"
     src = open(pyx).read()
     assert f"FLUSH_AFTER_MISSES = {N}\n" in src
     assert f"cdef unsigned int _FLUSH_AFTER_MISSES = {N}\n" in src
@@ -128,7 +127,7 @@ def test_a_cache_hit_keeps_the_stream_object_that_freed_the_block(world):
     world.current = cupy.cuda.ExternalStream(first.ptr, 0)  # same handle, new object
     m = p.malloc(KB)
     assert m.ptr == ptr and m.mem._owner.stream is first
-    src = open(_pools.__file__.rsplit("/", 1)[0] + "/_hotpath.pyx").read()
+    src = open(twin.__file__.rsplit("/", 1)[0] + "/_hotpath.pyx").read()
     assert "stream = hit.take(&dptr)  # and the stream object that freed it" in src
 
 

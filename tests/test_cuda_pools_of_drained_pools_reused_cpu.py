@@ -42,11 +42,13 @@ def made(monkeypatch, fake_retirer):
         return m
 
     fake_device_pools(monkeypatch, mr)
-    monkeypatch.setattr(_pools, "device_count", lambda: 1)
+    monkeypatch.setattr(_pools.device, "device_count", lambda: 1)
     monkeypatch.setattr(
-        _pools, "_set_attr", lambda m, attr, v: out.log.append(("attr", m.handle, attr.name, v))
+        _pools._driver,
+        "set_attr",
+        lambda m, attr, v: out.log.append(("attr", m.handle, attr.name, v)),
     )
-    monkeypatch.setattr(_pools, "_park", lambda res: out.log.append(("park", res)))
+    monkeypatch.setattr(_pools._recycle, "park", lambda res: out.log.append(("park", res)))
     return out
 
 
@@ -158,17 +160,19 @@ def test_a_pool_with_max_size_is_not_reused(made):
 @pytest.fixture
 def two_gpus(made, monkeypatch):
     """A fake second GPU: peer grants written to ``made.log``."""
-    monkeypatch.setattr(_pools, "device_count", lambda: 2)
+    monkeypatch.setattr(_pools.device, "device_count", lambda: 2)
     monkeypatch.setattr(
-        _pools, "_revoke_stale", lambda m, dev: made.log.append(("revoke", m.handle))
+        _pools.device, "revoke_stale", lambda m, dev: made.log.append(("revoke", m.handle))
     )
 
     def set_peers(m, dev, peers):
         made.log.append(("grant", m.handle, tuple(peers)))
         return bool(peers)
 
-    monkeypatch.setattr(_pools, "_set_peers", set_peers)
-    monkeypatch.setattr(_pools, "resolve_peer_access", lambda v, dev: (1,) if v == "all" else ())
+    monkeypatch.setattr(_pools.device, "set_peers", set_peers)
+    monkeypatch.setattr(
+        _pools.device, "resolve_peer_access", lambda v, dev: (1,) if v == "all" else ()
+    )
     FakeMR.peer_accessible_by = property(
         lambda self: (), lambda self, v: made.log.append(("revoked", self.handle, tuple(v)))
     )
@@ -204,10 +208,10 @@ def test_a_recycled_pool_whose_peer_grant_fails_is_parked_again(two_gpus, monkey
     def broken(m, dev, peers):
         raise RuntimeError("cuMemPoolSetAccess failed: CUDA_ERROR_INVALID_DEVICE")
 
-    monkeypatch.setattr(_pools, "_set_peers", broken)
+    monkeypatch.setattr(_pools.device, "set_peers", broken)
     with pytest.raises(RuntimeError, match="CUDA_ERROR_INVALID_DEVICE"):
         cpm.DevicePool()
     assert two_gpus.retirer.drain()
     assert two_gpus.retirer.recycled == 1 and two_gpus.retirer.log.events == []  # no sync
-    monkeypatch.setattr(_pools, "_set_peers", lambda m, dev, peers: False)
+    monkeypatch.setattr(_pools.device, "set_peers", lambda m, dev, peers: False)
     assert _handles(cpm.DevicePool(peer_access=None)) == first

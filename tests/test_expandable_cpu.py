@@ -418,7 +418,7 @@ def test_set_release_threshold_is_refused_by_an_expandable_pool(made):
 
 
 def test_an_expandable_pools_statistics_and_trim_count_its_ranges(made, monkeypatch):
-    monkeypatch.setattr(_pools._drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
+    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
     p = cpm.DevicePool(large_blocks="expandable")
     p._synchronize = lambda: None
     b = p._backend
@@ -442,7 +442,7 @@ def test_an_expandable_pool_unmaps_its_ranges_when_retired(made):
 
 def test_a_leftover_of_an_expandable_pool_goes_back_to_its_range(made):
     p = cpm.DevicePool(large_blocks="expandable")
-    owner = _pools._Resources.owner(p._mrs, p._backend, 0)
+    owner = _pools._recycle.Resources.owner(p._mrs, p._backend, 0)
     ptr = p._backend.alloc(20 * MiB, 0x5000)[1]
     owner.free_leftover(ptr)
     assert p._backend.cached == p._backend.reserved == 20 * MiB

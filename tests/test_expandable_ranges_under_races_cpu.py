@@ -1,8 +1,8 @@
 # ruff: noqa: F811  (the fixtures are tests/fakes/expandable.py's, imported)
 """``DevicePool(large_blocks="expandable")`` under races on a CPU: other threads' hot
 paths between two steps of the ranges' slow paths, per-thread default streams, a
-capture under way during a trim, a collection inside the twin arena (each race
-reproduced as it once broke them)."""
+capture under way during a trim, a collection inside the twin arena (reproducers of
+faults once found, kept)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_trim_unmaps_a_block_freed_after_its_sync(made, monkeypatch):  # noqa: F
         b.free(ps[0], 0x5000)
         return (0,)
 
-    monkeypatch.setattr(_pools._drv, "cuMemPoolTrimTo", other_thread_frees)
+    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", other_thread_frees)
     real_unmap, busy_unmaps = made.drv.cuMemUnmap, []
 
     def unmap(va, n):
@@ -219,7 +219,7 @@ os._exit(0)
     assert rc == 0, "deadlock: a collection inside Arena.take re-entered Arena.give"
 
 
-# 7. The per-thread key is the thread ident; idents are reused once a thread
+# 7. the per-thread key is the thread ident; idents are reused once a thread
 #    ends, so a new thread's per-thread stream takes the dead thread's freed blocks.
 def test_dead_threads_ptds_arena_goes_to_a_new_thread_with_its_ident(drv, arena_cls):
     b = _ranges(drv, arena_cls)

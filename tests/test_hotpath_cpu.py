@@ -20,7 +20,7 @@ from cupy_poolmem import _log_batch_py, _pools, _recorder_py
 
 # Each compiled module of the hot path, by its .pyx, and its pure-Python twin.
 PAIRS = {
-    Path(_pools.__file__).with_name(f"{name}.pyx"): mod
+    Path(cpm.__file__).with_name(f"{name}.pyx"): mod
     for name, mod in (
         ("_hotpath", twin),
         ("_recorder", _recorder_py),

@@ -16,8 +16,9 @@ from fakes.hotpath import World, twin_pools
 from support.gc_locks import GcUnderLock
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _block_cache, _managed_alloc, _pools, managed
+from cupy_poolmem import _block_cache, _runtime, managed
 from cupy_poolmem import _hotpath_py as twin
+from cupy_poolmem._pools import managed as managed_pool
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
@@ -65,11 +66,11 @@ class ManagedDriver(FakeEvents):
 
 @pytest.fixture
 def drv(monkeypatch):
-    return use_driver(monkeypatch, ManagedDriver(), _managed_alloc)
+    return use_driver(monkeypatch, ManagedDriver(), managed_pool)
 
 
-def test_managed_allocator_reuses_on_the_same_stream_and_after_events(drv):
-    a = _managed_alloc.ManagedAllocator(0)
+def testmanaged_poolator_reuses_on_the_same_stream_and_after_events(drv):
+    a = managed_pool.ManagedAllocator(0)
     err, p1 = a.alloc(1000, 0x5000)
     assert err == 0 and drv.log[0] == ("alloc", p1, 4096)  # rounded to a page
     assert ("advise", p1, 4096, "CU_MEM_ADVISE_SET_PREFERRED_LOCATION") in drv.log
@@ -86,8 +87,8 @@ def test_managed_allocator_reuses_on_the_same_stream_and_after_events(drv):
     assert a.n_driver_allocs == 2
 
 
-def test_managed_allocator_release_and_threshold(drv):
-    a = _managed_alloc.ManagedAllocator(0)
+def testmanaged_poolator_release_and_threshold(drv):
+    a = managed_pool.ManagedAllocator(0)
     ptrs = [a.alloc(8192, 0x5000)[1] for _ in range(3)]
     for p in ptrs:
         a.free(p, 0x5000)
@@ -109,10 +110,10 @@ def test_managed_allocator_release_and_threshold(drv):
 
 def test_probe_says_why_it_refuses_pool_memory(drv):
     drv.advise_result = 801  # CUDA_ERROR_NOT_SUPPORTED
-    ok, why = _managed_alloc.probe_pool_advice(0x1234, 0)
+    ok, why = managed_pool.probe_pool_advice(0x1234, 0)
     assert not ok and "CUDA_ERROR_NOT_SUPPORTED" in why and "SET_PREFERRED_LOCATION" in why
     drv.advise_result = 0
-    ok, why = _managed_alloc.probe_pool_advice(0x1234, 0)
+    ok, why = managed_pool.probe_pool_advice(0x1234, 0)
     assert ok and "takes advice" in why
 
 
@@ -207,10 +208,10 @@ def test_prefetch_and_advise_check_everything_before_acting(fake_managed):
 def test_advise_marks_pool_blocks_whose_free_resets_the_hints(fake_managed, monkeypatch):
     log, _ = fake_managed
     tp = twin_pools()
-    monkeypatch.setattr(_pools, "_hp", twin)
+    monkeypatch.setattr(_runtime, "hp", twin)
     world = World(monkeypatch, tp)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: world.current)
-    p = world.pool(kind=twin.KIND_MANAGED)
+    p = world.pool(cls=tp.ManagedPool, kind=twin.KIND_MANAGED)
     m = p.malloc(4096)
     x = cupy.ndarray((512,), np.float64, memptr=m)
     y = _managed_array(0x40000, 8)  # not from a pool: advised, nothing to mark
@@ -220,7 +221,7 @@ def test_advise_marks_pool_blocks_whose_free_resets_the_hints(fake_managed, monk
     blk = m.mem._owner
     assert blk.flags & twin.FLAG_ADVISED
     resets: list = []
-    monkeypatch.setattr(managed, "_reset_advice", lambda ptr, size, dev: resets.append(ptr))
+    monkeypatch.setattr(tp.managed, "reset_advice", lambda ptr, size, dev: resets.append(ptr))
     ptr = m.ptr
     del x, m, blk
     assert resets == [ptr] and p.cached_bytes == 4096  # reset, then the reuse cache
@@ -250,7 +251,7 @@ def _collect_once():
 def test_a_block_freed_by_a_gc_under_the_allocators_lock_is_cached(drv, monkeypatch):
     """free() allocates under the lock (the deque of a new size class): a collection
     started there frees another block, which must not take the lock again."""
-    a = _managed_alloc.ManagedAllocator(0)
+    a = managed_pool.ManagedAllocator(0)
     p1, p2 = a.alloc(KB, 0x5000)[1], a.alloc(KB, 0x5000)[1]
     gc.collect()
     _FreedInGc(a, p1, 0x5000)
@@ -269,7 +270,7 @@ def test_a_block_freed_by_a_gc_while_alloc_searches_the_cache_is_cached(drv, mon
     """alloc() walks a size class under the lock and asks each entry's event: a
     collection there frees a block of that class, which must not be appended to the
     deque being walked (nor take the lock again); it is cached once alloc is done."""
-    a = _managed_alloc.ManagedAllocator(0)
+    a = managed_pool.ManagedAllocator(0)
     p1, p2 = a.alloc(KB, 0x5000)[1], a.alloc(KB, 0x6000)[1]
     a.free(p1, 0x5000)  # its event never completes here
     gc.collect()

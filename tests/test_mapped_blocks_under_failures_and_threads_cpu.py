@@ -1,8 +1,8 @@
 # ruff: noqa: F811  (the fixtures drv, made and world come from tests/fakes/mapped.py)
 """Mapped blocks and the block cache under failures, other contexts, captures and
-threads: each test reproduces a fault that once broke them.  CPU only: the driver is
-played by the fakes of tests/fakes/vmm.py and tests/fakes/mapped.py.  Docstrings
-describe the fault each test guards against.
+threads: each test guards against a fault that once broke these paths.  CPU only:
+the driver is played by the fakes of tests/test_mapped_cpu.py.  Docstrings describe
+the fault each test guards against.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ _INVALID_HANDLE = 400  # CUDA_ERROR_INVALID_HANDLE
 _CAPTURE_IMPLICIT = 906  # CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
 
 
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 class ContextVmm(VmmDriver):
     """Events belong to the context current when they are created, and cuEventRecord
     refuses an event of another context than the stream's (CUDA_ERROR_INVALID_HANDLE,
@@ -95,20 +95,20 @@ def test_a_block_freed_while_another_device_is_current_is_cached(ctx_drv, curren
     fresh thread, the retirer freeing a finalized pool's leftovers).  The record on the
     block's stream then fails, the free raises, the hot path swallows it
     (``n_free_errors``) and the block is neither cached nor unmapped: leaked for good
-    (``reserved`` keeps it, ``close`` never unmaps it).  Before the fix both calls ran
-    under ``on_device``."""
+    (``reserved`` keeps it, ``close`` never unmaps it).  Both calls once ran
+    outside ``on_device``."""
     b = _mapped.MappedBlocks(0, driver=ctx_drv)
     b.release_threshold = 1 << 40
     va = b.alloc(32 * MiB, 0x5000)[1]
     ctx_drv.current = current  # the freeing thread: GPU 1 current, or no context at all
-    b.free(va, 0x5000)  # raised CUDADriverError before the fix
+    b.free(va, 0x5000)  # raised CUDADriverError
     assert b.cached == 32 * MiB
     ctx_drv.current = 0
     b.close()
     assert ctx_drv.mapped == {} and b.reserved == 0
 
 
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 class CapturingVmm(VmmDriver):
     """While ``capturing``, the legacy stream refuses work (another stream is capturing
     in global mode: cuEventRecord on it returns CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, as
@@ -147,13 +147,13 @@ def test_a_mapped_block_freed_on_the_legacy_stream_during_a_capture_is_not_lost(
     assert b.cached == 32 * MiB, "the mapped block is neither held, cached nor unmapped"
 
 
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_a_mapping_call_failing_on_the_out_of_memory_retry_is_named(made, monkeypatch):
-    """The first try runs out of memory (cuMemCreate), the retry after reclaiming
+    """the first try runs out of memory (cuMemCreate), the retry after reclaiming
     fails in cuMemMap with another error: ``_alloc_failed`` reports it under the pool's
     ``_alloc_call``, "cuMemAllocFromPoolAsync", a call that was never made (the first
     failure is named right: ``_backend_alloc`` asks the backend's ``failed_call``)."""
-    monkeypatch.setattr(_pools._drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
+    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
     p = cpm.DevicePool(large_blocks="mapped")
     p._synchronize = lambda: None
     made.drv.fail["cuMemCreate"] = OOM
@@ -163,7 +163,7 @@ def test_a_mapping_call_failing_on_the_out_of_memory_retry_is_named(made, monkey
     assert e.value.call == "cuMemMap", e.value.call
 
 
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_the_failing_mapping_call_is_named_when_another_thread_maps_meanwhile(made):
     """``failed_call`` is one attribute of the backend, read by ``_backend_alloc``
     after ``alloc`` has returned and released the mapping lock.  Forced switch: right
@@ -189,9 +189,9 @@ def test_the_failing_mapping_call_is_named_when_another_thread_maps_meanwhile(ma
     assert e.value.call == "cuMemMap", e.value.call
 
 
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_a_size_near_size_t_max_raises_the_pools_error(made):
-    """Any size up to 2**64-1 passes the hot path's size check; the mapped
+    """any size up to 2**64-1 passes the hot path's size check; the mapped
     backend rounds it up to the 2 MiB granularity, past size_t, and cuda.bindings
     raises a bare OverflowError converting it (checked on the real binding:
     ``cuMemCreate(2**64, prop, 0)`` and ``cuMemAddressReserve(2**64, ...)`` raise
@@ -210,7 +210,7 @@ def test_a_size_near_size_t_max_raises_the_pools_error(made):
         p._backend_alloc(2**64 - 1, SimpleNamespace(ptr=0x5000))
 
 
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_check_access_finds_a_live_mapped_block_of_a_closed_pool(made, monkeypatch):
     """``check_access`` finds a mapped block behind a __cuda_array_interface__ view
     by its address among ``all_pools()``, which a pool leaves at ``close()`` while its
@@ -225,10 +225,10 @@ def test_check_access_finds_a_live_mapped_block_of_a_closed_pool(made, monkeypat
     p.close()
     assert p._backend.owns(va) and va in made.drv.mapped
     with pytest.raises(cpm.WrongDeviceError, match="mapped block"):
-        cpm.check_access(cai, device=1)  # closed pool, live block: passed before the fix
+        cpm.check_access(cai, device=1)  # closed pool, live block: passed
 
 
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_set_peers_never_sets_the_access_of_another_allocation_at_a_reused_address(
     monkeypatch,
 ):
@@ -277,7 +277,7 @@ def test_set_peers_never_sets_the_access_of_another_allocation_at_a_reused_addre
     assert b.has_access(got[0], 1), "pool A's set_peers revoked GPU 1 on pool B's block"
 
 
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_close_destroys_the_idle_events_even_when_an_unmap_fails(drv):
     """BlockCache.close releases every cached block, then destroys the idle events;
     when one unmap fails, release raises (after recycling every victim's event into
@@ -304,7 +304,7 @@ def test_close_destroys_the_idle_events_even_when_an_unmap_fails(drv):
     assert set(destroyed) == events, f"events never destroyed: {events - set(destroyed)}"
 
 
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 def test_a_request_larger_than_the_device_leaves_the_cache_of_freed_blocks_alone(made):
     """``_alloc_failed`` checks first whether a request exceeds the device ("Nothing
     to reclaim can help: say so instead of trimming everything first").  A mapped

@@ -26,7 +26,7 @@ from fakes.vmm import OOM, MiB, ReusingVA, VmmDriver
 from support.waits import wait_for
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _device, _managed_alloc, _mapped, _pools
+from cupy_poolmem import _device, _mapped, _pools
 from cupy_poolmem import _hotpath_py as twin
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
@@ -269,7 +269,7 @@ def test_a_mapped_pool_has_one_cuda_pool_and_maps_above_the_small_pool_size(made
 
 
 def test_a_mapped_pools_statistics_trim_and_peak_count_its_mapped_blocks(made, monkeypatch):
-    monkeypatch.setattr(_pools._drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
+    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
     p = cpm.DevicePool(large_blocks="mapped")
     b = p._backend
     vas = [b.alloc(20 * MiB, 0x5000)[1] for _ in range(3)]
@@ -297,13 +297,13 @@ def test_a_mapped_pool_gives_its_blocks_back_when_retired(made):
 
 def test_a_mapped_pools_leftover_goes_to_whichever_holds_it(made, monkeypatch):
     p = cpm.DevicePool(large_blocks="mapped")
-    owner = _pools._Resources.owner(p._mrs, p._backend, 0)
+    owner = _pools._recycle.Resources.owner(p._mrs, p._backend, 0)
     va = p._backend.alloc(20 * MiB, 0x5000)[1]
     owner.free_leftover(va)
     assert ("record", made.drv.last_event(), 0) in made.drv.log and p._backend.cached
     freed = []
     monkeypatch.setattr(
-        _pools._retire, "_free_on_legacy_stream", lambda ptr, dev: freed.append((ptr, dev))
+        _pools._recycle._retire, "free_on_legacy_stream", lambda ptr, dev: freed.append((ptr, dev))
     )
     owner.free_leftover(0x1234)  # not a mapped block: the CUDA pool's free
     assert freed == [(0x1234, 0)]
@@ -331,10 +331,10 @@ def test_a_gpu_without_virtual_memory_management_is_refused(monkeypatch):
         asked.append((attr, dev))
         return 0, 0
 
-    monkeypatch.setattr(_pools._drv, "cuDeviceGetAttribute", get, raising=False)
+    monkeypatch.setattr(_pools._driver.drv, "cuDeviceGetAttribute", get, raising=False)
     with pytest.raises(cpm.UnsupportedError, match="virtual memory management") as e:
-        _pools._new_mapped_blocks(3, ())
-    vmm = _pools._drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+        _pools.device.new_mapped_blocks(3, ())
+    vmm = _pools._driver.drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
     assert asked == [(vmm, 3)]
     assert "device 3" in str(e.value) and "SUPPORTED is 0" in str(e.value)
     assert "use large_blocks='pool'" in str(e.value)
@@ -346,10 +346,10 @@ def test_a_gpu_without_virtual_memory_management_is_refused(monkeypatch):
 )
 def test_a_gpu_without_managed_memory_is_refused_naming_the_attribute(monkeypatch, answer, words):
     monkeypatch.setattr(
-        _pools._drv, "cuDeviceGetAttribute", lambda attr, dev: answer, raising=False
+        _pools._driver.drv, "cuDeviceGetAttribute", lambda attr, dev: answer, raising=False
     )
     with pytest.raises(cpm.UnsupportedError, match=words) as e:
-        _managed_alloc.require_managed_memory(1)
+        _pools.managed.require_managed_memory(1)
     assert "ManagedPool needs" in str(e.value) and "use DevicePool" in str(e.value)
 
 
@@ -429,7 +429,7 @@ def test_the_per_thread_default_stream_reuses_only_after_the_event(drv):
 
 
 def test_trim_keeps_at_least_what_it_is_told(made, monkeypatch):
-    monkeypatch.setattr(_pools._drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
+    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
     p = cpm.DevicePool(large_blocks="mapped")
     p._synchronize = lambda: None
     b = p._backend
@@ -531,7 +531,7 @@ def test_check_access_asks_a_mapped_blocks_own_grants(drv, monkeypatch):
     b = blocks(drv, peers=())
     va = b.alloc(10 * MiB, 0x5000)[1]
     # The driver reports no pool for mapped memory, and (driver 580) may name GPU 0.
-    monkeypatch.setattr(_device, "_pointer_info", lambda ptr: (1, 0, False))
+    monkeypatch.setattr(_device, "pointer_info", lambda ptr: (1, 0, False))
     monkeypatch.setattr(_device, "check_device", lambda d, name="device": d)
     monkeypatch.setattr(_device, "can_access_peer", lambda a, c: {a, c} <= {0, 1})
     x = _array_on(b, va, offset=4096)
@@ -548,11 +548,11 @@ def test_check_access_asks_a_mapped_blocks_own_grants(drv, monkeypatch):
 
 def _two_peer_gpus(monkeypatch):
     """Two peer-capable GPUs; no stale grants to revoke, no device to wait for."""
-    for mod in (_device, _pools):
+    for mod in (_device, _pools.device):
         monkeypatch.setattr(mod, "device_count", lambda: 2)
     monkeypatch.setattr(_device, "can_access_peer", lambda a, b: True)
-    monkeypatch.setattr(_pools, "_revoke_stale", lambda mr, dev: None)
-    monkeypatch.setattr(_pools, "sync_device", lambda dev: None)
+    monkeypatch.setattr(_pools.device, "revoke_stale", lambda mr, dev: None)
+    monkeypatch.setattr(_pools.device, "sync_device", lambda dev: None)
 
 
 def test_peer_access_stays_as_it_was_when_the_mapped_blocks_refuse(made, monkeypatch):
@@ -705,7 +705,7 @@ def test_a_failed_undo_of_the_cuda_pools_grant_is_still_revoked_at_retire(made, 
     mr = made.mrs[0]
     mr.peer_accessible_by = ()
     p._backend.alloc(20 * MiB, 0x5000)
-    real_set_peers = _pools._set_peers
+    real_set_peers = _pools.device.set_peers
     calls = [0]
 
     def set_peers(m, owner, peers):
@@ -714,7 +714,7 @@ def test_a_failed_undo_of_the_cuda_pools_grant_is_still_revoked_at_retire(made, 
             raise cpm.UnsupportedError("refused")
         return real_set_peers(m, owner, peers)
 
-    monkeypatch.setattr(_pools, "_set_peers", set_peers)
+    monkeypatch.setattr(_pools.device, "set_peers", set_peers)
     made.drv.fail["cuMemSetAccess"] = int(real.CUresult.CUDA_ERROR_OUT_OF_MEMORY)
     with pytest.raises(cpm.CUDADriverError) as ei:
         p.peer_access = [1]

@@ -87,13 +87,13 @@ def public_members() -> dict[str, str]:
 
 def test_the_public_names_are_found():
     objs = public_objects()
-    assert "cupy_poolmem._pools.DevicePool" in objs
+    assert "cupy_poolmem._pools.device.DevicePool" in objs
     assert "cupy_poolmem._sharing._settings.SharingSettings" in objs
     assert len(objs) > 60
     members = public_members()
     for path in (
-        "cupy_poolmem._pools.Pool.trim",  # a method
-        "cupy_poolmem._pools.Pool.max_size",  # a property
+        "cupy_poolmem._pools._base.Pool.trim",  # a method
+        "cupy_poolmem._pools._base.Pool.max_size",  # a property
         "cupy_poolmem._guard.GuardOptions.from_env",  # a classmethod
         "cupy_poolmem._sharing._settings.SharingSettings.fallback",
     ):

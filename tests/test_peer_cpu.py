@@ -24,9 +24,9 @@ def fake_can(dev: int, peer: int) -> bool:
 @pytest.fixture
 def four_gpus(monkeypatch):
     monkeypatch.setattr(_device, "device_count", lambda: 4)
-    monkeypatch.setattr(_pools, "device_count", lambda: 4)
+    monkeypatch.setattr(_pools.device, "device_count", lambda: 4)
     monkeypatch.setattr(_device, "can_access_peer", fake_can)
-    monkeypatch.setattr(_pools, "sync_device", lambda dev: None)  # no driver here
+    monkeypatch.setattr(_pools.device, "sync_device", lambda dev: None)  # no driver here
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def grants(monkeypatch, four_gpus):
     calls: list[tuple[int, list[int]]] = []
     monkeypatch.setattr(_device, "grant_access", lambda h, devs: calls.append((h, list(devs))))
     g = _device.AccessGrants()
-    monkeypatch.setattr(_device, "_grants", g)
+    monkeypatch.setattr(_device, "GRANTS", g)
     return g, calls
 
 
@@ -153,7 +153,7 @@ def _fake_pool(
     pool._attach(0x1000, device, _runtime.hp.KIND_DEVICE)
     pool._mr = mr or FakeMR()
     pool._mrs = (pool._mr,) if small is None else (pool._mr, small)
-    resource = pool._mr if small is None else _pools._Resources(pool._mrs)
+    resource = pool._mr if small is None else _pools._recycle.Resources(pool._mrs)
     pool._retire_token = _retire.retirer().adopt(resource)
     return pool
 
@@ -174,7 +174,7 @@ def test_revoking_a_gpu_waits_for_its_queued_work_first(monkeypatch, four_gpus):
     grant goes: the setter synchronises each GPU it removes, before the driver call."""
     mr = FakeMR()
     pool = _fake_pool(2, mr)
-    monkeypatch.setattr(_pools, "sync_device", lambda dev: mr.events.append(("sync", dev)))
+    monkeypatch.setattr(_pools.device, "sync_device", lambda dev: mr.events.append(("sync", dev)))
     pool.peer_access = [3]  # a grant waits for nothing
     pool.peer_access = [3]  # nor does assigning what is granted already
     pool.peer_access = None
@@ -188,7 +188,7 @@ def test_a_failed_wait_before_revoking_keeps_the_grant_and_the_error_name(monkey
     def fail(dev: int) -> None:
         raise cpm.CUDADriverError("cuCtxSynchronize", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
 
-    monkeypatch.setattr(_pools, "sync_device", fail)
+    monkeypatch.setattr(_pools.device, "sync_device", fail)
     with pytest.raises(cpm.CUDADriverError) as ei:
         pool.peer_access = None
     assert ei.value.name == "CUDA_ERROR_ILLEGAL_ADDRESS"
@@ -259,8 +259,8 @@ def test_device_pool_checks_peer_access_before_creating_a_pool(monkeypatch, four
     def no_pool(*a, **k):
         raise AssertionError("a pool was created before the option was checked")
 
-    monkeypatch.setattr(_pools, "check_device", lambda d: 0)
-    monkeypatch.setattr(_pools.cc, "DeviceMemoryResource", no_pool)
+    monkeypatch.setattr(_pools.device, "check_device", lambda d: 0)
+    monkeypatch.setattr(_pools.device.cc, "DeviceMemoryResource", no_pool)
     with pytest.raises(cpm.UnsupportedError, match="GPU 3 cannot access memory of GPU 0"):
         cpm.DevicePool(peer_access=[3])
     with pytest.raises(cpm.InvalidOptionError):
@@ -471,7 +471,7 @@ def pointers(monkeypatch, access):
 
     monkeypatch.setattr(_device, "check_device", lambda d, name="device": 1 if d is None else d)
     monkeypatch.setattr(_device, "on_device", NoBind)
-    monkeypatch.setattr(_device, "_pointer_info", fake_info)
+    monkeypatch.setattr(_device, "pointer_info", fake_info)
     return info, asked, access[0]
 
 
@@ -531,7 +531,7 @@ def test_check_access_on_other_memory(pointers):
 
 
 class FakeDriver:
-    """What _pointer_info asks cuda.bindings.driver, answered from a table by pointer."""
+    """What pointer_info asks cuda.bindings.driver, answered from a table by pointer."""
 
     class CUpointer_attribute:
         CU_POINTER_ATTRIBUTE_IS_MANAGED = "managed"
@@ -578,13 +578,13 @@ def test_pointer_info_classifies_memory(monkeypatch):
     drv.add(0x40, pool=0xA0, ordinal=1)
     drv.add(0x50, ordinal=3)  # cudaMalloc: no pool
     drv.add(0x60, valid=False)  # pageable host memory
-    assert _device._pointer_info(0x10) == (-2, 0, True)
-    assert _device._pointer_info(0x20) == (-2, 0, True)
-    assert _device._pointer_info(0x30) == (-1, 0xF0, False)
-    assert _device._pointer_info(0x40) == (1, 0xA0, False)
-    assert _device._pointer_info(0x50) == (3, 0, False)
+    assert _device.pointer_info(0x10) == (-2, 0, True)
+    assert _device.pointer_info(0x20) == (-2, 0, True)
+    assert _device.pointer_info(0x30) == (-1, 0xF0, False)
+    assert _device.pointer_info(0x40) == (1, 0xA0, False)
+    assert _device.pointer_info(0x50) == (3, 0, False)
     with pytest.raises(cpm.InvalidOptionError, match="0x60 is not CUDA memory"):
-        _device._pointer_info(0x60)
+        _device.pointer_info(0x60)
 
 
 # ---------------------------------------------------------------- doctor

@@ -1,6 +1,6 @@
 """Closing, draining and retiring under races: two drains at once, a collection that
 closes a pool mid-free, a peer change while the pool retires, an interrupted close.
-Each test reproduces a race that once broke these steps; each docstring names the fault.
+Each test guards against a race that once broke these paths.
 
 CPU only, against fakes (tests/fakes/hotpath, the ``fake_retirer`` fixture).  Where a
 thread switch or a garbage collection matters it is forced at the exact point (a hook
@@ -70,7 +70,7 @@ class _CloseInCollection:
 
 # ---------------------------------------------------------------- two drains at once
 def test_a_drain_while_another_parks_loses_no_resource_and_raises_nothing():
-    """In _retire.py, _park_retired: ``drain()`` is called from two threads at once in
+    """_retire: _park_retired: ``drain()`` is called from two threads at once in
     the package itself (``benchmarks/churn.close_device_pool`` drains in the main
     thread while the retirer's thread drains too).  The second drain's
     ``_park_retired`` resets ``_parking_now`` to ``[]`` (and again in its ``finally``)
@@ -107,7 +107,7 @@ def test_a_drain_while_another_parks_loses_no_resource_and_raises_nothing():
 # ---------------------------------------------------------------- free vs close (.pyx)
 @pytest.mark.parametrize("impl", ["twin", "compiled"])
 def test_a_block_freed_while_the_pool_is_closed_is_freed_not_cached(impl):
-    """In _hotpath.pyx, PoolCore._release: the compiled ``_release`` tests ``closed``
+    """PoolCore._release: the compiled ``_release`` tests ``closed``
     before ``_bin(..., True)``, which allocates (the key tuple, a new _Bin) and so can
     start a garbage collection whose finalizer switches to a thread that closes the
     pool (``close()`` -> ``_mark_closed``: closed, cache flushed).  The block is then
@@ -134,7 +134,7 @@ def test_a_block_freed_while_the_pool_is_closed_is_freed_not_cached(impl):
 # ---------------------------------------------------------------- _cache_shared vs close
 @pytest.mark.parametrize("impl", ["twin", "compiled"])
 def test_an_exported_block_is_not_cached_in_a_pool_closed_meanwhile(impl):
-    """In _hotpath.pyx and _hotpath_py.py, PoolCore._cache_shared: the exporter's
+    """PoolCore._cache_shared: the exporter's
     ``_recycle`` puts a block whose receivers are done into the reuse cache; the hot
     path tests ``closed`` first, then finds the bin (``_bin(..., True)`` allocates: a
     collection, another thread's ``close()``), then pushes with no second test.  The
@@ -156,11 +156,11 @@ def test_an_exported_block_is_not_cached_in_a_pool_closed_meanwhile(impl):
 
 # ---------------------------------------------------------------- size_t max
 def test_malloc_of_the_largest_size_t_raises_the_packages_oom_error(fake_retirer, twin_world):
-    """In _hotpath_py.py:476 / _hotpath.pyx:474, ``size < self.backend_min``: a pool
+    """_hotpath_py.py:476 / _hotpath.pyx:474, ``size < self.backend_min``: a pool
     with a CUDA pool and no backend has ``backend_min == SIZE_MAX``, so a request of
     exactly ``2**64 - 1`` bytes (a valid size_t) goes to ``_backend_alloc``, which
-    calls ``None.alloc``: AttributeError, outside the package's hierarchy (before
-    the fix the test was ``_pool != NULL``: the driver's out-of-memory, then
+    calls ``None.alloc``: AttributeError, outside the package's hierarchy (the
+    test was once ``_pool != NULL``: the driver's out-of-memory, then
     OutOfPoolMemoryError naming the device's capacity).  Fails in both modes (the
     fake driver runs the twin's malloc; the .pyx has the same line, which a CPU cannot
     run: its malloc needs a GPU)."""
@@ -208,13 +208,17 @@ def two_gpus(monkeypatch, fake_retirer):
         return bool(peers)
 
     fake_device_pools(monkeypatch, mr)
-    monkeypatch.setattr(_pools, "device_count", lambda: 2)
-    monkeypatch.setattr(_pools, "_revoke_stale", lambda m, dev: out.grants.update({m.handle: ()}))
-    monkeypatch.setattr(_pools, "_set_peers", set_peers)
-    monkeypatch.setattr(_pools, "resolve_peer_access", lambda v, dev: (1,) if v == "all" else ())
-    monkeypatch.setattr(_pools, "sync_device", lambda dev: None)
-    monkeypatch.setattr(_pools, "_set_attr", lambda *a: None)
-    monkeypatch.setattr(_pools, "_park", lambda res: None)
+    monkeypatch.setattr(_pools.device, "device_count", lambda: 2)
+    monkeypatch.setattr(
+        _pools.device, "revoke_stale", lambda m, dev: out.grants.update({m.handle: ()})
+    )
+    monkeypatch.setattr(_pools.device, "set_peers", set_peers)
+    monkeypatch.setattr(
+        _pools.device, "resolve_peer_access", lambda v, dev: (1,) if v == "all" else ()
+    )
+    monkeypatch.setattr(_pools.device, "sync_device", lambda dev: None)
+    monkeypatch.setattr(_pools._driver, "set_attr", lambda *a: None)
+    monkeypatch.setattr(_pools._recycle, "park", lambda res: None)
     out.set_peers = set_peers
     return out
 
@@ -226,7 +230,7 @@ def _handles(pool):
 def test_a_peer_change_on_a_closed_pool_never_touches_the_next_owners_cuda_pools(
     two_gpus, monkeypatch
 ):
-    """In _pools.py, DevicePool.peer_access setter / _change_peers: the setter is
+    """DevicePool.peer_access setter / _change_peers: the setter is
     allowed on a closed pool that still has live blocks, and loops over ``self._mrs``
     (the tuple read once) with one ``cuMemPoolSetAccess`` per CUDA pool, a call that
     can take seconds.  Meanwhile another thread frees the last block: the pool is
@@ -265,13 +269,13 @@ def test_a_peer_change_on_a_closed_pool_never_touches_the_next_owners_cuda_pools
             calls.append(t)
         return ok
 
-    monkeypatch.setattr(_pools, "_set_peers", set_peers_with_a_switch)
+    monkeypatch.setattr(_pools.device, "set_peers", set_peers_with_a_switch)
     try:
         p.peer_access = None  # revoke GPU 1 (allowed: a block is live)
     except cpm.PoolClosedError:
         pass  # a fix may refuse a closed pool: fine, as long as the next owner is intact
     calls[1].join(5.0)
-    monkeypatch.setattr(_pools, "_set_peers", two_gpus.set_peers)
+    monkeypatch.setattr(_pools.device, "set_peers", two_gpus.set_peers)
     (q,) = made
     assert _handles(q) == first  # the recycled CUDA pools
     assert [two_gpus.grants[h] for h in _handles(q)] == [(1,), (1,)]  # small: ()
@@ -280,7 +284,7 @@ def test_a_peer_change_on_a_closed_pool_never_touches_the_next_owners_cuda_pools
 def test_a_pool_the_retirer_destroys_revokes_its_grants_before_a_drain_closes_it(
     two_gpus, monkeypatch
 ):
-    """In _pools.py, DevicePool._retire_now: the pool asked ``will_park`` first and
+    """DevicePool._retire_now: the pool asked ``will_park`` first and
     kept its grants when told it would be parked; ``retire`` then decided again, and
     another pool of the same key parked in between (another thread) left no room: the
     pool was destroyed with its grants still set (nvbug 5698116: a pool created later,
@@ -320,7 +324,7 @@ def test_a_pool_the_retirer_destroys_revokes_its_grants_before_a_drain_closes_it
 def test_a_close_interrupted_in_its_cache_flush_still_retires_the_pool(
     fake_retirer, twin_world, monkeypatch
 ):
-    """In _pools.py, Pool.close: ``_mark_closed()`` sets ``closed`` first, then
+    """Pool.close: ``_mark_closed()`` sets ``closed`` first, then
     flushes the reuse cache; a free that raises there (the case the hot path guards
     against: a KeyboardInterrupt landing in a driver free; the flush frees the rest and
     re-raises the first) leaves ``close()`` before ``_close_done`` is set.  From then

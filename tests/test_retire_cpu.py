@@ -27,7 +27,7 @@ import pytest
 
 from cupy_poolmem import _errors, _pools, _retire, _streams
 from cupy_poolmem import _hotpath_py as twin
-from cupy_poolmem._managed_alloc import ManagedAllocator
+from cupy_poolmem._pools.managed import ManagedAllocator
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
@@ -816,7 +816,7 @@ def test_a_closed_pool_does_its_frees_held_for_a_capture_before_it_is_retired(wo
     del m  # held: a free now would become a node of the graph
     assert p.n_capture_held == 1 and world.retirer.pending == 0 and world.retirer.waiting == 1
     assert world.retirer.held == 1 and ("close_pool",) not in world.log
-    assert _streams._capturing  # the retirer knows of the capture now
+    assert _streams.CAPTURES.streams  # the retirer knows of the capture now
     assert not world.retirer.drain()  # still capturing: still held, nothing synchronised
     assert ("free", ptr, 0x5000) not in world.log and ("close_pool",) not in world.log
     del world.status[0x5000]  # end_capture()
@@ -843,8 +843,10 @@ def _breaking_polls(tp, monkeypatch):
     def broken(dev):
         raise RuntimeError("CUDA_ERROR_INVALID_CONTEXT")
 
-    monkeypatch.setattr(tp, "on_device", broken)
-    return lambda: monkeypatch.setattr(tp, "on_device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(tp._capture, "on_device", broken)
+    return lambda: monkeypatch.setattr(
+        tp._capture, "on_device", lambda dev: contextlib.nullcontext()
+    )
 
 
 def test_a_closed_pool_whose_poll_raised_once_is_polled_again_and_retired(world, tp, monkeypatch):
@@ -1005,7 +1007,9 @@ def test_graph_memory_whose_stream_was_finalized_is_left_to_its_graph(world, tp,
     (s,) = resurrected
     assert gc.is_finalized(s)
     live = cupy.cuda.ExternalStream(0x8000, 0)
-    frees = tp._GraphFrees([("graph", 0xA, 64, 0x7000, s), ("graph", 0xB, 64, 0x8000, live)], 0)
+    frees = tp._capture.GraphFrees(
+        [("graph", 0xA, 64, 0x7000, s), ("graph", 0xB, 64, 0x8000, live)], 0
+    )
     assert frees()
     assert asked == [0x8000]  # the destroyed stream is never asked about
     assert ("graph_free", 0xA, 0x7000) not in world.log and ("graph_free", 0xB, 0x8000) in world.log
@@ -1346,12 +1350,11 @@ def test_parks_run_in_relaxed_capture_mode():
     )
     r.retire(r.adopt(Resource(log), "k", lambda res: log.append("park")), 0)
     assert r.drain() and log == ["relaxed", "park", "restored"]
-    monkey = _retire._OWNER[0]
+    monkey = _retire.PROCESS.install(None)
     try:
-        _retire._OWNER[0] = None
         assert _retire.retirer()._relaxed is _retire._relaxed_capture_mode
     finally:
-        _retire._OWNER[0] = monkey
+        _retire.PROCESS.install(monkey)
 
 
 def test_a_fork_child_never_parks_or_hands_out_the_parents_resources(fake_retirer):

@@ -111,7 +111,7 @@ def test_trim_trims_both_and_keeps_the_bytes_asked_for_in_all(world, monkeypatch
         trims.append((int(pool), keep))
         return (0,)
 
-    monkeypatch.setattr(world.tp._drv, "cuMemPoolTrimTo", trim_to, raising=False)
+    monkeypatch.setattr(world.tp._driver.drv, "cuMemPoolTrimTo", trim_to, raising=False)
     assert p.trim(keep=48 * MiB) == 112 * MiB  # 160 MiB reserved, 48 kept
     # The main pool keeps what the small one does not already: 48 - 32 = 16 MiB; the
     # small pool then keeps 48 - 16 = 32 MiB (all it has).
@@ -124,7 +124,7 @@ def test_trim_trims_both_and_keeps_the_bytes_asked_for_in_all(world, monkeypatch
 def test_reset_peak_and_the_release_threshold_cover_both_pools(world, monkeypatch):
     p = world.pool(small=MiB)
     set_attrs = []
-    monkeypatch.setattr(world.tp, "_set_attr", lambda mr, attr, v: set_attrs.append((mr, v)))
+    monkeypatch.setattr(world.tp._driver, "set_attr", lambda mr, attr, v: set_attrs.append((mr, v)))
     p.reset_peak()
     assert [mr.handle for mr, _ in set_attrs] == [MAIN, MAIN, SMALL, SMALL]
     set_attrs.clear()
@@ -153,7 +153,7 @@ def test_resources_close_every_pool_even_when_one_fails():
         closed.append("main")
         raise RuntimeError("CUDA_ERROR_INVALID_VALUE")
 
-    r = _pools._Resources(
+    r = _pools._recycle.Resources(
         (SimpleNamespace(close=boom), SimpleNamespace(close=lambda: closed.append("small")))
     )
     with pytest.raises(RuntimeError, match="CUDA_ERROR_INVALID_VALUE"):
@@ -179,12 +179,12 @@ def test_the_pool_that_owns_a_handle_is_found_by_either_handle(world):
     ],
 )
 def test_small_pool_size_rule(value, max_size, want):
-    assert _pools._small_pool_size(value, max_size) == want
+    assert _pools._options.small_pool_size(value, max_size) == want
 
 
 def test_an_explicit_small_pool_with_max_size_is_refused_naming_the_fix():
     with pytest.raises(cpm.InvalidOptionError) as ei:
-        _pools._small_pool_size("2MiB", 1 << 30)
+        _pools._options.small_pool_size("2MiB", 1 << 30)
     msg = str(ei.value)
     assert "small_pool='2MiB'" in msg and "max_size=1.00 GiB" in msg and "small_pool=None" in msg
 
@@ -192,7 +192,7 @@ def test_an_explicit_small_pool_with_max_size_is_refused_naming_the_fix():
 @pytest.mark.parametrize("bad", ["lots", -1, 1.5j])
 def test_a_bad_small_pool_value_raises_a_typed_error(bad):
     with pytest.raises(cpm.PoolmemError) as ei:
-        _pools._small_pool_size(bad, 0)
+        _pools._options.small_pool_size(bad, 0)
     assert "small_pool" in str(ei.value)
 
 
@@ -223,7 +223,7 @@ def _driver_says_pool(world, monkeypatch, answer=None):
         owner = dict(zip(allocs, world.alloc_pools))
         return 0, owner.get(int(ptr), 0x999)
 
-    monkeypatch.setattr(_pools._drv, "cuPointerGetAttribute", get)
+    monkeypatch.setattr(_pools._driver.drv, "cuPointerGetAttribute", get)
     return calls
 
 

@@ -19,7 +19,7 @@ from fakes.hotpath import World, twin_pools
 from support.gc_locks import GcUnderLock
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _device, _pools, _streams
+from cupy_poolmem import _device, _runtime, _streams
 from cupy_poolmem import _hotpath_py as twin
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
@@ -35,7 +35,7 @@ def tp():
 
 @pytest.fixture
 def world(monkeypatch, tp):
-    monkeypatch.setattr(_pools, "_hp", twin)  # record_stream looks blocks up there
+    monkeypatch.setattr(_runtime, "hp", twin)  # record_stream looks blocks up there
     # Blocks here carry made-up stream handles: one freed after the fakes are undone
     # would reach the real driver (on a GPU machine, with an invalid stream).
     monkeypatch.setattr(_streams, "wait_streams", lambda *a: None)
@@ -132,7 +132,7 @@ def test_ipc_pool_captures_through_the_devices_pool_then_a_template(world, monke
     m = p.malloc(KB)
     assert world.log[-1][0] == "async_alloc" and world.log[-1][1] == m.ptr
     world.graph_errors = [801]  # the device's current pool is IPC-enabled too
-    monkeypatch.setattr(world.tp, "_graph_template", lambda dev: "TEMPLATE")
+    monkeypatch.setattr(world.tp._capture, "graph_template", lambda dev: "TEMPLATE")
     m2 = p.malloc(KB)
     assert world.log[-1][0] == "pool_alloc" and world.log[-1][4] == "TEMPLATE"
     assert m2.ptr != m.ptr
@@ -345,7 +345,7 @@ def test_oom_collects_limbo_trims_and_retries_once(world, monkeypatch):
     p = world.pool(reuse_cache=0)
     world.current = cupy.cuda.ExternalStream(0, 0)
     collected: list = []
-    monkeypatch.setattr(world.tp, "_OOM_CALLBACKS", [lambda: collected.append(1)])
+    monkeypatch.setattr(world.tp._base._runtime, "OOM_CALLBACKS", [lambda: collected.append(1)])
     attempts = iter([(2, 0), (2, 0)])
     monkeypatch.setattr(twin.driver, "alloc", lambda size, pool, s: next(attempts))
     with pytest.raises(cpm.OutOfPoolMemoryError) as ei:
@@ -362,7 +362,7 @@ def test_oom_beyond_the_device_says_so_without_reclaiming(world, monkeypatch):
     p._capacity = 80 << 30
     world.current = cupy.cuda.ExternalStream(0, 0)
     collected: list = []
-    monkeypatch.setattr(world.tp, "_OOM_CALLBACKS", [lambda: collected.append(1)])
+    monkeypatch.setattr(world.tp._base._runtime, "OOM_CALLBACKS", [lambda: collected.append(1)])
     monkeypatch.setattr(twin.driver, "alloc", lambda size, pool, s: (1, 0))  # INVALID_VALUE
     with pytest.raises(cpm.OutOfPoolMemoryError, match="more than the 80.00 GiB") as ei:
         p.malloc(1 << 50)
@@ -383,15 +383,15 @@ def _garbage_block(p) -> int:
 def test_a_gc_under_the_capture_registry_lock_may_free_a_block_on_a_capturing_stream(
     world, monkeypatch
 ):
-    """any_capture_underway() copies the registry under _streams._lock (the retirer asks
+    """any_capture_underway() copies the registry under its lock (the retirer asks
     at every drain); a collection started there frees a block on a capturing stream,
     whose held free notes the capture: the same lock, the same thread."""
     p = world.pool(reuse_cache=0)
     ptr = _garbage_block(p)
     world.status[S] = (1, 7)
-    _streams._capturing[S] = world.current
-    lock = GcUnderLock(_streams._lock)
-    monkeypatch.setattr(_streams, "_lock", lock)
+    _streams.CAPTURES.streams[S] = world.current
+    lock = GcUnderLock(_streams.CAPTURES.lock)
+    monkeypatch.setattr(_streams.CAPTURES, "lock", lock)
     assert _streams.any_capture_underway()
     assert not lock.deadlocked and lock.nested == 1
     assert p.n_capture_held == 1 and ptr not in _frees(world)  # held for the capture
@@ -472,7 +472,7 @@ def _deferring_pinned_pool(world, tp, monkeypatch, done: bool):
             runtime=SimpleNamespace(getDevice=lambda: 0),
         )
     )
-    monkeypatch.setattr(tp, "cupy", fake_cupy)
+    monkeypatch.setattr(tp.pinned, "cupy", fake_cupy)
     p = world.pool(cls=tp.PinnedPool, kind=twin.KIND_PINNED)
     p.release_hook = p._defer_free
     p.cache_limit = p.cache_max_block = 0

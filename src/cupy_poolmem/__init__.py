@@ -25,7 +25,8 @@ import logging as _logging
 from typing import TYPE_CHECKING, Any
 
 from . import stats
-from ._device import check_access, device_count, nearest_numa_node
+from ._access import check_access
+from ._device import device_count, nearest_numa_node
 from ._errors import (
     CUDADriverError,
     DoubleFreeError,
@@ -85,9 +86,9 @@ if TYPE_CHECKING:  # what the lazy names below are, for type checkers and IDEs
         hotpath_implementation,
         managed_backend,
     )
+    from ._pools._blocks import record_stream
     from ._sharing import SharingSettings
     from ._sharing import settings as sharing
-    from ._streams import record_stream
     from .managed import advise, prefetch
 
 __version__ = "0.1.0"
@@ -118,7 +119,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "all_pools": ("._pools", "all_pools"),
     "hotpath_implementation": ("._pools", "hotpath_implementation"),
     "managed_backend": ("._pools", "managed_backend"),
-    "record_stream": ("._streams", "record_stream"),
+    "record_stream": ("._pools._blocks", "record_stream"),
     "sharing": ("._sharing", "settings"),
     "SharingSettings": ("._sharing", "SharingSettings"),
     "advise": (".managed", "advise"),
@@ -126,9 +127,9 @@ _LAZY: dict[str, tuple[str, str]] = {
 }
 
 #: Modules imported together on the first access to any lazy name.  Importing
-#: ``_sharing`` hooks it into the pools and registers the CuPy reducer (arrays of
-#: other allocators then travel by a device copy, ``sharing.fallback``); an
-#: IPC-enabled pool imports it too, whichever way it was created.
+#: ``_sharing`` hooks it into the pools (through ``_runtime``) and registers the CuPy
+#: reducer (arrays of other allocators then travel by a device copy,
+#: ``sharing.fallback``); ``_allocator`` imports it too.
 _GPU_CORE: tuple[str, ...] = ("._pools", "._allocator", "._sharing", ".managed")
 
 # Top-level modules whose absence means "the GPU extra is not installed".

@@ -9,10 +9,16 @@ from typing import Any
 
 import cupy
 
-from . import _guard
+from . import (
+    _guard,
+    _runtime,
+    _sharing,  # noqa: F401  (importing it installs sharing's hooks in _runtime)
+)
 from ._device import nearest_numa_node, require_gpu, resolve_peer_access
 from ._errors import OptionTypeError, PoolClosedError
-from ._pools import DevicePool, PinnedPool, Pool, _hp, _raise_bad_size
+from ._pools import DevicePool, PinnedPool, Pool
+from ._pools._options import raise_bad_size
+from ._runtime import hp as _hp
 
 __all__ = [
     "set_allocator",
@@ -24,7 +30,8 @@ __all__ = [
 ]
 
 _lock = threading.Lock()
-_current: dict[str, PoolAllocator | None] = {"device": None, "pinned": None}
+# The installed allocators live in _runtime (sharing reads them there); one dict.
+_current: dict[str, PoolAllocator | None] = _runtime.INSTALLED_ALLOCATORS
 
 
 class PoolAllocator(_hp.Dispatch):
@@ -58,7 +65,7 @@ class PoolAllocator(_hp.Dispatch):
         super().__init__(self._create, require_gpu())
 
     def _bad_size(self, size: Any) -> None:
-        _raise_bad_size(size, f"PoolAllocator({self.kind!r})")
+        raise_bad_size(size, f"PoolAllocator({self.kind!r})")
 
     def _create(self, device: int) -> Pool:
         with self._plock:

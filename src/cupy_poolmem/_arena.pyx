@@ -1,17 +1,8 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """First-fit placement in one growing address range, in C (``_arena_py.py`` is its twin).
 
-The spans tile ``[base, top)`` in address order (``_spans``); the free ones are also
-kept by (size, address) (``_holes``), so a request finds the free spans that fit
-with a binary search and takes the lowest of them (a scan of every free span at least
-that large: the fewer, the larger the request),
-and a free finds its block, and its neighbours to merge with, with another.  Both arrays are sorted C arrays, moved with ``memmove`` on an
-insert or a removal: a range holds a few hundred spans, where a move of a few
-kilobytes costs less than a tree's node allocations.  ``take`` and ``give`` raise
-nothing and call nothing: the hot path calls them with the GIL held, so each is one
-step for every other thread.  Room for one more span and hole is made before any
-change; when memory for it cannot be had they answer "no" (0) and the caller takes
-its slow path, whose :meth:`Arena.extend` raises the ``MemoryError``.
+``take`` and ``give`` raise nothing and call nothing (the hot path calls them with the
+GIL held).  See docs/device_pool.rst, "How it works".
 """
 
 from libc.stdint cimport uintptr_t

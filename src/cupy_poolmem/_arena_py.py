@@ -1,26 +1,9 @@
 """First-fit placement in one growing address range: the twin of ``_arena.pyx``.
 
-An :class:`Arena` hands out pieces of ``[base, top)``, an address range whose memory
-is mapped from ``base`` up to ``top`` (by its owner, :mod:`._expandable`), and takes
-them back.  It knows nothing of CUDA: every piece of the range is a span, free or
-live, tiling the range in address order; a request takes the free span of lowest
-address that fits (address-ordered first fit), split at the request's size rounded up
-to :data:`UNIT`; a freed span merges with its free neighbours.  On the churn
-benchmark's traces first fit reserves 1-8% less than best fit (the smallest span that
-fits): it packs live blocks toward the range's start and leaves its top free.  So a freed block's room
-serves any size, and the free room at the top stays one span, which the owner can
-unmap (:meth:`Arena.cut_tail`) or extend (:meth:`Arena.extend`).
-
-The compiled ``_arena.Arena`` keeps the same spans in C arrays; this twin keeps them
-in lists of ints, with ``bisect`` (a free span's key in ``_holes`` is
-``size << 64 | address``).  The compiled one's calls are single steps under the GIL;
-here a lock makes them so.  A garbage collection can still start inside one (from
-Python 3.12 at any function call or loop), and a block it frees comes back to
-:meth:`Arena.give` in the same thread: the lock is reentrant, and a give that finds
-a call of its own thread under way (``_busy``, set once the lock is held and before
-any change) is queued; that call does it before it lets go.  A take there answers 0
-(the pool's slow path), and an extend or a cut raises ``RuntimeError``.  Both are tested on the same traces
-(``tests/test_arena_cpu.py``), and the pure-Python hot path uses this one.
+An :class:`Arena` hands out pieces of an address range mapped by its owner
+(:mod:`._expandable`) and takes them back; it knows nothing of CUDA.  The pure-Python
+hot path uses it; ``tests/test_arena_cpu.py`` checks both on the same traces.  See
+docs/device_pool.rst, "How it works".
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """Blocks the driver does not pool, cached by size, their reuse ordered by events.
 
-The pools' backends that are not a CUDA memory pool (``ManagedPool``'s
-``cuMemAllocManaged`` blocks, ``DevicePool``'s mapped large blocks) share one cache:
-:class:`BlockCache`.  A subclass makes and destroys blocks (``_create``,
-``_destroy``); the cache decides when a freed block may serve again and when it goes
-back to the driver:
-
-- a freed block waits behind an event recorded on the stream that freed it;
-- it serves the next allocation at once on that stream (stream order covers it;
-  not the per-thread default stream, a different stream in each thread), and on
-  another stream once its event has completed.  Streams are known by handle only,
-  and a destroyed stream's handle can name the next stream created while the old
-  one's work still runs: a block whose event has not completed goes to a stream of
-  the same handle behind a wait on that event (``cuStreamWaitEvent``), which costs
-  nothing where the stream is the same one;
-- it serves a request of its size class, or (``fit``) one up to that fraction
-  smaller;
-- beyond ``release_threshold`` cached bytes, the oldest freed blocks whose events
-  have completed are destroyed (:meth:`BlockCache.release`; ``wait`` also waits for
-  the others).  Nothing is destroyed while its stream may still use it.
-
-A garbage collection can start while a thread holds the lock (any allocation under
-it), and a block freed there comes back to :meth:`BlockCache.free` in the same
-thread, while the outer call may be iterating the cache.  Such a nested free does
-not take the lock: it queues its entry, and the lock's holder adds it before
-releasing (as ``stats._Observer._run`` does).  No reentrant critical section, no
-deadlock.
+:class:`BlockCache` is shared by the backends that are not a CUDA pool (ManagedPool's
+``cuMemAllocManaged`` blocks, DevicePool's mapped blocks): a subclass makes and
+destroys blocks, the cache decides when a freed block may serve again and when it goes
+back to the driver.  See docs/device_pool.rst, "How it works".
 """
 
 from __future__ import annotations

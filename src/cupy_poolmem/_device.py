@@ -32,14 +32,12 @@ __all__ = [
     "local_device",
     "nearest_numa_node",
     "on_device",
-    "sync_device",
     "grant_access",
     "can_access_peer",
     "peer_topology",
     "resolve_peer_access",
     "has_access",
     "require_access",
-    "check_access",
     "require_attribute",
     "AccessGrants",
     "ensure_access",
@@ -263,15 +261,6 @@ class on_device:
             _runtime().setDevice(self.prev)
 
 
-def sync_device(dev: int) -> None:
-    """Wait until every stream of ``dev`` is idle (``cuCtxSynchronize`` on its primary
-    context), also while another thread captures a graph in global mode."""
-    from ._streams import relaxed_capture_mode
-
-    with on_device(dev), relaxed_capture_mode():
-        check_driver(_drv().cuCtxSynchronize(), "cuCtxSynchronize")
-
-
 def can_access_peer(dev: int, peer: int) -> bool:
     """Whether device ``dev`` can read and write memory of device ``peer`` (same: True)."""
     if dev == peer:
@@ -344,7 +333,7 @@ def _ordinal(item: Any, name: str, n: int) -> int:
     return d
 
 
-def _cannot_access(device: int, owner: int, what: str) -> UnsupportedError:
+def cannot_access(device: int, owner: int, what: str) -> UnsupportedError:
     return UnsupportedError(
         f"GPU {device} cannot access memory of GPU {owner}{what}: "
         f"cudaDeviceCanAccessPeer({device}, {owner}) is 0 (no NVLink or PCIe peer path "
@@ -418,7 +407,7 @@ def resolve_peer_access(value: Any, owner: int, *, name: str = "peer_access") ->
     wanted.discard(owner)
     for d in sorted(wanted):
         if owner >= 0 and not can_access_peer(d, owner):
-            raise _cannot_access(d, owner, f" (asked for by {name}={list(value)!r})")
+            raise cannot_access(d, owner, f" (asked for by {name}={list(value)!r})")
     return tuple(sorted(wanted))
 
 
@@ -449,7 +438,7 @@ def require_access(pool_handle: int, owner: int, device: int, what: str = "pool 
     if device == owner:
         return
     if owner >= 0 and not can_access_peer(device, owner):
-        raise _cannot_access(device, owner, f" ({what})")
+        raise cannot_access(device, owner, f" ({what})")
     if has_access(pool_handle, device):
         return
     if owner < 0:
@@ -467,7 +456,7 @@ def require_access(pool_handle: int, owner: int, device: int, what: str = "pool 
     )
 
 
-def _pointer_info(ptr: int) -> tuple[int, int, bool]:
+def pointer_info(ptr: int) -> tuple[int, int, bool]:
     """``(owner, pool_handle, managed)`` of a CUDA pointer; owner ``-1`` for host memory."""
     drv = _drv()
     attr = drv.CUpointer_attribute
@@ -497,120 +486,10 @@ def _pointer_info(ptr: int) -> tuple[int, int, bool]:
     return int(owner), pool, False
 
 
-def _data_pointer(array: Any) -> int:
-    ptr = getattr(getattr(array, "data", None), "ptr", None)
-    if ptr is not None:  # cupy.ndarray
-        return int(ptr)
-    for attr in ("__cuda_array_interface__", "__array_interface__"):
-        iface = getattr(array, attr, None)
-        if iface is not None:
-            return int(iface["data"][0] or 0)
-    raise OptionTypeError(
-        "check_access takes a cupy.ndarray, an object with __cuda_array_interface__ or a "
-        f"numpy array on pinned memory; got {type(array).__name__}"
-    )
-
-
-def check_access(array: Any, device: Any = None) -> None:
-    """Raise a clear error unless GPU ``device`` can read and write ``array``'s memory.
-
-    A kernel that reads pool memory its GPU was not granted fails with
-    ``cudaErrorIllegalAddress``, and that error breaks the CUDA context for the rest of
-    the process.  CuPy cannot see pool grants (it checks only that the two GPUs are
-    peer capable), so call this before using an array from a GPU other than its own
-    when you cannot be sure of the grants (``peer_access=None`` pools, memory from
-    other libraries).
-
-    Parameters
-    ----------
-    array : cupy.ndarray, object with ``__cuda_array_interface__``, or numpy.ndarray
-        Device memory (any pool, or plain ``cudaMalloc``), managed memory, or host
-        memory from a pinned pool.
-    device : int or cupy.cuda.Device, optional
-        The GPU that will use it; default the current device.
-
-    Raises
-    ------
-    WrongDeviceError
-        The memory's pool grants ``device`` no access (grant it: ``pool.peer_access``).
-    UnsupportedError
-        The two GPUs cannot access each other at all; both are named.
-    InvalidOptionError
-        The driver does not know the memory (pageable host memory, on most systems).
-
-    Notes
-    -----
-    Managed memory passes (every GPU can use it).  A mapped block of a
-    ``DevicePool(large_blocks="mapped")`` carries its own grants, which the driver is
-    asked for, whatever the array type (a ``cupy.ndarray``, or any view of the memory
-    through ``__cuda_array_interface__``).  Other device memory that is not from a pool
-    passes when the two GPUs are peer capable: CuPy enables peer access for it (memory
-    another library mapped with virtual memory management is not told apart from it).
-
-    Examples
-    --------
-    >>> pool = cupy_poolmem.DevicePool(device=0, peer_access=None)  # doctest: +SKIP
-    >>> with cupy_poolmem.using(pool):  # doctest: +SKIP
-    ...     x = cupy.ones(10)
-    >>> cupy_poolmem.check_access(x, device=1)  # doctest: +SKIP
-    Traceback (most recent call last):
-    WrongDeviceError: memory of a cupy.ndarray on GPU 0 is not accessible from GPU 1: ...
-    """
-    dev = check_device(device)
-    ptr = _data_pointer(array)
-    if ptr == 0:  # empty: nothing to access
-        return
-    with on_device(dev):
-        owner, pool, managed = _pointer_info(ptr)
-    if managed:
-        return
-    what = f"memory of a {type(array).__module__.split('.')[0]}.{type(array).__name__}"
-    if owner >= 0:  # CuPy's own record of the array's GPU comes first
-        owner = int(getattr(getattr(array, "data", None), "device_id", owner))
-    if pool == 0:  # cudaMalloc, registered or mapped memory
-        from ._expandable import expandable_range_of
-        from ._mapped import mapped_block_of
-
-        mapped = mapped_block_of(array, ptr) or expandable_range_of(ptr)
-        if mapped is not None:
-            owner = mapped[0].device
-        if owner >= 0 and owner != dev and not can_access_peer(dev, owner):
-            raise _cannot_access(dev, owner, f" ({what})")
-        if mapped is not None and not mapped[0].has_access(mapped[1], dev):
-            # Each mapped block carries its own grants, like a pool's: peer access between
-            # the GPUs (which CuPy enables) does not open it.
-            raise WrongDeviceError(
-                f"{what} (a mapped block of a DevicePool with large_blocks="
-                f"'{mapped[0].mode}') on GPU "
-                f"{owner} is not accessible from GPU {dev}: its pool grants that GPU no "
-                f"access. Grant it with pool.peer_access = [{dev}] or 'all'."
-            )
-        return  # not from a pool: device-level peer access applies
-    if owner == dev and not has_access(pool, dev):
-        # A pool's own GPU always has access, so the driver named the wrong GPU (seen:
-        # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL said 0 for pool memory on GPU 1, driver 580).
-        owner = _pool_owner(pool, dev)
-        if owner < 0:
-            raise WrongDeviceError(
-                f"{what} (pool memory) is not accessible from GPU {dev}: its pool grants that "
-                f"GPU no access. Grant it with pool.peer_access = [{dev}] or 'all'."
-            )
-    require_access(pool, owner, dev, what)
-
-
-def _pool_owner(pool_handle: int, not_this: int) -> int:
-    """A GPU that can use the pool ``pool_handle`` other than ``not_this`` (its owner when
-    nothing else was granted); ``-3`` when none can."""
-    for d in range(device_count()):
-        if d != not_this and has_access(pool_handle, d):
-            return d
-    return -3
-
-
 class AccessGrants:
     """The read-write grants this process gave devices on pools it did not create.
 
-    One instance per process (module ``_grants``) records each ``(pool, device)`` pair
+    One instance per process (module ``GRANTS``) records each ``(pool, device)`` pair
     once, under one lock, so importers of a shared pool (array sharing, the Numba
     plugin, dask transfers) call ``cuMemPoolSetAccess`` once per pair however often
     they receive memory from that pool.
@@ -633,7 +512,7 @@ class AccessGrants:
             if device in done:
                 return False
             if owner >= 0 and not can_access_peer(device, owner):
-                raise _cannot_access(device, owner, f" (imported pool {h:#x})")
+                raise cannot_access(device, owner, f" (imported pool {h:#x})")
             grant_access(h, [device])
             done.add(device)
             return True
@@ -661,7 +540,7 @@ class AccessGrants:
             return {h: tuple(sorted(d)) for h, d in self._pairs.items() if d}
 
 
-_grants = AccessGrants()
+GRANTS = AccessGrants()
 
 
 def ensure_access(pool_handle: int, device: int, owner: int) -> None:
@@ -697,7 +576,7 @@ def ensure_access(pool_handle: int, device: int, owner: int) -> None:
     >>> mr = cuda.core.DeviceMemoryResource.from_allocation_handle(0, fd)  # doctest: +SKIP
     >>> ensure_access(int(mr.handle), device=1, owner=0)  # doctest: +SKIP
     """
-    _grants.ensure(pool_handle, device, owner)
+    GRANTS.ensure(pool_handle, device, owner)
 
 
 def ensure_peer_access(pool_handle: int, owner: int, peer_access: Any = "all") -> tuple:
@@ -710,14 +589,14 @@ def ensure_peer_access(pool_handle: int, owner: int, peer_access: Any = "all") -
     every GPU named.  Returns the devices granted (``owner`` excluded).  The place to
     call it is right after a pool is imported, before its first pointer is used.
     """
-    return _grants.ensure_peers(pool_handle, owner, peer_access)
+    return GRANTS.ensure_peers(pool_handle, owner, peer_access)
 
 
 def forget_access(pool_handle: int) -> None:
     """Forget the grants recorded for ``pool_handle`` (when that pool is closed)."""
-    _grants.forget(pool_handle)
+    GRANTS.forget(pool_handle)
 
 
 def granted_access() -> dict[int, tuple[int, ...]]:
     """The grants this process gave on imported pools: ``{pool handle: devices}``."""
-    return _grants.granted()
+    return GRANTS.granted()

@@ -1,48 +1,21 @@
 """``DevicePool(large_blocks="expandable")``: every block placed first fit in address
 ranges that grow by mapping device memory, two per stream.
 
-A CUDA pool, and CuPy's ``MemoryPool``, place blocks in chunks of memory of their
-own, and a chunk goes back only once it is empty: blocks of many sizes freed out of
-order leave holes in many chunks that a new block cannot span (the churn benchmark:
-0.98x ``MemoryPool``'s peak at best).  Here each stream's blocks are placed in one
-address range reserved once (``cuMemAddressReserve``, the device's size), mapped
-from its start upward as it fills (``cuMemCreate``, ``cuMemMap``,
-``cuMemSetAccess``: 20 MiB at a time, 2 MiB for the range of blocks up to
-:data:`SMALL_MAX`, which keeps small blocks from splitting the large ones' room).
-An :class:`~cupy_poolmem._arena_py.Arena` places the blocks: the free span of
-lowest address that fits, split to size; a freed block merges with free neighbours,
-so its room serves any later size.  torch's ``expandable_segments`` works this way
-(with best fit).
-
-The hot path takes and gives blocks in the arenas itself (two C calls, no driver
-call: ``_hotpath.pyx``'s ``_arena_take``/``_arena_give``); this module runs when an
-arena has no room: it maps more at the range's top, or makes the range.  A freed
-block goes back to the arena of the stream it was allocated on, where the next
-allocation on that stream may take it at once (stream order, as for CuPy's
-``MemoryPool``); ``record_stream`` orders its other streams' work first.  An arena
-keeps its stream object alive, so a CuPy stream's handle names no other stream
-meanwhile (an ``ExternalStream``'s owner must not destroy it while the pool has
-blocks or ranges of it).  The per-thread default stream (handle 2) is another
-stream in each thread: its ranges are keyed by a token of the thread, never reused.
-
-Nothing is unmapped on a free: :meth:`ExpandableBlocks.release` (the pool's
-``trim``, and before an out-of-memory error) takes what is free at the top of each
-range out of its arena, then waits for the range's stream (or, without waiting,
-puts it back if the stream is busy or capturing) and unmaps it, in the mapped
-steps it was mapped in; ranges left with nothing mapped are dropped.  Memory free
-inside a range, below a live block, stays mapped.
+:class:`ExpandableBlocks` owns the ranges of one pool (reserve, map at the top, unmap
+the free top on release) and the arenas that place blocks in them; the hot path takes
+and gives blocks in the arenas itself.  See docs/device_pool.rst, "How it works".
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import weakref
 from typing import Any, ClassVar
 
-from . import _arena_py
+from . import _arena_py, _streams
 from ._errors import add_note, check_driver
 from ._mapped import MappingCalls, access_descriptors, device_allocation, restore_access
+from ._streams import stream_key
 
 __all__ = [
     "ExpandableBlocks",
@@ -67,9 +40,7 @@ def _drv() -> Any:
 
 
 def _device_sync(device: int) -> None:
-    from ._device import sync_device
-
-    sync_device(device)
+    _streams.sync_device(device)
 
 
 def _round_up(n: int, unit: int) -> int:
@@ -364,14 +335,12 @@ class ExpandableBlocks(MappingCalls):
         without disturbing a capture: a stream that is capturing, the legacy stream
         while any capture is under way, and another thread's per-thread stream are
         not asked (not idle)."""
-        from ._streams import any_capture_underway
-
         if stream_ptr == _PER_THREAD:
             return False
         d = self._d
         try:
             if stream_ptr <= 1:
-                if any_capture_underway():
+                if _streams.any_capture_underway():
                     return False
             else:
                 err, status = d.cuStreamIsCapturing(stream_ptr)
@@ -446,24 +415,6 @@ class ExpandableBlocks(MappingCalls):
                     raise
             self._access = access_descriptors(d, (self.device, *peers), ())
             self.peers = peers
-
-
-_TOKENS = itertools.count(1)
-_THREAD = threading.local()
-
-
-def stream_key(stream_ptr: int) -> int:
-    """The key of a stream's arenas: its handle, but for handle 2, the per-thread
-    default stream, which is another stream in each thread: ``token << 2 | 2``, the
-    token the calling thread drew first (never another thread's, even once it ended,
-    whose stream's work may still run; no stream's handle, an aligned pointer, looks
-    like it).  Both hot paths ask this function for it."""
-    if stream_ptr == _PER_THREAD:
-        token = getattr(_THREAD, "token", 0)
-        if not token:
-            token = _THREAD.token = next(_TOKENS)
-        return (token << 2) | _PER_THREAD
-    return stream_ptr
 
 
 def expandable_range_of(ptr: int) -> tuple[ExpandableBlocks, int] | None:

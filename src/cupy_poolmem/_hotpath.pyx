@@ -106,7 +106,7 @@ cdef int _KIND_PINNED = 1  # the C twin of KIND_PINNED (no module lookup and com
 IMPLEMENTATION = "cython"
 # Bumped whenever the compiled modules change shape: a stale build is not used.
 VERSION = 16
-from cupy_poolmem._expandable import stream_key as _stream_key
+from cupy_poolmem._streams import stream_key as _stream_key
 #: The arena class the hot path takes blocks from (``DevicePool(large_blocks="expandable")``).
 ARENA = Arena
 

@@ -17,12 +17,12 @@ from cupy.cuda.pinned_memory import PinnedMemoryPointer as _PinnedMemoryPointer
 from cupy.cuda.stream import get_current_stream
 
 from ._arena_py import Arena as ARENA  # noqa: F401  (the arena class of this hot path)
-from ._expandable import stream_key as _stream_key
 
 # LOG_BATCH and Recorder are re-exported: ``_runtime`` makes the process's recorder here.
 from ._recorder_py import LOG_BATCH as LOG_BATCH
 from ._recorder_py import Observed, as_size
 from ._recorder_py import Recorder as Recorder
+from ._streams import stream_key as _stream_key
 
 KIND_DEVICE = 0
 KIND_PINNED = 1

@@ -1,31 +1,9 @@
 """``DevicePool(large_blocks="mapped")``: each large block on device memory of its own.
 
-A CUDA pool maps its memory in 32 MiB chunks and gives back only chunks left empty,
-so blocks of many sizes freed out of order keep it reserving far more than is live
-(the churn benchmark: 0.98x CuPy's ``MemoryPool`` at best).  Here a block above the
-pool's small-block size is physical memory of its own, made with virtual memory
-management (``cuMemCreate``, ``cuMemAddressReserve``, ``cuMemMap``,
-``cuMemSetAccess``) at the device's granularity (2 MiB), and unmapped when it leaves
-the cache of freed blocks (:class:`~cupy_poolmem._block_cache.BlockCache`): what the
-pool reserves follows what is live.
-
-The driver work, about 80 us to map a block and 85 us to unmap it (H100, 32-64 MiB;
-``cuMemSetAccess`` and the unmap that frees the memory are most of it), is paid on a
-cache miss only: a freed block serves the next
-request of its size, or of at least three quarters of it (``fit``), on its own stream
-at once and on another once the event recorded at its free has completed.  Beyond
-``release_threshold`` cached bytes, the oldest freed blocks whose streams are past
-their frees are unmapped.  With no threshold set, freed blocks stay mapped while the blocks reserve no more than the
-most bytes ever live in them plus a sixteenth (at least 64 MiB): a new block that
-would reserve more unmaps the oldest freed blocks first.  So the reserved peak stays
-within that margin of the live peak (once the frees have run), and a working set
-that shrinks keeps its freed blocks for when it grows again (``trim`` gives them
-back).
-
-cuda.core 1.2's ``VirtualMemoryResource`` would do the mapping, but it keeps every
-block's physical memory until the process exits (NVIDIA/cuda-python#2882, fixed
-after 1.2) and reserves, maps and unmaps synchronously: the calls are made here with
-cuda.bindings.
+:class:`MappedBlocks` maps a block per request above the small-block size (virtual
+memory management, with cuda.bindings) and keeps freed ones in a
+:class:`~cupy_poolmem._block_cache.BlockCache`.  See docs/device_pool.rst, "How it
+works".
 """
 
 from __future__ import annotations

@@ -1,42 +1,9 @@
-"""Destroying the package's CUDA pools: only once a synchronising call saw their frees.
+"""Destroying the package's CUDA pools, only once a synchronising call saw their frees.
 
-The CUDA documentation lets a pool be destroyed while frees of its memory are still
-pending (the driver finishes the job when they complete).  Driver 580 does not cope:
-
-- any pool destroyed while a free of its memory is still pending corrupts the
-  driver's heap: a pool created later in the process crashes in its first
-  ``cuMemAllocFromPoolAsync`` (SIGFPE, or SIGSEGV at a small address; H100, driver
-  580.159).  First seen with an IPC pool whose last free waited on another
-  process's event; a probe of 2026-11-24 crashed every time for plain and shareable
-  pools alike, the free pending behind a kernel on its own stream or behind another
-  stream's event.  Destroying once an event recorded after the free reported done
-  (``cuEventQuery``, no synchronisation) never crashed (64 pools of 64);
-- an imported pool destroyed before a synchronising call saw its frees keeps a
-  descriptor of ``/dev/nvidiactl`` open for good (the importer keeps its own events for
-  those, see ``_sharing/_importer.py``).
-
-So a pool never destroys its CUDA pool itself.  :class:`Retirer` holds the cuda.core
-resource of every pool from creation (a pool dropped inside a garbage cycle cannot
-destroy it either), and when the pool is drained it synchronises the devices its frees
-ran on (``cuCtxSynchronize``, in a thread of its own, never while a capture the pools
-know of is under way) and only then closes the resource.  That sync also invalidates
-a capture under way that no pool has seen yet (known issue: see the troubleshooting
-guide); events recorded after a pool's frees, on every stream it freed on, would
-avoid it, at the price of a ledger of those streams in the hot path.
-
-Most drained pools are not destroyed at all: a resource adopted with a
-``recycle_key`` (a plain DevicePool's CUDA pools) is *parked*, with no sync: its
-memory goes back to the device as its frees complete (release threshold 0, a trim),
-and the next pool created with the same key takes it over (:meth:`Retirer.take_recycled`).
-Frees still pending in a CUDA pool do not stop its reuse (they are stream-ordered),
-so nothing needs a sync, and no capture is broken.  Up to ``max_recycled`` resources
-wait per key; one more is destroyed as above.
-
-Blocks that must not be freed on their own stream (a pool finalized inside a garbage
-cycle: a cupy ``Stream``'s finalizer may have destroyed the stream first) are
-*leftovers*: the retirer frees them after a sync, on the legacy stream, before it
-closes their pool.  A closed pool whose last frees wait for a stream capture to end
-is polled by the retirer (:meth:`Retirer.after_captures`) and retired once they are done.
+:class:`Retirer` (one per process, :func:`retirer`) holds every pool's CUDA resource
+from creation, parks drained plain pools for reuse, destroys the others after a
+device sync in a thread of its own, and frees leftover blocks of finalized pools.
+See docs/device_pool.rst, "How it works" (why: a driver bug, measured there).
 """
 
 from __future__ import annotations
@@ -50,6 +17,7 @@ import warnings
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, NamedTuple
 
+from . import _device, _streams
 from ._streams import CAPTURE_ERRORS
 
 log = logging.getLogger(__name__)
@@ -149,7 +117,7 @@ class Retirer:
     ) -> None:
         self._sync, self._capture_underway = sync, capture_underway
         self._relaxed = relaxed
-        self._free = free or _free_on_legacy_stream
+        self._free = free or free_on_legacy_stream
         self._active_devices = active_devices
         self._delay, self._background = delay, background
         # Reentrant: retire() runs from pools' finalizers, and a garbage collection can
@@ -699,25 +667,21 @@ class Retirer:
         self._polling = 0
 
 
-def _sync_device(dev: int) -> None:
-    from ._device import sync_device
+def _drv() -> Any:
+    from cuda.bindings import driver
 
-    sync_device(dev)
+    return driver
 
 
-def _free_on_legacy_stream(ptr: int, dev: int) -> None:
-    from ._device import _drv, on_device
-
-    with on_device(dev):
+def free_on_legacy_stream(ptr: int, dev: int) -> None:
+    with _device.on_device(dev):
         _drv().cuMemFreeAsync(ptr, 0)
 
 
 def _active_devices() -> list[int]:
     """Devices whose primary context is alive (syncing others would create one)."""
-    from ._device import _drv, device_count
-
     out = []
-    for dev in range(device_count()):
+    for dev in range(_device.device_count()):
         err, _flags, active = _drv().cuDevicePrimaryCtxGetState(dev)
         if not int(err) and active:
             out.append(dev)
@@ -725,39 +689,53 @@ def _active_devices() -> list[int]:
 
 
 def _capture_underway() -> bool:
-    from ._streams import any_capture_underway
-
-    return any_capture_underway()
+    return _streams.any_capture_underway()
 
 
 def _relaxed_capture_mode() -> contextlib.AbstractContextManager[None]:
-    from ._streams import relaxed_capture_mode
-
-    return relaxed_capture_mode()
+    return _streams.relaxed_capture_mode()
 
 
-_OWNER: list[Retirer | None] = [None]
-_OWNER_LOCK = threading.Lock()
+class ProcessRetirer:
+    """Owns the process's one :class:`Retirer` (made on first use), with its fork hook."""
+
+    def __init__(self) -> None:
+        self.current: Retirer | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Retirer:
+        r = self.current
+        if r is None:
+            with self._lock:
+                r = self.current
+                if r is None:
+                    r = self.current = Retirer(
+                        _streams.sync_device,
+                        _capture_underway,
+                        _active_devices,
+                        relaxed=_relaxed_capture_mode,
+                    )
+        return r
+
+    def install(self, r: Retirer | None) -> Retirer | None:
+        """Make ``r`` the process's retirer (None: a new one on next use); the old one."""
+        with self._lock:
+            old, self.current = self.current, r
+        return old
+
+    def after_fork_in_child(self) -> None:
+        r = self.current
+        if r is not None:
+            r._after_fork_in_child()
+
+
+PROCESS = ProcessRetirer()
 
 
 def retirer() -> Retirer:
     """The process's :class:`Retirer` (created on first use)."""
-    r = _OWNER[0]
-    if r is None:
-        with _OWNER_LOCK:
-            r = _OWNER[0]
-            if r is None:
-                r = _OWNER[0] = Retirer(
-                    _sync_device, _capture_underway, _active_devices, relaxed=_relaxed_capture_mode
-                )
-    return r
-
-
-def _after_fork_in_child() -> None:
-    r = _OWNER[0]
-    if r is not None:
-        r._after_fork_in_child()
+    return PROCESS.get()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(after_in_child=PROCESS.after_fork_in_child)

@@ -3,7 +3,7 @@
 It owns which hot path is loaded, the pools alive in this process (and the lock
 guarding them, made anew in a fork child), and the hooks the upper layers install:
 callbacks before an out-of-memory retry, callbacks for each IPC-enabled pool, and the
-observer every pool reports to.  It imports nothing of the package but the hot path.
+observer every pool reports to; and the allocators ``set_allocator()`` installed.  It imports nothing of the package but the hot path.
 """
 
 from __future__ import annotations
@@ -33,20 +33,30 @@ else:
 
 # Every pool alive in this process (statistics(), logs and sharing walk it).
 POOLS: weakref.WeakSet[Any] = weakref.WeakSet()
-_lock = threading.RLock()  # reentrant: a pool's __del__ may run inside a GC here
-_lock_pid = [os.getpid()]  # the process _lock was made in
 
 
-def registry_lock() -> threading.RLock:
+class _RegistryLock:
     """The lock of :data:`POOLS`, made anew in a fork child on its first use there: a
     parent thread may have held it at the fork, and then no thread of the child would
     ever release it (the fork handlers of every module use the registry, in any order)."""
-    global _lock
-    pid = os.getpid()
-    if _lock_pid[0] != pid:
-        _lock = threading.RLock()
-        _lock_pid[0] = pid
-    return _lock
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # reentrant: a pool's __del__ may run inside a GC here
+        self.pid = os.getpid()  # the process the lock was made in
+
+    def get(self) -> threading.RLock:
+        pid = os.getpid()
+        if self.pid != pid:
+            self.lock, self.pid = threading.RLock(), pid
+        return self.lock
+
+
+_REGISTRY_LOCK = _RegistryLock()
+
+
+def registry_lock() -> threading.RLock:
+    """The lock of :data:`POOLS` (made anew in a fork child on its first use there)."""
+    return _REGISTRY_LOCK.get()
 
 
 # Callables run before an out-of-memory retry (sharing's limbo collection registers here).
@@ -57,6 +67,13 @@ IPC_POOL_CALLBACKS: list[Any] = []
 # the process's one recorder (the hot path's Recorder, which the statistics configure).
 GLOBAL_OBSERVER: list[Any] = [None]
 RECORDER = hp.Recorder()
+# The allocators set_allocator() installed, by kind ("device", "pinned"); None: CuPy's own.
+INSTALLED_ALLOCATORS: dict[str, Any] = {"device": None, "pinned": None}
+
+
+def installed_allocator(kind: str) -> Any:
+    """The allocator ``set_allocator()`` installed for ``kind`` ("device" or "pinned")."""
+    return INSTALLED_ALLOCATORS[kind]
 
 
 def hotpath_implementation() -> str:

@@ -1,8 +1,7 @@
-"""Streams for the pools: stream arguments, capture state, cross-stream ordering.
+"""Streams: stream arguments and keys, capture state, cross-stream ordering, device sync.
 
-Everything here runs off the allocation hot path: ``record_stream`` and the frees of
-blocks it marked, the graph-capture slow paths of the pools, and frees held until a
-capture ends.
+It knows nothing of pools: ``record_stream`` (in ``_pools/_blocks.py``), the pools'
+capture slow paths and the retirer build on it.
 
 Stream rules (see docs/device_pool.rst, "Streams and graphs"):
 
@@ -17,13 +16,15 @@ Stream rules (see docs/device_pool.rst, "Streams and graphs"):
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ._errors import InvalidOptionError, OptionTypeError, check_driver
+from . import _device
+from ._errors import OptionTypeError, check_driver
 
-__all__ = ["record_stream"]
+__all__ = ["as_stream", "stream_key", "sync_device", "wait_streams"]
 
 CAPTURE_NONE = 0
 CAPTURE_ACTIVE = 1
@@ -32,13 +33,40 @@ CAPTURE_INVALIDATED = 2
 # a call that failed with one of them must be retried once no capture is under way.
 CAPTURE_ERRORS = frozenset(range(900, 909))
 
-# Reentrant: a garbage collection can start inside it (any allocation under it, such
-# as the copy in any_capture_underway), and a block freed there on a capturing stream
-# comes back through note_capture() in the same thread.
-_lock = threading.RLock()
-# Streams seen capturing by the pools, with their stream objects: a handle is only
-# queried while its object (hence the stream) is alive.  Pruned once not capturing.
-_capturing: dict[int, Any] = {}
+
+class CaptureRegistry:
+    """The streams the pools saw capturing, with their stream objects (a handle is only
+    queried while its object, hence the stream, is alive); pruned once not capturing.
+
+    The lock is reentrant: a garbage collection can start inside it (any allocation
+    under it, such as the copy in :meth:`any_underway`), and a block freed there on a
+    capturing stream comes back through :meth:`note` in the same thread.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.streams: dict[int, Any] = {}
+
+    def note(self, stream_ptr: int, stream: Any) -> None:
+        with self.lock:
+            self.streams[stream_ptr] = stream
+
+    def any_underway(self) -> bool:
+        with self.lock:
+            # A collection started here runs before the copy iterates (at the
+            # allocation of the list or of the dict's iterator): a nested note() cannot
+            # change the dict under the iteration.
+            streams = list(self.streams)
+        live = [s for s in streams if capture_status(s) != CAPTURE_NONE]
+        if len(live) != len(streams):
+            with self.lock:
+                for s in streams:
+                    if s not in live:
+                        self.streams.pop(s, None)
+        return bool(live)
+
+
+CAPTURES = CaptureRegistry()
 
 
 def _drv() -> Any:
@@ -47,7 +75,7 @@ def _drv() -> Any:
     return driver
 
 
-def _current_device() -> int:
+def current_device() -> int:
     import cupy
 
     return int(cupy.cuda.runtime.getDevice())
@@ -85,7 +113,7 @@ def as_stream(obj: Any, name: str = "stream", device: int | None = None) -> tupl
         d = getattr(getattr(obj, "device", None), "device_id", None)
         dev = -1 if d is None else int(d)
     if dev < 0:
-        dev = _current_device() if device is None or device < 0 else device
+        dev = current_device() if device is None or device < 0 else device
     return ptr, dev, obj
 
 
@@ -116,24 +144,12 @@ def capture_info(stream_ptr: int) -> tuple[int, int]:
 
 def note_capture(stream_ptr: int, stream: Any) -> None:
     """Remember a stream the pools saw capturing (for :func:`any_capture_underway`)."""
-    with _lock:
-        _capturing[stream_ptr] = stream
+    CAPTURES.note(stream_ptr, stream)
 
 
 def any_capture_underway() -> bool:
     """Whether a stream the pools saw capturing still is (synchronising would break it)."""
-    with _lock:
-        # A collection started here runs before the copy iterates (at the allocation
-        # of the list or of the dict's iterator): a nested note_capture() cannot
-        # change the dict under the iteration.
-        streams = list(_capturing)
-    live = [s for s in streams if capture_status(s) != CAPTURE_NONE]
-    if len(live) != len(streams):
-        with _lock:
-            for s in streams:
-                if s not in live:
-                    _capturing.pop(s, None)
-    return bool(live)
+    return CAPTURES.any_underway()
 
 
 @contextlib.contextmanager
@@ -158,117 +174,45 @@ def wait_streams(target_ptr: int, target_dev: int, sources: list) -> None:
     then destroyed (the driver keeps it until the wait no longer needs it).  No host
     synchronisation.
     """
-    from ._device import on_device
-
     drv = _drv()
     flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
     for ptr, dev, _keep in sources:
         if ptr == target_ptr and dev == target_dev:
             continue
-        with on_device(dev):
+        with _device.on_device(dev):
             ev = check_driver(drv.cuEventCreate(flags), "cuEventCreate")
             try:
                 check_driver(drv.cuEventRecord(ev, ptr), "cuEventRecord")
                 if dev == target_dev:
                     check_driver(drv.cuStreamWaitEvent(target_ptr, ev, 0), "cuStreamWaitEvent")
                 else:
-                    with on_device(target_dev):
+                    with _device.on_device(target_dev):
                         check_driver(drv.cuStreamWaitEvent(target_ptr, ev, 0), "cuStreamWaitEvent")
             finally:
                 drv.cuEventDestroy(ev)
 
 
-def block_of(array: Any, what: str) -> Any:
-    """The pool ``Block`` under a CuPy array or a pinned numpy array (``None`` if empty)."""
-    import cupy
-    import numpy as np
-
-    from ._pools import _hp
-
-    if isinstance(array, cupy.ndarray):
-        if array.size == 0:
-            return None
-        mem = array.data.mem
-        owner = getattr(mem, "_owner", None)
-        if isinstance(owner, _hp.Block):
-            return owner
-        raise InvalidOptionError(
-            f"{what}: this cupy.ndarray (device {array.device.id}, {array.nbytes:,} bytes) is "
-            f"not on memory from a cupy_poolmem pool (its memory is a {type(mem).__name__}); "
-            "allocate it under cupy_poolmem.set_allocator() or `with cupy_poolmem.using(pool):`"
-        )
-    if isinstance(array, np.ndarray):
-        if array.size == 0:
-            return None
-        base: Any = array
-        while isinstance(base, np.ndarray) and base.base is not None:
-            base = base.base
-        if isinstance(base, memoryview):  # np.frombuffer keeps a view of the buffer
-            base = base.obj
-        owner = getattr(base, "mem", None)
-        if isinstance(owner, _hp.Block):
-            return owner
-        raise InvalidOptionError(
-            f"{what}: this numpy array ({array.nbytes:,} bytes) is not on pinned memory from "
-            "a cupy_poolmem PinnedPool; create it with cupyx.empty_pinned() under "
-            "cupy_poolmem.set_pinned_memory_allocator() or `with cupy_poolmem.using(pinned):`"
-        )
-    raise OptionTypeError(
-        f"{what} takes a cupy.ndarray or a numpy array on pinned memory from a PinnedPool; "
-        f"got {type(array).__name__}"
-    )
+def sync_device(dev: int) -> None:
+    """Wait until every stream of ``dev`` is idle (``cuCtxSynchronize`` on its primary
+    context), also while another thread captures a graph in global mode."""
+    with _device.on_device(dev), relaxed_capture_mode():
+        check_driver(_drv().cuCtxSynchronize(), "cuCtxSynchronize")
 
 
-def record_stream(array: Any, stream: Any) -> None:
-    """Declare that ``stream`` uses ``array``'s memory, so its free waits for that work.
+_PER_THREAD = 2  # CU_STREAM_PER_THREAD: a different stream in each thread
+_TOKENS = itertools.count(1)
+_THREAD = threading.local()
 
-    A pool frees a block on the stream it was allocated on.  When another stream
-    still reads or writes the memory, call ``record_stream(array, other)`` before the
-    last reference goes away: the free then makes the allocation stream wait, on the
-    device, for everything enqueued on ``other`` up to the moment of the free (one
-    event per recorded stream; no host synchronisation).  Only then can the block be
-    reused, by the pool's reuse cache, by the CUDA pool or, for pinned memory, by the
-    host.  Views record for the whole block.  Recording the allocation stream, or a
-    stream twice, does nothing more.
 
-    Parameters
-    ----------
-    array : cupy.ndarray or numpy.ndarray
-        An array (or view) on memory from a :class:`DevicePool`, :class:`ManagedPool`
-        or, for numpy arrays, a :class:`PinnedPool`.
-    stream : cupy.cuda.Stream or stream-like
-        The other stream (``cupy.cuda.Stream``, ``ExternalStream``, or an object with
-        ``__cuda_stream__`` such as a ``cuda.core`` stream).  It is kept alive until
-        the free.
-
-    Raises
-    ------
-    OptionTypeError
-        ``array`` is not an array, or ``stream`` is not a stream.
-    InvalidOptionError
-        The array's memory does not come from a cupy_poolmem pool.
-
-    Examples
-    --------
-    >>> s = cupy.cuda.Stream(non_blocking=True)  # doctest: +SKIP
-    >>> x = cupy.arange(1 << 20)  # allocated on the current stream  # doctest: +SKIP
-    >>> with s:  # doctest: +SKIP
-    ...     y = x * 2  # s reads x
-    >>> cupy_poolmem.record_stream(x, s)  # doctest: +SKIP
-    >>> del x  # its memory is reused only after s's work above  # doctest: +SKIP
-    """
-    block = block_of(array, "record_stream")
-    if block is None or block.ptr == 0:
-        as_stream(stream)  # still reject what is not a stream
-        return
-    core = block.core
-    dev = block.stream.device_id
-    if dev < 0:
-        dev = core.device_id if core.device_id >= 0 else _current_device()
-    entry = as_stream(stream, device=dev)
-    if entry[0] == block.stream_ptr and entry[1] == dev:
-        return  # the allocation stream: the free is ordered after its work already
-    block._record(entry)
-    guard = getattr(core, "guard", None)
-    if guard is not None:  # guard mode: a free with this stream current is ordered
-        guard.note_stream(block.ptr, entry[0])
+def stream_key(stream_ptr: int) -> int:
+    """The key of a stream's arenas: its handle, but for handle 2, the per-thread
+    default stream, which is another stream in each thread: ``token << 2 | 2``, the
+    token the calling thread drew first (never another thread's, even once it ended,
+    whose stream's work may still run; no stream's handle, an aligned pointer, looks
+    like it).  Both hot paths ask this function for it."""
+    if stream_ptr == _PER_THREAD:
+        token = getattr(_THREAD, "token", 0)
+        if not token:
+            token = _THREAD.token = next(_TOKENS)
+        return (token << 2) | _PER_THREAD
+    return stream_ptr

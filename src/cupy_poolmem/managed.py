@@ -12,7 +12,10 @@ from typing import Any
 import cupy
 from cuda.bindings import driver as _drv
 
+from . import _runtime
 from ._errors import InvalidOptionError, OptionTypeError, UnsupportedError
+from ._pools._driver import wrap
+from ._streams import as_stream
 
 __all__ = ["prefetch", "advise"]
 
@@ -149,8 +152,6 @@ def prefetch(
     >>> cupy_poolmem.prefetch(x[:1000], device=0)  # doctest: +SKIP
     >>> cupy_poolmem.prefetch(model_params, device=0)  # a dict of arrays  # doctest: +SKIP
     """
-    from ._streams import as_stream
-
     loc = _location(device, "device")
     items = _arrays(arrays, "prefetch")
     if stream is None:
@@ -244,32 +245,13 @@ def advise(
 
 def _mark_advised(items: list[tuple[str, Any]]) -> None:
     """Flag pool blocks whose hints must be reset when they are freed."""
-    from ._pools import _hp
-
+    hp = _runtime.hp  # read here: tests run the pools on the twin hot path
     for _label, arr in items:
         if arr.size:
             owner = getattr(arr.data.mem, "_owner", None)
-            if isinstance(owner, _hp.Block):
+            if isinstance(owner, hp.Block):
                 owner._mark_advised()
 
 
-def _reset_advice(ptr: int, size: int, device: int) -> None:
-    """Back to a fresh block of a ManagedPool: preferred location ``device``, no other hint."""
-    import cuda.core as cc
-
-    from ._device import on_device
-
-    try:
-        with on_device(device):
-            buf = _buffer(ptr, size, _reset_advice)  # owns nothing: the pool does
-            buf.read_mostly = False
-            buf.accessed_by = []
-            buf.preferred_location = cc.Device(device)
-    except Exception:  # a hint left behind is slower memory, never wrong data
-        pass
-
-
 def _as_driver_error(exc: Exception, call: str) -> Exception:
-    from ._pools import _wrap
-
-    return _wrap(exc, call)
+    return wrap(exc, call)

@@ -79,8 +79,8 @@ def expandable_twin(world, drv):
 def made(monkeypatch, fake_retirer, drv):
     out = recorded_device_pools(monkeypatch, retirer=fake_retirer, drv=drv)
     monkeypatch.setattr(
-        _pools,
-        "_new_expandable_blocks",
+        _pools.device,
+        "new_expandable_blocks",
         lambda dev, peers, total: _expandable.ExpandableBlocks(
             dev, peers, span=SPAN, arena=_runtime.hp.ARENA, driver=drv
         ),

@@ -1,6 +1,6 @@
 """A fake CUDA driver for the pools' stream, capture and managed-memory logic on a CPU.
 
-``twin_pools()`` loads ``cupy_poolmem/_pools.py`` a second time with the pure-Python
+``twin_pools()`` loads the ``cupy_poolmem._pools`` package a second time with the pure-Python
 hot path (whatever this machine built), so the hot path's module-level driver calls
 can be replaced; ``World`` plays the driver: streams' capture states, allocations,
 frees, and a log of every call in order.
@@ -26,22 +26,26 @@ from cupy_poolmem import _pools, _runtime, _streams
 
 
 def twin_pools() -> Any:
-    """``cupy_poolmem._pools`` executed again, bound to the pure-Python hot path."""
-    old = os.environ.get("CUPY_POOLMEM_PURE_PYTHON")
-    os.environ["CUPY_POOLMEM_PURE_PYTHON"] = "1"
+    """The ``cupy_poolmem._pools`` package executed again, bound to the pure-Python hot path."""
     import sys
 
+    old = os.environ.get("CUPY_POOLMEM_PURE_PYTHON")
+    os.environ["CUPY_POOLMEM_PURE_PYTHON"] = "1"
     real_runtime = sys.modules["cupy_poolmem._runtime"]
+    name = "cupy_poolmem._pools_twin_for_tests"
     try:
         spec = importlib.util.spec_from_file_location("cupy_poolmem._runtime", _runtime.__file__)
         runtime = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(runtime)
         sys.modules["cupy_poolmem._runtime"] = runtime
         cupy_poolmem._runtime = runtime
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
         spec = importlib.util.spec_from_file_location(
-            "cupy_poolmem._pools_twin_for_tests", _pools.__file__
+            name, _pools.__file__, submodule_search_locations=[os.path.dirname(_pools.__file__)]
         )
         mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # its submodules import each other under this name
         spec.loader.exec_module(mod)
     finally:
         sys.modules["cupy_poolmem._runtime"] = real_runtime
@@ -50,7 +54,7 @@ def twin_pools() -> Any:
             del os.environ["CUPY_POOLMEM_PURE_PYTHON"]
         else:
             os.environ["CUPY_POOLMEM_PURE_PYTHON"] = old
-    assert mod._hp is twin
+    assert mod._base._hp is twin
     # Its pools have pretend pointers and streams: one collected after the fakes are
     # undone must not flush its reuse cache into the real driver.
     mod.Pool.__del__ = lambda self: None
@@ -58,7 +62,7 @@ def twin_pools() -> Any:
 
 
 class FakeDriver:
-    """What ``_pools`` calls through ``_drv``; everything else is the real module."""
+    """What the pools call through ``_pools._driver.drv``; everything else is the real module."""
 
     def __init__(self, world: World, real: Any) -> None:
         self._world, self._real = world, real
@@ -108,11 +112,11 @@ class World:
         mp.setattr(_streams, "capture_status", lambda s: self.status.get(s, (0, 0))[0])
         # Streams noted as capturing here are pretend handles: they must not stay in the
         # module's registry, where a GPU test's real driver query of one crashed.
-        mp.setattr(_streams, "_capturing", {})
+        mp.setattr(_streams.CAPTURES, "streams", {})
         mp.setattr(_streams, "relaxed_capture_mode", contextlib.nullcontext)
-        mp.setattr(tp, "_drv", FakeDriver(self, tp._drv))
-        mp.setattr(tp, "_set_attr", lambda *a: None)
-        mp.setattr(tp, "on_device", lambda dev: contextlib.nullcontext())
+        mp.setattr(tp._driver, "drv", FakeDriver(self, tp._driver.drv))
+        mp.setattr(tp._driver, "set_attr", lambda *a: None)
+        mp.setattr(tp._capture, "on_device", lambda dev: contextlib.nullcontext())
 
     def _is_capturing(self, sptr: int) -> tuple[int, int]:
         assert sptr > 1, "the legacy stream must never be queried"
@@ -269,14 +273,14 @@ def recorded_device_pools(monkeypatch: Any, **fields: Any) -> SimpleNamespace:
         return m
 
     fake_device_pools(monkeypatch, mr)
-    monkeypatch.setattr(_pools, "device_count", lambda: 1)
-    monkeypatch.setattr(_pools, "_set_attr", lambda *a: None)
+    monkeypatch.setattr(_pools.device, "device_count", lambda: 1)
+    monkeypatch.setattr(_pools._driver, "set_attr", lambda *a: None)
     return out
 
 
 def fake_device_pools(monkeypatch: Any, make_mr: Any) -> None:
     """``DevicePool(...)`` on a fake 16 GiB GPU 0 whose CUDA pools ``make_mr(dev,
     options)`` makes (in place of cuda.core's ``DeviceMemoryResource``)."""
-    monkeypatch.setattr(_pools.cc, "DeviceMemoryResource", make_mr)
-    monkeypatch.setattr(_pools, "check_device", lambda d: 0)
-    monkeypatch.setattr(_pools.cupy.cuda, "Device", _FakeDevice)
+    monkeypatch.setattr(_pools.device.cc, "DeviceMemoryResource", make_mr)
+    monkeypatch.setattr(_pools.device, "check_device", lambda d: 0)
+    monkeypatch.setattr(_pools.device.cupy.cuda, "Device", _FakeDevice)

@@ -60,8 +60,8 @@ def mapped_twin(world, reuse_cache=0):
 def made(monkeypatch, fake_retirer, drv):
     out = recorded_device_pools(monkeypatch, retirer=fake_retirer, drv=drv)
     monkeypatch.setattr(
-        _pools,
-        "_new_mapped_blocks",
+        _pools.device,
+        "new_mapped_blocks",
         lambda dev, peers: _mapped.MappedBlocks(dev, peers, driver=drv),
     )
     return out
@@ -73,7 +73,7 @@ def a_view_of_a_mapped_block(monkeypatch):
     a torch or Numba array), on memory the driver says is not from a CUDA pool."""
     p = cpm.DevicePool(large_blocks="mapped", peer_access=None)
     va = p._backend.alloc(10 * MiB, 0x5000)[1]
-    monkeypatch.setattr(_device, "_pointer_info", lambda ptr: (0, 0, False))
+    monkeypatch.setattr(_device, "pointer_info", lambda ptr: (0, 0, False))
     monkeypatch.setattr(_device, "check_device", lambda d, name="device": d)
     monkeypatch.setattr(_device, "can_access_peer", lambda a, c: True)
     cai = SimpleNamespace(

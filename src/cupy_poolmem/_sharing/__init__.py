@@ -30,7 +30,9 @@ I8 Trust: peers authenticate; frames are never unpickled; a pool's descriptor go
 
 from __future__ import annotations
 
+from .. import _runtime
 from ._context import SharingContext, context, register_exit_wait, settings
+from ._reducers import register_cupy, register_numpy
 from ._settings import SharingSettings
 
 __all__ = ["settings", "SharingSettings", "SharingContext", "context", "install"]
@@ -45,23 +47,17 @@ def _retire(core: object, ptr: int, size: int, stream: object, rec: object) -> b
 
 
 def _on_ipc_pool(pool: object) -> None:
-    from .._pools import _hp
-    from ._reducers import register_numpy
-
-    if getattr(pool, "kind", None) == _hp.KIND_PINNED:
+    if getattr(pool, "kind", None) == _runtime.hp.KIND_PINNED:
         register_numpy()
 
 
 def install() -> None:
     """Hook sharing into the pools and multiprocessing (run once, when this package is
-    imported: by ``cupy_poolmem``'s GPU names, or by the first IPC-enabled pool)."""
-    from .._pools import _IPC_POOL_CALLBACKS, _OOM_CALLBACKS, _hp, all_pools
-    from ._reducers import register_cupy
-
-    _hp.set_shared_release(_release, _retire)
-    _OOM_CALLBACKS.append(lambda: context().collect())
-    _IPC_POOL_CALLBACKS.append(_on_ipc_pool)
-    for p in all_pools():
+    imported: by ``cupy_poolmem``'s GPU names and by ``_allocator``, the public layer)."""
+    _runtime.hp.set_shared_release(_release, _retire)
+    _runtime.OOM_CALLBACKS.append(lambda: context().collect())
+    _runtime.IPC_POOL_CALLBACKS.append(_on_ipc_pool)
+    for p in _runtime.all_pools():
         if getattr(p, "ipc", False):
             _on_ipc_pool(p)
     register_cupy()

@@ -13,7 +13,10 @@ from multiprocessing import current_process
 from multiprocessing import util as _mp_util
 from typing import Any
 
+from .. import _runtime
 from .._errors import PoolmemError, SharingError
+from .._pools import DevicePool
+from ._driver import Driver
 from ._exporter import Exporter
 from ._importer import Importer
 from ._settings import SharingSettings
@@ -53,8 +56,6 @@ class SharingContext:
     @property
     def driver(self) -> Any:
         if self._driver is None:
-            from ._driver import Driver
-
             with self._lock:
                 if self._driver is None:
                     self._driver = Driver()
@@ -116,10 +117,7 @@ class SharingContext:
 
     def sharing_pool(self, dev: int) -> Any:
         """An IPC pool for device copies: set_allocator's pool if IPC, else a private one."""
-        from .._allocator import _current
-        from .._pools import DevicePool
-
-        alloc = _current["device"]
+        alloc = _runtime.installed_allocator("device")
         if alloc is not None:
             p = alloc.pools().get(dev)
             if p is not None and getattr(p, "ipc", False) and not p.closed:
@@ -210,21 +208,56 @@ def _authkey() -> bytes:
 
 
 settings = SharingSettings()
-_holder: list[SharingContext] = [SharingContext(settings)]
+
+
+class ProcessSharing:
+    """Owns this process's :class:`SharingContext`, with its fork and exit hooks.
+
+    A fork child gets a fresh context (refusing to share when CUDA was in use); the
+    exit wait is registered once per process (again in a child, whose inherited
+    finalizers multiprocessing clears).
+    """
+
+    def __init__(self) -> None:
+        self.current = SharingContext(settings)
+        self._exit_pid = 0
+
+    def reset_after_fork(self, cuda_in_use: bool) -> None:
+        old = self.current
+        self.current = SharingContext(settings, forked=cuda_in_use, authkey=old._authkey)
+        try:
+            old.abandon()
+        except Exception:
+            pass
+
+    def after_fork_in_child(self) -> None:
+        pools = _runtime.all_pools()
+        for p in pools:
+            p._forked = True
+            p._poison()
+        self.reset_after_fork(bool(pools) or self.current._driver is not None)
+
+    def register_exit_wait(self) -> None:
+        """Run the exit wait when this process exits (once per process).
+
+        It must be registered before the process starts exiting (multiprocessing runs
+        the finalizers registered at that moment), and again in a child started by fork
+        or forkserver, which clears the finalizers it inherited.  It runs after
+        multiprocessing's own exit finalizers: queue feeders flush and join at priority
+        -5, so the messages they wrote are out when the wait begins.
+        """
+        pid = os.getpid()
+        if self._exit_pid != pid:
+            self._exit_pid = pid
+            _mp_util.Finalize(None, _at_exit, exitpriority=-100)
+
+
+PROCESS = ProcessSharing()
 
 
 def context() -> SharingContext:
     """This process's sharing context."""
-    return _holder[0]
-
-
-def _reset_after_fork(cuda_in_use: bool) -> None:
-    old = _holder[0]
-    _holder[0] = SharingContext(settings, forked=cuda_in_use, authkey=old._authkey)
-    try:
-        old.abandon()
-    except Exception:
-        pass
+    return PROCESS.current
 
 
 def _at_exit() -> None:
@@ -232,21 +265,8 @@ def _at_exit() -> None:
 
 
 def register_exit_wait() -> None:
-    """Run the exit wait when this process exits (once per process).
-
-    It must be registered before the process starts exiting (multiprocessing runs
-    the finalizers registered at that moment), and again in a child started by fork
-    or forkserver, which clears the finalizers it inherited.  It runs after
-    multiprocessing's own exit finalizers: queue feeders flush and join at priority
-    -5, so the messages they wrote are out when the wait begins.
-    """
-    pid = os.getpid()
-    if _exit_registered.get("pid") != pid:
-        _exit_registered["pid"] = pid
-        _mp_util.Finalize(None, _at_exit, exitpriority=-100)
-
-
-_exit_registered: dict[str, int] = {}
+    """Run the exit wait when this process exits (once per process)."""
+    PROCESS.register_exit_wait()
 
 
 def _trim() -> None:
@@ -258,17 +278,7 @@ settings._stats = lambda: context().stats()
 settings._collect = lambda: context().collect()
 
 if hasattr(os, "register_at_fork"):
-
-    def _after_fork_in_child() -> None:
-        from .._pools import all_pools
-
-        pools = all_pools()
-        for p in pools:
-            p._forked = True
-            p._poison()
-        _reset_after_fork(bool(pools) or _holder[0]._driver is not None)
-
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(after_in_child=PROCESS.after_fork_in_child)
 
 # A child that multiprocessing started by fork or forkserver clears the finalizers it
 # inherited, then runs these: the exit wait is registered again there.

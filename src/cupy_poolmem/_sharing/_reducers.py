@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from .. import _runtime
 from .._errors import SharingError
 from . import _wire
 from ._context import context
@@ -31,9 +32,7 @@ __all__ = [
 
 def _hotpath() -> Any:
     """The hot-path module the pools use (Cython or its pure-Python twin)."""
-    from .._pools import _hp
-
-    return _hp
+    return _runtime.hp
 
 
 def _owner(mem: Any, hp: Any = None) -> Any:
