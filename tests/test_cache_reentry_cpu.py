@@ -17,7 +17,7 @@ from pathlib import Path
 
 import cupy
 import pytest
-from fakes.hotpath import bare_core, compiled_hotpath
+from fakes.hotpath import bare_core, compiled_hotpath, sharing_hooks
 
 from cupy_poolmem import _hotpath_py as twin
 
@@ -258,7 +258,7 @@ def test_twin_threads_allocating_while_one_flushes_keep_the_cache_consistent(wor
 
 
 # ---------------------------------------------------------------- accounting
-def test_twin_cached_bytes_is_the_sum_of_the_bins_through_random_steps(world, monkeypatch):
+def test_twin_cached_bytes_is_the_sum_of_the_bins_through_random_steps(world, request):
     """Hits, misses (and the flush after FLUSH_AFTER_MISSES), frees over the limit and
     above cache_max_block, exported blocks, flush, take, trim-like flushes and close:
     after each step cached_bytes is the bins' sum, every cached block is cached once
@@ -266,7 +266,7 @@ def test_twin_cached_bytes_is_the_sum_of_the_bins_through_random_steps(world, mo
     import random
 
     retired = []
-    monkeypatch.setattr(twin, "_shared_retire", lambda core, ptr, *a: retired.append(ptr))
+    sharing_hooks(request, twin, retire=lambda core, ptr, *a: retired.append(ptr))
     rnd = random.Random(4)
     p = world.pool(reuse_cache=24 * KB)
     p.cache_max_block = 8 * KB

@@ -18,6 +18,7 @@ import cupy
 import numpy as np
 import pytest
 from fakes.guard import FakeOps, Heap
+from fakes.hotpath import sharing_hooks
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _guard, _pools, report, stats
@@ -834,13 +835,13 @@ def test_report_reads_guard_lines_without_counting_them_as_frees(tmp_path):
     assert "alloc a.py:1 | free a.py:2" in summ.format()
 
 
-def test_a_block_held_for_other_processes_is_guarded_when_sharing_frees_it(world, monkeypatch):
+def test_a_block_held_for_other_processes_is_guarded_when_sharing_frees_it(world, request):
     p, g, ops = _guarded(world)
     m = p.malloc(64)
     block = m.mem._owner
     ptr, size, stream = block.ptr, block.size, block.stream
     block.share = object()  # exported: sharing keeps it in limbo when the array goes
-    monkeypatch.setattr(twin, "_shared_release", lambda *a: True)
+    sharing_hooks(request, twin, release=lambda *a: True)
     del m, block
     assert _guard.check(ptr).state == "live", "other processes still map it"
     assert g.stats()["quarantined_blocks"] == 0

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import cupy
 import pytest
+from fakes.hotpath import sharing_hooks
 
 from cupy_poolmem import _errors, _pools, _retire, _streams
 from cupy_poolmem import _hotpath_py as twin
@@ -1108,11 +1109,10 @@ class _Exporter:
     """The sharing hooks (``set_shared_release``), recording each call; ``keep`` says
     which records the exporter keeps (receivers map them still), ``raises`` which fail."""
 
-    def __init__(self, monkeypatch, keep=(), raises=()) -> None:
+    def __init__(self, request, keep=(), raises=()) -> None:
         self.calls: list[tuple] = []
         self.keep, self.raises = set(keep), set(raises)
-        monkeypatch.setattr(twin, "_shared_release", self.release)
-        monkeypatch.setattr(twin, "_shared_retire", self.retire)
+        sharing_hooks(request, twin, release=self.release, retire=self.retire)
 
     def release(self, core, ptr, size, stream, share):
         self.calls.append(("release", core, ptr, size, stream, share))
@@ -1125,11 +1125,11 @@ class _Exporter:
         return share in self.keep
 
 
-def test_an_exported_block_returns_to_the_cache_with_its_record(world, monkeypatch):
+def test_an_exported_block_returns_to_the_cache_with_its_record(world, monkeypatch, request):
     """_cache_shared keeps an exported block whatever cache_max_block says (within
     cache_limit); the next allocation of that size on that stream is a block that
     carries the record, with no driver call; other blocks carry none."""
-    hooks = _Exporter(monkeypatch)
+    hooks = _Exporter(request)
     p = world.pool(reuse_cache=64 * KB)
     p.cache_max_block = KB  # for blocks never exported
     rec, s = object(), world.current
@@ -1155,12 +1155,12 @@ def test_a_finalized_pool_refuses_exported_blocks(world):
     assert not p._cache_shared(0x9000, KB, 0x5000, world.current, object())
 
 
-def test_flush_gives_exported_blocks_to_their_exporter(world, monkeypatch):
+def test_flush_gives_exported_blocks_to_their_exporter(world, monkeypatch, request):
     """trim/close/OOM: an exported cached block's final free is its exporter's (kept
     while receivers map it); one it lets go is freed on its stream; a failing hook
     keeps the block (leaked, never freed while another process may map it)."""
     kept, freed, broken = object(), object(), object()
-    hooks = _Exporter(monkeypatch, keep=[kept], raises=[broken])
+    hooks = _Exporter(request, keep=[kept], raises=[broken])
     p = world.pool()
     s = world.current
     plain = p.malloc(KB)
@@ -1178,13 +1178,13 @@ def test_flush_gives_exported_blocks_to_their_exporter(world, monkeypatch):
 
 
 def test_a_dropped_pool_gives_its_exported_cached_blocks_to_the_exporter_streamless(
-    world, tp, monkeypatch
+    world, tp, monkeypatch, request
 ):
     """Pool.__del__: the exporter gets each exported cached block without its stream
     (None: nothing of a finalized pool touches a stream); what it lets go goes to the
     retirer with the rest of the cache; what it keeps (receivers map it) does not."""
     kept, freed = object(), object()
-    hooks = _Exporter(monkeypatch, keep=[kept])
+    hooks = _Exporter(request, keep=[kept])
     p = world.pool()
     _closing(world, p)
     s = world.current
@@ -1207,13 +1207,13 @@ def test_a_dropped_pool_gives_its_exported_cached_blocks_to_the_exporter_streaml
 
 @pytest.mark.parametrize("exporter_keeps", [True, False])
 def test_a_reused_exported_block_freed_after_its_pool_was_finalized(
-    world, tp, monkeypatch, exporter_keeps
+    world, tp, monkeypatch, exporter_keeps, request
 ):
     """A block made of an exported cached one, freed after its pool's finalizer ran (a
     garbage cycle): its exporter gets it first, without its stream; only a block the
     exporter lets go is an orphan for the retirer."""
     rec = object()
-    hooks = _Exporter(monkeypatch, keep=[rec] if exporter_keeps else [])
+    hooks = _Exporter(request, keep=[rec] if exporter_keeps else [])
     p = world.pool()
     _closing(world, p)
     s = world.current

@@ -15,7 +15,7 @@ import cupy
 import numpy as np
 import pytest
 from cupy.cuda.memory import MemoryPointer, UnownedMemory
-from fakes.hotpath import World, twin_pools
+from fakes.hotpath import World, sharing_hooks, twin_pools
 from support.gc_locks import GcUnderLock
 
 import cupy_poolmem as cpm
@@ -193,7 +193,7 @@ def _array(mem: MemoryPointer, n: int = KB // 8) -> cupy.ndarray:
     return cupy.ndarray((n,), dtype=np.float64, memptr=mem)
 
 
-def test_record_stream_orders_the_free_before_every_other_path(world, monkeypatch):
+def test_record_stream_orders_the_free_before_every_other_path(world, monkeypatch, request):
     p = world.pool()
     m = p.malloc(KB)
     arr = _array(m)
@@ -212,7 +212,7 @@ def test_record_stream_orders_the_free_before_every_other_path(world, monkeypatc
     p.observer = type(
         "Obs", (), {"on_free": lambda self, *a: order.append("observer"), "on_alloc": print}
     )()
-    monkeypatch.setattr(twin, "_shared_release", lambda *a: order.append("shared") or False)
+    sharing_hooks(request, twin, release=lambda *a: order.append("shared") or False)
     blk.share = object()
     p.release_hook = lambda ptr, size, stream: order.append("hook") or False
     del arr, m, blk
