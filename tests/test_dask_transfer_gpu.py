@@ -120,14 +120,17 @@ def _inspect_on(client, fut, worker: str) -> dict:
     return client.submit(_inspect, fut, workers=[worker], pure=False).result(timeout=TIMEOUT)
 
 
-def _same_gpu_cluster():
+def _same_gpu_cluster(meet: bool = True):
+    env = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+    if not meet:  # no meeting at install: a worker's first connection to a peer is a fetch
+        env["DASK_DISTRIBUTED__COMM__CUPY_POOLMEM__WARM"] = "False"
     return LocalCluster(
         n_workers=2,
         threads_per_worker=1,
         processes=True,
         protocol="tcp",
         dashboard_address=None,
-        env={"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]},
+        env=env,
     )
 
 
@@ -195,7 +198,9 @@ def test_sender_restarted_or_killed_while_the_receiver_holds_its_block(how):
 
 
 def test_simulated_other_host_falls_back_to_dasks_serialization():
-    with _same_gpu_cluster() as cluster, Client(cluster) as client:
+    # Without meetings: a meeting at install would connect b to a before _set_boot, and
+    # the fetch could reuse that connection's handshake (the boot before the change).
+    with _same_gpu_cluster(meet=False) as cluster, Client(cluster) as client:
         client.register_plugin(PoolmemPlugin())
         a, b = _two_workers(client)
         # Before b's first connection to a: its handshake then says "another boot".

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 cupy = pytest.importorskip("cupy")
 
-from support.waits import spin  # noqa: E402
+from support.waits import spin, warm_up  # noqa: E402
 
 
 def _small_enough(nbytes: int) -> None:
@@ -111,6 +111,12 @@ def test_advise_and_prefetch_a_models_parameters_in_one_call():
 def test_managed_backend_reuses_a_block_on_another_stream_only_after_its_work():
     n = 1 << 22
     _small_enough(3 * n * 4)
+    # Load the test's kernels first (outside the pool): a module load synchronises the
+    # context, which would let the spin end before the free it is there to delay.
+    warm_up()
+    t = cupy.full(16, 5, dtype=cupy.int32)
+    assert int((t * 2).sum()) == 160
+    del t
     a = cupy.cuda.Stream(non_blocking=True)
     b = cupy.cuda.Stream(non_blocking=True)
     with cpm.ManagedPool(backend="managed", reuse_cache=0) as p, cpm.using(p):
