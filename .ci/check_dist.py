@@ -125,8 +125,11 @@ def check_wheel(path: str) -> None:
     missing = [n for n in need if n not in names]
     if missing:
         fail(f"{os.path.basename(path)} lacks {missing}")
-    if not any(n.startswith("cupy_poolmem/_hotpath") and n.endswith(".so") for n in names):
-        fail(f"{os.path.basename(path)} has no compiled hot path")
+    # The compiled hot path loads only with the modules it cimports (else the twin runs).
+    for mod in ("_hotpath", "_recorder", "_log_batch"):
+        if not any(n.startswith(f"cupy_poolmem/{mod}.") and n.endswith(".so") for n in names):
+            what = "hot path" if mod == "_hotpath" else mod
+            fail(f"{os.path.basename(path)} has no compiled {what}")
     if not any(n.endswith(".dist-info/licenses/LICENSE") for n in names):
         fail(f"{os.path.basename(path)} has no LICENSE in its metadata")
     if any(n.startswith("tests/") for n in names):

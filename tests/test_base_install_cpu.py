@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -156,3 +157,11 @@ def test_doctor_without_gpu_packages_names_the_extra():
     assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, r.stderr
     assert "cupy_poolmem doctor" in r.stdout
     assert 'pip install "cupy_poolmem[cu13]"' in r.stdout
+
+
+def test_doctor_says_in_one_short_line_why_the_hot_path_is_unavailable():
+    r = run_cli("doctor")
+    line = next(x for x in r.stdout.splitlines() if x.strip().startswith("hot path"))
+    assert re.fullmatch(
+        r"\s*hot path\s+unavailable \(No module named '(cupy|cuda)[\w.]*'\)", line
+    ), line

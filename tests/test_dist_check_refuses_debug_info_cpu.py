@@ -70,3 +70,35 @@ def test_oversized_module_is_refused(tmp_path, check_dist):
 def test_not_elf_is_an_error(check_dist):
     with pytest.raises(ValueError, match="not an ELF"):
         check_dist.elf_section_names(b"MZ\x90\x00" + b"\0" * 60)
+
+
+def _wheel(tmp_path, so: bytes, modules: list[str]) -> str:
+    """A wheel holding the files the check asks for and these compiled ``modules``."""
+    import zipfile
+
+    path = tmp_path / "cupy_poolmem-0.0-cp311-cp311-linux_x86_64.whl"
+    files = [
+        "cupy_poolmem/py.typed",
+        "cupy_poolmem/benchmarks/__init__.py",
+        "cupy_poolmem/_sharing/__init__.py",
+        "cupy_poolmem/_dask_transfer/__init__.py",
+        "cupy_poolmem/report/__init__.py",
+        "cupy_poolmem-0.0.dist-info/licenses/LICENSE",
+    ]
+    with zipfile.ZipFile(path, "w") as zf:
+        for name in files:
+            zf.writestr(name, "")
+        for m in modules:
+            zf.writestr(f"cupy_poolmem/{m}.cpython-311-x86_64-linux-gnu.so", so)
+    return str(path)
+
+
+def test_wheel_without_the_hot_paths_compiled_recorder_is_refused(tmp_path, check_dist):
+    """The compiled hot path loads only with the compiled recorder and log batches it
+    cimports; a wheel without them would run the pure-Python twin."""
+    so = _shared_object(tmp_path, "stripped.so", ["-g0", "-Wl,--strip-all"])
+    check_dist.check_wheel(_wheel(tmp_path, so, ["_arena", "_log_batch", "_recorder", "_hotpath"]))
+    for missing in ("_recorder", "_log_batch"):
+        kept = [m for m in ("_arena", "_log_batch", "_recorder", "_hotpath") if m != missing]
+        with pytest.raises(SystemExit):
+            check_dist.check_wheel(_wheel(tmp_path, so, kept))

@@ -272,6 +272,22 @@ def test_the_hot_path_feeds_the_recorder(hp):
     assert counters == (3, 3, 0, 256) and live == []  # all three in the cache
 
 
+@pytest.mark.parametrize("hp", IMPLS)
+def test_the_hot_paths_own_frames_do_not_count_against_the_depth(hp):
+    """Depth counts Python frames from the hot path's caller: the compiled hot path
+    has no frames, and the twin's (its pool core's and its recorder's) are not walked."""
+    g, core, stream, scope = _observed(hp)
+    g.rec.tracking = True
+    g.rec.set_sites((FAKES_FILE, PKG), 1)  # only the caller's frame may be the site
+    m = core._make_block(0x1000, 64, stream, 0)  # DEPTH-SITE
+    src = Path(__file__).read_text().splitlines()
+    line = next(i for i, t in enumerate(src, 1) if "# DEPTH-SITE" in t and "src" not in t)
+    assert m.mem._owner.info.callsite == f"{__file__}:{line} in {sys._getframe().f_code.co_name}"
+    del m
+    g.rec.remove_scope(scope)
+    assert not g.errors, g.errors
+
+
 @pytest.mark.skipif(len(IMPLS) < 2, reason="the Cython hot path is not built in this checkout")
 def test_compiled_hot_path_matches_the_twin():
     assert _hot_transcript(IMPLS[1].values[0]) == _hot_transcript(twin)

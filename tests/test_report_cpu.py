@@ -236,6 +236,29 @@ def test_cli_prints_summary_and_plots(two_logs, tmp_path, capsys):
     _check_png(png)
 
 
+def test_report_module_runs_as_a_script(two_logs):
+    """``python -m cupy_poolmem.report LOG`` runs the report's command line, as the
+    module ``cupy_poolmem.report`` always did."""
+    import subprocess
+
+    import cupy_poolmem
+
+    env = dict(os.environ)
+    src = os.path.dirname(os.path.dirname(os.path.abspath(cupy_poolmem.__file__)))
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run(
+        [sys.executable, "-m", "cupy_poolmem.report", str(two_logs[0]), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr
+    with open(two_logs[0], newline="") as f:
+        allocs = sum(row["op"] == "alloc" for row in csv.DictReader(f))
+    assert json.loads(r.stdout)["n_allocs"] == allocs == 4
+
+
 def test_cli_errors(tmp_path, capsys):
     assert report.main([str(tmp_path / "missing.csv")]) == 2
     assert "error:" in capsys.readouterr().err

@@ -686,6 +686,22 @@ def test_tag_scopes_are_counted_for_the_recorder():
     assert TAGS.scopes[0] == 0
 
 
+def test_log_interval_set_on_the_stats_module_paces_the_writer(tmp_path, monkeypatch):
+    """``stats.LOG_INTERVAL_S`` (documented in the API reference) is what the writer
+    thread waits between two writes: set to an hour, nothing is written before a flush."""
+    monkeypatch.setattr(stats, "LOG_INTERVAL_S", 3600.0)
+    path = stats.start_log(tmp_path / "i.csv")
+    core = FakeCore()
+    blocks = [alloc(core, 0x1000 * (i + 1), 8) for i in range(3)]
+    time.sleep(0.5)  # five default intervals: a writer on 0.1 s would have written
+    assert _read(path) == []
+    assert stats.flush_log() == path
+    assert [r["op"] for r in _read(path)] == ["alloc"] * 3
+    for b in blocks:
+        free(b)
+    stats.stop_log()
+
+
 def test_flush_log_writes_while_the_log_stays_open(tmp_path, monkeypatch):
     monkeypatch.setattr(
         OBSERVER, "log_settings", LogSettings(interval=3600.0)

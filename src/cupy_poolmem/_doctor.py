@@ -12,6 +12,7 @@ from typing import Any
 import cupy_poolmem
 
 from ._device import can_access_peer, device_count, granted_access, nearest_numa_node, peer_topology
+from ._errors import MissingDependencyError
 
 __all__ = ["doctor", "self_check", "time_alloc", "versions"]
 
@@ -28,6 +29,8 @@ def versions() -> list[tuple[str, str]]:
             out.append((mod, f"not importable ({type(exc).__name__}: {exc})"))
     try:
         out.append(("hot path", cupy_poolmem.hotpath_implementation()))
+    except MissingDependencyError as exc:  # the rows above say what to install
+        out.append(("hot path", f"unavailable ({exc.reason or exc})"))
     except Exception as exc:
         out.append(("hot path", f"unavailable ({exc})"))
     return out

@@ -399,6 +399,8 @@ class MissingDependencyError(PoolmemError, ImportError):
         What was used (``"cupy_poolmem.DevicePool"``, ``"report --plot"``).
     install : str
         The command that installs what is missing.
+    reason : str
+        The import error's own message ("" if none was given).
 
     Examples
     --------
@@ -417,7 +419,7 @@ class MissingDependencyError(PoolmemError, ImportError):
         needs: str = "CuPy and cuda.core",
         install: str = GPU_EXTRA_HINT,
     ) -> None:
-        self.feature, self.install = feature, install
+        self.feature, self.install, self.reason = feature, install, reason
         msg = f"{feature} needs {needs}, which is not installed: {install}"
         super().__init__(msg + (f" ({reason})" if reason else ""))
 

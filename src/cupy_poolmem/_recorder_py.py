@@ -4,6 +4,7 @@ pure-Python hot path (``_hotpath_py.py``); ``tests/test_hotpath_cpu.py`` compare
 from __future__ import annotations
 
 import operator
+import os
 import sys
 import threading
 import time
@@ -22,6 +23,9 @@ _now = time.time
 _now_ns = time.time_ns
 _get_ident = threading.get_ident
 _SIZE_MAX = 2**64 - 1
+# The files of the twin hot path's frames (this recorder's and its pool core's): a call
+# site walk starts above them, as the compiled one starts above code that has no frames.
+_OWN_FILES = (__file__, os.path.join(os.path.dirname(__file__), "_hotpath_py.py"))
 
 
 def as_size(size: Any) -> int:
@@ -562,8 +566,8 @@ class Recorder(Observer):
     def _site(self) -> str | None:
         """The first frame above the recorder outside the skipped packages."""
         f: Any = sys._getframe(1)
-        while f is not None and f.f_code.co_filename == __file__:
-            f = f.f_back  # the recorder's own frames (none in the compiled version)
+        while f is not None and f.f_code.co_filename in _OWN_FILES:
+            f = f.f_back  # the twin's own frames (none in the compiled version)
         codes = self._codes
         for _ in range(self._depth):
             if f is None:

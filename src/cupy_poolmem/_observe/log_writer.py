@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -31,6 +32,13 @@ LOG_COLUMNS: tuple[str, ...] = (
 LOG_INTERVAL_S = 0.1
 
 
+def log_interval() -> float:
+    """``LOG_INTERVAL_S`` as the user set it: on :mod:`cupy_poolmem.stats`, where the
+    API reference documents it (looked up, not imported: stats imports this module)."""
+    stats = sys.modules.get("cupy_poolmem.stats")
+    return float(getattr(stats, "LOG_INTERVAL_S", LOG_INTERVAL_S))
+
+
 @dataclass(frozen=True)
 class LogSettings:
     """How a log writer paces itself.
@@ -42,7 +50,7 @@ class LogSettings:
     with a warning) rather than the program hanging on a stalled disk.
     """
 
-    interval: float = LOG_INTERVAL_S
+    interval: float | None = None  # None: LOG_INTERVAL_S as set now (see log_interval)
     max_pending: int = 64
     max_wait: float = 30.0
 
@@ -113,7 +121,8 @@ class LogWriter:
 
     def _run(self) -> None:
         while not self._closing:
-            self._wake.wait(self.settings.interval)
+            interval = self.settings.interval
+            self._wake.wait(log_interval() if interval is None else interval)
             self._wake.clear()
             self.flush()
 
