@@ -176,6 +176,22 @@ def test_size_zero_allocations_count_like_the_pool_counters():
     del z
 
 
+def test_a_pools_outstanding_is_the_statistics_own_through_the_hook():
+    """Pool.outstanding() reaches the statistics through the hook the public layer
+    installs (the pools never import the observability layer)."""
+    import cupy_poolmem as cpm
+    from cupy_poolmem import _runtime
+
+    assert cpm.Pool is not None  # the GPU names loaded: the public layer ran
+    assert _runtime.HOOKS.outstanding is stats.outstanding
+    core = FakeCore()
+    with stats.statistics():
+        b = alloc(core, 0x1000, 64)
+        assert [r.size for r in cpm.Pool.outstanding(core)] == [64]
+        free(b)
+        assert cpm.Pool.outstanding(core) == []
+
+
 def test_statistics_thread_safe():
     core = FakeCore()
     n_threads, n_iter, size = 8, 2000, 64

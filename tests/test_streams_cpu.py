@@ -345,7 +345,7 @@ def test_oom_collects_limbo_trims_and_retries_once(world, monkeypatch):
     p = world.pool(reuse_cache=0)
     world.current = cupy.cuda.ExternalStream(0, 0)
     collected: list = []
-    monkeypatch.setattr(world.tp._base._runtime, "OOM_CALLBACKS", [lambda: collected.append(1)])
+    monkeypatch.setattr(world.tp._base._runtime.HOOKS, "oom", [lambda: collected.append(1)])
     attempts = iter([(2, 0), (2, 0)])
     monkeypatch.setattr(twin.driver, "alloc", lambda size, pool, s: next(attempts))
     with pytest.raises(cpm.OutOfPoolMemoryError) as ei:
@@ -362,7 +362,7 @@ def test_oom_beyond_the_device_says_so_without_reclaiming(world, monkeypatch):
     p._capacity = 80 << 30
     world.current = cupy.cuda.ExternalStream(0, 0)
     collected: list = []
-    monkeypatch.setattr(world.tp._base._runtime, "OOM_CALLBACKS", [lambda: collected.append(1)])
+    monkeypatch.setattr(world.tp._base._runtime.HOOKS, "oom", [lambda: collected.append(1)])
     monkeypatch.setattr(twin.driver, "alloc", lambda size, pool, s: (1, 0))  # INVALID_VALUE
     with pytest.raises(cpm.OutOfPoolMemoryError, match="more than the 80.00 GiB") as ei:
         p.malloc(1 << 50)

@@ -19,6 +19,7 @@ from ._errors import OptionTypeError, PoolClosedError
 from ._pools import DevicePool, PinnedPool, Pool
 from ._pools._options import raise_bad_size
 from ._runtime import hp as _hp
+from .stats import outstanding
 
 __all__ = [
     "set_allocator",
@@ -28,6 +29,9 @@ __all__ = [
     "get_pinned_pool",
     "PoolAllocator",
 ]
+
+# The public layer wires observability into the pools (they never import it).
+_runtime.HOOKS.outstanding = outstanding
 
 _lock = threading.Lock()
 # The installed allocators live in _runtime (sharing reads them there); one dict.

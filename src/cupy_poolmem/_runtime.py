@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("cupy_poolmem._pools")
@@ -59,13 +60,23 @@ def registry_lock() -> threading.RLock:
     return _REGISTRY_LOCK.get()
 
 
-# Callables run before an out-of-memory retry (sharing's limbo collection registers here).
-OOM_CALLBACKS: list[Any] = []
-# Callables run with each IPC-enabled pool when it is created (sharing registers here).
-IPC_POOL_CALLBACKS: list[Any] = []
-# Observer (stats/log/tracking) installed on every pool, present and future: None, or
-# the process's one recorder (the hot path's Recorder, which the statistics configure).
-GLOBAL_OBSERVER: list[Any] = [None]
+class Hooks:
+    """What the layers above the pools install for the pools to call: they never import
+    those layers."""
+
+    def __init__(self) -> None:
+        #: Run before an out-of-memory retry (sharing's limbo collection).
+        self.oom: list[Callable[[], Any]] = []
+        #: Run with each IPC-enabled pool when it is created (sharing).
+        self.ipc_pool: list[Callable[[Any], Any]] = []
+        #: The observer every pool, present and future, reports to: None, or the
+        #: process's one recorder (the statistics, logs and tracking configure it).
+        self.observer: Any = None
+        #: ``Pool.outstanding``: the tracked live allocations of a pool (observability).
+        self.outstanding: Callable[..., Any] | None = None
+
+
+HOOKS = Hooks()
 RECORDER = hp.Recorder()
 # The allocators set_allocator() installed, by kind ("device", "pinned"); None: CuPy's own.
 INSTALLED_ALLOCATORS: dict[str, Any] = {"device": None, "pinned": None}
@@ -115,6 +126,6 @@ def all_pools() -> list[Any]:
 
 def set_global_observer(observer: Any) -> None:
     """Install ``observer`` (or ``None``) on every pool, and on pools created later."""
-    GLOBAL_OBSERVER[0] = observer
+    HOOKS.observer = observer
     for p in all_pools():
         p.observer = observer

@@ -63,7 +63,7 @@ class FakeBlock:
 
 
 def observer():
-    return _runtime.GLOBAL_OBSERVER[0]
+    return _runtime.HOOKS.observer
 
 
 def alloc(core: FakeCore, ptr: int, size: int, stream_ptr: int = 0) -> FakeBlock:

@@ -165,7 +165,7 @@ class Observer:
         rec.tracking = self.tracking
         rec.start()
         runtime = self._runtime = self._runtime_of()
-        runtime.GLOBAL_OBSERVER[0] = rec  # pools made from now on: observed from birth
+        runtime.HOOKS.observer = rec  # pools made from now on: observed from birth
         all_pools = runtime.all_pools()
         for p in all_pools:
             # The observer set and the pool's live bytes read in one step: no

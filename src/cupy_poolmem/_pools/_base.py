@@ -16,6 +16,7 @@ from .._errors import (
     PinnedOutOfMemoryError,
     PoolClosedError,
     SharingError,
+    UsageError,
     WrongDeviceError,
     check_driver,
 )
@@ -97,7 +98,7 @@ class Pool(_capture.CaptureMixin):
         self.cache_limit = reuse_cache
         self.cache_max_block = min(reuse_cache, _CACHE_MAX_BLOCK)
         self.set_release_threshold(release_threshold)
-        self.observer = _runtime.GLOBAL_OBSERVER[0]
+        self.observer = _runtime.HOOKS.observer
         # (handle, uuid, resource) of each CUDA pool that can be shared: with a
         # small-block pool a block goes out under the uuid of the pool that holds it.
         self._ipc_pools: tuple[tuple[int, str, Any], ...] = ()
@@ -109,7 +110,7 @@ class Pool(_capture.CaptureMixin):
         with _runtime.registry_lock():
             _runtime.POOLS.add(self)
         if self._ipc_pools:  # sharing, installed by the public layer, hooks in here
-            for cb in list(_runtime.IPC_POOL_CALLBACKS):
+            for cb in list(_runtime.HOOKS.ipc_pool):
                 cb(self)
 
     # -- hot-path slow paths -------------------------------------------------------
@@ -180,7 +181,7 @@ class Pool(_capture.CaptureMixin):
         if self.guard is not None:
             self.guard.flush()  # blocks held in the guard's quarantine go back first
         self.flush_cache()
-        for cb in list(_runtime.OOM_CALLBACKS):
+        for cb in list(_runtime.HOOKS.oom):
             try:
                 cb()
             except Exception:  # a failing collector must not hide the OOM
@@ -427,10 +428,13 @@ class Pool(_capture.CaptureMixin):
         >>> pool.outstanding()[0].size  # doctest: +SKIP
         1048576
         """
-        # Observability sits above the pools: read late, never imported by them.
-        from ..stats import outstanding
-
-        return outstanding(self, limit=limit)
+        tracked = _runtime.HOOKS.outstanding  # installed by the public layer
+        if tracked is None:
+            raise UsageError(
+                "Pool.outstanding() needs cupy_poolmem's statistics: import cupy_poolmem "
+                "(not only its private modules) first"
+            )
+        return tracked(self, limit=limit)
 
     def _synchronize(self) -> None:
         with cupy.cuda.Device(max(self.device_id, 0)):

@@ -55,8 +55,8 @@ def install() -> None:
     """Hook sharing into the pools and multiprocessing (run once, when this package is
     imported: by ``cupy_poolmem``'s GPU names and by ``_allocator``, the public layer)."""
     _runtime.hp.set_shared_release(_release, _retire)
-    _runtime.OOM_CALLBACKS.append(lambda: context().collect())
-    _runtime.IPC_POOL_CALLBACKS.append(_on_ipc_pool)
+    _runtime.HOOKS.oom.append(lambda: context().collect())
+    _runtime.HOOKS.ipc_pool.append(_on_ipc_pool)
     for p in _runtime.all_pools():
         if getattr(p, "ipc", False):
             _on_ipc_pool(p)
