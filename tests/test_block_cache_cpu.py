@@ -42,8 +42,8 @@ class Blocks(_block_cache.BlockCache):
 
 
 @pytest.fixture
-def drv(monkeypatch):
-    return use_driver(monkeypatch, Driver())
+def drv(monkeypatch, fake_driver):
+    return use_driver(fake_driver, monkeypatch, Driver())
 
 
 def _freed_behind_pending_work(drv):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from cuda.bindings import driver as real
 from cupy.cuda.memory import MemoryPointer, UnownedMemory
+from fakes.driver import PassThrough
 from fakes.events import FakeEvents, use_driver
 from fakes.hotpath import World, twin_pools
 from support.gc_locks import GcUnderLock
@@ -65,8 +66,8 @@ class ManagedDriver(FakeEvents):
 
 
 @pytest.fixture
-def drv(monkeypatch):
-    return use_driver(monkeypatch, ManagedDriver(), managed_pool)
+def drv(monkeypatch, fake_driver):
+    return use_driver(fake_driver, monkeypatch, ManagedDriver())
 
 
 def testmanaged_poolator_reuses_on_the_same_stream_and_after_events(drv):
@@ -146,21 +147,21 @@ class FakeBuffer:
 
 
 @pytest.fixture
-def fake_managed(monkeypatch):
+def fake_managed(monkeypatch, fake_driver):
     log: list = []
     unmanaged: set = set()
     monkeypatch.setattr(managed, "_buffer", lambda p, n, owner: FakeBuffer(log, p, n))
     monkeypatch.setattr(managed, "_location", lambda where, name: ("loc", where))
     monkeypatch.setattr(managed, "_core_stream", lambda s: ("stream", s))
 
-    class Drv:
+    class Drv(PassThrough):
         CUpointer_attribute = real.CUpointer_attribute
 
         @staticmethod
         def cuPointerGetAttribute(attr, ptr):  # noqa: N802
             return 0, int(ptr) not in unmanaged
 
-    monkeypatch.setattr(managed, "_drv", Drv)
+    fake_driver(Drv())
     monkeypatch.setattr(
         cupy.cuda, "get_current_stream", lambda *a: cupy.cuda.ExternalStream(0x50, 0)
     )
@@ -205,11 +206,13 @@ def test_prefetch_and_advise_check_everything_before_acting(fake_managed):
     assert log == []  # nothing was prefetched or advised
 
 
-def test_advise_marks_pool_blocks_whose_free_resets_the_hints(fake_managed, monkeypatch):
+def test_advise_marks_pool_blocks_whose_free_resets_the_hints(
+    fake_managed, monkeypatch, fake_driver
+):
     log, _ = fake_managed
     tp = twin_pools()
     monkeypatch.setattr(_runtime, "hp", twin)
-    world = World(monkeypatch, tp)
+    world = World(monkeypatch, tp, fake_driver)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: world.current)
     p = world.pool(cls=tp.ManagedPool, kind=twin.KIND_MANAGED)
     m = p.malloc(4096)

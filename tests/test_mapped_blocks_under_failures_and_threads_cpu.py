@@ -23,7 +23,7 @@ from fakes.mapped import (  # noqa: F401  (fixtures: drv, made, world)
 from fakes.vmm import OOM, MiB, ReusingVA, VmmDriver
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _block_cache, _device, _mapped, _pools
+from cupy_poolmem import _device, _driver, _mapped
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
@@ -80,9 +80,8 @@ class ContextVmm(VmmDriver):
 
 
 @pytest.fixture
-def ctx_drv(monkeypatch):
-    d = ContextVmm()
-    monkeypatch.setattr(_block_cache, "_drv", lambda: d)
+def ctx_drv(monkeypatch, fake_driver):
+    d = fake_driver(ContextVmm())
     monkeypatch.setattr(_device, "on_device", d.on_device)
     return d
 
@@ -122,7 +121,15 @@ class CapturingVmm(VmmDriver):
         return super().cuEventRecord(ev, s)
 
 
-def test_a_mapped_block_freed_on_the_legacy_stream_during_a_capture_is_not_lost(monkeypatch, world):
+@pytest.fixture
+def capturing_drv(monkeypatch, fake_driver):
+    """CapturingVmm in place (a test asks for it before ``world``, whose driver wraps it)."""
+    return use_driver(fake_driver, monkeypatch, CapturingVmm())
+
+
+def test_a_mapped_block_freed_on_the_legacy_stream_during_a_capture_is_not_lost(
+    capturing_drv, world
+):
     """A CUDA-pool block freed on the legacy stream while a capture is under way
     gets a capture error from cuMemFreeAsync and is held until the capture ends
     (``_free_failed`` -> ``_hold_free``).  A mapped block in the same place reaches
@@ -130,7 +137,7 @@ def test_a_mapped_block_freed_on_the_legacy_stream_during_a_capture_is_not_lost(
     swallowed by ``_backend_free`` (``n_free_errors``) and the block is gone from every
     list but ``_sizes``: never reused, never unmapped, ``reserved`` forever.  CuPy's
     default current stream is the legacy null stream (handle 0)."""
-    d = use_driver(monkeypatch, CapturingVmm())
+    d = capturing_drv
     p, _ = mapped_twin(world)
     b = _mapped.MappedBlocks(0, driver=d)
     p._backend = b
@@ -153,7 +160,7 @@ def test_a_mapping_call_failing_on_the_out_of_memory_retry_is_named(made, monkey
     fails in cuMemMap with another error: ``_alloc_failed`` reports it under the pool's
     ``_alloc_call``, "cuMemAllocFromPoolAsync", a call that was never made (the first
     failure is named right: ``_backend_alloc`` asks the backend's ``failed_call``)."""
-    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
+    monkeypatch.setattr(_driver.get(), "cuMemPoolTrimTo", lambda pool, keep: (0,))
     p = cpm.DevicePool(large_blocks="mapped")
     p._synchronize = lambda: None
     made.drv.fail["cuMemCreate"] = OOM
@@ -231,6 +238,7 @@ def test_check_access_finds_a_live_mapped_block_of_a_closed_pool(made, monkeypat
 # --------------------------------------------------------------------------------------
 def test_set_peers_never_sets_the_access_of_another_allocation_at_a_reused_address(
     monkeypatch,
+    fake_driver,
 ):
     """set_peers lists the blocks under the cache lock, then sets each one's access
     holding only ``_map_lock``.  A free past the threshold (or a trim) in another thread
@@ -244,7 +252,7 @@ def test_set_peers_never_sets_the_access_of_another_allocation_at_a_reused_addre
     Forced switches, inside set_peers' first cuMemSetAccess: thread 2 releases pool A's
     cached block (its range freed), then thread 3 maps a block of pool B, which gets
     that range."""
-    d = use_driver(monkeypatch, ReusingVA())
+    d = use_driver(fake_driver, monkeypatch, ReusingVA())
     a = _mapped.MappedBlocks(0, peers=(1,), driver=d)
     b = _mapped.MappedBlocks(0, peers=(1,), driver=d)
     a.release_threshold = b.release_threshold = 1 << 40

@@ -10,6 +10,7 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+from fakes.driver import PassThrough
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _allocator, _device, _doctor, _pools, _runtime
@@ -530,7 +531,7 @@ def test_check_access_on_other_memory(pointers):
         cpm.check_access([1, 2, 3], device=1)
 
 
-class FakeDriver:
+class FakeDriver(PassThrough):
     """What pointer_info asks cuda.bindings.driver, answered from a table by pointer."""
 
     class CUpointer_attribute:
@@ -569,9 +570,8 @@ class FakeDriver:
         return self.table[ptr][attr]
 
 
-def test_pointer_info_classifies_memory(monkeypatch):
-    drv = FakeDriver()
-    monkeypatch.setattr(_device, "_drv", lambda: drv)
+def test_pointer_info_classifies_memory(fake_driver):
+    drv = fake_driver(FakeDriver())
     drv.add(0x10, managed=True)
     drv.add(0x20, mtype=drv.UNIFIED)
     drv.add(0x30, mtype=drv.HOST, pool=0xF0)

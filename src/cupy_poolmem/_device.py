@@ -13,6 +13,7 @@ import threading
 import uuid as _uuid
 from typing import Any
 
+from . import _driver
 from ._errors import (
     InvalidOptionError,
     NoGPUError,
@@ -51,12 +52,6 @@ def _runtime() -> Any:
     import cupy
 
     return cupy.cuda.runtime
-
-
-def _drv() -> Any:
-    from cuda.bindings import driver
-
-    return driver
 
 
 def device_count() -> int:
@@ -104,7 +99,7 @@ def require_attribute(device: int, attribute: str, needs: str) -> None:
 
     A failed query counts as unset: the error says which attribute was asked.
     """
-    drv = _drv()
+    drv = _driver.get()
     name = f"CU_DEVICE_ATTRIBUTE_{attribute}"
     err, value = drv.cuDeviceGetAttribute(getattr(drv.CUdevice_attribute, name), device)
     if int(err) or not int(value):
@@ -147,7 +142,7 @@ def device_uuid(dev: int) -> str:
     """The UUID of device ``dev`` as a string (cached: it never changes)."""
     u = _uuid_by_ordinal.get(dev)
     if u is None:
-        drv = _drv()
+        drv = _driver.get()
         handle = check_driver(drv.cuDeviceGet(dev), "cuDeviceGet")
         raw = check_driver(drv.cuDeviceGetUuid(handle), "cuDeviceGetUuid")
         u = str(_uuid.UUID(bytes=bytes(raw.bytes)))
@@ -250,7 +245,7 @@ class on_device:
             return
         if _bound.dev == prev:
             return
-        err, ctx = _drv().cuCtxGetCurrent()
+        err, ctx = _driver.get().cuCtxGetCurrent()
         if int(err) or not int(ctx):
             rt.setDevice(self.dev)
             rt.free(0)  # makes the primary context current
@@ -274,7 +269,7 @@ def grant_access(pool_handle: int, devices: list[int], *, read_write: bool = Tru
     One ``cuMemPoolSetAccess`` call for all of them.  A pool's own device always has
     access; host pools need it granted for copies at full DMA speed.
     """
-    drv = _drv()
+    drv = _driver.get()
     flag = (
         drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         if read_write
@@ -416,7 +411,7 @@ def has_access(pool_handle: int, device: int) -> bool:
 
     One ``cuMemPoolGetAccess`` query (the driver's current state, whoever set it).
     """
-    drv = _drv()
+    drv = _driver.get()
     loc = drv.CUmemLocation()
     loc.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     loc.id = int(device)
@@ -458,7 +453,7 @@ def require_access(pool_handle: int, owner: int, device: int, what: str = "pool 
 
 def pointer_info(ptr: int) -> tuple[int, int, bool]:
     """``(owner, pool_handle, managed)`` of a CUDA pointer; owner ``-1`` for host memory."""
-    drv = _drv()
+    drv = _driver.get()
     attr = drv.CUpointer_attribute
     p = drv.CUdeviceptr(int(ptr))
     result = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_IS_MANAGED, p)

@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import cupy
-from cuda.bindings import driver as _drv
 
-from . import _runtime
+from . import _driver, _runtime
 from ._errors import InvalidOptionError, OptionTypeError, UnsupportedError
 from ._pools._driver import wrap
 from ._streams import as_stream
@@ -86,8 +85,9 @@ def _managed_spans(items: list[tuple[str, Any]], what: str) -> list[tuple[int, i
         ptr, nbytes = _span(arr)
         if nbytes == 0:
             continue
-        err, is_managed = _drv.cuPointerGetAttribute(
-            _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr
+        drv = _driver.get()
+        err, is_managed = drv.cuPointerGetAttribute(
+            drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr
         )
         if int(err) or not is_managed:
             where = "" if label == "array" else f" (item {label})"

@@ -47,12 +47,12 @@ class FakeEvents:
         return (self.wait_result,)
 
 
-def use_driver(monkeypatch, d, *modules):
-    """Make ``d`` the driver the block cache (and each of ``modules``, by its ``_drv``)
-    calls, with no device switching (``_device.on_device`` does nothing); returns ``d``."""
-    from cupy_poolmem import _block_cache, _device
+def use_driver(fake_driver, monkeypatch, d):
+    """Make ``d`` the driver the package calls (through ``fake_driver``, the fixture of
+    fakes.driver), with no device switching (``_device.on_device`` does nothing);
+    returns ``d``."""
+    from cupy_poolmem import _device
 
-    for mod in (_block_cache, *modules):
-        monkeypatch.setattr(mod, "_drv", lambda: d)
+    fake_driver(d)
     monkeypatch.setattr(_device, "on_device", lambda dev: contextlib.nullcontext())
     return d
