@@ -297,7 +297,7 @@ def test_old_top_level_spellings_warn_and_forward():
         assert cpm.collect() == 0
 
 
-def test_on_device_asks_the_driver_for_the_context_once_per_thread(monkeypatch, fake_driver):
+def test_on_device_asks_the_driver_for_the_context_once_per_thread(fake_driver):
     """on_device: a thread with no context gets the primary context bound; afterwards
     the same thread pays one runtime query per entry, a new thread asks again."""
     import threading
@@ -327,7 +327,7 @@ def test_on_device_asks_the_driver_for_the_context_once_per_thread(monkeypatch, 
             calls.append((threading.current_thread(), "cuCtxGetCurrent"))
             return 0, (1 if threading.current_thread() in bound else 0)
 
-    monkeypatch.setattr(_device, "_runtime", RT)
+    fake_driver.runtime(RT())
     fake_driver(Drv())
 
     def enter_twice(out):

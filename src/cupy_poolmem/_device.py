@@ -48,12 +48,6 @@ __all__ = [
 ]
 
 
-def _runtime() -> Any:
-    import cupy
-
-    return cupy.cuda.runtime
-
-
 def device_count() -> int:
     """Number of CUDA devices visible to this process (0 without a driver or GPU).
 
@@ -68,7 +62,7 @@ def device_count() -> int:
     True
     """
     try:
-        return int(_runtime().getDeviceCount())
+        return int(_driver.runtime().getDeviceCount())
     except Exception:
         return 0
 
@@ -79,7 +73,7 @@ def require_gpu(what: str = "cupy_poolmem") -> int:
     Returns the number of visible devices.
     """
     try:
-        n = int(_runtime().getDeviceCount())
+        n = int(_driver.runtime().getDeviceCount())
     except Exception as exc:
         raise NoGPUError(
             f"{what} needs an NVIDIA GPU and its driver, but CUDA could not be initialised "
@@ -115,7 +109,7 @@ def check_device(device: Any, name: str = "device") -> int:
     """
     if device is None:
         require_gpu()
-        return int(_runtime().getDevice())
+        return int(_driver.runtime().getDevice())
     if hasattr(device, "id") and not isinstance(device, int):
         device = device.id
     elif hasattr(device, "device_id") and not isinstance(device, int):
@@ -198,7 +192,7 @@ def nearest_numa_node(device: int | None = None) -> int:
     """
     import cuda.core as cc
 
-    dev = int(_runtime().getDevice()) if device is None else device
+    dev = int(_driver.runtime().getDevice()) if device is None else device
     try:
         node = int(cc.Device(dev).properties.host_numa_id)
         if node >= 0:
@@ -238,7 +232,7 @@ class on_device:
         self.prev = -1
 
     def __enter__(self) -> None:
-        rt = _runtime()
+        rt = _driver.runtime()
         prev = self.prev = rt.getDevice()
         if prev != self.dev:
             rt.setDevice(self.dev)  # binds the device's primary context
@@ -253,14 +247,14 @@ class on_device:
 
     def __exit__(self, *exc: Any) -> None:
         if self.prev != self.dev:
-            _runtime().setDevice(self.prev)
+            _driver.runtime().setDevice(self.prev)
 
 
 def can_access_peer(dev: int, peer: int) -> bool:
     """Whether device ``dev`` can read and write memory of device ``peer`` (same: True)."""
     if dev == peer:
         return True
-    return bool(_runtime().deviceCanAccessPeer(dev, peer))
+    return bool(_driver.runtime().deviceCanAccessPeer(dev, peer))
 
 
 def grant_access(pool_handle: int, devices: list[int], *, read_write: bool = True) -> None:

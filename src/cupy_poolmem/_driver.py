@@ -1,22 +1,25 @@
-"""The CUDA driver the package calls: ``cuda.bindings.driver``, or a fake a test hands in.
+"""The CUDA APIs the package calls: ``cuda.bindings.driver`` and CuPy's runtime, or
+fakes a test hands in.
 
-Every module below the public layer asks :func:`get` for the driver when it calls it, so
-one :func:`use` replaces it for all of them.  The real module is imported on the first
-call and then kept.  This module imports nothing of the package.
+Every module below the public layer asks :func:`get` for the driver when it calls it
+(and ``_device`` asks :func:`runtime` for the runtime), so one :func:`use` replaces it
+for all of them.  The real modules are imported on the first call and then kept.  This
+module imports nothing of the package.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["get", "use"]
+__all__ = ["get", "use", "runtime", "use_runtime"]
 
 
 class DriverProvider:
-    """Holds the driver module of this process (None: not resolved yet)."""
+    """Holds the driver and runtime modules of this process (None: not loaded yet)."""
 
     def __init__(self) -> None:
         self.driver: Any = None
+        self.runtime: Any = None
 
     def get(self) -> Any:
         if self.driver is None:
@@ -26,9 +29,12 @@ class DriverProvider:
             self.driver = driver
         return self.driver
 
-    def use(self, driver: Any) -> Any:
-        previous, self.driver = self.driver, driver
-        return previous
+    def get_runtime(self) -> Any:
+        if self.runtime is None:
+            import cupy  # third-party, late: the base install has no CuPy
+
+            self.runtime = cupy.cuda.runtime
+        return self.runtime
 
 
 PROVIDER = DriverProvider()
@@ -56,4 +62,32 @@ def use(driver: Any) -> Any:
     >>> previous = _driver.use(object())
     >>> _ = _driver.use(previous)
     """
-    return PROVIDER.use(driver)
+    previous, PROVIDER.driver = PROVIDER.driver, driver
+    return previous
+
+
+def runtime() -> Any:
+    """CuPy's CUDA runtime (``cupy.cuda.runtime``) unless :func:`use_runtime` handed in
+    another.
+
+    Examples
+    --------
+    >>> from cupy_poolmem import _driver
+    >>> _driver.runtime().getDeviceCount() >= 0  # doctest: +SKIP
+    True
+    """
+    return PROVIDER.get_runtime()
+
+
+def use_runtime(rt: Any) -> Any:
+    """Make ``rt`` the one :func:`runtime` returns (None: CuPy's again); returns the
+    previous one, to hand back later.
+
+    Examples
+    --------
+    >>> from cupy_poolmem import _driver
+    >>> previous = _driver.use_runtime(object())
+    >>> _ = _driver.use_runtime(previous)
+    """
+    previous, PROVIDER.runtime = PROVIDER.runtime, rt
+    return previous
