@@ -4,7 +4,6 @@ prefetch/advise over collections, against a fake driver."""
 from __future__ import annotations
 
 import gc
-import itertools
 
 import cupy
 import numpy as np
@@ -12,8 +11,9 @@ import pytest
 from cuda.bindings import driver as real
 from cupy.cuda.memory import MemoryPointer, UnownedMemory
 from fakes.driver import PassThrough
-from fakes.events import FakeEvents, use_driver
+from fakes.events import use_driver
 from fakes.hotpath import World, twin_pools
+from fakes.managed import ManagedDriver
 from support.gc_locks import GcUnderLock
 
 import cupy_poolmem as cpm
@@ -24,45 +24,6 @@ from cupy_poolmem._pools import managed as managed_pool
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
 KB = 4096
-
-
-class ManagedDriver(FakeEvents):
-    """cuMemAllocManaged, events and advice, played on the host."""
-
-    # Its tests mark events done by name ahead of their frees (written before events
-    # were reused): a new record leaves a completed event completed.
-    repend_on_record = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ptrs = itertools.count(0x7000_0000, 0x10_0000)
-        self.log: list = []
-        self.advise_result = 0
-
-    def __getattr__(self, name):
-        return getattr(real, name)
-
-    def cuMemAllocManaged(self, size, flags):  # noqa: N802
-        p = next(self.ptrs)
-        self.log.append(("alloc", p, size))
-        return 0, p
-
-    def cuMemFree(self, ptr):  # noqa: N802
-        self.log.append(("free", ptr))
-        return (0,)
-
-    def cuMemAdvise(self, ptr, size, advice, loc):  # noqa: N802
-        self.log.append(("advise", ptr, size, advice.name))
-        return (self.advise_result,)
-
-    def cuMemAllocFromPoolAsync(self, size, pool, s):  # noqa: N802
-        return 0, 0x9000
-
-    def cuMemFreeAsync(self, ptr, s):  # noqa: N802
-        return (0,)
-
-    def cuStreamSynchronize(self, s):  # noqa: N802
-        return (0,)
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 # ruff: noqa: F811  (the fixtures drv, made and world come from tests/fakes/mapped.py)
 """Mapped blocks and the block cache under failures, other contexts, captures and
 threads: each test guards against a fault that once broke these paths.  CPU only:
-the driver is played by the fakes of tests/test_mapped_cpu.py.  Docstrings describe
+the driver is played by the fakes of tests/fakes/vmm.py.  Docstrings describe
 the fault each test guards against.
 """
 
@@ -20,65 +20,15 @@ from fakes.mapped import (  # noqa: F401  (fixtures: drv, made, world)
     mapped_twin,
     world,
 )
-from fakes.vmm import OOM, MiB, ReusingVA, VmmDriver
+from fakes.vmm import OOM, CapturingVmm, ContextVmm, MiB, ReusingVA, VmmDriver
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _device, _driver, _mapped
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
-_INVALID_HANDLE = 400  # CUDA_ERROR_INVALID_HANDLE
-_CAPTURE_IMPLICIT = 906  # CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
-
 
 # --------------------------------------------------------------------------------------
-class ContextVmm(VmmDriver):
-    """Events belong to the context current when they are created, and cuEventRecord
-    refuses an event of another context than the stream's (CUDA_ERROR_INVALID_HANDLE,
-    as the driver documents: "hEvent and hStream must be from the same context").
-    ``current``: the device whose context is current in the calling thread (None: no
-    context bound, cuEventCreate then fails with CUDA_ERROR_INVALID_CONTEXT); per thread,
-    as CUDA's current context is (threads other tests left running call on_device too)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._thread = threading.local()
-        self.ctx_of: dict = {}
-
-    @property
-    def current(self) -> int | None:
-        return getattr(self._thread, "current", 0)
-
-    @current.setter
-    def current(self, dev: int | None) -> None:
-        self._thread.current = dev
-
-    def on_device(self, dev):
-        d = self
-
-        class _On:
-            def __enter__(self):
-                self.prev, d.current = d.current, dev
-
-            def __exit__(self, *exc):
-                d.current = self.prev
-
-        return _On()
-
-    def cuEventCreate(self, flags):  # noqa: N802
-        if self.current is None:
-            return 201, None  # CUDA_ERROR_INVALID_CONTEXT
-        err, ev = super().cuEventCreate(flags)
-        self.ctx_of[ev] = self.current
-        return err, ev
-
-    def cuEventRecord(self, ev, s):  # noqa: N802
-        # The block's stream is device 0's; _record makes device 0 current around it.
-        if self.ctx_of.get(ev) != self.current:
-            return (_INVALID_HANDLE,)
-        return super().cuEventRecord(ev, s)
-
-
 @pytest.fixture
 def ctx_drv(monkeypatch, fake_driver):
     d = fake_driver(ContextVmm())
@@ -108,19 +58,6 @@ def test_a_block_freed_while_another_device_is_current_is_cached(ctx_drv, curren
 
 
 # --------------------------------------------------------------------------------------
-class CapturingVmm(VmmDriver):
-    """While ``capturing``, the legacy stream refuses work (another stream is capturing
-    in global mode: cuEventRecord on it returns CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, as
-    cuMemFreeAsync on it does; the pools already hold such CUDA-pool frees)."""
-
-    capturing = False
-
-    def cuEventRecord(self, ev, s):  # noqa: N802
-        if self.capturing and int(s) in (0, 1):
-            return (_CAPTURE_IMPLICIT,)
-        return super().cuEventRecord(ev, s)
-
-
 @pytest.fixture
 def capturing_drv(monkeypatch, fake_driver):
     """CapturingVmm in place (a test asks for it before ``world``, whose driver wraps it)."""

@@ -22,7 +22,7 @@ from fakes.mapped import (  # noqa: F401  (fixtures: drv, made, world)
     mapped_twin,
     world,
 )
-from fakes.vmm import OOM, MiB, ReusingVA, VmmDriver
+from fakes.vmm import INVALID_VALUE, OOM, MiB, ReusingVA, StrictVmm
 from support.waits import wait_for
 
 import cupy_poolmem as cpm
@@ -575,18 +575,6 @@ def test_peer_access_stays_as_it_was_when_the_mapped_blocks_refuse(made, monkeyp
 
 
 # -- peer access under concurrency and failure -------------------------------------
-_INVALID = real.CUresult.CUDA_ERROR_INVALID_VALUE
-
-
-class StrictVmm(VmmDriver):
-    """cuMemSetAccess on an address that is not mapped fails, as on the real driver."""
-
-    def cuMemSetAccess(self, va, size, descs, n):  # noqa: N802
-        if va not in self.mapped:
-            return (_INVALID,)
-        return super().cuMemSetAccess(va, size, descs, n)
-
-
 # 1 -------------------------------------------------------------------------------------
 def test_a_concurrent_release_unmaps_a_listed_block_only_after_set_peers(
     drv, monkeypatch, fake_driver
@@ -637,7 +625,7 @@ def test_a_block_left_mixed_is_fixed_by_setting_the_peers_again(drv, again):
         calls[0] += 1
         # call 1: grant on v1 ok; call 2: grant on v2 refused; call 3: undo on v1 refused
         if calls[0] in (2, 3):
-            return (_INVALID,)
+            return (INVALID_VALUE,)
         return real_set(va, size, descs, n)
 
     drv.cuMemSetAccess = set_access

@@ -5,7 +5,8 @@ previous ones back when the test ends.
 
 Every module sees the fake, so a fake passes the calls it does not play on (to the real
 driver: :class:`PassThrough`, or to the driver below it, as fakes.hotpath's World does:
-a test installs a domain fake before the World, which then wraps it)."""
+a test installs a domain fake before the World, which then wraps it).  ``PointerDriver``
+answers pointer attributes from a table."""
 
 from __future__ import annotations
 
@@ -53,3 +54,42 @@ def fake_driver():
     seat = DriverSeat()
     yield seat
     seat.restore()
+
+
+class PointerDriver(PassThrough):
+    """What pointer_info asks cuda.bindings.driver, answered from a table by pointer."""
+
+    class CUpointer_attribute:
+        CU_POINTER_ATTRIBUTE_IS_MANAGED = "managed"
+        CU_POINTER_ATTRIBUTE_MEMORY_TYPE = "type"
+        CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE = "pool"
+        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = "ordinal"
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+
+    class CUmemorytype:
+        CU_MEMORYTYPE_HOST = 1
+        CU_MEMORYTYPE_DEVICE = 2
+        CU_MEMORYTYPE_UNIFIED = 4
+
+    CUdeviceptr = int
+    HOST, DEVICE, UNIFIED = 1, 2, 4
+
+    def __init__(self) -> None:
+        self.table: dict[int, dict[str, tuple]] = {}
+
+    def add(self, ptr, *, managed=False, mtype=DEVICE, pool=None, ordinal=0, valid=True):
+        if not valid:
+            self.table[ptr] = {"managed": (1, None)}
+            return
+        self.table[ptr] = {
+            "managed": (0, managed),
+            "type": (0, mtype),
+            "pool": (0, pool) if pool else (1, None),  # not pool memory: an error
+            "ordinal": (0, ordinal),
+        }
+
+    def cuPointerGetAttribute(self, attr, ptr):
+        return self.table[ptr][attr]

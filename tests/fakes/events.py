@@ -1,9 +1,13 @@
-"""CUDA events played on the host, for fakes of the driver (``done``: completed ones)."""
+"""CUDA events played on the host, for fakes of the driver (``done``: completed ones):
+``FakeEvents``, and ``Driver``, the block cache's driver (events, every other call the
+real driver's)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+
+from cuda.bindings import driver as real
 
 
 class FakeEvents:
@@ -45,6 +49,15 @@ class FakeEvents:
     def cuStreamWaitEvent(self, s, ev, flags):  # noqa: N802
         self.log.append(("wait", s, ev))
         return (self.wait_result,)
+
+
+class Driver(FakeEvents):
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list = []
+
+    def __getattr__(self, name):
+        return getattr(real, name)
 
 
 def use_driver(fake_driver, monkeypatch, d):
