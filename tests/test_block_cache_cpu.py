@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from fakes.events import Driver, use_driver
+from fakes.events import EventsDriver, use_driver
 
 from cupy_poolmem import _block_cache
 
@@ -33,7 +33,7 @@ class Blocks(_block_cache.BlockCache):
 
 @pytest.fixture
 def drv(monkeypatch, fake_driver):
-    return use_driver(fake_driver, monkeypatch, Driver())
+    return use_driver(fake_driver, monkeypatch, EventsDriver())
 
 
 def _freed_behind_pending_work(drv):

@@ -1,13 +1,13 @@
 """CUDA events played on the host, for fakes of the driver (``done``: completed ones):
-``FakeEvents``, and ``Driver``, the block cache's driver (events, every other call the
-real driver's)."""
+``FakeEvents``, and ``EventsDriver``, the base of the domain fakes (events logged, every
+other call the real driver's)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 
-from cuda.bindings import driver as real
+from fakes.driver import PassThrough
 
 
 class FakeEvents:
@@ -51,13 +51,12 @@ class FakeEvents:
         return (self.wait_result,)
 
 
-class Driver(FakeEvents):
+class EventsDriver(FakeEvents, PassThrough):
+    """Events played on the host and logged in ``log``; every other call the real driver's."""
+
     def __init__(self) -> None:
         super().__init__()
         self.log: list = []
-
-    def __getattr__(self, name):
-        return getattr(real, name)
 
 
 def use_driver(fake_driver, monkeypatch, d):

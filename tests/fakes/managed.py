@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import itertools
 
-from cuda.bindings import driver as real
-
-from fakes.events import FakeEvents
+from fakes.events import EventsDriver
 
 
-class ManagedDriver(FakeEvents):
+class ManagedDriver(EventsDriver):
     """cuMemAllocManaged, events and advice, played on the host."""
 
     # Its tests mark events done by name ahead of their frees (written before events
@@ -20,11 +18,7 @@ class ManagedDriver(FakeEvents):
     def __init__(self) -> None:
         super().__init__()
         self.ptrs = itertools.count(0x7000_0000, 0x10_0000)
-        self.log: list = []
         self.advise_result = 0
-
-    def __getattr__(self, name):
-        return getattr(real, name)
 
     def cuMemAllocManaged(self, size, flags):  # noqa: N802
         p = next(self.ptrs)

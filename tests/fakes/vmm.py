@@ -12,7 +12,7 @@ from typing import Any
 
 from cuda.bindings import driver as real
 
-from fakes.events import FakeEvents
+from fakes.events import EventsDriver
 
 MiB = 1 << 20
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
@@ -27,23 +27,19 @@ INVALID_VALUE = real.CUresult.CUDA_ERROR_INVALID_VALUE
 _VAS = itertools.count(0x7F00_0000_0000, 0x1_0000_0000)
 
 
-class VmmDriver(FakeEvents):
+class VmmDriver(EventsDriver):
     """Virtual memory management and events, played on the host; every call logged."""
 
     def __init__(self) -> None:
         super().__init__()
         self.vas = _VAS
         self.handles = itertools.count(1)
-        self.log: list = []
         self.fail: dict[str, int] = {}  # call name -> CUresult it returns once
         self.mapped: dict[int, int] = {}  # va -> bytes, mapped now
         self.reserved_va: set = set()
         self.handles_alive: set = set()
         self.access: dict[int, list] = {}  # va -> [(device, flags name), ...] last set
         self.grants: dict[int, dict[int, str]] = {}  # va -> device -> flags name, merged
-
-    def __getattr__(self, name):
-        return getattr(real, name)
 
     def _failing(self, name: str) -> int:
         return self.fail.pop(name, 0)
