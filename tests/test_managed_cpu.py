@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from cuda.bindings import driver as real
 from cupy.cuda.memory import MemoryPointer, UnownedMemory
-from fakes.driver import PassThrough
+from fakes.driver import PassThrough, Runtime
 from fakes.events import use_driver
 from fakes.hotpath import World, twin_pools
-from fakes.managed import ManagedDriver
+from fakes.managed import ManagedCore, ManagedDriver
 from support.gc_locks import GcUnderLock
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _block_cache, _runtime, managed
+from cupy_poolmem import _block_cache, _runtime
 from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem._pools import managed as managed_pool
 
@@ -94,26 +94,12 @@ def _managed_array(ptr: int, n: int, owner=None) -> cupy.ndarray:
     return cupy.ndarray((n,), dtype=np.float64, memptr=mem)
 
 
-class FakeBuffer:
-    def __init__(self, log, ptr, nbytes):
-        self.log, self.ptr, self.nbytes = log, ptr, nbytes
-
-    def prefetch(self, loc, stream):
-        self.log.append(("prefetch", self.ptr, self.nbytes, loc, stream))
-
-    def __setattr__(self, name, value):
-        if name in ("preferred_location", "accessed_by", "read_mostly"):
-            self.log.append((name, self.ptr, self.nbytes, value))
-        object.__setattr__(self, name, value)
-
-
 @pytest.fixture
 def fake_managed(monkeypatch, fake_driver):
     log: list = []
     unmanaged: set = set()
-    monkeypatch.setattr(managed, "_buffer", lambda p, n, owner: FakeBuffer(log, p, n))
-    monkeypatch.setattr(managed, "_location", lambda where, name: ("loc", where))
-    monkeypatch.setattr(managed, "_core_stream", lambda s: ("stream", s))
+    fake_driver.core(ManagedCore(log))
+    fake_driver.runtime(Runtime(1))  # device 0 exists
 
     class Drv(PassThrough):
         CUpointer_attribute = real.CUpointer_attribute

@@ -1,25 +1,27 @@
-"""The CUDA APIs the package calls: ``cuda.bindings.driver`` and CuPy's runtime, or
-fakes a test hands in.
+"""The CUDA APIs the package calls: ``cuda.bindings.driver``, CuPy's runtime and
+``cuda.core`` (for managed buffers), or fakes a test hands in.
 
 Every module below the public layer asks :func:`get` for the driver when it calls it
-(and ``_device`` asks :func:`runtime` for the runtime), so one :func:`use` replaces it
-for all of them.  The real modules are imported on the first call and then kept.  This
-module imports nothing of the package.
+(``_device`` asks :func:`runtime` for the runtime, ``managed`` :func:`core` for
+cuda.core), so one :func:`use` replaces it for all of them.  The real modules are
+imported on the first call and then kept.  This module imports nothing of the package.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["get", "use", "runtime", "use_runtime"]
+__all__ = ["get", "use", "runtime", "use_runtime", "core", "use_core"]
 
 
 class DriverProvider:
-    """Holds the driver and runtime modules of this process (None: not loaded yet)."""
+    """Holds the driver, runtime and cuda.core modules of this process (None: not
+    loaded yet)."""
 
     def __init__(self) -> None:
         self.driver: Any = None
         self.runtime: Any = None
+        self.core: Any = None
 
     def get(self) -> Any:
         if self.driver is None:
@@ -35,6 +37,13 @@ class DriverProvider:
 
             self.runtime = cupy.cuda.runtime
         return self.runtime
+
+    def get_core(self) -> Any:
+        if self.core is None:
+            import cuda.core  # third-party, late: the base install has no cuda.core
+
+            self.core = cuda.core
+        return self.core
 
 
 PROVIDER = DriverProvider()
@@ -90,4 +99,29 @@ def use_runtime(rt: Any) -> Any:
     >>> _ = _driver.use_runtime(previous)
     """
     previous, PROVIDER.runtime = PROVIDER.runtime, rt
+    return previous
+
+
+def core() -> Any:
+    """``cuda.core`` unless :func:`use_core` handed in another.
+
+    Examples
+    --------
+    >>> from cupy_poolmem import _driver
+    >>> _driver.core().Host()  # doctest: +SKIP
+    """
+    return PROVIDER.get_core()
+
+
+def use_core(core: Any) -> Any:
+    """Make ``core`` the one :func:`core` returns (None: cuda.core again); returns the
+    previous one, to hand back later.
+
+    Examples
+    --------
+    >>> from cupy_poolmem import _driver
+    >>> previous = _driver.use_core(object())
+    >>> _ = _driver.use_core(previous)
+    """
+    previous, PROVIDER.core = PROVIDER.core, core
     return previous

@@ -1,12 +1,14 @@
 """The package's driver provider (``cupy_poolmem._driver``) in tests: the fixture
 ``fake_driver`` hands fakes in (``fake_driver(d)`` returns ``d``; every module of the
-package then calls ``d``; ``fake_driver.runtime(rt)`` for CuPy's runtime) and puts the
-previous ones back when the test ends.
+package then calls ``d``; ``fake_driver.runtime(rt)`` for CuPy's runtime,
+``fake_driver.core(cc)`` for cuda.core) and puts the previous ones back when the test
+ends.
 
 Every module sees the fake, so a fake passes the calls it does not play on (to the real
 driver: :class:`PassThrough`, or to the driver below it, as fakes.hotpath's World does:
 a test installs a domain fake before the World, which then wraps it).  ``PointerDriver``
-answers pointer attributes from a table."""
+answers pointer attributes from a table, ``Runtime`` is CuPy's runtime with a given
+number of devices."""
 
 from __future__ import annotations
 
@@ -42,6 +44,12 @@ class DriverSeat:
         self._undo.append(lambda: _driver.use_runtime(previous))
         return rt
 
+    def core(self, core: Any) -> Any:
+        """Make ``core`` the cuda.core the package calls; returns it."""
+        previous = _driver.use_core(core)
+        self._undo.append(lambda: _driver.use_core(previous))
+        return core
+
     def restore(self) -> None:
         while self._undo:
             self._undo.pop()()
@@ -50,10 +58,26 @@ class DriverSeat:
 @pytest.fixture
 def fake_driver():
     """``fake_driver(d)``: the package calls ``d`` until the test ends; returns ``d``
-    (``fake_driver.runtime(rt)`` likewise for CuPy's runtime)."""
+    (``fake_driver.runtime(rt)`` likewise for CuPy's runtime, ``fake_driver.core(cc)``
+    for cuda.core)."""
     seat = DriverSeat()
     yield seat
     seat.restore()
+
+
+class Runtime:
+    """CuPy's runtime with ``n`` devices; every other call CuPy's."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def getDeviceCount(self) -> int:  # noqa: N802
+        return self.n
+
+    def __getattr__(self, name: str) -> Any:
+        import cupy
+
+        return getattr(cupy.cuda.runtime, name)
 
 
 class PointerDriver(PassThrough):

@@ -1,9 +1,11 @@
 """Managed memory played on the host: ``ManagedDriver`` (cuMemAllocManaged, events and
-advice, every call logged)."""
+advice, every call logged) and ``ManagedCore``, the cuda.core that prefetch and advise
+call (its buffers, ``FakeBuffer``, log what they are asked)."""
 
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 from fakes.events import EventsDriver
 
@@ -41,3 +43,31 @@ class ManagedDriver(EventsDriver):
 
     def cuStreamSynchronize(self, s):  # noqa: N802
         return (0,)
+
+
+class FakeBuffer:
+    def __init__(self, log, ptr, nbytes):
+        self.log, self.ptr, self.nbytes = log, ptr, nbytes
+
+    def prefetch(self, loc, stream):
+        self.log.append(("prefetch", self.ptr, self.nbytes, loc, stream))
+
+    def __setattr__(self, name, value):
+        if name in ("preferred_location", "accessed_by", "read_mostly"):
+            self.log.append((name, self.ptr, self.nbytes, value))
+        object.__setattr__(self, name, value)
+
+
+class ManagedCore:
+    """cuda.core as prefetch and advise see it: locations ``("loc", where)``, streams
+    ``("stream", handle)``, buffers that log to ``log``."""
+
+    def __init__(self, log: list) -> None:
+        self.Stream = SimpleNamespace(from_handle=lambda s: ("stream", s))
+        self.ManagedBuffer = SimpleNamespace(from_handle=lambda p, n, owner: FakeBuffer(log, p, n))
+
+    def Host(self):  # noqa: N802
+        return ("loc", "cpu")
+
+    def Device(self, where):  # noqa: N802
+        return ("loc", where)
