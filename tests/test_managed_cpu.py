@@ -99,7 +99,8 @@ def fake_managed(monkeypatch, fake_driver):
     log: list = []
     unmanaged: set = set()
     fake_driver.core(ManagedCore(log))
-    fake_driver.runtime(Runtime(1))  # device 0 exists
+    # device 0 exists (on a GPU machine the real count stands: other threads see it too)
+    fake_driver.runtime(Runtime(max(1, cpm.device_count())))
 
     class Drv(PassThrough):
         CUpointer_attribute = real.CUpointer_attribute
