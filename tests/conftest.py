@@ -1,11 +1,13 @@
 """Shared test set-up: GPU tests skip, with a reason, where there is no GPU; fixtures of
-the fake driver (``tp``, ``twin_world``) and of the pool retirer (``fake_retirer``)."""
+the fake driver (``fake_driver``, ``tp``, ``twin_world``) and of the pool retirer
+(``fake_retirer``)."""
 
 from __future__ import annotations
 
 import gc
 
 import pytest
+from fakes.driver import fake_driver  # noqa: F401  (a fixture every test may ask for)
 
 import cupy_poolmem
 
@@ -85,7 +87,7 @@ def tp():
 
 
 @pytest.fixture
-def twin_world(monkeypatch, tp):
+def twin_world(monkeypatch, fake_driver, tp):  # noqa: F811  (the fixture conftest imports)
     """tests/fakes/hotpath.World playing the driver for the twin pools ``tp``; streams'
     waits do nothing.  Garbage is collected before the fakes are undone (a fake block
     must never reach the real driver).  A test that also wants ``fake_retirer`` asks for
@@ -96,5 +98,5 @@ def twin_world(monkeypatch, tp):
 
     monkeypatch.setattr(_runtime, "hp", _hotpath_py)
     monkeypatch.setattr(_streams, "wait_streams", lambda *a: None)
-    yield World(monkeypatch, tp)
+    yield World(monkeypatch, tp, fake_driver)
     gc.collect()

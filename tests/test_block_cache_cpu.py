@@ -10,21 +10,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from cuda.bindings import driver as real
-from fakes.events import FakeEvents, use_driver
+from fakes.events import EventsDriver, use_driver
 
 from cupy_poolmem import _block_cache
 
 S = 0x5000  # a stream handle (destroyed and handed again, or the same stream)
-
-
-class Driver(FakeEvents):
-    def __init__(self) -> None:
-        super().__init__()
-        self.log: list = []
-
-    def __getattr__(self, name):
-        return getattr(real, name)
 
 
 class Blocks(_block_cache.BlockCache):
@@ -42,8 +32,8 @@ class Blocks(_block_cache.BlockCache):
 
 
 @pytest.fixture
-def drv(monkeypatch):
-    return use_driver(monkeypatch, Driver())
+def drv(monkeypatch, fake_driver):
+    return use_driver(fake_driver, monkeypatch, EventsDriver())
 
 
 def _freed_behind_pending_work(drv):

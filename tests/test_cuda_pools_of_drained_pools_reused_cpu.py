@@ -8,18 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 from fakes.hotpath import fake_device_pools
+from fakes.resources import PlainMR
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _pools, _retire
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
-
-
-class FakeMR(SimpleNamespace):
-    """A cuda.core DeviceMemoryResource: a handle and its options."""
-
-    def close(self):
-        self.closed = True
 
 
 @pytest.fixture
@@ -30,7 +24,7 @@ def made(monkeypatch, fake_retirer):
     out = SimpleNamespace(mrs=[], log=[], retirer=fake_retirer)
 
     def mr(dev, opts):
-        m = FakeMR(
+        m = PlainMR(
             handle=next(handles),
             ipc=opts.ipc_enabled,
             closed=False,
@@ -173,11 +167,11 @@ def two_gpus(made, monkeypatch):
     monkeypatch.setattr(
         _pools.device, "resolve_peer_access", lambda v, dev: (1,) if v == "all" else ()
     )
-    FakeMR.peer_accessible_by = property(
+    PlainMR.peer_accessible_by = property(
         lambda self: (), lambda self, v: made.log.append(("revoked", self.handle, tuple(v)))
     )
     yield made
-    del FakeMR.peer_accessible_by
+    del PlainMR.peer_accessible_by
 
 
 def test_closing_a_pool_that_is_parked_makes_no_peer_call(two_gpus):

@@ -21,7 +21,7 @@ from fakes.expandable import (  # noqa: F401  (fixtures: drv, made, world)
 from fakes.hotpath import bare_core, compiled_hotpath
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _arena_py, _expandable, _pools, _runtime
+from cupy_poolmem import _arena_py, _driver, _expandable, _pools, _runtime
 from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem.benchmarks.churn import trace
 
@@ -37,7 +37,7 @@ if _hp is not None:
 @pytest.fixture(params=ARENAS, ids=lambda a: a.__module__.rsplit(".", 1)[1])
 def ranges(request, drv):
     return lambda **kw: _expandable.ExpandableBlocks(
-        0, span=SPAN, arena=request.param, driver=drv, **kw
+        0, span=SPAN, arena=request.param, driver=drv, sync=drv.sync_device, **kw
     )
 
 
@@ -242,7 +242,9 @@ def test_the_churn_trace_reserves_at_most_1_45x_its_live_peak(drv, seed):
     """The benchmark's quick trace on the ranges (both arenas): first fit keeps the
     mapped peak at 1.38x and 1.40x the most bytes ever live on these seeds (best fit:
     1.39x and 1.52x; CuPy's MemoryPool reserves 1.75x on seed 7, the goal is 1.40x)."""
-    b = _expandable.ExpandableBlocks(0, span=3 * GiB, arena=_runtime.hp.ARENA, driver=drv)
+    b = _expandable.ExpandableBlocks(
+        0, span=3 * GiB, arena=_runtime.hp.ARENA, driver=drv, sync=drv.sync_device
+    )
     live: list[tuple[int, int]] = []
     held = high = 0
     for size, frees in trace(5000, live=1 * GiB, seed=seed):
@@ -353,7 +355,7 @@ def test_the_compiled_core_gives_a_block_back_to_its_arena_as_the_twin_does(drv)
     import cupy
 
     c = bare_core(hp, 0)
-    b = _expandable.ExpandableBlocks(0, span=SPAN, arena=hp.ARENA, driver=drv)
+    b = _expandable.ExpandableBlocks(0, span=SPAN, arena=hp.ARENA, driver=drv, sync=drv.sync_device)
     c._attach_arenas(b.arenas, _expandable.SMALL_MAX)
     c._attach_backend(b, 0, b)
     legacy = cupy.cuda.ExternalStream(0, 0)  # (the slow path asks no driver about it)
@@ -418,7 +420,7 @@ def test_set_release_threshold_is_refused_by_an_expandable_pool(made):
 
 
 def test_an_expandable_pools_statistics_and_trim_count_its_ranges(made, monkeypatch):
-    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
+    monkeypatch.setattr(_driver.get(), "cuMemPoolTrimTo", lambda pool, keep: (0,))
     p = cpm.DevicePool(large_blocks="expandable")
     p._synchronize = lambda: None
     b = p._backend

@@ -12,7 +12,7 @@ import pytest
 from fakes.expandable import SPAN, drv, expandable_twin, made, world  # noqa: F401  (fixtures)
 from fakes.hotpath import compiled_hotpath
 
-from cupy_poolmem import _arena_py, _expandable, _pools
+from cupy_poolmem import _arena_py, _driver, _expandable
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
@@ -29,7 +29,9 @@ def arena_cls(request):
 
 
 def _ranges(drv, arena_cls):
-    return _expandable.ExpandableBlocks(0, span=SPAN, arena=arena_cls, driver=drv)
+    return _expandable.ExpandableBlocks(
+        0, span=SPAN, arena=arena_cls, driver=drv, sync=drv.sync_device
+    )
 
 
 # 1. CU_STREAM_PER_THREAD (2) is a different stream in every thread, yet one arena pair.
@@ -115,7 +117,7 @@ def test_trim_unmaps_a_block_freed_after_its_sync(made, monkeypatch):  # noqa: F
         b.free(ps[0], 0x5000)
         return (0,)
 
-    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", other_thread_frees)
+    monkeypatch.setattr(_driver.get(), "cuMemPoolTrimTo", other_thread_frees)
     real_unmap, busy_unmaps = made.drv.cuMemUnmap, []
 
     def unmap(va, n):
@@ -138,7 +140,7 @@ def test_release_raises_valueerror_when_a_take_lands_between_check_and_cut(drv):
 
     import cupy_poolmem as cpm
 
-    b = _expandable.ExpandableBlocks(0, span=SPAN, arena=Racy, driver=drv)
+    b = _expandable.ExpandableBlocks(0, span=SPAN, arena=Racy, driver=drv, sync=drv.sync_device)
     ps = [b.alloc(20 * MiB, 0x5000)[1] for _ in range(2)]
     b.free(ps[1], 0x5000)
     try:
@@ -160,7 +162,7 @@ def test_alloc_reports_oom_when_another_thread_takes_the_room_it_just_mapped(drv
             if not Racy.stolen:  # another thread's hot path, right after the extend
                 Racy.stolen = bool(self.take(n))
 
-    b = _expandable.ExpandableBlocks(0, span=SPAN, arena=Racy, driver=drv)
+    b = _expandable.ExpandableBlocks(0, span=SPAN, arena=Racy, driver=drv, sync=drv.sync_device)
     err, ptr = b.alloc(4 * MiB, 0x5000)
     assert err == 0, f"spurious CUresult {err} with {SPAN >> 20} MiB of range free"
 

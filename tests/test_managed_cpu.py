@@ -4,19 +4,20 @@ prefetch/advise over collections, against a fake driver."""
 from __future__ import annotations
 
 import gc
-import itertools
 
 import cupy
 import numpy as np
 import pytest
 from cuda.bindings import driver as real
 from cupy.cuda.memory import MemoryPointer, UnownedMemory
-from fakes.events import FakeEvents, use_driver
+from fakes.driver import PassThrough, Runtime
+from fakes.events import use_driver
 from fakes.hotpath import World, twin_pools
+from fakes.managed import ManagedCore, ManagedDriver
 from support.gc_locks import GcUnderLock
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _block_cache, _runtime, managed
+from cupy_poolmem import _block_cache, _runtime
 from cupy_poolmem import _hotpath_py as twin
 from cupy_poolmem._pools import managed as managed_pool
 
@@ -25,48 +26,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 KB = 4096
 
 
-class ManagedDriver(FakeEvents):
-    """cuMemAllocManaged, events and advice, played on the host."""
-
-    # Its tests mark events done by name ahead of their frees (written before events
-    # were reused): a new record leaves a completed event completed.
-    repend_on_record = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ptrs = itertools.count(0x7000_0000, 0x10_0000)
-        self.log: list = []
-        self.advise_result = 0
-
-    def __getattr__(self, name):
-        return getattr(real, name)
-
-    def cuMemAllocManaged(self, size, flags):  # noqa: N802
-        p = next(self.ptrs)
-        self.log.append(("alloc", p, size))
-        return 0, p
-
-    def cuMemFree(self, ptr):  # noqa: N802
-        self.log.append(("free", ptr))
-        return (0,)
-
-    def cuMemAdvise(self, ptr, size, advice, loc):  # noqa: N802
-        self.log.append(("advise", ptr, size, advice.name))
-        return (self.advise_result,)
-
-    def cuMemAllocFromPoolAsync(self, size, pool, s):  # noqa: N802
-        return 0, 0x9000
-
-    def cuMemFreeAsync(self, ptr, s):  # noqa: N802
-        return (0,)
-
-    def cuStreamSynchronize(self, s):  # noqa: N802
-        return (0,)
-
-
 @pytest.fixture
-def drv(monkeypatch):
-    return use_driver(monkeypatch, ManagedDriver(), managed_pool)
+def drv(monkeypatch, fake_driver):
+    return use_driver(fake_driver, monkeypatch, ManagedDriver())
 
 
 def testmanaged_poolator_reuses_on_the_same_stream_and_after_events(drv):
@@ -132,35 +94,22 @@ def _managed_array(ptr: int, n: int, owner=None) -> cupy.ndarray:
     return cupy.ndarray((n,), dtype=np.float64, memptr=mem)
 
 
-class FakeBuffer:
-    def __init__(self, log, ptr, nbytes):
-        self.log, self.ptr, self.nbytes = log, ptr, nbytes
-
-    def prefetch(self, loc, stream):
-        self.log.append(("prefetch", self.ptr, self.nbytes, loc, stream))
-
-    def __setattr__(self, name, value):
-        if name in ("preferred_location", "accessed_by", "read_mostly"):
-            self.log.append((name, self.ptr, self.nbytes, value))
-        object.__setattr__(self, name, value)
-
-
 @pytest.fixture
-def fake_managed(monkeypatch):
+def fake_managed(monkeypatch, fake_driver):
     log: list = []
     unmanaged: set = set()
-    monkeypatch.setattr(managed, "_buffer", lambda p, n, owner: FakeBuffer(log, p, n))
-    monkeypatch.setattr(managed, "_location", lambda where, name: ("loc", where))
-    monkeypatch.setattr(managed, "_core_stream", lambda s: ("stream", s))
+    fake_driver.core(ManagedCore(log))
+    # device 0 exists (on a GPU machine the real count stands: other threads see it too)
+    fake_driver.runtime(Runtime(max(1, cpm.device_count())))
 
-    class Drv:
+    class Drv(PassThrough):
         CUpointer_attribute = real.CUpointer_attribute
 
         @staticmethod
         def cuPointerGetAttribute(attr, ptr):  # noqa: N802
             return 0, int(ptr) not in unmanaged
 
-    monkeypatch.setattr(managed, "_drv", Drv)
+    fake_driver(Drv())
     monkeypatch.setattr(
         cupy.cuda, "get_current_stream", lambda *a: cupy.cuda.ExternalStream(0x50, 0)
     )
@@ -205,11 +154,13 @@ def test_prefetch_and_advise_check_everything_before_acting(fake_managed):
     assert log == []  # nothing was prefetched or advised
 
 
-def test_advise_marks_pool_blocks_whose_free_resets_the_hints(fake_managed, monkeypatch):
+def test_advise_marks_pool_blocks_whose_free_resets_the_hints(
+    fake_managed, monkeypatch, fake_driver
+):
     log, _ = fake_managed
     tp = twin_pools()
     monkeypatch.setattr(_runtime, "hp", twin)
-    world = World(monkeypatch, tp)
+    world = World(monkeypatch, tp, fake_driver)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: world.current)
     p = world.pool(cls=tp.ManagedPool, kind=twin.KIND_MANAGED)
     m = p.malloc(4096)

@@ -1,7 +1,7 @@
 # ruff: noqa: F811  (the fixtures drv, made and world come from tests/fakes/mapped.py)
 """Mapped blocks and the block cache under failures, other contexts, captures and
 threads: each test guards against a fault that once broke these paths.  CPU only:
-the driver is played by the fakes of tests/test_mapped_cpu.py.  Docstrings describe
+the driver is played by the fakes of tests/fakes/vmm.py.  Docstrings describe
 the fault each test guards against.
 """
 
@@ -20,69 +20,18 @@ from fakes.mapped import (  # noqa: F401  (fixtures: drv, made, world)
     mapped_twin,
     world,
 )
-from fakes.vmm import OOM, MiB, ReusingVA, VmmDriver
+from fakes.vmm import OOM, CapturingVmm, ContextVmm, MiB, ReusingVA, VmmDriver
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _block_cache, _device, _mapped, _pools
+from cupy_poolmem import _device, _driver, _mapped
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
-_INVALID_HANDLE = 400  # CUDA_ERROR_INVALID_HANDLE
-_CAPTURE_IMPLICIT = 906  # CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
-
 
 # --------------------------------------------------------------------------------------
-class ContextVmm(VmmDriver):
-    """Events belong to the context current when they are created, and cuEventRecord
-    refuses an event of another context than the stream's (CUDA_ERROR_INVALID_HANDLE,
-    as the driver documents: "hEvent and hStream must be from the same context").
-    ``current``: the device whose context is current in the calling thread (None: no
-    context bound, cuEventCreate then fails with CUDA_ERROR_INVALID_CONTEXT); per thread,
-    as CUDA's current context is (threads other tests left running call on_device too)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._thread = threading.local()
-        self.ctx_of: dict = {}
-
-    @property
-    def current(self) -> int | None:
-        return getattr(self._thread, "current", 0)
-
-    @current.setter
-    def current(self, dev: int | None) -> None:
-        self._thread.current = dev
-
-    def on_device(self, dev):
-        d = self
-
-        class _On:
-            def __enter__(self):
-                self.prev, d.current = d.current, dev
-
-            def __exit__(self, *exc):
-                d.current = self.prev
-
-        return _On()
-
-    def cuEventCreate(self, flags):  # noqa: N802
-        if self.current is None:
-            return 201, None  # CUDA_ERROR_INVALID_CONTEXT
-        err, ev = super().cuEventCreate(flags)
-        self.ctx_of[ev] = self.current
-        return err, ev
-
-    def cuEventRecord(self, ev, s):  # noqa: N802
-        # The block's stream is device 0's; _record makes device 0 current around it.
-        if self.ctx_of.get(ev) != self.current:
-            return (_INVALID_HANDLE,)
-        return super().cuEventRecord(ev, s)
-
-
 @pytest.fixture
-def ctx_drv(monkeypatch):
-    d = ContextVmm()
-    monkeypatch.setattr(_block_cache, "_drv", lambda: d)
+def ctx_drv(monkeypatch, fake_driver):
+    d = fake_driver(ContextVmm())
     monkeypatch.setattr(_device, "on_device", d.on_device)
     return d
 
@@ -109,20 +58,15 @@ def test_a_block_freed_while_another_device_is_current_is_cached(ctx_drv, curren
 
 
 # --------------------------------------------------------------------------------------
-class CapturingVmm(VmmDriver):
-    """While ``capturing``, the legacy stream refuses work (another stream is capturing
-    in global mode: cuEventRecord on it returns CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, as
-    cuMemFreeAsync on it does; the pools already hold such CUDA-pool frees)."""
-
-    capturing = False
-
-    def cuEventRecord(self, ev, s):  # noqa: N802
-        if self.capturing and int(s) in (0, 1):
-            return (_CAPTURE_IMPLICIT,)
-        return super().cuEventRecord(ev, s)
+@pytest.fixture
+def capturing_drv(monkeypatch, fake_driver):
+    """CapturingVmm in place (a test asks for it before ``world``, whose driver wraps it)."""
+    return use_driver(fake_driver, monkeypatch, CapturingVmm())
 
 
-def test_a_mapped_block_freed_on_the_legacy_stream_during_a_capture_is_not_lost(monkeypatch, world):
+def test_a_mapped_block_freed_on_the_legacy_stream_during_a_capture_is_not_lost(
+    capturing_drv, world
+):
     """A CUDA-pool block freed on the legacy stream while a capture is under way
     gets a capture error from cuMemFreeAsync and is held until the capture ends
     (``_free_failed`` -> ``_hold_free``).  A mapped block in the same place reaches
@@ -130,7 +74,7 @@ def test_a_mapped_block_freed_on_the_legacy_stream_during_a_capture_is_not_lost(
     swallowed by ``_backend_free`` (``n_free_errors``) and the block is gone from every
     list but ``_sizes``: never reused, never unmapped, ``reserved`` forever.  CuPy's
     default current stream is the legacy null stream (handle 0)."""
-    d = use_driver(monkeypatch, CapturingVmm())
+    d = capturing_drv
     p, _ = mapped_twin(world)
     b = _mapped.MappedBlocks(0, driver=d)
     p._backend = b
@@ -153,7 +97,7 @@ def test_a_mapping_call_failing_on_the_out_of_memory_retry_is_named(made, monkey
     fails in cuMemMap with another error: ``_alloc_failed`` reports it under the pool's
     ``_alloc_call``, "cuMemAllocFromPoolAsync", a call that was never made (the first
     failure is named right: ``_backend_alloc`` asks the backend's ``failed_call``)."""
-    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
+    monkeypatch.setattr(_driver.get(), "cuMemPoolTrimTo", lambda pool, keep: (0,))
     p = cpm.DevicePool(large_blocks="mapped")
     p._synchronize = lambda: None
     made.drv.fail["cuMemCreate"] = OOM
@@ -231,6 +175,7 @@ def test_check_access_finds_a_live_mapped_block_of_a_closed_pool(made, monkeypat
 # --------------------------------------------------------------------------------------
 def test_set_peers_never_sets_the_access_of_another_allocation_at_a_reused_address(
     monkeypatch,
+    fake_driver,
 ):
     """set_peers lists the blocks under the cache lock, then sets each one's access
     holding only ``_map_lock``.  A free past the threshold (or a trim) in another thread
@@ -244,7 +189,7 @@ def test_set_peers_never_sets_the_access_of_another_allocation_at_a_reused_addre
     Forced switches, inside set_peers' first cuMemSetAccess: thread 2 releases pool A's
     cached block (its range freed), then thread 3 maps a block of pool B, which gets
     that range."""
-    d = use_driver(monkeypatch, ReusingVA())
+    d = use_driver(fake_driver, monkeypatch, ReusingVA())
     a = _mapped.MappedBlocks(0, peers=(1,), driver=d)
     b = _mapped.MappedBlocks(0, peers=(1,), driver=d)
     a.release_threshold = b.release_threshold = 1 << 40

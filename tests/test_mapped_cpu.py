@@ -22,11 +22,11 @@ from fakes.mapped import (  # noqa: F401  (fixtures: drv, made, world)
     mapped_twin,
     world,
 )
-from fakes.vmm import OOM, MiB, ReusingVA, VmmDriver
+from fakes.vmm import INVALID_VALUE, OOM, MiB, ReusingVA, StrictVmm
 from support.waits import wait_for
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _device, _mapped, _pools
+from cupy_poolmem import _device, _driver, _mapped, _pools
 from cupy_poolmem import _hotpath_py as twin
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
@@ -269,7 +269,7 @@ def test_a_mapped_pool_has_one_cuda_pool_and_maps_above_the_small_pool_size(made
 
 
 def test_a_mapped_pools_statistics_trim_and_peak_count_its_mapped_blocks(made, monkeypatch):
-    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
+    monkeypatch.setattr(_driver.get(), "cuMemPoolTrimTo", lambda pool, keep: (0,))
     p = cpm.DevicePool(large_blocks="mapped")
     b = p._backend
     vas = [b.alloc(20 * MiB, 0x5000)[1] for _ in range(3)]
@@ -331,10 +331,10 @@ def test_a_gpu_without_virtual_memory_management_is_refused(monkeypatch):
         asked.append((attr, dev))
         return 0, 0
 
-    monkeypatch.setattr(_pools._driver.drv, "cuDeviceGetAttribute", get, raising=False)
+    monkeypatch.setattr(_driver.get(), "cuDeviceGetAttribute", get, raising=False)
     with pytest.raises(cpm.UnsupportedError, match="virtual memory management") as e:
         _pools.device.new_mapped_blocks(3, ())
-    vmm = _pools._driver.drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+    vmm = _driver.get().CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
     assert asked == [(vmm, 3)]
     assert "device 3" in str(e.value) and "SUPPORTED is 0" in str(e.value)
     assert "use large_blocks='pool'" in str(e.value)
@@ -346,7 +346,7 @@ def test_a_gpu_without_virtual_memory_management_is_refused(monkeypatch):
 )
 def test_a_gpu_without_managed_memory_is_refused_naming_the_attribute(monkeypatch, answer, words):
     monkeypatch.setattr(
-        _pools._driver.drv, "cuDeviceGetAttribute", lambda attr, dev: answer, raising=False
+        _driver.get(), "cuDeviceGetAttribute", lambda attr, dev: answer, raising=False
     )
     with pytest.raises(cpm.UnsupportedError, match=words) as e:
         _pools.managed.require_managed_memory(1)
@@ -361,8 +361,10 @@ def test_twin_and_compiled_agree_on_the_backend_interface():
 
 
 # -- reused addresses, failing calls, peers, trims and statistics ---------------------
-def test_a_block_made_at_the_address_of_one_being_unmapped_keeps_its_bookkeeping(monkeypatch):
-    d = use_driver(monkeypatch, ReusingVA())
+def test_a_block_made_at_the_address_of_one_being_unmapped_keeps_its_bookkeeping(
+    monkeypatch, fake_driver
+):
+    d = use_driver(fake_driver, monkeypatch, ReusingVA())
     b = _mapped.MappedBlocks(0, driver=d)
     va = b.alloc(20 * MiB, 0x5000)[1]
     b.free(va, 0x5000)
@@ -429,7 +431,7 @@ def test_the_per_thread_default_stream_reuses_only_after_the_event(drv):
 
 
 def test_trim_keeps_at_least_what_it_is_told(made, monkeypatch):
-    monkeypatch.setattr(_pools._driver.drv, "cuMemPoolTrimTo", lambda pool, keep: (0,))
+    monkeypatch.setattr(_driver.get(), "cuMemPoolTrimTo", lambda pool, keep: (0,))
     p = cpm.DevicePool(large_blocks="mapped")
     p._synchronize = lambda: None
     b = p._backend
@@ -573,26 +575,16 @@ def test_peer_access_stays_as_it_was_when_the_mapped_blocks_refuse(made, monkeyp
 
 
 # -- peer access under concurrency and failure -------------------------------------
-_INVALID = real.CUresult.CUDA_ERROR_INVALID_VALUE
-
-
-class StrictVmm(VmmDriver):
-    """cuMemSetAccess on an address that is not mapped fails, as on the real driver."""
-
-    def cuMemSetAccess(self, va, size, descs, n):  # noqa: N802
-        if va not in self.mapped:
-            return (_INVALID,)
-        return super().cuMemSetAccess(va, size, descs, n)
-
-
 # 1 -------------------------------------------------------------------------------------
-def test_a_concurrent_release_unmaps_a_listed_block_only_after_set_peers(drv, monkeypatch):
+def test_a_concurrent_release_unmaps_a_listed_block_only_after_set_peers(
+    drv, monkeypatch, fake_driver
+):
     """set_peers lists the blocks, then sets each under _map_lock.  A release (a trim,
     a free past the threshold) in another thread forgets a listed block at once, but
     unmaps it and frees its address range (which the driver hands to the next mapping,
     any pool's) only once set_peers is done with it: set_peers never sets the access
     of a range that is no longer this pool's block."""
-    d = use_driver(monkeypatch, StrictVmm())
+    d = use_driver(fake_driver, monkeypatch, StrictVmm())
     b = blocks(d, peers=())
     v1 = b.alloc(10 * MiB, 0x5000)[1]
     v2 = b.alloc(12 * MiB, 0x5000)[1]
@@ -633,7 +625,7 @@ def test_a_block_left_mixed_is_fixed_by_setting_the_peers_again(drv, again):
         calls[0] += 1
         # call 1: grant on v1 ok; call 2: grant on v2 refused; call 3: undo on v1 refused
         if calls[0] in (2, 3):
-            return (_INVALID,)
+            return (INVALID_VALUE,)
         return real_set(va, size, descs, n)
 
     drv.cuMemSetAccess = set_access

@@ -10,6 +10,8 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+from fakes.driver import PointerDriver
+from fakes.resources import PeerMR
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _allocator, _device, _doctor, _pools, _runtime
@@ -121,37 +123,14 @@ def test_peer_topology(four_gpus):
 
 
 # ---------------------------------------------------------------- DevicePool, set_allocator
-class FakeMR:
-    """cuda.core DeviceMemoryResource's peer_accessible_by, without a driver."""
-
-    def __init__(self, fail: Exception | None = None) -> None:
-        self.peers: tuple = ()
-        self.events: list = []
-        self.fail = fail
-
-    @property
-    def peer_accessible_by(self):
-        return tuple(SimpleNamespace(device_id=d) for d in self.peers)
-
-    @peer_accessible_by.setter
-    def peer_accessible_by(self, devices):
-        if self.fail is not None:
-            raise self.fail
-        self.peers = tuple(devices)
-        self.events.append(("set", self.peers))
-
-    def close(self) -> None:
-        self.events.append(("close",))
-
-
 def _fake_pool(
-    device: int = 0, mr: FakeMR | None = None, small: FakeMR | None = None
+    device: int = 0, mr: PeerMR | None = None, small: PeerMR | None = None
 ) -> cpm.DevicePool:
     from cupy_poolmem import _retire
 
     pool = cpm.DevicePool.__new__(cpm.DevicePool)
     pool._attach(0x1000, device, _runtime.hp.KIND_DEVICE)
-    pool._mr = mr or FakeMR()
+    pool._mr = mr or PeerMR()
     pool._mrs = (pool._mr,) if small is None else (pool._mr, small)
     resource = pool._mr if small is None else _pools._recycle.Resources(pool._mrs)
     pool._retire_token = _retire.retirer().adopt(resource)
@@ -172,7 +151,7 @@ def test_peer_access_property_sets_and_reads_the_driver_state(four_gpus):
 def test_revoking_a_gpu_waits_for_its_queued_work_first(monkeypatch, four_gpus):
     """A kernel queued on GPU 1 that reads the pool's memory must finish before the
     grant goes: the setter synchronises each GPU it removes, before the driver call."""
-    mr = FakeMR()
+    mr = PeerMR()
     pool = _fake_pool(2, mr)
     monkeypatch.setattr(_pools.device, "sync_device", lambda dev: mr.events.append(("sync", dev)))
     pool.peer_access = [3]  # a grant waits for nothing
@@ -206,14 +185,14 @@ def test_peer_access_setter_validates_before_touching_the_pool(four_gpus):
 
 
 def test_cuda_core_refusal_becomes_unsupported_error(four_gpus):
-    pool = _fake_pool(0, FakeMR(fail=ValueError("Device 0 cannot access peer(s): 1")))
+    pool = _fake_pool(0, PeerMR(fail=ValueError("Device 0 cannot access peer(s): 1")))
     with pytest.raises(cpm.UnsupportedError, match="GPU 0's pool.*GPU\\(s\\) 1"):
         pool.peer_access = [1]
 
 
 def test_driver_failure_keeps_the_cuda_error_name(four_gpus):
     err = RuntimeError("cuMemPoolSetAccess: CUDA_ERROR_INVALID_DEVICE: invalid device ordinal")
-    pool = _fake_pool(0, FakeMR(fail=err))
+    pool = _fake_pool(0, PeerMR(fail=err))
     with pytest.raises(cpm.CUDADriverError) as ei:
         pool.peer_access = [1]
     assert ei.value.name == "CUDA_ERROR_INVALID_DEVICE"
@@ -241,7 +220,7 @@ def test_drained_pool_revokes_its_grants_before_closing(four_gpus, fake_retirer)
 
 
 def test_a_small_block_pool_gets_the_same_grants_and_goes_with_the_pool(four_gpus, fake_retirer):
-    small = FakeMR()
+    small = PeerMR()
     pool = _fake_pool(0, small=small)
     pool.peer_access = "all"
     assert pool._mr.peers == small.peers == (1,)  # memory of both pools is mapped there
@@ -530,48 +509,8 @@ def test_check_access_on_other_memory(pointers):
         cpm.check_access([1, 2, 3], device=1)
 
 
-class FakeDriver:
-    """What pointer_info asks cuda.bindings.driver, answered from a table by pointer."""
-
-    class CUpointer_attribute:
-        CU_POINTER_ATTRIBUTE_IS_MANAGED = "managed"
-        CU_POINTER_ATTRIBUTE_MEMORY_TYPE = "type"
-        CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE = "pool"
-        CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = "ordinal"
-
-    class CUresult:
-        CUDA_SUCCESS = 0
-        CUDA_ERROR_INVALID_VALUE = 1
-
-    class CUmemorytype:
-        CU_MEMORYTYPE_HOST = 1
-        CU_MEMORYTYPE_DEVICE = 2
-        CU_MEMORYTYPE_UNIFIED = 4
-
-    CUdeviceptr = int
-    HOST, DEVICE, UNIFIED = 1, 2, 4
-
-    def __init__(self) -> None:
-        self.table: dict[int, dict[str, tuple]] = {}
-
-    def add(self, ptr, *, managed=False, mtype=DEVICE, pool=None, ordinal=0, valid=True):
-        if not valid:
-            self.table[ptr] = {"managed": (1, None)}
-            return
-        self.table[ptr] = {
-            "managed": (0, managed),
-            "type": (0, mtype),
-            "pool": (0, pool) if pool else (1, None),  # not pool memory: an error
-            "ordinal": (0, ordinal),
-        }
-
-    def cuPointerGetAttribute(self, attr, ptr):
-        return self.table[ptr][attr]
-
-
-def test_pointer_info_classifies_memory(monkeypatch):
-    drv = FakeDriver()
-    monkeypatch.setattr(_device, "_drv", lambda: drv)
+def test_pointer_info_classifies_memory(fake_driver):
+    drv = fake_driver(PointerDriver())
     drv.add(0x10, managed=True)
     drv.add(0x20, mtype=drv.UNIFIED)
     drv.add(0x30, mtype=drv.HOST, pool=0xF0)

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 from fakes.hotpath import bare_core, compiled_hotpath
+from fakes.resources import GrantsMR
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _hotpath_py as twin
@@ -171,22 +172,6 @@ def test_malloc_of_the_largest_size_t_raises_the_packages_oom_error(fake_retirer
 
 
 # ---------------------------------------------------------------- peer grants and parking
-class _MR(SimpleNamespace):
-    """A cuda.core DeviceMemoryResource whose peer grants live in ``grants``."""
-
-    def close(self):
-        self.closed = True
-
-    @property
-    def peer_accessible_by(self):
-        return self.grants[self.handle]
-
-    @peer_accessible_by.setter
-    def peer_accessible_by(self, peers):
-        self.grants[self.handle] = tuple(peers)
-        self.log.append(("set", self.handle, tuple(peers)))
-
-
 @pytest.fixture
 def two_gpus(monkeypatch, fake_retirer):
     """DevicePool on a fake GPU 0 of two (as in test_cuda_pools_of_drained_pools_reused_cpu.py): each CUDA pool's
@@ -197,7 +182,7 @@ def two_gpus(monkeypatch, fake_retirer):
     out = SimpleNamespace(mrs=[], grants={}, log=[], retirer=fake_retirer)
 
     def mr(dev, opts):
-        m = _MR(handle=next(handles), closed=False, is_ipc_enabled=opts.ipc_enabled)
+        m = GrantsMR(handle=next(handles), closed=False, is_ipc_enabled=opts.ipc_enabled)
         m.grants, m.log = out.grants, out.log
         out.grants[m.handle] = ()
         out.mrs.append(m)

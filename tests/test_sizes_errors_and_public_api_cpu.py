@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from fakes.driver import PassThrough
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _errors
@@ -296,7 +297,7 @@ def test_old_top_level_spellings_warn_and_forward():
         assert cpm.collect() == 0
 
 
-def test_on_device_asks_the_driver_for_the_context_once_per_thread(monkeypatch):
+def test_on_device_asks_the_driver_for_the_context_once_per_thread(fake_driver):
     """on_device: a thread with no context gets the primary context bound; afterwards
     the same thread pays one runtime query per entry, a new thread asks again."""
     import threading
@@ -321,13 +322,13 @@ def test_on_device_asks_the_driver_for_the_context_once_per_thread(monkeypatch):
             calls.append((threading.current_thread(), "free(0)"))
             bound.add(threading.current_thread())
 
-    class Drv:
+    class Drv(PassThrough):
         def cuCtxGetCurrent(self):
             calls.append((threading.current_thread(), "cuCtxGetCurrent"))
             return 0, (1 if threading.current_thread() in bound else 0)
 
-    monkeypatch.setattr(_device, "_runtime", RT)
-    monkeypatch.setattr(_device, "_drv", Drv)
+    fake_driver.runtime(RT())
+    fake_driver(Drv())
 
     def enter_twice(out):
         for _ in range(2):

@@ -16,7 +16,7 @@ import pytest
 
 import cupy_poolmem as cpm
 import cupy_poolmem._sharing  # noqa: F401  (sharing hooks into the real hot path first)
-from cupy_poolmem import _pools
+from cupy_poolmem import _driver, _pools
 
 pytestmark = pytest.mark.filterwarnings("ignore:ExternalStream is deprecated")
 
@@ -111,7 +111,7 @@ def test_trim_trims_both_and_keeps_the_bytes_asked_for_in_all(world, monkeypatch
         trims.append((int(pool), keep))
         return (0,)
 
-    monkeypatch.setattr(world.tp._driver.drv, "cuMemPoolTrimTo", trim_to, raising=False)
+    monkeypatch.setattr(_driver.get(), "cuMemPoolTrimTo", trim_to, raising=False)
     assert p.trim(keep=48 * MiB) == 112 * MiB  # 160 MiB reserved, 48 kept
     # The main pool keeps what the small one does not already: 48 - 32 = 16 MiB; the
     # small pool then keeps 48 - 16 = 32 MiB (all it has).
@@ -223,7 +223,7 @@ def _driver_says_pool(world, monkeypatch, answer=None):
         owner = dict(zip(allocs, world.alloc_pools))
         return 0, owner.get(int(ptr), 0x999)
 
-    monkeypatch.setattr(_pools._driver.drv, "cuPointerGetAttribute", get)
+    monkeypatch.setattr(_driver.get(), "cuPointerGetAttribute", get)
     return calls
 
 

@@ -15,6 +15,7 @@ import cupy
 import numpy as np
 import pytest
 from cupy.cuda.memory import MemoryPointer, UnownedMemory
+from fakes.driver import PassThrough
 from fakes.hotpath import World, sharing_hooks, twin_pools
 from support.gc_locks import GcUnderLock
 
@@ -34,12 +35,12 @@ def tp():
 
 
 @pytest.fixture
-def world(monkeypatch, tp):
+def world(monkeypatch, fake_driver, tp):
     monkeypatch.setattr(_runtime, "hp", twin)  # record_stream looks blocks up there
     # Blocks here carry made-up stream handles: one freed after the fakes are undone
     # would reach the real driver (on a GPU machine, with an invalid stream).
     monkeypatch.setattr(_streams, "wait_streams", lambda *a: None)
-    yield World(monkeypatch, tp)
+    yield World(monkeypatch, tp, fake_driver)
     gc.collect()  # free what the test left in cycles while the fakes are still in place
 
 
@@ -286,11 +287,11 @@ def test_stream_protocol_objects_are_streams():
     assert _streams.as_stream(null, device=3) == (0, 3, null)
 
 
-def test_wait_streams_records_one_event_per_other_stream(monkeypatch):
+def test_wait_streams_records_one_event_per_other_stream(monkeypatch, fake_driver):
     calls: list = []
     entered: list = []
 
-    class Drv:
+    class Drv(PassThrough):
         class CUevent_flags:  # noqa: N801
             CU_EVENT_DISABLE_TIMING = 2
 
@@ -314,8 +315,7 @@ def test_wait_streams_records_one_event_per_other_stream(monkeypatch):
             calls.append(("destroy", ev))
             return (0,)
 
-    drv = Drv()
-    monkeypatch.setattr(_streams, "_drv", lambda: drv)
+    fake_driver(Drv())
 
     me = threading.current_thread()
 

@@ -14,7 +14,7 @@ from collections import deque
 from threading import get_ident
 from typing import Any
 
-from . import _device
+from . import _device, _driver
 from ._errors import check_driver
 
 __all__ = ["BlockCache"]
@@ -23,17 +23,6 @@ _UINT64_MAX = 2**64 - 1
 _OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
 _IDLE_EVENTS = 64  # events of given-back blocks kept for the next frees
 _PER_THREAD = 2  # CU_STREAM_PER_THREAD
-
-
-_DRIVER: list[Any] = []
-
-
-def _drv() -> Any:
-    if not _DRIVER:  # imported on first use, then kept (frees call this)
-        from cuda.bindings import driver
-
-        _DRIVER.append(driver)
-    return _DRIVER[0]
 
 
 class BlockCache:
@@ -162,7 +151,7 @@ class BlockCache:
                     return self._idle_events.pop()
             finally:
                 self._unlock()
-        drv = _drv()
+        drv = _driver.get()
         # An event belongs to the context current at its creation: the cache's device's.
         with _device.on_device(self.device):
             return check_driver(
@@ -173,7 +162,7 @@ class BlockCache:
         # Events and the stream are the cache's device's, whatever the freeing thread
         # has current (another GPU, or no context at all).
         with _device.on_device(self.device):
-            check_driver(_drv().cuEventRecord(ev, stream_ptr), "cuEventRecord")
+            check_driver(_driver.get().cuEventRecord(ev, stream_ptr), "cuEventRecord")
 
     def _idle_event(self, ev: Any) -> None:
         """An event no block waits behind any more: kept for the next free (up to
@@ -187,18 +176,18 @@ class BlockCache:
             if locked:
                 self._unlock()
         with _device.on_device(self.device):
-            _drv().cuEventDestroy(ev)
+            _driver.get().cuEventDestroy(ev)
 
     @staticmethod
     def _done(event: Any) -> bool:
         # NOT_READY, or a query refused during someone's global-mode capture: not yet.
-        return int(_drv().cuEventQuery(event)[0]) == 0
+        return int(_driver.get().cuEventQuery(event)[0]) == 0
 
     @staticmethod
     def _wait(stream_ptr: int, event: Any) -> bool:
         """Order ``stream_ptr``'s next work after ``event``; False when the driver
         refuses (the stream is not usable: the block waits for its event instead)."""
-        return int(_drv().cuStreamWaitEvent(stream_ptr, event, 0)[0]) == 0
+        return int(_driver.get().cuStreamWaitEvent(stream_ptr, event, 0)[0]) == 0
 
     def _may_serve(self, entry: tuple, stream_ptr: int) -> bool:
         """Under the lock: whether a freed block (``entry``) may serve an allocation on
@@ -325,7 +314,7 @@ class BlockCache:
             self._unlock()
         if not victims:
             return 0
-        drv = _drv()
+        drv = _driver.get()
         error: BaseException | None = None
         with _device.on_device(self.device):
             for r, (ptr, _sptr, ev) in victims:
@@ -375,4 +364,4 @@ class BlockCache:
         if events:
             with _device.on_device(self.device):
                 for ev in events:
-                    _drv().cuEventDestroy(ev)
+                    _driver.get().cuEventDestroy(ev)

@@ -13,6 +13,7 @@ import threading
 import uuid as _uuid
 from typing import Any
 
+from . import _driver
 from ._errors import (
     InvalidOptionError,
     NoGPUError,
@@ -47,18 +48,6 @@ __all__ = [
 ]
 
 
-def _runtime() -> Any:
-    import cupy
-
-    return cupy.cuda.runtime
-
-
-def _drv() -> Any:
-    from cuda.bindings import driver
-
-    return driver
-
-
 def device_count() -> int:
     """Number of CUDA devices visible to this process (0 without a driver or GPU).
 
@@ -73,7 +62,7 @@ def device_count() -> int:
     True
     """
     try:
-        return int(_runtime().getDeviceCount())
+        return int(_driver.runtime().getDeviceCount())
     except Exception:
         return 0
 
@@ -84,7 +73,7 @@ def require_gpu(what: str = "cupy_poolmem") -> int:
     Returns the number of visible devices.
     """
     try:
-        n = int(_runtime().getDeviceCount())
+        n = int(_driver.runtime().getDeviceCount())
     except Exception as exc:
         raise NoGPUError(
             f"{what} needs an NVIDIA GPU and its driver, but CUDA could not be initialised "
@@ -104,7 +93,7 @@ def require_attribute(device: int, attribute: str, needs: str) -> None:
 
     A failed query counts as unset: the error says which attribute was asked.
     """
-    drv = _drv()
+    drv = _driver.get()
     name = f"CU_DEVICE_ATTRIBUTE_{attribute}"
     err, value = drv.cuDeviceGetAttribute(getattr(drv.CUdevice_attribute, name), device)
     if int(err) or not int(value):
@@ -120,7 +109,7 @@ def check_device(device: Any, name: str = "device") -> int:
     """
     if device is None:
         require_gpu()
-        return int(_runtime().getDevice())
+        return int(_driver.runtime().getDevice())
     if hasattr(device, "id") and not isinstance(device, int):
         device = device.id
     elif hasattr(device, "device_id") and not isinstance(device, int):
@@ -147,7 +136,7 @@ def device_uuid(dev: int) -> str:
     """The UUID of device ``dev`` as a string (cached: it never changes)."""
     u = _uuid_by_ordinal.get(dev)
     if u is None:
-        drv = _drv()
+        drv = _driver.get()
         handle = check_driver(drv.cuDeviceGet(dev), "cuDeviceGet")
         raw = check_driver(drv.cuDeviceGetUuid(handle), "cuDeviceGetUuid")
         u = str(_uuid.UUID(bytes=bytes(raw.bytes)))
@@ -203,7 +192,7 @@ def nearest_numa_node(device: int | None = None) -> int:
     """
     import cuda.core as cc
 
-    dev = int(_runtime().getDevice()) if device is None else device
+    dev = int(_driver.runtime().getDevice()) if device is None else device
     try:
         node = int(cc.Device(dev).properties.host_numa_id)
         if node >= 0:
@@ -243,14 +232,14 @@ class on_device:
         self.prev = -1
 
     def __enter__(self) -> None:
-        rt = _runtime()
+        rt = _driver.runtime()
         prev = self.prev = rt.getDevice()
         if prev != self.dev:
             rt.setDevice(self.dev)  # binds the device's primary context
             return
         if _bound.dev == prev:
             return
-        err, ctx = _drv().cuCtxGetCurrent()
+        err, ctx = _driver.get().cuCtxGetCurrent()
         if int(err) or not int(ctx):
             rt.setDevice(self.dev)
             rt.free(0)  # makes the primary context current
@@ -258,14 +247,14 @@ class on_device:
 
     def __exit__(self, *exc: Any) -> None:
         if self.prev != self.dev:
-            _runtime().setDevice(self.prev)
+            _driver.runtime().setDevice(self.prev)
 
 
 def can_access_peer(dev: int, peer: int) -> bool:
     """Whether device ``dev`` can read and write memory of device ``peer`` (same: True)."""
     if dev == peer:
         return True
-    return bool(_runtime().deviceCanAccessPeer(dev, peer))
+    return bool(_driver.runtime().deviceCanAccessPeer(dev, peer))
 
 
 def grant_access(pool_handle: int, devices: list[int], *, read_write: bool = True) -> None:
@@ -274,7 +263,7 @@ def grant_access(pool_handle: int, devices: list[int], *, read_write: bool = Tru
     One ``cuMemPoolSetAccess`` call for all of them.  A pool's own device always has
     access; host pools need it granted for copies at full DMA speed.
     """
-    drv = _drv()
+    drv = _driver.get()
     flag = (
         drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         if read_write
@@ -416,7 +405,7 @@ def has_access(pool_handle: int, device: int) -> bool:
 
     One ``cuMemPoolGetAccess`` query (the driver's current state, whoever set it).
     """
-    drv = _drv()
+    drv = _driver.get()
     loc = drv.CUmemLocation()
     loc.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     loc.id = int(device)
@@ -458,7 +447,7 @@ def require_access(pool_handle: int, owner: int, device: int, what: str = "pool 
 
 def pointer_info(ptr: int) -> tuple[int, int, bool]:
     """``(owner, pool_handle, managed)`` of a CUDA pointer; owner ``-1`` for host memory."""
-    drv = _drv()
+    drv = _driver.get()
     attr = drv.CUpointer_attribute
     p = drv.CUdeviceptr(int(ptr))
     result = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_IS_MANAGED, p)

@@ -12,7 +12,7 @@ import threading
 import weakref
 from typing import Any, ClassVar
 
-from . import _arena_py, _streams
+from . import _arena_py, _driver, _streams
 from ._errors import add_note, check_driver
 from ._mapped import MappingCalls, access_descriptors, device_allocation, restore_access
 from ._streams import stream_key
@@ -31,16 +31,6 @@ SMALL_STEP = 2 << 20  # which maps this much at a time
 LARGE_STEP = 20 << 20  # the other range maps this much at least at a time
 _OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
 _PER_THREAD = 2  # CU_STREAM_PER_THREAD: a different stream in each thread
-
-
-def _drv() -> Any:
-    from cuda.bindings import driver
-
-    return driver
-
-
-def _device_sync(device: int) -> None:
-    _streams.sync_device(device)
 
 
 def _round_up(n: int, unit: int) -> int:
@@ -74,6 +64,9 @@ class ExpandableBlocks(MappingCalls):
         The arena class: the compiled hot path's, or ``_arena_py.Arena``.
     driver : module, optional
         ``cuda.bindings.driver`` (tests give a fake).
+    sync : callable, optional
+        ``sync(device)`` waits until every stream of the device is idle (a release
+        that waits calls it); default :func:`cupy_poolmem._streams.sync_device`.
 
     Examples
     --------
@@ -97,8 +90,10 @@ class ExpandableBlocks(MappingCalls):
         span: int = 1 << 40,
         arena: Any = None,
         driver: Any = None,
+        sync: Any = None,
     ) -> None:
-        d = self._d = driver if driver is not None else _drv()
+        d = self._d = driver if driver is not None else _driver.get()
+        self._sync = sync if sync is not None else _streams.sync_device
         self.device = device
         self._prop, self.granule = device_allocation(d, device)
         self.span = _round_up(max(int(span), LARGE_STEP), self.granule)
@@ -295,7 +290,7 @@ class ExpandableBlocks(MappingCalls):
                 return 0
             if wait:
                 try:
-                    _device_sync(self.device)
+                    self._sync(self.device)
                 except BaseException as exc:
                     for a, cut in cuts:
                         self._put_back(a, cut)

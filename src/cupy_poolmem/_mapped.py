@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
+from . import _driver
 from ._block_cache import BlockCache
 from ._errors import add_note, check_driver
 
@@ -33,12 +34,6 @@ MAPPED_MARGIN_SHARE = 16  # or by this fraction of it (unless release_threshold 
 
 
 _NO_LIMIT = 2**64 - 1
-
-
-def _drv() -> Any:
-    from cuda.bindings import driver
-
-    return driver
 
 
 def device_allocation(d: Any, device: int) -> tuple[Any, int]:
@@ -155,7 +150,7 @@ class MappedBlocks(BlockCache, MappingCalls):
         fit: float = MAPPED_FIT,
         driver: Any = None,
     ) -> None:
-        d = self._d = driver if driver is not None else _drv()
+        d = self._d = driver if driver is not None else _driver.get()
         self._prop, granule = device_allocation(d, device)
         super().__init__(device, granule, fit)
         self._map_lock = threading.RLock()

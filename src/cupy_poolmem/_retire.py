@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any, NamedTuple
 
-from . import _device, _streams
+from . import _device, _driver, _streams
 from ._streams import CAPTURE_ERRORS
 
 log = logging.getLogger(__name__)
@@ -667,22 +667,16 @@ class Retirer:
         self._polling = 0
 
 
-def _drv() -> Any:
-    from cuda.bindings import driver
-
-    return driver
-
-
 def free_on_legacy_stream(ptr: int, dev: int) -> None:
     with _device.on_device(dev):
-        _drv().cuMemFreeAsync(ptr, 0)
+        _driver.get().cuMemFreeAsync(ptr, 0)
 
 
 def _active_devices() -> list[int]:
     """Devices whose primary context is alive (syncing others would create one)."""
     out = []
     for dev in range(_device.device_count()):
-        err, _flags, active = _drv().cuDevicePrimaryCtxGetState(dev)
+        err, _flags, active = _driver.get().cuDevicePrimaryCtxGetState(dev)
         if not int(err) and active:
             out.append(dev)
     return out

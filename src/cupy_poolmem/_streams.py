@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from . import _device
+from . import _device, _driver
 from ._errors import OptionTypeError, check_driver
 
 __all__ = ["as_stream", "stream_key", "sync_device", "wait_streams"]
@@ -67,12 +67,6 @@ class CaptureRegistry:
 
 
 CAPTURES = CaptureRegistry()
-
-
-def _drv() -> Any:
-    from cuda.bindings import driver
-
-    return driver
 
 
 def current_device() -> int:
@@ -125,7 +119,7 @@ def capture_status(stream_ptr: int) -> int:
     """
     if stream_ptr <= 1:
         return CAPTURE_NONE
-    err, status = _drv().cuStreamIsCapturing(stream_ptr)
+    err, status = _driver.get().cuStreamIsCapturing(stream_ptr)
     if int(err):
         return CAPTURE_ACTIVE if int(err) in CAPTURE_ERRORS else CAPTURE_NONE
     return int(status)
@@ -135,7 +129,7 @@ def capture_info(stream_ptr: int) -> tuple[int, int]:
     """``(status, capture sequence id)`` of a stream (id 0 when not capturing)."""
     if stream_ptr <= 1:
         return CAPTURE_NONE, 0
-    res = _drv().cuStreamGetCaptureInfo(stream_ptr)
+    res = _driver.get().cuStreamGetCaptureInfo(stream_ptr)
     if int(res[0]):
         return (CAPTURE_ACTIVE if int(res[0]) in CAPTURE_ERRORS else CAPTURE_NONE), 0
     status = int(res[1])
@@ -155,7 +149,7 @@ def any_capture_underway() -> bool:
 @contextlib.contextmanager
 def relaxed_capture_mode() -> Iterator[None]:
     """Let this thread make calls a global-mode capture forbids (creating a pool)."""
-    drv = _drv()
+    drv = _driver.get()
     err, prev = drv.cuThreadExchangeStreamCaptureMode(
         drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
     )
@@ -174,7 +168,7 @@ def wait_streams(target_ptr: int, target_dev: int, sources: list) -> None:
     then destroyed (the driver keeps it until the wait no longer needs it).  No host
     synchronisation.
     """
-    drv = _drv()
+    drv = _driver.get()
     flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
     for ptr, dev, _keep in sources:
         if ptr == target_ptr and dev == target_dev:
@@ -196,7 +190,7 @@ def sync_device(dev: int) -> None:
     """Wait until every stream of ``dev`` is idle (``cuCtxSynchronize`` on its primary
     context), also while another thread captures a graph in global mode."""
     with _device.on_device(dev), relaxed_capture_mode():
-        check_driver(_drv().cuCtxSynchronize(), "cuCtxSynchronize")
+        check_driver(_driver.get().cuCtxSynchronize(), "cuCtxSynchronize")
 
 
 _PER_THREAD = 2  # CU_STREAM_PER_THREAD: a different stream in each thread

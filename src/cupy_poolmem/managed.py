@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import cupy
-from cuda.bindings import driver as _drv
 
-from . import _runtime
+from . import _driver, _runtime
 from ._errors import InvalidOptionError, OptionTypeError, UnsupportedError
 from ._pools._driver import wrap
 from ._streams import as_stream
@@ -36,14 +35,13 @@ def _span(arr: Any) -> tuple[int, int]:
 
 def _location(where: Any, name: str) -> Any:
     """A cuda.core ``Device`` or ``Host`` for a device ordinal, ``cupy.cuda.Device`` or "cpu"."""
-    import cuda.core as cc
-
+    cc = _driver.core()
     if isinstance(where, str) and where.lower() in ("cpu", "host"):
         return cc.Host()
     if isinstance(where, cupy.cuda.Device):
         where = where.id
     if isinstance(where, int) and not isinstance(where, bool):
-        n = cupy.cuda.runtime.getDeviceCount()
+        n = _driver.runtime().getDeviceCount()
         if not 0 <= where < n:
             raise InvalidOptionError(
                 f"{name}={where} is not a device ordinal (0..{n - 1}) or 'cpu'"
@@ -86,8 +84,9 @@ def _managed_spans(items: list[tuple[str, Any]], what: str) -> list[tuple[int, i
         ptr, nbytes = _span(arr)
         if nbytes == 0:
             continue
-        err, is_managed = _drv.cuPointerGetAttribute(
-            _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr
+        drv = _driver.get()
+        err, is_managed = drv.cuPointerGetAttribute(
+            drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr
         )
         if int(err) or not is_managed:
             where = "" if label == "array" else f" (item {label})"
@@ -108,15 +107,11 @@ def _managed_spans(items: list[tuple[str, Any]], what: str) -> list[tuple[int, i
 
 
 def _core_stream(stream_ptr: int) -> Any:
-    import cuda.core as cc
-
-    return cc.Stream.from_handle(stream_ptr)
+    return _driver.core().Stream.from_handle(stream_ptr)
 
 
 def _buffer(ptr: int, nbytes: int, owner: Any) -> Any:
-    import cuda.core as cc
-
-    return cc.ManagedBuffer.from_handle(ptr, nbytes, owner=owner)
+    return _driver.core().ManagedBuffer.from_handle(ptr, nbytes, owner=owner)
 
 
 def prefetch(

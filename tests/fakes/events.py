@@ -1,9 +1,13 @@
-"""CUDA events played on the host, for fakes of the driver (``done``: completed ones)."""
+"""CUDA events played on the host, for fakes of the driver (``done``: completed ones):
+``FakeEvents``, and ``EventsDriver``, the base of the domain fakes (events logged, every
+other call the real driver's)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+
+from fakes.driver import PassThrough
 
 
 class FakeEvents:
@@ -47,12 +51,20 @@ class FakeEvents:
         return (self.wait_result,)
 
 
-def use_driver(monkeypatch, d, *modules):
-    """Make ``d`` the driver the block cache (and each of ``modules``, by its ``_drv``)
-    calls, with no device switching (``_device.on_device`` does nothing); returns ``d``."""
-    from cupy_poolmem import _block_cache, _device
+class EventsDriver(FakeEvents, PassThrough):
+    """Events played on the host and logged in ``log``; every other call the real driver's."""
 
-    for mod in (_block_cache, *modules):
-        monkeypatch.setattr(mod, "_drv", lambda: d)
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list = []
+
+
+def use_driver(fake_driver, monkeypatch, d):
+    """Make ``d`` the driver the package calls (through ``fake_driver``, the fixture of
+    fakes.driver), with no device switching (``_device.on_device`` does nothing);
+    returns ``d``."""
+    from cupy_poolmem import _device
+
+    fake_driver(d)
     monkeypatch.setattr(_device, "on_device", lambda dev: contextlib.nullcontext())
     return d

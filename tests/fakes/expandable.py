@@ -33,17 +33,16 @@ class Driver(VmmDriver):
     def cuStreamIsCapturing(self, s):  # noqa: N802
         return 0, int(s in self.capturing)
 
+    def sync_device(self, dev):
+        """The ranges' ``sync``: every stream's work done."""
+        self.log.append(("devsync", dev))
+        self.busy.clear()
+
 
 @pytest.fixture
-def drv(monkeypatch):
-    d = use_driver(monkeypatch, Driver())
-
-    def sync(dev):
-        d.log.append(("devsync", dev))
-        d.busy.clear()  # every stream's work done
-
-    monkeypatch.setattr(_expandable, "_device_sync", sync)
-    return d
+def drv(monkeypatch, fake_driver):
+    """The fake in place; ranges made with ``driver=drv`` are given ``sync=drv.sync_device``."""
+    return use_driver(fake_driver, monkeypatch, Driver())
 
 
 class Ranges(_expandable.ExpandableBlocks):
@@ -59,14 +58,14 @@ class Ranges(_expandable.ExpandableBlocks):
 
 
 @pytest.fixture
-def world(fake_retirer, twin_world, drv):
+def world(fake_retirer, drv, twin_world):
     twin_world.retirer = fake_retirer
     return twin_world
 
 
 def expandable_twin(world, drv):
     p = world.pool(reuse_cache=1 << 30)
-    b = Ranges(0, span=SPAN, arena=twin.ARENA, driver=drv)
+    b = Ranges(0, span=SPAN, arena=twin.ARENA, driver=drv, sync=drv.sync_device)
     b.slow = []
     p._backend = b
     p._attach_backend(b, 0, b)
@@ -82,7 +81,7 @@ def made(monkeypatch, fake_retirer, drv):
         _pools.device,
         "new_expandable_blocks",
         lambda dev, peers, total: _expandable.ExpandableBlocks(
-            dev, peers, span=SPAN, arena=_runtime.hp.ARENA, driver=drv
+            dev, peers, span=SPAN, arena=_runtime.hp.ARENA, driver=drv, sync=drv.sync_device
         ),
     )
     return out

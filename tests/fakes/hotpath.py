@@ -21,8 +21,8 @@ from typing import Any
 import cupy
 
 import cupy_poolmem
+from cupy_poolmem import _driver, _pools, _runtime, _streams
 from cupy_poolmem import _hotpath_py as twin
-from cupy_poolmem import _pools, _runtime, _streams
 
 
 def twin_pools() -> Any:
@@ -62,7 +62,8 @@ def twin_pools() -> Any:
 
 
 class FakeDriver:
-    """What the pools call through ``_pools._driver.drv``; everything else is the real module."""
+    """The pools' stream-ordered allocations, frees and trims; every other call goes to
+    ``real`` (the driver in place when the World was made)."""
 
     def __init__(self, world: World, real: Any) -> None:
         self._world, self._real = world, real
@@ -86,9 +87,10 @@ class FakeDriver:
 
 
 class World:
-    """Capture states and memory of a pretend GPU; installs itself with ``monkeypatch``."""
+    """Capture states and memory of a pretend GPU; installs itself with ``monkeypatch``
+    and, as the package's driver, with ``fake_driver`` (the fixture of fakes.driver)."""
 
-    def __init__(self, monkeypatch: Any, tp: Any) -> None:
+    def __init__(self, monkeypatch: Any, tp: Any, fake_driver: Any) -> None:
         self.tp = tp
         self.status: dict[int, tuple[int, int]] = {}  # stream -> (capture status, id)
         self.log: list[tuple] = []
@@ -114,7 +116,7 @@ class World:
         # module's registry, where a GPU test's real driver query of one crashed.
         mp.setattr(_streams.CAPTURES, "streams", {})
         mp.setattr(_streams, "relaxed_capture_mode", contextlib.nullcontext)
-        mp.setattr(tp._driver, "drv", FakeDriver(self, tp._driver.drv))
+        fake_driver(FakeDriver(self, _driver.get()))
         mp.setattr(tp._driver, "set_attr", lambda *a: None)
         mp.setattr(tp._capture, "on_device", lambda dev: contextlib.nullcontext())
 

@@ -18,8 +18,8 @@ from fakes.vmm import MiB, VmmDriver
 
 
 @pytest.fixture
-def drv(monkeypatch):
-    return use_driver(monkeypatch, VmmDriver())
+def drv(monkeypatch, fake_driver):
+    return use_driver(fake_driver, monkeypatch, VmmDriver())
 
 
 class FakeBackend:

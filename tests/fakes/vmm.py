@@ -1,18 +1,24 @@
 """The virtual memory management driver, played on the host: ``VmmDriver`` (address
 ranges, physical handles, mappings and access grants, every call logged, any call made to
-fail once) and ``ReusingVA``, which hands a freed address range out again."""
+fail once) and its variations: ``ReusingVA`` hands a freed address range out again,
+``ContextVmm`` keeps events per context, ``CapturingVmm`` refuses the legacy stream
+during a capture, ``StrictVmm`` refuses access on an address not mapped."""
 
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 from cuda.bindings import driver as real
 
-from fakes.events import FakeEvents
+from fakes.events import EventsDriver
 
 MiB = 1 << 20
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
+INVALID_HANDLE = 400  # CUDA_ERROR_INVALID_HANDLE
+CAPTURE_IMPLICIT = 906  # CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+INVALID_VALUE = real.CUresult.CUDA_ERROR_INVALID_VALUE
 
 
 #: Address ranges for every fake driver of the session: as on the real one, no two live
@@ -21,23 +27,19 @@ OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
 _VAS = itertools.count(0x7F00_0000_0000, 0x1_0000_0000)
 
 
-class VmmDriver(FakeEvents):
+class VmmDriver(EventsDriver):
     """Virtual memory management and events, played on the host; every call logged."""
 
     def __init__(self) -> None:
         super().__init__()
         self.vas = _VAS
         self.handles = itertools.count(1)
-        self.log: list = []
         self.fail: dict[str, int] = {}  # call name -> CUresult it returns once
         self.mapped: dict[int, int] = {}  # va -> bytes, mapped now
         self.reserved_va: set = set()
         self.handles_alive: set = set()
         self.access: dict[int, list] = {}  # va -> [(device, flags name), ...] last set
         self.grants: dict[int, dict[int, str]] = {}  # va -> device -> flags name, merged
-
-    def __getattr__(self, name):
-        return getattr(real, name)
 
     def _failing(self, name: str) -> int:
         return self.fail.pop(name, 0)
@@ -127,3 +129,72 @@ class ReusingVA(VmmDriver):
             fn, self.on_free = self.on_free, None
             fn()
         return res
+
+
+class ContextVmm(VmmDriver):
+    """Events belong to the context current when they are created, and cuEventRecord
+    refuses an event of another context than the stream's (CUDA_ERROR_INVALID_HANDLE,
+    as the driver documents: "hEvent and hStream must be from the same context").
+    ``current``: the device whose context is current in the calling thread (None: no
+    context bound, cuEventCreate then fails with CUDA_ERROR_INVALID_CONTEXT); per thread,
+    as CUDA's current context is (threads other tests left running call on_device too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._thread = threading.local()
+        self.ctx_of: dict = {}
+
+    @property
+    def current(self) -> int | None:
+        return getattr(self._thread, "current", 0)
+
+    @current.setter
+    def current(self, dev: int | None) -> None:
+        self._thread.current = dev
+
+    def on_device(self, dev):
+        d = self
+
+        class _On:
+            def __enter__(self):
+                self.prev, d.current = d.current, dev
+
+            def __exit__(self, *exc):
+                d.current = self.prev
+
+        return _On()
+
+    def cuEventCreate(self, flags):  # noqa: N802
+        if self.current is None:
+            return 201, None  # CUDA_ERROR_INVALID_CONTEXT
+        err, ev = super().cuEventCreate(flags)
+        self.ctx_of[ev] = self.current
+        return err, ev
+
+    def cuEventRecord(self, ev, s):  # noqa: N802
+        # The block's stream is device 0's; _record makes device 0 current around it.
+        if self.ctx_of.get(ev) != self.current:
+            return (INVALID_HANDLE,)
+        return super().cuEventRecord(ev, s)
+
+
+class CapturingVmm(VmmDriver):
+    """While ``capturing``, the legacy stream refuses work (another stream is capturing
+    in global mode: cuEventRecord on it returns CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, as
+    cuMemFreeAsync on it does; the pools already hold such CUDA-pool frees)."""
+
+    capturing = False
+
+    def cuEventRecord(self, ev, s):  # noqa: N802
+        if self.capturing and int(s) in (0, 1):
+            return (CAPTURE_IMPLICIT,)
+        return super().cuEventRecord(ev, s)
+
+
+class StrictVmm(VmmDriver):
+    """cuMemSetAccess on an address that is not mapped fails, as on the real driver."""
+
+    def cuMemSetAccess(self, va, size, descs, n):  # noqa: N802
+        if va not in self.mapped:
+            return (INVALID_VALUE,)
+        return super().cuMemSetAccess(va, size, descs, n)

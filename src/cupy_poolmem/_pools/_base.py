@@ -158,7 +158,7 @@ class Pool(_capture.CaptureMixin):
                 "check the size (a unit or shape mistake?) or split the allocation",
             )
         if err != _driver.CUDA_ERROR_OUT_OF_MEMORY:
-            check_driver((_driver.drv.CUresult(err),), self._call_for(size))
+            check_driver((_driver.drv().CUresult(err),), self._call_for(size))
         self.n_oom += 1
         self._reclaim()
         if self.soft_limit and self.live_bytes + size > self.soft_limit:
@@ -168,7 +168,7 @@ class Pool(_capture.CaptureMixin):
         if err == 0:
             return ptr
         if err != _driver.CUDA_ERROR_OUT_OF_MEMORY:
-            check_driver((_driver.drv.CUresult(err),), self._call_for(size))
+            check_driver((_driver.drv().CUresult(err),), self._call_for(size))
         raise self._oom_error(size)
 
     def _reclaim(self) -> None:
@@ -398,7 +398,7 @@ class Pool(_capture.CaptureMixin):
         for i, mr in enumerate(self._mrs):
             keep_here = max(0, keep_b - (sum(cur) - cur[i]) - held)
             check_driver(
-                _driver.drv.cuMemPoolTrimTo(_driver.pool_handle(mr), keep_here), "cuMemPoolTrimTo"
+                _driver.drv().cuMemPoolTrimTo(_driver.pool_handle(mr), keep_here), "cuMemPoolTrimTo"
             )
             cur[i] = int(mr.attributes.reserved_mem_current)
         released = max(0, before - sum(cur))
@@ -624,10 +624,11 @@ class Pool(_capture.CaptureMixin):
         if len(pools) == 1:
             return pools[0][1], pools[0][2]
         if not handle:
+            drv = _driver.drv()
             handle = check_driver(
-                _driver.drv.cuPointerGetAttribute(
-                    _driver.drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
-                    _driver.drv.CUdeviceptr(ptr),
+                drv.cuPointerGetAttribute(
+                    drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+                    drv.CUdeviceptr(ptr),
                 ),
                 "cuPointerGetAttribute",
             )

@@ -62,7 +62,7 @@ class CaptureMixin(_hp.PoolCore):
         """An allocation on a stream the driver says is capturing (or could not say)."""
         stream = cupy.cuda.get_current_stream()
         if err:
-            check_driver((_driver.drv.CUresult(err),), "cuStreamIsCapturing")
+            check_driver((_driver.drv().CUresult(err),), "cuStreamIsCapturing")
         sptr = int(stream.ptr)
         state, cap_id = _streams.capture_info(sptr)
         if state == _streams.CAPTURE_INVALIDATED:
@@ -116,19 +116,21 @@ class CaptureMixin(_hp.PoolCore):
                     "after returning the pool's unused memory to the device",
                 )
         if err:
-            check_driver((_driver.drv.CUresult(err),), "cuMemAllocAsync (stream capture)")
+            check_driver((_driver.drv().CUresult(err),), "cuMemAllocAsync (stream capture)")
         return ptr
 
     def _graph_try(self, size: int, sptr: int) -> tuple[int, int]:
         if not getattr(self, "ipc", False):
             # The pool's own properties for the allocation node.
-            err, p = _driver.drv.cuMemAllocFromPoolAsync(size, _driver.pool_handle(self._mr), sptr)
+            err, p = _driver.drv().cuMemAllocFromPoolAsync(
+                size, _driver.pool_handle(self._mr), sptr
+            )
         else:
             # IPC pools cannot make graph nodes (CUDA_ERROR_NOT_SUPPORTED): the
             # device's current pool (its default unless someone changed it) can.
-            err, p = _driver.drv.cuMemAllocAsync(size, sptr)
+            err, p = _driver.drv().cuMemAllocAsync(size, sptr)
             if int(err) == _driver.CUDA_ERROR_NOT_SUPPORTED:
-                err, p = _driver.drv.cuMemAllocFromPoolAsync(
+                err, p = _driver.drv().cuMemAllocFromPoolAsync(
                     size, graph_template(self.device_id), sptr
                 )
         return int(err), (int(p) if not int(err) else 0)
@@ -157,7 +159,7 @@ class CaptureMixin(_hp.PoolCore):
             return
         # In its capture: a free node.  After it: a plain stream-ordered free, which
         # must come after a launch of the graph (see the docs' rule).
-        err = int(_driver.drv.cuMemFreeAsync(ptr, sptr)[0])
+        err = int(_driver.drv().cuMemFreeAsync(ptr, sptr)[0])
         if err:
             self.n_free_errors += 1
 
@@ -203,7 +205,7 @@ class CaptureMixin(_hp.PoolCore):
                 self._defer_free(ptr, size, stream)  # type: ignore[attr-defined]
                 continue
             if what == "graph":
-                err = int(_driver.drv.cuMemFreeAsync(ptr, sptr)[0])
+                err = int(_driver.drv().cuMemFreeAsync(ptr, sptr)[0])
             else:
                 err = self._free_direct(ptr, sptr)
             if err in _streams.CAPTURE_ERRORS:  # a capture the pools did not see
@@ -247,6 +249,6 @@ class GraphFrees:
                 if _streams.capture_status(sptr) != _streams.CAPTURE_NONE:
                     keep.append(entry)
                     continue
-                _driver.drv.cuMemFreeAsync(ptr, sptr)
+                _driver.drv().cuMemFreeAsync(ptr, sptr)
         self.entries = keep
         return not keep

@@ -1,29 +1,30 @@
 """The driver calls the pools make, in one place.
 
-Every pool module reaches the driver through this module's attributes (``drv``,
-``set_attr``, ...), so a test replaces one of them here and every pool sees it.
+Every pool module reaches the driver through this module: ``drv()`` (the package's
+driver provider, :mod:`cupy_poolmem._driver`, asked at each call) and the helpers below.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from cuda.bindings import driver as drv
+from cuda.bindings import driver as _bindings
 
+from .._driver import get as drv
 from .._errors import CUDADriverError, UnsupportedError, check_driver
 
-A = drv.CUmemPool_attribute
+A = _bindings.CUmemPool_attribute
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_NOT_SUPPORTED = 801
 
 
 def pool_handle(mr: Any) -> Any:
-    return drv.CUmemoryPool(int(mr.handle))
+    return drv().CUmemoryPool(int(mr.handle))
 
 
 def set_attr(mr: Any, attr: Any, value: int) -> None:
     check_driver(
-        drv.cuMemPoolSetAttribute(pool_handle(mr), attr, drv.cuuint64_t(value)),
+        drv().cuMemPoolSetAttribute(pool_handle(mr), attr, drv().cuuint64_t(value)),
         "cuMemPoolSetAttribute",
     )
 
@@ -32,7 +33,7 @@ def cuda13_missing() -> str:
     """Empty when managed pools are possible here, else what is missing."""
     import cuda.bindings
 
-    drv_version = check_driver(drv.cuDriverGetVersion(), "cuDriverGetVersion")
+    drv_version = check_driver(drv().cuDriverGetVersion(), "cuDriverGetVersion")
     major = int(cuda.bindings.__version__.split(".")[0])
     if drv_version >= 13000 and major >= 13:
         return ""
@@ -43,7 +44,7 @@ def cuda13_missing() -> str:
 
 
 def require_cuda13(what: str) -> None:
-    drv_version = check_driver(drv.cuDriverGetVersion(), "cuDriverGetVersion")
+    drv_version = check_driver(drv().cuDriverGetVersion(), "cuDriverGetVersion")
     import cuda.bindings
 
     major = int(cuda.bindings.__version__.split(".")[0])
@@ -68,5 +69,5 @@ def wrap(exc: Exception, what: str) -> Exception:
         None,
     )
     if name:
-        return CUDADriverError(what, getattr(drv.CUresult, name, -1), name, text)
+        return CUDADriverError(what, getattr(drv().CUresult, name, -1), name, text)
     return exc

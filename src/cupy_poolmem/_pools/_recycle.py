@@ -16,7 +16,7 @@ def park(resource: Any) -> None:
     device at the next synchronising call; a trim now for what is free already)."""
     for mr in Resources.members(resource):
         _driver.set_attr(mr, _driver.A.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, 0)
-        check_driver(_driver.drv.cuMemPoolTrimTo(_driver.pool_handle(mr), 0), "cuMemPoolTrimTo")
+        check_driver(_driver.drv().cuMemPoolTrimTo(_driver.pool_handle(mr), 0), "cuMemPoolTrimTo")
 
 
 def recycled_mrs(key: Any) -> list[Any]:

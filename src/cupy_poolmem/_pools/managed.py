@@ -32,12 +32,6 @@ _choices: dict[int, tuple[str, str]] = {}  # device -> (backend, reason)
 _choices_lock = threading.Lock()
 
 
-def _drv() -> Any:
-    from cuda.bindings import driver
-
-    return driver
-
-
 def recorded_choice(device: int) -> tuple[str, str] | None:
     """The backend the probe chose for ``device`` in this process, with its reason."""
     return _choices.get(device)
@@ -49,7 +43,7 @@ def record_choice(device: int, backend: str, reason: str) -> tuple[str, str]:
 
 
 def _device_location(device: int) -> Any:
-    drv = _drv()
+    drv = _driver.drv()
     loc = drv.CUmemLocation()
     loc.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     loc.id = device
@@ -58,7 +52,7 @@ def _device_location(device: int) -> Any:
 
 def mem_advise(ptr: int, size: int, advice: Any, device: int) -> int:
     """``cuMemAdvise`` toward ``device`` with the signature of this cuda-bindings; CUresult."""
-    drv = _drv()
+    drv = _driver.drv()
     import cuda.bindings
 
     if int(cuda.bindings.__version__.split(".")[0]) >= 13:
@@ -76,7 +70,7 @@ def probe_pool_advice(pool_handle: int, device: int) -> tuple[bool, str]:
     Allocates 4 KiB from the pool (nothing near the GPU's free memory), gives it the
     pool's own preferred location and read-mostly on then off, and frees it.
     """
-    drv = _drv()
+    drv = _driver.drv()
     A = drv.CUmem_advise
     err, ptr = drv.cuMemAllocFromPoolAsync(_GRANULE, drv.CUmemoryPool(pool_handle), 0)
     if int(err):
@@ -119,7 +113,7 @@ class ManagedAllocator(BlockCache):
         super().__init__(device, _GRANULE)
 
     def _create(self, r: int) -> tuple[int, int]:
-        drv = _drv()
+        drv = _driver.drv()
         err, p = drv.cuMemAllocManaged(r, drv.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL.value)
         if int(err):
             return int(err), 0
@@ -129,7 +123,7 @@ class ManagedAllocator(BlockCache):
         return 0, ptr
 
     def _destroy(self, ptr: int, r: int) -> None:
-        check_driver(_drv().cuMemFree(ptr), "cuMemFree")
+        check_driver(_driver.drv().cuMemFree(ptr), "cuMemFree")
 
 
 class ManagedPool(Pool):
