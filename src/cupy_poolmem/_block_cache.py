@@ -93,6 +93,11 @@ class BlockCache:
     def _make_room(self, r: int) -> None:
         """Before a new block of ``r`` bytes is made (a subclass may give some back)."""
 
+    def is_pinned(self, ptr: int) -> bool:
+        """Whether another process maps the block at ``ptr`` (a subclass that exports
+        its blocks says; then :meth:`release` keeps it)."""
+        return False
+
     def _round(self, size: int) -> int:
         g = self.granule
         return max(1, (size + g - 1) // g) * g
@@ -300,6 +305,8 @@ class BlockCache:
                     break
                 if at_least and self.cached - r < keep:
                     continue  # this one would take the cache below ``keep``
+                if self.is_pinned(ptr):
+                    continue  # another process maps it: not unmapped under it
                 entries = self._free[r]
                 entry = next(e for e in entries if e[0] == ptr)
                 if wait or self._done(entry[2]):

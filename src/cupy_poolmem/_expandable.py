@@ -8,8 +8,10 @@ and gives blocks in the arenas itself.  See docs/device_pool.rst, "How it works"
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from . import _arena_py, _driver, _streams
@@ -67,6 +69,13 @@ class ExpandableBlocks(MappingCalls):
     sync : callable, optional
         ``sync(device)`` waits until every stream of the device is idle (a release
         that waits calls it); default :func:`cupy_poolmem._streams.sync_device`.
+    exportable : bool
+        Create the ranges' memory exportable as POSIX file descriptors (an ``ipc=True``
+        pool's: its steps travel to other processes); default False.
+    pinned : callable, optional
+        ``pinned(step_id) -> bool``: whether another process maps the step (the
+        sharing layer's book, see :meth:`set_pins`); a pinned step is not unmapped
+        by :meth:`release`.
 
     Examples
     --------
@@ -91,11 +100,19 @@ class ExpandableBlocks(MappingCalls):
         arena: Any = None,
         driver: Any = None,
         sync: Any = None,
+        exportable: bool = False,
+        pinned: Callable[[int], bool] | None = None,
     ) -> None:
         d = self._d = driver if driver is not None else _driver.get()
         self._sync = sync if sync is not None else _streams.sync_device
         self.device = device
-        self._prop, self.granule = device_allocation(d, device)
+        self.exportable = bool(exportable)
+        self._prop, self.granule = device_allocation(d, device, self.exportable)
+        self._pinned = pinned
+        self._step_ids = itertools.count(1)
+        #: mapped step's address -> its id (never reused: a step unmapped and mapped
+        #: again at the same address is a new step)
+        self.step_ids: dict[int, int] = {}
         self.span = _round_up(max(int(span), LARGE_STEP), self.granule)
         self._arena = arena if arena is not None else _arena_py.Arena
         self._lock = threading.RLock()  # growing, releasing, peers: one at a time
@@ -147,6 +164,28 @@ class ExpandableBlocks(MappingCalls):
                     if va <= ptr < va + n:
                         return va
         return None
+
+    # -- steps other processes map ----------------------------------------------------
+    def steps_under(self, ptr: int, size: int) -> list[tuple[int, int, int]]:
+        """``(step id, address, bytes)`` of every mapped step that holds a byte of the
+        block ``[ptr, ptr + size)``, in address order (empty if none does)."""
+        end = ptr + max(int(size), 1)
+        with self._lock:
+            for steps in self._steps.values():
+                out = [(self.step_ids[va], va, n) for va, n in steps if va < end and ptr < va + n]
+                if out:
+                    return out
+        return []
+
+    def set_pins(self, pinned: Callable[[int], bool] | None) -> None:
+        """``pinned(step_id) -> bool`` from now on (the sharing layer's book, installed
+        when the pool's first block is exported); None: nothing is pinned."""
+        self._pinned = pinned
+
+    def is_pinned(self, va: int) -> bool:
+        """Whether another process maps the step at ``va`` (then no release unmaps it)."""
+        pinned = self._pinned
+        return pinned is not None and bool(pinned(self.step_ids.get(va, 0)))
 
     # -- allocation (the hot path's arenas had no room) -------------------------------
     def alloc(self, size: int, stream_ptr: int) -> tuple[int, int]:
@@ -214,6 +253,7 @@ class ExpandableBlocks(MappingCalls):
             self._unmap(a.top, n)  # (only from a collection inside an arena call)
             return _OUT_OF_MEMORY
         self._steps[a].append((a.top - n, n))
+        self.step_ids[a.top - n] = next(self._step_ids)
         self.reserved += n
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         return 0
@@ -268,7 +308,8 @@ class ExpandableBlocks(MappingCalls):
         steps of a stream that is busy or capturing (or that cannot be asked: another
         thread's per-thread stream) go back to their arena.  A step the driver refuses
         to unmap goes back too, with those below it, and the first error is raised
-        after the other ranges went.
+        after the other ranges went.  A step another process maps (``pinned``) stops
+        the cut of its range, as a live block does: it and those below it stay.
         """
         error: BaseException | None = None
         with self._lock:
@@ -280,8 +321,12 @@ class ExpandableBlocks(MappingCalls):
                     cut: list[tuple[int, int]] = []
                     while len(cut) < len(steps) and free > keep:
                         va, n = steps[-1 - len(cut)]
-                        if (at_least and free - n < keep) or not a.cut_tail(n):
-                            break  # keep says stop, or a live block in this step
+                        if (
+                            (at_least and free - n < keep)
+                            or self.is_pinned(va)
+                            or not a.cut_tail(n)
+                        ):
+                            break  # keep says stop, another process maps it, or a live block
                         cut.append((va, n))
                         free -= n
                     if cut:
@@ -310,6 +355,7 @@ class ExpandableBlocks(MappingCalls):
                         error = error or exc
                         break
                     steps.pop()
+                    self.step_ids.pop(va, None)
                     self.reserved -= n
                     released += n
             for key, pair in list(self.arenas.items()):
@@ -376,6 +422,7 @@ class ExpandableBlocks(MappingCalls):
                     for va, n in reversed(self._steps.get(a, [])):
                         try:
                             self._unmap(va, n)
+                            self.step_ids.pop(va, None)
                             self.reserved -= n
                         except Exception:
                             self.n_errors += 1

@@ -8,9 +8,10 @@ works".
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 from . import _driver
@@ -36,13 +37,19 @@ MAPPED_MARGIN_SHARE = 16  # or by this fraction of it (unless release_threshold 
 _NO_LIMIT = 2**64 - 1
 
 
-def device_allocation(d: Any, device: int) -> tuple[Any, int]:
+def device_allocation(d: Any, device: int, exportable: bool = False) -> tuple[Any, int]:
     """``(CUmemAllocationProp, granularity)`` of plain device memory on ``device`` for
-    ``cuMemCreate`` (``d``: cuda.bindings' driver module, or a fake)."""
+    ``cuMemCreate`` (``d``: cuda.bindings' driver module, or a fake).  ``exportable``:
+    the memory can be exported as a POSIX file descriptor (an ``ipc=True`` pool's);
+    otherwise the properties ask for no shareable handle type at all."""
     prop = d.CUmemAllocationProp()
     prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = device
+    if exportable:
+        prop.requestedHandleTypes = (
+            d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        )
     flag = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
     granule = check_driver(
         d.cuMemGetAllocationGranularity(prop, flag), "cuMemGetAllocationGranularity"
@@ -127,6 +134,13 @@ class MappedBlocks(BlockCache, MappingCalls):
         A freed block serves requests down to ``1 / (1 + fit)`` of its size.
     driver : module, optional
         ``cuda.bindings.driver`` (tests give a fake).
+    exportable : bool
+        Create the blocks' memory exportable as POSIX file descriptors (an
+        ``ipc=True`` pool's); default False.
+    pinned : callable, optional
+        ``pinned(step_id) -> bool``: whether another process maps the block (each
+        block is one step; the sharing layer's book, see :meth:`set_pins`); a pinned
+        cached block is not unmapped by :meth:`release`.
 
     Examples
     --------
@@ -149,10 +163,18 @@ class MappedBlocks(BlockCache, MappingCalls):
         peers: Iterable[int] = (),
         fit: float = MAPPED_FIT,
         driver: Any = None,
+        exportable: bool = False,
+        pinned: Callable[[int], bool] | None = None,
     ) -> None:
         d = self._d = driver if driver is not None else _driver.get()
-        self._prop, granule = device_allocation(d, device)
+        self.exportable = bool(exportable)
+        self._prop, granule = device_allocation(d, device, self.exportable)
         super().__init__(device, granule, fit)
+        self._pins = pinned
+        self._step_ids = itertools.count(1)
+        #: block address -> its step id (never reused: a block unmapped and mapped
+        #: again at the same address is a new step)
+        self.step_ids: dict[int, int] = {}
         self._map_lock = threading.RLock()
         self._failed = threading.local()  # .call: the mapping call that failed last
         self.peers: tuple[int, ...] = ()
@@ -226,6 +248,7 @@ class MappedBlocks(BlockCache, MappingCalls):
                 d.cuMemAddressFree(va, r)
                 return int(err), 0
             self.failed_call = ""
+            self.step_ids[va] = next(self._step_ids)
             return 0, va
         finally:
             d.cuMemRelease(handle)
@@ -237,7 +260,25 @@ class MappedBlocks(BlockCache, MappingCalls):
         # mapping, any pool's, whose access set_peers would otherwise change.
         with self._map_lock:
             check_driver(d.cuMemUnmap(ptr, r), "cuMemUnmap")
+            self.step_ids.pop(ptr, None)
             check_driver(d.cuMemAddressFree(ptr, r), "cuMemAddressFree")
+
+    def steps_under(self, ptr: int, size: int) -> list[tuple[int, int, int]]:
+        """``[(step id, address, bytes)]`` of the block that holds ``[ptr, ptr +
+        size)`` (a mapped block is one step), or ``[]`` when no block holds all of it."""
+        for va, r in self._blocks():
+            if va <= ptr and ptr + max(int(size), 1) <= va + r and va in self.step_ids:
+                return [(self.step_ids[va], va, r)]
+        return []
+
+    def set_pins(self, pinned: Callable[[int], bool] | None) -> None:
+        """``pinned(step_id) -> bool`` from now on (the sharing layer's book)."""
+        self._pins = pinned
+
+    def is_pinned(self, va: int) -> bool:
+        """Whether another process maps the block at ``va`` (no release unmaps it)."""
+        pinned = self._pins
+        return pinned is not None and bool(pinned(self.step_ids.get(va, 0)))
 
     def set_peers(self, peers: Iterable[int]) -> None:
         """Give exactly ``peers`` (other GPUs) access to every block, now and later.
