@@ -51,6 +51,9 @@ class Exporter(Server):
     claimed_max
         Claimed tickets a record remembers (another copy of a message may claim
         again): the most recent ones only, so a block sent a million times stays small.
+    steps
+        The :class:`~cupy_poolmem._sharing._steps.StepExports` of mapped and
+        expandable blocks (which receivers map which steps), or None.
     """
 
     def __init__(
@@ -61,8 +64,10 @@ class Exporter(Server):
         ticket_source: Callable[[int], bytes] = os.urandom,
         listener_options: dict[str, Any] | None = None,
         claimed_max: int = 4096,
+        steps: Any = None,
     ) -> None:
         self.driver = driver
+        self.steps = steps
         self.settings = settings
         self.authkey = authkey
         self.lock = threading.RLock()

@@ -35,6 +35,7 @@ class Server:
     peers: dict[int, Peer]
     stranded: int
     ignored_hits: int
+    steps: Any  # StepExports (mapped and expandable blocks' steps), or None
     _cids: int
     _syncing: int
     _close_later: list[Any]
@@ -87,6 +88,8 @@ class Server:
         peer.conn.peer.wait_gone()
         log.info("sharing: receiver pid %s is gone; its leases are released", peer.conn.peer.pid)
         peer.conn.peer.close()
+        if self.steps is not None:  # the steps it mapped went with its process
+            self.steps.drop_peer(peer.cid)
         with self.lock:
             self.peers.pop(peer.cid, None)
             held = []
