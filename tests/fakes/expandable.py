@@ -80,8 +80,14 @@ def made(monkeypatch, fake_retirer, drv):
     monkeypatch.setattr(
         _pools.device,
         "new_expandable_blocks",
-        lambda dev, peers, total: _expandable.ExpandableBlocks(
-            dev, peers, span=SPAN, arena=_runtime.hp.ARENA, driver=drv, sync=drv.sync_device
+        lambda dev, peers, total, exportable=False: _expandable.ExpandableBlocks(
+            dev,
+            peers,
+            span=SPAN,
+            arena=_runtime.hp.ARENA,
+            driver=drv,
+            sync=drv.sync_device,
+            exportable=exportable,
         ),
     )
     return out

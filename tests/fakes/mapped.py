@@ -62,7 +62,9 @@ def made(monkeypatch, fake_retirer, drv):
     monkeypatch.setattr(
         _pools.device,
         "new_mapped_blocks",
-        lambda dev, peers: _mapped.MappedBlocks(dev, peers, driver=drv),
+        lambda dev, peers, exportable=False: _mapped.MappedBlocks(
+            dev, peers, driver=drv, exportable=exportable
+        ),
     )
     return out
 

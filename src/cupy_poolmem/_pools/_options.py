@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .. import _expandable
@@ -76,13 +77,26 @@ def large_blocks_mode(value: Any, ipc: bool) -> str:
             "'mapped' (each large block mapped on memory of its own) or 'expandable' "
             "(every block placed in growing mapped ranges, one pair per stream)"
         )
-    if value != "pool" and ipc:
+    if value != "pool" and ipc and not step_ipc_opted_in():
         raise InvalidOptionError(
             f"large_blocks={value!r} cannot be used with ipc=True: mapped blocks are not "
             "in a CUDA pool that other processes can import. Use large_blocks='pool' for "
             "a pool whose arrays are shared"
         )
     return value
+
+
+#: The test-only opt-in to ``ipc=True`` with mapped or expandable blocks while their
+#: sharing is being built (docs/sharing.rst, "Mapped and expandable blocks").
+STEP_IPC_ENV = "CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC"
+
+
+def step_ipc_opted_in() -> bool:
+    """Whether ``CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC=1`` is set: then a DevicePool with
+    ``large_blocks="mapped"`` or ``"expandable"`` accepts ``ipc=True`` and creates its
+    memory exportable (for the tests of the work in progress; its blocks do not travel
+    yet)."""
+    return os.environ.get(STEP_IPC_ENV, "") == "1"
 
 
 def check_expandable(small_pool: Any, release_threshold: Any, max_size: Any) -> None:

@@ -18,7 +18,7 @@ from .._device import (
     require_attribute,
     resolve_peer_access,
 )
-from .._errors import InvalidOptionError, UnsupportedError, add_note
+from .._errors import InvalidOptionError, SharingError, UnsupportedError, add_note
 from .._mapped import MappedBlocks
 from .._runtime import hp as _hp
 from .._sizes import format_bytes, parse_bytes
@@ -224,12 +224,12 @@ class DevicePool(Pool):
                     )
                 map_above = mapped_threshold(small_pool)
                 small_max = 0
-                backend: Any = new_mapped_blocks(dev, peers)
+                backend: Any = new_mapped_blocks(dev, peers, exportable=ipc)
             elif mode == "expandable":
                 # Every block from the ranges (see _expandable.py); the CUDA pool
                 # serves graph captures only.
                 small_max = 0
-                backend = new_expandable_blocks(dev, peers, int(total))
+                backend = new_expandable_blocks(dev, peers, int(total), exportable=ipc)
             else:
                 small_max = small_pool_size(small_pool, max_b)
                 backend = None
@@ -392,6 +392,18 @@ class DevicePool(Pool):
             raise
         self._peers_set = granted or getattr(self, "_peers_set", False)
 
+    def _ipc_pool_of(self, ptr: int, handle: int = 0) -> tuple[str, Any]:
+        """The shareable CUDA pool holding ``ptr``; a block of the mapped or expandable
+        placement has none (its sharing is not built yet: SharingError)."""
+        if self._backend is not None and self._backend.owns(ptr):
+            raise SharingError(
+                f"this array's memory is a block of a DevicePool(large_blocks="
+                f"{self.large_blocks!r}), whose blocks cannot be sent to other processes "
+                "yet; allocate arrays to share from a DevicePool(ipc=True) with "
+                "large_blocks='pool'"
+            )
+        return super()._ipc_pool_of(ptr, handle)
+
     def _retire_now(self, leftovers: Any = (), before_destroy: Any = None) -> None:
         """Retire; revoke the peer grants first if the pool is to be destroyed.
 
@@ -410,29 +422,36 @@ class DevicePool(Pool):
             super()._retire_now(leftovers, before_destroy)
 
 
-def new_expandable_blocks(device: int, peers: tuple[int, ...], total: int) -> Any:
+def new_expandable_blocks(
+    device: int, peers: tuple[int, ...], total: int, exportable: bool = False
+) -> Any:
     """The expandable ranges of a DevicePool on ``device`` (VMM checked first), each
-    range with address space for all of the device's ``total`` bytes."""
+    range with address space for all of the device's ``total`` bytes; ``exportable``:
+    its memory can be exported as file descriptors (an ``ipc=True`` pool)."""
     require_attribute(
         device,
         "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
         "virtual memory management, which large_blocks='expandable' needs; use large_blocks='pool'",
     )
     try:
-        return _expandable.ExpandableBlocks(device, peers, span=total, arena=_hp.ARENA)
+        return _expandable.ExpandableBlocks(
+            device, peers, span=total, arena=_hp.ARENA, exportable=exportable
+        )
     except Exception as exc:
         raise _driver.wrap(exc, "setting up expandable ranges") from exc
 
 
-def new_mapped_blocks(device: int, peers: tuple[int, ...]) -> Any:
-    """The mapped-blocks backend of a DevicePool on ``device`` (VMM checked first)."""
+def new_mapped_blocks(device: int, peers: tuple[int, ...], exportable: bool = False) -> Any:
+    """The mapped-blocks backend of a DevicePool on ``device`` (VMM checked first);
+    ``exportable``: its memory can be exported as file descriptors (an ``ipc=True``
+    pool)."""
     require_attribute(
         device,
         "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
         "virtual memory management, which large_blocks='mapped' needs; use large_blocks='pool'",
     )
     try:
-        return MappedBlocks(device, peers)
+        return MappedBlocks(device, peers, exportable=exportable)
     except Exception as exc:
         raise _driver.wrap(exc, "setting up mapped blocks") from exc
 

@@ -1,0 +1,75 @@
+"""``DevicePool(large_blocks="expandable" or "mapped", ipc=True)``: refused as on main
+unless the test-only opt-in ``CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC=1`` is set; with it the
+pool's physical memory is created exportable, and only then (docs/sharing.rst, "Mapped
+and expandable blocks")."""
+
+from __future__ import annotations
+
+import pytest
+from fakes import expandable as fx
+from fakes import mapped as fm
+from fakes.steps import FD
+
+import cupy_poolmem as cpm
+from cupy_poolmem import _pools
+from cupy_poolmem._pools._options import STEP_IPC_ENV
+
+drv = fx.drv
+made = fx.made
+NONE = 0  # CU_MEM_HANDLE_TYPE_NONE
+
+
+@pytest.fixture
+def mapped_made(monkeypatch, fake_retirer, drv, made):
+    """Both placements on the fake driver; CUDA pools that an ipc=True pool can export."""
+    out = fm.made.__wrapped__(monkeypatch, fake_retirer, drv)
+    make = _pools.device.cc.DeviceMemoryResource
+
+    def shareable(dev, opts):
+        m = make(dev, opts)
+        m.allocation_handle, m.uuid = 3, f"pool-{m.handle}"
+        return m
+
+    monkeypatch.setattr(_pools.device.cc, "DeviceMemoryResource", shareable)
+    return out
+
+
+@pytest.mark.parametrize("value", [None, "0", "yes", ""])
+@pytest.mark.parametrize("mode", ["expandable", "mapped"])
+def test_ipc_with_mapped_or_expandable_blocks_stays_refused_without_the_opt_in(
+    mapped_made, monkeypatch, mode, value
+):
+    if value is None:
+        monkeypatch.delenv(STEP_IPC_ENV, raising=False)
+    else:
+        monkeypatch.setenv(STEP_IPC_ENV, value)
+    with pytest.raises(cpm.InvalidOptionError, match="cannot be used with ipc=True"):
+        cpm.DevicePool(large_blocks=mode, ipc=True)
+
+
+@pytest.mark.parametrize("ipc", [False, True])
+@pytest.mark.parametrize("mode", ["expandable", "mapped"])
+def test_the_opt_in_makes_the_memory_exportable_only_for_an_ipc_pool(
+    mapped_made, monkeypatch, mode, ipc
+):
+    monkeypatch.setenv(STEP_IPC_ENV, "1")
+    p = cpm.DevicePool(large_blocks=mode, ipc=ipc)
+    assert p.ipc is ipc and p.large_blocks == mode
+    assert p._backend.exportable is ipc
+    assert p._backend._prop.requestedHandleTypes == (FD if ipc else NONE)
+    assert mapped_made.mrs and all(m.is_ipc_enabled is ipc for m in mapped_made.mrs)
+    p.close()
+
+
+@pytest.mark.parametrize("mode", ["expandable", "mapped"])
+def test_a_block_of_such_a_pool_is_refused_for_sending_with_a_typed_error(
+    mapped_made, monkeypatch, mode
+):
+    monkeypatch.setenv(STEP_IPC_ENV, "1")
+    p = cpm.DevicePool(large_blocks=mode, ipc=True)
+    err, ptr = p._backend.alloc(12 << 20, 0x5000)
+    assert err == 0
+    with pytest.raises(cpm.SharingError, match=f"large_blocks='{mode}'.*cannot be sent"):
+        p._ipc_pool_of(ptr)
+    p._backend.free(ptr, 0x5000)
+    p.close()
