@@ -73,9 +73,11 @@ class Receiver:
     def take(self, blocks, ptr, size, steps=None):
         steps = blocks.steps_under(ptr, size) if steps is None else steps
         grants = self.book.grant(self.cid, blocks, ptr, size, steps, self.maps.have(self.owner))
-        here, key = self.maps.map(self.owner, ptr, size, grants)
-        self.book.mapped(self.cid, blocks, [g.step.id for g in grants])
-        return here, key
+        try:
+            return self.maps.map(self.owner, ptr, size, grants)
+        except BaseException:
+            self.book.unmapped(self.cid, blocks, [g.step.id for g in grants])
+            raise
 
     def drop(self, blocks, key):
         self.maps.unmap(key)
@@ -97,6 +99,7 @@ def test_ranges_ask_for_a_shareable_handle_only_when_exportable(vmm, exportable)
     else:  # the driver refuses to export memory created without the handle type
         with pytest.raises(CUDADriverError, match="cuMemExportToShareableHandle"):
             book.grant(1, blocks, ptr, 3 * MiB, steps)
+        assert not book.pinned(blocks, steps[0][0])  # a grant that failed pins nothing
     assert vmm.handles_alive == set()  # the retained handle went back either way
 
 
@@ -262,6 +265,21 @@ def test_a_trim_while_receivers_map_keeps_their_steps_and_the_memory(vmm):
     r.drop(blocks, key)
     assert blocks.release(0) == 60 * MiB  # once it let go, both steps go
     assert phys in vmm.freed
+
+
+def test_a_step_is_pinned_from_the_grant_on_before_the_receiver_maps_it(vmm):
+    book = StepExports(vmm)
+    blocks = ranges(vmm)
+    blocks.set_pins(book.pins_for(blocks))
+    keep = alloc(blocks, 30 * MiB)
+    ptr = alloc(blocks, 4 * MiB)
+    vmm.write(ptr, 9)
+    (g,) = book.grant(1, blocks, ptr, 4 * MiB, blocks.steps_under(ptr, 4 * MiB))
+    blocks.free(ptr, 0x5000)  # (a forged early free: the grant alone must hold the step)
+    assert blocks.release(0) == 0 and vmm.read(ptr) == 9
+    here, key = StepMappings(vmm, 0).map("x", ptr, 4 * MiB, [g])
+    assert vmm.read(here) == 9 and vmm.phys_at(here) == vmm.phys_at(ptr)
+    assert keep
 
 
 def test_a_shrink_stops_at_the_first_pinned_step_from_the_top(vmm):

@@ -103,7 +103,6 @@ class StepExports:
     --------
     >>> book = StepExports(driver)  # doctest: +SKIP
     >>> grants = book.grant(7, blocks, ptr, size, msg_steps, have=set())  # doctest: +SKIP
-    >>> book.mapped(7, blocks, [g.step.id for g in grants])  # doctest: +SKIP
     >>> book.pinned(blocks, grants[0].step.id)  # doctest: +SKIP
     True
     """
@@ -129,6 +128,10 @@ class StepExports:
         receiver holds already).  ``steps``: the message's, refused
         (:class:`StaleStepsError`) unless they are exactly the steps mapped there now.
         The caller sends the descriptors and closes them.
+
+        The grant counts as the receiver's mapping of each step from now on (as a
+        lease starts at the grant): a receiver that then fails to map says so, and
+        the caller gives it back with :meth:`unmapped`.
         """
         named = check_steps(steps, ptr, size)
         now = [Step(*s) for s in blocks.steps_under(ptr, size)]
@@ -140,10 +143,12 @@ class StepExports:
             )
         have = set(have)
         out: list[StepGrant] = []
+        self.mapped(cid, blocks, [s.id for s in now])  # pinned before anything goes out
         try:
             for s in now:
                 out.append(StepGrant(s, None if s.id in have else self._export(s.va)))
         except BaseException:
+            self.unmapped(cid, blocks, [s.id for s in now])
             for g in out:
                 if g.fd is not None:
                     os.close(g.fd)
