@@ -11,12 +11,14 @@ from fakes import mapped as fm
 from fakes.steps import FD
 
 import cupy_poolmem as cpm
-from cupy_poolmem import _pools
+from cupy_poolmem import _driver, _pools
 from cupy_poolmem._pools._options import STEP_IPC_ENV
+from cupy_poolmem._sharing._steps import StepExports
 
 drv = fx.drv
 made = fx.made
 NONE = 0  # CU_MEM_HANDLE_TYPE_NONE
+MiB = 1 << 20
 
 
 @pytest.fixture
@@ -72,4 +74,28 @@ def test_a_block_of_such_a_pool_is_refused_for_sending_with_a_typed_error(
     with pytest.raises(cpm.SharingError, match=f"large_blocks='{mode}'.*cannot be sent"):
         p._ipc_pool_of(ptr)
     p._backend.free(ptr, 0x5000)
+    p.close()
+
+
+@pytest.mark.parametrize("way", ["trim", "out-of-memory retry"])
+def test_a_pools_trim_and_oom_retry_keep_a_step_a_receiver_maps(mapped_made, drv, monkeypatch, way):
+    monkeypatch.setenv(STEP_IPC_ENV, "1")
+    monkeypatch.setattr(_driver.get(), "cuMemPoolTrimTo", lambda pool, keep: (0,))
+    p = cpm.DevicePool(large_blocks="expandable", ipc=True)
+    p._synchronize = lambda: None
+    b = p._backend
+    book = StepExports(drv)
+    b.set_pins(book.pins_for(b))
+    ptrs = [b.alloc(20 * MiB, 0x5000)[1] for _ in range(3)]
+    ((sid, va, _n),) = b.steps_under(ptrs[1], 20 * MiB)
+    book.mapped(1, b, [sid])  # a receiver maps the middle step
+    for ptr in ptrs:
+        b.free(ptr, 0x5000)
+    if way == "trim":
+        assert p.trim() == 20 * MiB  # the top step only
+    else:
+        p._reclaim()  # what an allocation that ran out of memory does before it retries
+    assert va in drv.mapped and b.reserved == 40 * MiB
+    book.drop_peer(1)  # the receiver is gone
+    assert p.trim() == 40 * MiB and drv.mapped == {}
     p.close()
