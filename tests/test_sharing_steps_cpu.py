@@ -393,3 +393,33 @@ def test_forget_unmaps_every_window_of_a_gone_exporter(vmm):
     assert r.maps.stats()["step_windows"] == 3
     r.maps.forget(r.owner)
     assert r.maps.stats() == {"step_windows": 0, "step_handles": 0, "step_reserved_bytes": 0}
+
+
+def test_an_unmap_the_driver_refuses_still_frees_the_rest_and_names_the_call(vmm):
+    blocks = ranges(vmm)
+    book = StepExports(vmm)
+    ptr = alloc(blocks, 30 * MiB)
+    r = Receiver(vmm, book, 1)
+    _, key = r.take(blocks, ptr, 30 * MiB)
+    ours = set(vmm.reserved_va) - {a.base for p in blocks.arenas.values() for a in p}
+    vmm.fail["cuMemUnmap"] = 1  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(CUDADriverError, match="cuMemUnmap"):
+        r.maps.unmap(key)
+    assert r.maps.stats() == {"step_windows": 0, "step_handles": 0, "step_reserved_bytes": 0}
+    assert not (ours & vmm.reserved_va)  # the reservation went anyway
+
+
+def test_the_book_forgets_a_placement_that_is_gone(vmm):
+    import gc
+
+    book = StepExports(vmm)
+    blocks = ranges(vmm)
+    ptr = alloc(blocks, 3 * MiB)
+    ((sid, _va, _n),) = blocks.steps_under(ptr, 3 * MiB)
+    book.mapped(1, blocks, [sid])
+    pins = book.pins_for(blocks)
+    assert pins(sid)
+    blocks.close()
+    del blocks
+    gc.collect()
+    assert not book._maps and not pins(sid)  # no pin left for whatever comes next

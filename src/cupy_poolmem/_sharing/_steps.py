@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -110,8 +111,11 @@ class StepExports:
     def __init__(self, driver: Any) -> None:
         self._d = driver
         self._lock = threading.Lock()
-        #: (id of the placement, step id) -> receiver id -> mappings of it there
-        self._maps: dict[tuple[int, int], Counter[int]] = {}
+        #: placement -> step id -> receiver id -> its mappings of the step (a placement
+        #: collected takes its entries with it)
+        self._maps: weakref.WeakKeyDictionary[Any, dict[int, Counter[int]]] = (
+            weakref.WeakKeyDictionary()
+        )
         self.exported = 0  # file descriptors made
 
     def grant(
@@ -175,49 +179,51 @@ class StepExports:
     def mapped(self, cid: int, blocks: Any, step_ids: Iterable[int]) -> None:
         """Receiver ``cid`` mapped these steps of ``blocks`` (once more each)."""
         with self._lock:
+            steps = self._maps.setdefault(blocks, {})
             for sid in step_ids:
-                self._maps.setdefault((id(blocks), sid), Counter())[cid] += 1
+                steps.setdefault(sid, Counter())[cid] += 1
 
     def unmapped(self, cid: int, blocks: Any, step_ids: Iterable[int]) -> None:
         """Receiver ``cid`` unmapped one mapping of each of these steps."""
         with self._lock:
+            steps = self._maps.get(blocks, {})
             for sid in step_ids:
-                key = (id(blocks), sid)
-                who = self._maps.get(key)
+                who = steps.get(sid)
                 if who is None or who[cid] <= 0:
                     continue  # (a duplicate, or a receiver reaped already)
                 who[cid] -= 1
                 if who[cid] <= 0:
                     del who[cid]
                 if not who:
-                    del self._maps[key]
+                    del steps[sid]
 
     def drop_peer(self, cid: int) -> int:
         """Receiver ``cid`` is gone (its process and mappings with it): every step it
         mapped is free of it; returns how many steps it held."""
         n = 0
         with self._lock:
-            for key in list(self._maps):
-                who = self._maps[key]
-                if who.pop(cid, 0):
-                    n += 1
-                if not who:
-                    del self._maps[key]
+            for steps in list(self._maps.values()):
+                for sid in list(steps):
+                    who = steps[sid]
+                    if who.pop(cid, 0):
+                        n += 1
+                    if not who:
+                        del steps[sid]
         return n
 
     def pinned(self, blocks: Any, step_id: int) -> bool:
         """Whether any receiver maps step ``step_id`` of ``blocks``."""
-        return (id(blocks), step_id) in self._maps
+        return step_id in self._maps.get(blocks, ())
 
     def pins_for(self, blocks: Any) -> Any:
-        """``step_id -> bool`` for ``blocks.set_pins``."""
-        key = id(blocks)
-        return lambda sid: (key, sid) in self._maps
+        """``step_id -> bool`` for ``blocks.set_pins`` (holds ``blocks`` weakly)."""
+        ref = weakref.ref(blocks)
+        return lambda sid: (b := ref()) is not None and self.pinned(b, sid)
 
     def receivers(self, blocks: Any, step_id: int) -> set[int]:
         """The receivers that map step ``step_id`` of ``blocks`` now."""
         with self._lock:
-            return set(self._maps.get((id(blocks), step_id), ()))
+            return set(self._maps.get(blocks, {}).get(step_id, ()))
 
 
 class _Window(NamedTuple):
@@ -351,18 +357,22 @@ class StepMappings:
                 return []
             del self._users[key]
             win = self._windows.pop(key)
+            # Everything is undone even when a call fails; the first failure is raised.
+            results = []
             at = win.base
             for s in win.steps:
-                check_driver(d.cuMemUnmap(at, s.size), "cuMemUnmap")
+                results.append((d.cuMemUnmap(at, s.size), "cuMemUnmap"))
                 at += s.size
-            check_driver(d.cuMemAddressFree(win.base, win.size), "cuMemAddressFree")
+            results.append((d.cuMemAddressFree(win.base, win.size), "cuMemAddressFree"))
             self.reserved -= win.size
             owner = key[0]
             still = {sid for (o, ids) in self._windows if o == owner for sid in ids}
             gone = [s.id for s in win.steps if s.id not in still]
             for sid in gone:
-                d.cuMemRelease(self._handles.pop((owner, sid)))
-            return gone
+                results.append((d.cuMemRelease(self._handles.pop((owner, sid))), "cuMemRelease"))
+        for res, call in results:
+            check_driver(res, call)
+        return gone
 
     def forget(self, owner: Hashable) -> None:
         """Unmap every window of ``owner`` (its exporter is gone or this process exits)."""
