@@ -95,8 +95,11 @@ class Receiver:
 
 
 def _fill(pool, n, base):
+    """An int32 array of ``n`` items on ``pool`` holding ``base + arange(n)``; the only
+    block it takes from the pool is its own (temporaries come from CuPy's pool)."""
     with cpm.using(pool):
-        x = cupy.arange(n, dtype=cupy.int32) + base
+        x = cupy.empty(n, dtype=cupy.int32)
+    x[...] = cupy.arange(n, dtype=cupy.int32) + base
     cupy.cuda.Device(0).synchronize()
     return x
 
@@ -242,10 +245,10 @@ def test_a_block_on_the_second_gpu_is_read_by_a_receiver_there(monkeypatch):
     try:
         with cupy.cuda.Device(1):
             with cpm.using(pool):
-                x = cupy.arange(3 * MiB // 4, dtype=cupy.int32) + 31
+                x = cupy.empty(3 * MiB // 4, dtype=cupy.int32)
+            x[...] = cupy.arange(x.size, dtype=cupy.int32) + 31
             cupy.cuda.Device(1).synchronize()
-            with cupy.cuda.Device(1):
-                i, _, _ = r.send(pool._backend, book, x)
+            i, _, _ = r.send(pool._backend, book, x)
             assert r.check(i, x, 31)
             del x
     finally:
