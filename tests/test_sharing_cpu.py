@@ -2100,7 +2100,7 @@ def test_a_failing_pool_close_keeps_that_pool_and_the_others_still_close(world):
     assert world.gpu.violations == []
 
 
-def test_event_done_counts_errors_other_than_not_ready_as_done():
+def test_event_done_counts_errors_other_than_not_ready_as_done(fake_driver):
     """Driver.event_done: NOT_READY is the only 'not yet'; a sticky error (illegal
     address) or a destroyed context counts as done, so nothing polls for ever."""
     drv = Driver()
@@ -2111,7 +2111,7 @@ def test_event_done_counts_errors_other_than_not_ready_as_done():
         def cuEventQuery(ev):
             return (next(answers),)
 
-    drv._d = D
+    fake_driver(D)  # the driver Driver asks the provider for
     assert [drv.event_done(object()) for _ in range(4)] == [False, True, True, True]
 
 
