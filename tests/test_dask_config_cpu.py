@@ -444,13 +444,8 @@ def test_the_secrets_key_differs_per_secret_and_hides_it():
 
 # -- the sharing key ----------------------------------------------------------------------------
 @pytest.fixture
-def world():
-    from fakes.sharing import World
-
-    w = World()
-    yield w
-    w.teardown()
-    assert w.gpu.violations == []
+def world(sharing_world):
+    return sharing_world
 
 
 def test_processes_with_one_secret_share_and_others_are_refused(world):
@@ -811,22 +806,24 @@ def test_a_chunk_off_the_plugins_pool_after_the_allocator_was_replaced_says_so(
 ):
     import cupy
 
-    from cupy_poolmem import _allocator
+    from cupy_poolmem import _runtime
 
     class Chunk:
         nbytes = 2 << 20
 
     state.orig_serialize = lambda x: ({"orig": True}, [])
     monkeypatch.setattr(state.gpu, "facts", lambda x: (False, GPU_A))
-    monkeypatch.setitem(_allocator._current, "device", object())  # the plugin's, not CuPy's
+    monkeypatch.setitem(
+        _runtime.INSTALLED_ALLOCATORS, "device", object()
+    )  # the plugin's, not CuPy's
     ctx = {"recipient": {T.HANDSHAKE_KEY: dict(state.identity, pid=1)}}
-    assert cupy.cuda.get_allocator() is not _allocator._current["device"]
+    assert cupy.cuda.get_allocator() is not _runtime.installed_allocator("device")
     for _ in range(2):
         assert T.serialize(Chunk(), context=ctx) == ({"orig": True}, [])
     assert T.counters()["fallback"] == {"allocator-replaced": 2}
     warned = [r for r in caplog.records if "not cupy_poolmem's pool" in r.getMessage()]
     assert len(warned) == 1  # once per process
-    monkeypatch.setitem(_allocator._current, "device", cupy.cuda.get_allocator())
+    monkeypatch.setitem(_runtime.INSTALLED_ALLOCATORS, "device", cupy.cuda.get_allocator())
     T.serialize(Chunk(), context=ctx)
     assert T.counters()["fallback"]["not-ipc-memory"] == 1
 

@@ -187,9 +187,9 @@ def test_worker_without_gpu_raises_no_gpu_error_in_client(processes):
 
 
 def _cupy_allocator_is_default() -> bool:
-    from cupy_poolmem import _allocator
+    from cupy_poolmem import _runtime
 
-    return _allocator._current["device"] is None
+    return _runtime.installed_allocator("device") is None
 
 
 @pytest.mark.skipif(not NO_GPU, reason="checks the error raised on a machine without a GPU")

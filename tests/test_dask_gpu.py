@@ -42,9 +42,9 @@ def _worker_allocator_state() -> dict:
 
     import cupy
 
-    from cupy_poolmem import _allocator
+    from cupy_poolmem import _runtime
 
-    alloc = _allocator._current["device"]
+    alloc = _runtime.installed_allocator("device")
     dev = cupy.cuda.runtime.getDevice()
     return {
         "plugin_allocator": alloc is not None,
@@ -61,9 +61,9 @@ def _small_block_in_the_reservation() -> dict:
     """A 1 MiB array on the worker: does the pool reserve more than it had?"""
     import cupy
 
-    from cupy_poolmem import _allocator
+    from cupy_poolmem import _runtime
 
-    pool = _allocator._current["device"].pool()
+    pool = _runtime.installed_allocator("device").pool()
     before = pool.stats().reserved_bytes
     x = cupy.full(1 << 20, 7, dtype=cupy.uint8)
     ok = int(x.sum()) == 7 << 20

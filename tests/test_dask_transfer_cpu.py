@@ -573,13 +573,8 @@ def test_plugin_teardown_uninstalls_the_transfer_path(monkeypatch):
 
 # -- the exporter reads a block whose ticket a receiver gave back ------------------------------
 @pytest.fixture
-def world():
-    from fakes.sharing import World
-
-    w = World()
-    yield w
-    w.teardown()
-    assert w.gpu.violations == []
+def world(sharing_world):
+    return sharing_world
 
 
 def test_hold_live_reads_a_live_block_after_a_drop(world):

@@ -103,6 +103,37 @@ def test_the_fixture_hands_the_fake_to_the_device_helpers(fake_driver):
         _device.pointer_info(0x1234)
 
 
+def test_sharing_numba_and_the_guard_call_the_driver_the_provider_hands_out(fake_driver):
+    """The sharing protocol's Driver, the Numba plugin's pointer lookups and the guard's
+    device work ask the provider at each call: a fake handed in after they were made
+    (or imported) is the one they call, and the real one is back once it is gone."""
+    from cupy_poolmem._guard.device_ops import DeviceOps
+    from cupy_poolmem._sharing._driver import Driver
+
+    cpn = pytest.importorskip("cupy_poolmem.numba", reason="needs numba-cuda ('.[numba]')")
+    sharing, ops = Driver(), DeviceOps(0)  # made while the real driver is in place
+
+    class Answers(Capturing):
+        def cuPointerGetAttribute(self, attr, ptr):  # noqa: N802
+            self.calls += 1
+            return 0, 0xABC if int(ptr) == 0x7000 else None
+
+        def cuStreamGetFlags(self, s):  # noqa: N802
+            self.calls += 1
+            return 0, 1  # CU_STREAM_NON_BLOCKING
+
+    fake = fake_driver(Answers())
+    assert sharing.event_done(object()) is True  # cuEventQuery answered (0,) by the fake
+    assert cpn._pointer_pool(0x7000) == 0xABC and cpn._pointer_pool(0x8000) == 0
+    assert ops.non_blocking(0x5000) is True
+    assert fake.calls == 4
+    fake_driver.restore()
+    assert _driver.get() is cuda.bindings.driver
+    with pytest.raises(TypeError):  # the real driver refuses what the fake accepted
+        sharing.event_done(object())
+    assert fake.calls == 4
+
+
 def test_the_fixture_gave_the_real_driver_back():
     """Runs after the test above (file order): what it handed in is gone."""
     assert _driver.get() is cuda.bindings.driver

@@ -1420,13 +1420,11 @@ def test_a_claim_answered_after_claim_timeout_gives_its_lease_back(world, monkey
     e, r, core = _exporter_receiver(world, claim_timeout=0.2)
     b = core.alloc(KB, payload=1)
     msg = e.send(b)
-    real = e.exporter._on_claim
 
-    def slow_claim(peer, f):
+    def slow_claim(cid):
         time.sleep(0.5)  # the exporter is busy: the receiver gives up first
-        real(peer, f)
 
-    monkeypatch.setattr(e.exporter, "_on_claim", slow_claim)
+    monkeypatch.setattr(e.exporter, "claim_hook", slow_claim)
     r.importer.client(e.exporter.address)
     assert wait_for(lambda: e.stats()["peers"] == 1)
     fds = open_fds()
@@ -2100,7 +2098,7 @@ def test_a_failing_pool_close_keeps_that_pool_and_the_others_still_close(world):
     assert world.gpu.violations == []
 
 
-def test_event_done_counts_errors_other_than_not_ready_as_done():
+def test_event_done_counts_errors_other_than_not_ready_as_done(fake_driver):
     """Driver.event_done: NOT_READY is the only 'not yet'; a sticky error (illegal
     address) or a destroyed context counts as done, so nothing polls for ever."""
     drv = Driver()
@@ -2111,7 +2109,7 @@ def test_event_done_counts_errors_other_than_not_ready_as_done():
         def cuEventQuery(ev):
             return (next(answers),)
 
-    drv._d = D
+    fake_driver(D)  # the driver Driver asks the provider for
     assert [drv.event_done(object()) for _ in range(4)] == [False, True, True, True]
 
 

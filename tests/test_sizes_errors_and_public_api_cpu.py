@@ -354,3 +354,30 @@ def test_on_device_asks_the_driver_for_the_context_once_per_thread(fake_driver):
         pass
     mine = [c for t, c in calls if t is threading.current_thread()]
     assert mine[-2:] == ["setDevice(1)", "setDevice(0)"]
+
+
+def test_uninstall_gives_cupy_its_allocator_back_only_for_the_installed_one(monkeypatch):
+    import cupy
+
+    from cupy_poolmem import _allocator, _runtime
+
+    def mine(size):  # stands for an installed PoolAllocator
+        raise AssertionError("never called")
+
+    other = object()
+    monkeypatch.setitem(_runtime.INSTALLED_ALLOCATORS, "device", mine)
+    monkeypatch.setitem(_runtime.INSTALLED_ALLOCATORS, "pinned", mine)
+    before = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(mine)
+    try:
+        assert _allocator.uninstall("device", other) is False  # not the installed one
+        assert cupy.cuda.get_allocator() is mine
+        assert _allocator.uninstall("device", mine) is True
+        assert _runtime.installed_allocator("device") is None
+        assert cupy.cuda.get_allocator() == cupy.get_default_memory_pool().malloc
+        assert _allocator.uninstall("device", mine) is False  # once
+        assert _allocator.uninstall("pinned", mine) is True
+        assert _runtime.installed_allocator("pinned") is None
+    finally:
+        cupy.cuda.set_allocator(before)
+        cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)

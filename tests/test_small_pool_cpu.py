@@ -296,7 +296,7 @@ def test_a_numba_handle_names_the_cuda_pool_that_holds_the_block(tp, world, monk
     _driver_says_pool(world, monkeypatch)
     monkeypatch.setattr(cpn, "DevicePool", tp.DevicePool)
     record = SimpleNamespace(reserved=list(range(64)))
-    monkeypatch.setattr(cpn._drv, "cuMemPoolExportPointer", lambda ptr: (0, record))
+    monkeypatch.setattr(_driver.get(), "cuMemPoolExportPointer", lambda ptr: (0, record))
     monkeypatch.setattr(cuda.core, "Device", lambda dev: SimpleNamespace(uuid="GPU-x"))
     for size, handle in ((4096, SMALL), (8 * MiB + 1, MAIN)):
         m = p.malloc(size)

@@ -34,8 +34,8 @@ __all__ = [
 _runtime.HOOKS.outstanding = outstanding
 
 _lock = threading.Lock()
-# The installed allocators live in _runtime (sharing reads them there); one dict.
-_current: dict[str, PoolAllocator | None] = _runtime.INSTALLED_ALLOCATORS
+# The installed allocators live in _runtime (sharing and Dask read them there).
+_installed = _runtime.INSTALLED_ALLOCATORS
 
 
 class PoolAllocator(_hp.Dispatch):
@@ -245,7 +245,21 @@ def _validate_options(cls: type, options: dict) -> None:
 
 def _replace(kind: str, alloc: PoolAllocator) -> None:
     with _lock:
-        _current[kind] = alloc
+        _installed[kind] = alloc
+
+
+def uninstall(kind: str, alloc: PoolAllocator) -> bool:
+    """Give CuPy its own allocator of ``kind`` ("device" or "pinned") back when ``alloc``
+    is the one installed; whether it was."""
+    with _lock:
+        if _installed.get(kind) is not alloc:
+            return False
+        if kind == "device":
+            cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
+        else:
+            cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
+        _installed[kind] = None
+        return True
 
 
 def get_pool(device: int | None = None) -> Pool:
@@ -271,7 +285,7 @@ def get_pool(device: int | None = None) -> Pool:
     >>> cupy_poolmem.set_allocator()  # doctest: +SKIP
     >>> cupy_poolmem.get_pool().stats()  # doctest: +SKIP
     """
-    alloc = _current["device"]
+    alloc = _installed["device"]
     if alloc is None:
         raise PoolClosedError("no pool: call cupy_poolmem.set_allocator() first")
     return alloc.pool(device)
@@ -302,7 +316,7 @@ def get_pinned_pool(device: int | None = None) -> Pool:
     >>> cupy_poolmem.get_pinned_pool().stats().kind  # doctest: +SKIP
     'pinned'
     """
-    alloc = _current["pinned"]
+    alloc = _installed["pinned"]
     if alloc is None:
         raise PoolClosedError("no pinned pool: call cupy_poolmem.set_pinned_memory_allocator()")
     return alloc.pool(device)
@@ -336,7 +350,7 @@ def using(pool: Pool | Callable[[int], Any]) -> Iterator[Any]:
         if pool.closed:
             pool._raise_closed()
         # CuPy has no getter for the pinned allocator: restore ours, or CuPy's default.
-        prev = _current["pinned"] or cupy.get_default_pinned_memory_pool().malloc
+        prev = _installed["pinned"] or cupy.get_default_pinned_memory_pool().malloc
         cupy.cuda.set_pinned_memory_allocator(pool.malloc)
         try:
             yield pool

@@ -425,17 +425,11 @@ class PoolmemPlugin(WorkerPlugin):
         self._device_alloc = self._pinned_alloc = None
         if dev_alloc is None and pin_alloc is None:
             return
-        import cupy
-
         if dev_alloc is not None:
-            if _allocator._current.get("device") is dev_alloc:
-                cupy.cuda.set_allocator(cupy.get_default_memory_pool().malloc)
-                _allocator._current["device"] = None
+            _allocator.uninstall("device", dev_alloc)
             dev_alloc.close()
         if pin_alloc is not None:
-            if _allocator._current.get("pinned") is pin_alloc:
-                cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
-                _allocator._current["pinned"] = None
+            _allocator.uninstall("pinned", pin_alloc)
             pin_alloc.close()
 
     def __getstate__(self) -> dict:

@@ -46,9 +46,9 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
     ) from _exc
 
 import cupy
-from cuda.bindings import driver as _drv
 
 from ._device import ensure_access, local_device, require_access, require_gpu
+from ._driver import get as drv
 from ._errors import (
     HandleStateError,
     SharingError,
@@ -150,7 +150,7 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         dev = self._device_id()
         ctx = weakref.proxy(self.context)
         if size == 0:
-            return MemoryPointer(ctx, _drv.CUdeviceptr(0), 0)
+            return MemoryPointer(ctx, drv().CUdeviceptr(0), 0)
         pool = device_pool(dev)
         mem = pool.malloc(size)  # raises OutOfPoolMemoryError when full
         ptr = int(mem.ptr)
@@ -159,7 +159,7 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         gen = guard.generation(ptr) if guard is not None else 0
         return MemoryPointer(
             ctx,
-            _drv.CUdeviceptr(ptr),
+            drv().CUdeviceptr(ptr),
             size,
             finalizer=forget(self.allocations, ptr, held, guard, gen),
         )
@@ -268,7 +268,7 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
                 "cupy_poolmem does not own (only cupy_poolmem pools and cudaMalloc memory "
                 "can be shared from Numba)"
             )
-        check_driver(_drv.cuCtxSynchronize(), "cuCtxSynchronize")
+        check_driver(drv().cuCtxSynchronize(), "cuCtxSynchronize")
         source_info = self.context.device.get_device_identity()
         return PoolIpcHandle._export(
             pool, memory, base, alloc_size, int(memory.handle) - base, source_info, pool_handle
@@ -280,7 +280,8 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         ptr = getattr(owner, "device_pointer_value", None)
         if owner is not None and ptr is not None and int(ptr) in self.allocations:
             return int(ptr), int(owner.size)
-        err, base, size = _drv.cuMemGetAddressRange(_drv.CUdeviceptr(int(memory.handle)))
+        d = drv()
+        err, base, size = d.cuMemGetAddressRange(d.CUdeviceptr(int(memory.handle)))
         check_driver((err,), "cuMemGetAddressRange")
         return int(base), int(size)
 
@@ -310,8 +311,9 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
 
 def _pointer_pool(ptr: int) -> int:
     """The ``CUmemoryPool`` of a device pointer as an int, ``0`` when not from a pool."""
-    err, pool = _drv.cuPointerGetAttribute(
-        _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, _drv.CUdeviceptr(ptr)
+    d = drv()
+    err, pool = d.cuPointerGetAttribute(
+        d.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, d.CUdeviceptr(ptr)
     )
     if int(err) != 0:
         return 0
@@ -489,8 +491,9 @@ class PoolIpcHandle(IpcHandle):
             raise SharingError(
                 f"{pool!r}: could not get the pool's shareable handle: {exc}"
             ) from exc
+        d = drv()
         data = check_driver(
-            _drv.cuMemPoolExportPointer(_drv.CUdeviceptr(base_ptr)), "cuMemPoolExportPointer"
+            d.cuMemPoolExportPointer(d.CUdeviceptr(base_ptr)), "cuMemPoolExportPointer"
         )
         return cls(
             base,
@@ -598,7 +601,9 @@ class PoolIpcHandle(IpcHandle):
                 self._release_fd()
                 self._local = True
                 return MemoryPointer(
-                    weakref.proxy(context), _drv.CUdeviceptr(self.base_ptr + self.offset), self.size
+                    weakref.proxy(context),
+                    drv().CUdeviceptr(self.base_ptr + self.offset),
+                    self.size,
                 )
         dev = local_device(self.device_uuid)
         try:
@@ -620,7 +625,7 @@ class PoolIpcHandle(IpcHandle):
         if ctx_dev != dev:  # an imported pool is mapped on its own GPU only
             ensure_access(rec.pool.handle, ctx_dev, dev)
         mp = MemoryPointer(
-            weakref.proxy(context), _drv.CUdeviceptr(rec.ptr + self.offset), self.size
+            weakref.proxy(context), drv().CUdeviceptr(rec.ptr + self.offset), self.size
         )
         mp._cupy_poolmem_import = rec  # type: ignore[attr-defined]  # informative; the import ends at close()
         return mp

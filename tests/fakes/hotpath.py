@@ -26,7 +26,8 @@ from cupy_poolmem import _hotpath_py as twin
 
 
 def twin_pools() -> Any:
-    """The ``cupy_poolmem._pools`` package executed again, bound to the pure-Python hot path."""
+    """The ``cupy_poolmem._pools`` package executed again, bound to the pure-Python hot path
+    (why not classes over shared bodies: CONTRIBUTING.md, "Layout")."""
     import sys
 
     old = os.environ.get("CUPY_POOLMEM_PURE_PYTHON")

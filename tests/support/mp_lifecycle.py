@@ -47,9 +47,9 @@ def square_late(arr):
     """Pool task: the result is written after a long kernel, then returned at once."""
 
     import cupy_poolmem
-    from cupy_poolmem import _allocator
+    from cupy_poolmem import _runtime
 
-    if _allocator._current["device"] is None:
+    if _runtime.installed_allocator("device") is None:
         cupy_poolmem.set_allocator()
     spin(100)
     return float(arr.sum()), arr * arr, os.environ.get("CUPY_CUDA_PER_THREAD_DEFAULT_STREAM", "")

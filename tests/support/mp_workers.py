@@ -68,9 +68,9 @@ def pipe_worker(conn):
 def pool_square(arr):
     """Pool.map target: return (sum, arr*arr) — the result travels back zero-copy."""
     import cupy_poolmem
-    from cupy_poolmem import _allocator
+    from cupy_poolmem import _runtime
 
-    if _allocator._current["device"] is None:
+    if _runtime.installed_allocator("device") is None:
         cupy_poolmem.set_allocator()
     return float(arr.sum()), arr * arr
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import cupy
 
-from .. import _allocator
+from .. import _runtime
 from .._allocator import get_pool
 from .._device import device_count, device_uuid
 from .._errors import SharingError
@@ -71,7 +71,7 @@ class GpuSteps:
     def allocator_replaced(self) -> str | None:
         """A description of CuPy's current allocator when it is no longer the one
         cupy_poolmem installed (RMM's, set after the plugin ran...); else None."""
-        mine = _allocator._current.get("device")
+        mine = _runtime.installed_allocator("device")
         cur = cupy.cuda.get_allocator()
         if mine is None or cur is mine:
             return None

@@ -24,10 +24,10 @@ from typing import Any
 
 import cupy
 import numpy as np
-from cuda.bindings import driver as _drv
 
 from .. import _streams
 from .._device import on_device
+from .._driver import get as drv
 from .._errors import UnsupportedError, check_driver
 
 __all__ = ["DeviceOps"]
@@ -112,7 +112,7 @@ class DeviceOps:
                     opts = ProgramOptions(arch=f"sm_{cc[0]}{cc[1]}")
                     code = Program(_SOURCE, code_type="c++", options=opts).compile("cubin")
                     kobj = code.get_kernel(_NAME)
-                    k = _drv.CUkernel(int(kobj.handle))
+                    k = drv().CUkernel(int(kobj.handle))
                     res.keep.append((code, kobj))  # the library stays loaded for the process
             except Exception as exc:
                 raise UnsupportedError(
@@ -130,7 +130,7 @@ class DeviceOps:
             if free:
                 return free.pop()
         with on_device(self.device):
-            return int(check_driver(_drv.cuMemAlloc(16), "cuMemAlloc"))
+            return int(check_driver(drv().cuMemAlloc(16), "cuMemAlloc"))
 
     def _give(self, buf: int) -> None:
         res = self.resources
@@ -142,7 +142,7 @@ class DeviceOps:
             return
         with on_device(self.device):
             check_driver(
-                _drv.cuMemsetD8Async(int(ptr), int(byte), int(n), _sptr(stream)),
+                drv().cuMemsetD8Async(int(ptr), int(byte), int(n), _sptr(stream)),
                 "cuMemsetD8Async",
             )
 
@@ -153,25 +153,26 @@ class DeviceOps:
         buf = self._take()
         res = np.empty(2, dtype=np.uint64)
         try:
+            d = drv()
             with on_device(self.device):
                 sptr = _sptr(stream)
                 # out[0] = UINT64_MAX (no difference yet), out[1] = 0 (count).
-                check_driver(_drv.cuMemsetD8Async(buf, 0xFF, 8, sptr), "cuMemsetD8Async")
-                check_driver(_drv.cuMemsetD8Async(buf + 8, 0, 8, sptr), "cuMemsetD8Async")
+                check_driver(d.cuMemsetD8Async(buf, 0xFF, 8, sptr), "cuMemsetD8Async")
+                check_driver(d.cuMemsetD8Async(buf + 8, 0, 8, sptr), "cuMemsetD8Async")
                 blocks = max(1, min(_MAX_BLOCKS, (n + _THREADS - 1) // _THREADS))
-                fn = check_driver(_drv.cuKernelGetFunction(kernel), "cuKernelGetFunction")
+                fn = check_driver(d.cuKernelGetFunction(kernel), "cuKernelGetFunction")
                 args = (
                     (int(ptr), int(n), int(byte), int(buf)),
                     (ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_uint, ctypes.c_void_p),
                 )
                 check_driver(
-                    _drv.cuLaunchKernel(fn, blocks, 1, 1, _THREADS, 1, 1, 0, sptr, args, 0),
+                    d.cuLaunchKernel(fn, blocks, 1, 1, _THREADS, 1, 1, 0, sptr, args, 0),
                     "cuLaunchKernel",
                 )
                 check_driver(
-                    _drv.cuMemcpyDtoHAsync(res.ctypes.data, buf, 16, sptr), "cuMemcpyDtoHAsync"
+                    d.cuMemcpyDtoHAsync(res.ctypes.data, buf, 16, sptr), "cuMemcpyDtoHAsync"
                 )
-                check_driver(_drv.cuStreamSynchronize(sptr), "cuStreamSynchronize")
+                check_driver(d.cuStreamSynchronize(sptr), "cuStreamSynchronize")
         finally:
             self._give(buf)
         first, count = res[0], int(res[1])
@@ -183,7 +184,7 @@ class DeviceOps:
     def non_blocking(self, stream_ptr: int) -> bool:
         if stream_ptr <= 2:
             return False
-        err, flags = _drv.cuStreamGetFlags(stream_ptr)
+        err, flags = drv().cuStreamGetFlags(stream_ptr)
         if int(err):
             return True  # unknown (another device's stream?): assume no implicit ordering
         return bool(int(flags) & _CU_STREAM_NON_BLOCKING)

@@ -700,8 +700,8 @@ def attach(pool: Any, options: GuardOptions, ops: Any = None) -> Guard:
     tests).  The pool's reuse cache is turned off: freed blocks go to the quarantine.
     """
     if ops is None:
-        # Late: device_ops imports cupy and cuda.bindings, which CPU tests and the
-        # base install (GuardOptions, resolve) do without.
+        # Late: device_ops imports cupy, which CPU tests and the base install
+        # (GuardOptions, resolve) do without.
         from .device_ops import DeviceOps
 
         ops = DeviceOps(int(pool.device_id))

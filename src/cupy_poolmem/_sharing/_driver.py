@@ -1,8 +1,9 @@
 """The driver operations the sharing protocol uses, behind one small object.
 
 The exporter and importer never call ``cuda.bindings`` themselves: they call a
-:class:`Driver`.  The CPU test suite passes a fake with the same methods (see
-``tests/_sharing_fakes.py``), so every protocol path runs without a GPU; the GPU suite
+:class:`Driver`, which asks the package's provider (``cupy_poolmem._driver``) for it at
+each call.  The CPU test suite passes a fake with the same methods (see
+``tests/fakes/sharing.py``), so every protocol path runs without a GPU; the GPU suite
 runs the same code against this class.
 
 Handles are plain Python values: pointers and streams are ints, export records and
@@ -15,6 +16,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from .. import _driver as provider
 from .._device import (
     device_count,
     device_uuid,
@@ -41,19 +43,25 @@ class Driver:
     """
 
     def __init__(self) -> None:
-        from cuda.bindings import driver
-
-        self._d = driver
         self._lock = threading.Lock()
-        self._ipc_flags = (
-            driver.CUevent_flags.CU_EVENT_INTERPROCESS
-            | driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        )
-        self._plain_flags = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
         # (device, stream) -> (CUevent, handle bytes): re-recorded for each message, so a
         # receiver that waits after a later re-record waits for more work, never less.
         self._ipc_events: dict[tuple[int, int], tuple[Any, bytes]] = {}
         self._get_stream: Any = None  # cupy.cuda.get_current_stream, once imported
+
+    @property
+    def _d(self) -> Any:
+        """The package's driver (``cuda.bindings.driver`` unless a test handed in another)."""
+        return provider.get()
+
+    @property
+    def _ipc_flags(self) -> Any:
+        flags = self._d.CUevent_flags
+        return flags.CU_EVENT_INTERPROCESS | flags.CU_EVENT_DISABLE_TIMING
+
+    @property
+    def _plain_flags(self) -> Any:
+        return self._d.CUevent_flags.CU_EVENT_DISABLE_TIMING
 
     # -- devices ------------------------------------------------------------------------
     def on_device(self, dev: int) -> on_device:

@@ -54,6 +54,12 @@ class Exporter(Server):
     steps
         The :class:`~cupy_poolmem._sharing._steps.StepExports` of mapped and
         expandable blocks (which receivers map which steps), or None.
+
+    Attributes
+    ----------
+    claim_hook
+        None, or ``cid -> None`` run in the server thread before each claim of the
+        receiver connection ``cid`` is answered (tests delay or count claims with it).
     """
 
     def __init__(
@@ -87,6 +93,7 @@ class Exporter(Server):
         self.claimed_max = claimed_max
         self._close_later: list[Any] = []  # events _reap closes once those are done
         self.ignored_hits = 0  # Hits of a dead ticket or another life (acknowledge nothing)
+        self.claim_hook: Callable[[int], None] | None = None
         self._janitor: threading.Thread | None = None
         self._wake = threading.Event()
         self.closed = False

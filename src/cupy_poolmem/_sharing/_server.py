@@ -36,6 +36,7 @@ class Server:
     stranded: int
     ignored_hits: int
     steps: Any  # StepExports (mapped and expandable blocks' steps), or None
+    claim_hook: Callable[[int], None] | None
     _cids: int
     _syncing: int
     _close_later: list[Any]
@@ -133,6 +134,9 @@ class Server:
     def _handle(self, peer: Peer, f: Any) -> None:
         cid = peer.cid
         if isinstance(f, _wire.Claim):
+            hook = self.claim_hook
+            if hook is not None:
+                hook(cid)
             self._on_claim(peer, f)
             return
         if isinstance(f, _wire.Mapped):
