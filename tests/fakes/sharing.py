@@ -188,6 +188,7 @@ class FakeGPU:
         # Work some host waited for is complete, for every process: what happens after
         # in real time (a message passed on, say) is ordered after it.
         self.done: Clock = {}
+        self.vmm: Any = None  # the VMM fake of step-backed pools (tests/fakes/step_sharing.py)
 
     # -- bookkeeping ------------------------------------------------------------------
     def proc(self, name: str) -> _Proc:
@@ -465,6 +466,15 @@ class FakeDriver:
         if s is None:
             s = self._tls.stream = FakeStream(0, self._current_device())
         return s
+
+    # -- steps of mapped and expandable pools (the VMM fake a test put on the GPU) --------
+    def vmm(self) -> Any:
+        if self._gpu.vmm is None:
+            raise AssertionError("this test's FakeGPU has no VMM fake (gpu.vmm)")
+        return self._gpu.vmm
+
+    def step_peers(self, dev: int) -> tuple[int, ...]:
+        return tuple(i for i in range(len(self._visible)) if i != dev)
 
     # -- allocations ----------------------------------------------------------------------
     def export_pointer(self, ptr: int) -> bytes:

@@ -27,6 +27,7 @@ class StepVmm(Driver):
         self.exportable: dict[int, bool] = {}
         self.freed: set[int] = set()  # physical allocations given back to the device
         self.fd_phys: dict[int, int] = {}  # exported descriptor -> physical allocation
+        self.ino_phys: dict[int, int] = {}  # its file's inode -> physical allocation
         self.bytes: dict[tuple[int, int], int] = {}  # (physical, offset) -> value
         self.exports = 0
         self.phys_size: dict[int, int] = {}
@@ -84,15 +85,16 @@ class StepVmm(Driver):
         phys = self.phys_of[h]
         if kind != FD or not self.exportable[phys]:
             return INVALID_VALUE, 0  # memory not created with that handle type
-        fd = os.open(os.devnull, os.O_RDONLY)
-        self.fd_phys[fd] = phys
+        fd = os.memfd_create("step", os.MFD_CLOEXEC)  # a file of its own: its inode
+        self.fd_phys[fd] = phys  # names it wherever the descriptor travels
+        self.ino_phys[os.fstat(fd).st_ino] = phys
         self.exports += 1
         self.log.append(("export", phys, fd))
         return 0, fd
 
     def cuMemImportFromShareableHandle(self, fd, kind):  # noqa: N802
-        os.fstat(fd)  # a closed descriptor raises here, as a bad one fails the driver
-        phys = self.fd_phys.get(fd)
+        st = os.fstat(fd)  # a closed descriptor raises here, as a bad one fails the driver
+        phys = self.ino_phys.get(st.st_ino)
         if kind != FD or phys is None or phys in self.freed:
             return INVALID_VALUE, None
         self.log.append(("import", phys))

@@ -40,8 +40,10 @@ class Client:
 
     def request(
         self, make: Callable[[int], Any], timeout: float, give_back: tuple[Any, ...] = ()
-    ) -> tuple[_wire.Reply, int | None]:
-        """Send a frame that expects a reply (``make(seq)``); wait for the reply.
+    ) -> tuple[Any, Any]:
+        """Send a frame that expects a reply (``make(seq)``); wait for the reply:
+        ``(reply, fd)``, ``fd`` the descriptor that came with it (a :class:`~._wire.Reply`)
+        or the list of them (a :class:`~._wire.StepReply`), or None.
 
         ``give_back``: the frames that undo what an OK reply grants, sent if that reply
         arrives after this call gave up waiting (a lease nobody maps is returned).
@@ -99,19 +101,23 @@ class Client:
         try:
             while True:
                 for f in _wire.decode(self.conn.recv()):
-                    if isinstance(f, _wire.Reply):
-                        fd, lost = None, None
-                        if f.has_fd:
-                            try:
+                    if isinstance(f, (_wire.Reply, _wire.StepReply)):
+                        fd: Any = None
+                        lost = None
+                        try:
+                            if isinstance(f, _wire.StepReply):  # each step's, in order
+                                fd = self.conn.recv_fds(sum(1 for s in f.steps if s[3]))
+                            elif f.has_fd:
                                 fd = self.conn.recv_fd()
-                            except RuntimeError as exc:  # lost (EMFILE): the exporter lives
-                                lost = exc
+                        except RuntimeError as exc:  # lost (EMFILE): the exporter lives
+                            lost = exc
                         with self._lock:
                             slot = self._waiters.pop(f.seq, None)
                             late = self._late.pop(f.seq, ()) if slot is None else ()
                         if slot is None:  # the asker timed out: undo what was granted
-                            if fd is not None:
-                                os.close(fd)
+                            for one in fd if isinstance(fd, list) else [fd]:
+                                if one is not None:
+                                    os.close(one)
                             if f.status == _wire.OK:
                                 for frame in late:
                                     self.sender.post(frame)

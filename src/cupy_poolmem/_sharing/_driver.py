@@ -18,6 +18,7 @@ from typing import Any
 
 from .. import _driver as provider
 from .._device import (
+    can_access_peer,
     device_count,
     device_uuid,
     ensure_peer_access,
@@ -136,6 +137,17 @@ class Driver:
             "cuMemPoolImportPointer",
         )
         return int(ptr)
+
+    # -- steps of mapped and expandable pools ---------------------------------------------
+    def vmm(self) -> Any:
+        """The driver module the steps' export, import and mapping use (``cuda.bindings``'
+        unless a test handed in another): :mod:`~cupy_poolmem._sharing._steps` calls it."""
+        return self._d
+
+    def step_peers(self, dev: int) -> tuple[int, ...]:
+        """The GPUs given access to another process's steps mapped here on ``dev``: every
+        visible GPU that can access ``dev``'s memory, as an imported pool grants."""
+        return tuple(p for p in range(device_count()) if p != dev and can_access_peer(p, dev))
 
     def free_async(self, ptr: int, stream: int) -> None:
         check_driver(self._d.cuMemFreeAsync(ptr, stream), "cuMemFreeAsync")

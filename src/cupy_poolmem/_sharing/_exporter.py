@@ -24,6 +24,7 @@ from . import _wire
 from ._records import LocalHold, Peer, Record
 from ._server import Server
 from ._settings import SharingSettings
+from ._steps import StepExports
 from ._transport import Listener
 from ._warn import warn_kept
 
@@ -130,17 +131,20 @@ class Exporter(Server):
             rec = block.share
             if rec is None:
                 dev = block.core.device_id
-                pool = block.core._ipc_pool_of(block.ptr)
+                placement = self._placement_of(block)
                 self._ids += 1
-                rec = Record(
-                    self,
-                    self._ids,
-                    block,
-                    self.driver.export_pointer(block.ptr),
-                    dev,
-                    self.driver.device_uuid(dev) if dev >= 0 else "",
-                    pool,
-                )
+                if placement is None:
+                    rec = Record(
+                        self,
+                        self._ids,
+                        block,
+                        self.driver.export_pointer(block.ptr),
+                        dev,
+                        self.driver.device_uuid(dev) if dev >= 0 else "",
+                        block.core._ipc_pool_of(block.ptr),
+                    )
+                else:
+                    rec = self._step_record(block, placement, dev)
                 self.records[rec.export_id] = rec
                 block.share = rec
             elif rec.core is None:
@@ -160,6 +164,39 @@ class Exporter(Server):
             self.drop_ticket(rec, ticket)
             raise
         return rec, ticket, event
+
+    def _placement_of(self, block: Any) -> Any:
+        """The mapped or expandable placement holding ``block`` (its memory travels as
+        steps), or None for a CUDA pool's block."""
+        of = getattr(block.core, "_steps_of", None)
+        return of(block.ptr) if of is not None else None
+
+    def _step_record(self, block: Any, placement: Any, dev: int) -> Record:
+        """The record of a block of ``placement`` (lock held): its steps now, the
+        placement asking the book before it unmaps one of them."""
+        book = self.steps
+        if book is None:
+            book = self.steps = StepExports(self.driver.vmm())
+        steps = tuple(tuple(s) for s in placement.steps_under(block.ptr, block.size))
+        if not steps:
+            raise SharingError(
+                f"the block at {block.ptr:#x} ({block.size} bytes) lies on no mapped step "
+                "of its pool; it cannot be sent"
+            )
+        book.watch(placement)
+        data = _wire.step_export_data(block.ptr, block.size, steps)
+        uuid = book.uuid_of(placement)
+        return Record(
+            self,
+            self._ids,
+            block,
+            data,
+            dev,
+            self.driver.device_uuid(dev) if dev >= 0 else "",
+            (uuid, None),
+            placement,
+            steps,  # type: ignore[arg-type]
+        )
 
     def export_record(self, rec: Record) -> tuple[bytes, bytes]:
         """A new message for a block known only by its record (a round-tripped array)."""

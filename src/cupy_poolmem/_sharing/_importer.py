@@ -23,6 +23,7 @@ from . import _wire
 from ._client import Client
 from ._mapping import GONE, LEGACY_STREAM, Imported, ImportedPool, Mapping
 from ._settings import SharingSettings
+from ._steps import StaleStepsError, Step, StepGrant, StepMappings
 from ._transport import connect
 from ._unmapping import Unmapping
 
@@ -119,6 +120,9 @@ class Importer(Unmapping):
         self._pending: dict[tuple[str, bytes], threading.Event] = {}
         self._deferred: list[tuple[Mapping, Any]] = []
         self._deferred_thread: threading.Thread | None = None
+        self._step_maps: dict[int, StepMappings] = {}  # GPU -> mappings of others' steps
+        self._step_pools: dict[tuple[str, int], ImportedPool] = {}  # their placements
+        self._step_unmaps: list[tuple[Mapping, Any]] = []  # unmaps waiting for last uses
         self._closing_pools: list[ImportedPool] = []  # gone exporters' pools, frees pending
         self._kept_pools: list[ImportedPool] = []  # their close failed: never destroyed
         self._connecting: set[str] = set()  # addresses a thread is connecting to
@@ -298,7 +302,11 @@ class Importer(Unmapping):
                 return self._claim_held(c, d, taken, stream)
             try:
                 told = True
-                m = self._claim_and_map(c, d, dev, key, m, closing)
+                blk = _wire.step_block(d.export_data)
+                if blk is not None:
+                    m = self._claim_and_map_steps(c, d, dev, key, blk)
+                else:
+                    m = self._claim_and_map(c, d, dev, key, m, closing)
             finally:
                 self._mapping_turn_done(key)
             return Imported(self, m, stream)
@@ -411,6 +419,106 @@ class Importer(Unmapping):
             return self._map_granted(c, d, dev, key, raw, fd, keep)
         finally:  # mapped, or the lease given back: the exporter may exit now
             c.send_now(_wire.Mapped(d.export_id))
+
+    # -- blocks of mapped and expandable pools ------------------------------------------------
+    def step_maps(self, dev: int) -> StepMappings:
+        """This process's mappings of other processes' steps on GPU ``dev``."""
+        with self.lock:
+            maps = self._step_maps.get(dev)
+            if maps is None:
+                maps = self._step_maps[dev] = StepMappings(
+                    self.driver.vmm(), dev, self.driver.step_peers(dev)
+                )
+            return maps
+
+    def _claim_and_map_steps(
+        self,
+        c: Client,
+        d: _wire.Descriptor,
+        dev: int,
+        key: tuple[str, bytes],
+        blk: tuple[int, int, int, bytes],
+    ) -> Mapping:
+        """Claim a block of a mapped or expandable pool naming the steps held here, then
+        map its steps from the descriptors the reply carries."""
+        maps = self.step_maps(dev)
+        owner = d.pool_uuid
+        keep = d.life > 0 or (d.address, d.export_id) in self.seen
+        end = _span_end(d, None)
+        have = maps.hold(owner)  # kept imported until the reply is handled
+        try:
+            reply, fds = c.request(
+                lambda seq: _wire.StepClaim(_wire.claim_for(d, seq, False, keep, False, end), have),
+                self.settings.claim_timeout,
+                give_back=(_wire.Mapped(d.export_id), _wire.Unmap(d.export_id, None)),
+            )
+            fds = list(fds or [])
+            if reply.status != _wire.OK:
+                for fd in fds:
+                    os.close(fd)
+                if reply.status == _wire.STALE_STEPS:
+                    raise StaleStepsError(
+                        f"the steps under block {blk[0]:#x} ({blk[1]} bytes) are not those "
+                        "the message names any more (its exporter's range shrank, or the "
+                        "memory was mapped again since it was sent); nothing was mapped"
+                    )
+                _refused(reply, d)
+            try:
+                return self._map_steps(c, d, dev, key, maps, blk, reply.steps, fds, keep)
+            finally:  # mapped, or the lease given back: the exporter may exit now
+                c.send_now(_wire.Mapped(d.export_id))
+        finally:
+            maps.let_go(owner, have)
+
+    def _map_steps(
+        self,
+        c: Client,
+        d: _wire.Descriptor,
+        dev: int,
+        key: tuple[str, bytes],
+        maps: StepMappings,
+        blk: tuple[int, int, int, bytes],
+        steps: tuple[tuple[int, int, int, bool], ...],
+        fds: list[int],
+        keep: bool,
+    ) -> Mapping:
+        """Map the steps of a granted step claim (its lease given back if that fails)."""
+        ptr, size = blk[0], blk[1]
+        try:
+            it = iter(fds)
+            grants = [
+                StepGrant(Step(i, va, n), next(it) if has else None) for i, va, n, has in steps
+            ]
+            if _wire.step_export_data(ptr, size, [g.step for g in grants]) != d.export_data:
+                for g in grants:
+                    if g.fd is not None:
+                        os.close(g.fd)
+                raise StaleStepsError(
+                    f"the exporter granted steps {[s[0] for s in steps]} that are not the "
+                    f"ones the message names under block {ptr:#x}; nothing was mapped"
+                )
+            with self.driver.on_device(dev):
+                here, window = maps.map(d.pool_uuid, ptr, size, grants)
+        except BaseException:
+            c.sender.post(_wire.Unmap(d.export_id, None))  # give the lease back
+            raise
+        with self.lock:
+            pool = self._step_pools.get((d.pool_uuid, dev))
+            if pool is None:
+                pool = self._step_pools[(d.pool_uuid, dev)] = ImportedPool(
+                    d.pool_uuid, 0, None, dev, d.pool_kind
+                )
+                pool.client = c
+            m = self.maps[key] = Mapping(key, here, d.size, pool)
+            m.window = window
+            pool.users += 1
+            m.client, m.export_id, m.leased, m.keep = c, d.export_id, True, keep
+            m.life = d.life
+            m.fence = max(d.life - 1, 0)
+            m.told = m.ask = 0
+            c.keys.add(key)
+            c.by_export[d.export_id] = key
+        return m
 
     def _claim_held(self, c: Client, d: _wire.Descriptor, m: Mapping, stream: Any) -> Imported:
         """Claim a message for a mapping we hold (its user counted already): the exporter

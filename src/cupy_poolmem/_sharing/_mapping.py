@@ -75,6 +75,7 @@ class Mapping:
         "told",
         "ask",
         "eager",
+        "window",
     )
 
     def __init__(self, key: tuple[str, bytes], ptr: int, size: int, pool: ImportedPool) -> None:
@@ -99,6 +100,9 @@ class Mapping:
         self.told = 0
         self.ask = 0
         self.eager = False
+        # A block of a mapped or expandable pool: the key of its window of steps in the
+        # importer's StepMappings (None: a CUDA pool's allocation).
+        self.window: Any = None
 
 
 class Imported:

@@ -66,6 +66,8 @@ class Record:
         "released",
         "retiring",
         "orphan",
+        "placement",
+        "steps",
     )
 
     def __init__(
@@ -77,6 +79,8 @@ class Record:
         dev: int,
         dev_uuid: str,
         pool: tuple[str, Any],
+        placement: Any = None,
+        steps: tuple[tuple[int, int, int], ...] = (),
     ) -> None:
         self.exporter = exporter
         self.export_id = export_id
@@ -107,7 +111,11 @@ class Record:
             and getattr(core, "_cache_shared", None) is not None
             and 0 < self.size <= getattr(core, "cache_limit", 0)
         )
-        self.life = 1 if recycle else 0
+        # A block of a mapped or expandable pool: its placement and the steps under it
+        # ``(id, address, bytes)`` when it was exported (fixed while the block lives).
+        # It is never recycled: its final free follows its receivers' unmaps.
+        self.placement, self.steps = placement, steps
+        self.life = 1 if recycle and placement is None else 0
         self.idle: dict[int, int] = {}
         self.released: dict[int, int] = {}
         self.retiring = False

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import warnings
@@ -133,11 +134,14 @@ class Server:
 
     def _handle(self, peer: Peer, f: Any) -> None:
         cid = peer.cid
-        if isinstance(f, _wire.Claim):
+        if isinstance(f, (_wire.Claim, _wire.StepClaim)):
             hook = self.claim_hook
             if hook is not None:
                 hook(cid)
-            self._on_claim(peer, f)
+            if isinstance(f, _wire.StepClaim):
+                self._on_step_claim(peer, f)
+            else:
+                self._on_claim(peer, f)
             return
         if isinstance(f, _wire.Mapped):
             with self.lock:
@@ -191,6 +195,8 @@ class Server:
                             ev = peer.events[f.event] = self.driver.open_event(f.event)
                         self._retire_events(peer)
                     rec.events[(cid, f.event)] = ev
+                if rec.placement is not None and self.steps is not None:
+                    self.steps.unmapped(cid, rec.placement, [st[0] for st in rec.steps])
                 if n > 0:
                     rec.leases[cid] = n
                 else:
@@ -218,6 +224,8 @@ class Server:
         fd = None
         with self.lock:
             rec = self.records.get(f.export_id)
+            if rec is not None and rec.placement is not None and not f.held:
+                rec = None  # a step block is mapped through a StepClaim only: refused
             # The message's life and span are the block's (checked before its ticket is
             # spent): nothing outside the block, nor another life of it, is granted.
             # The allocation the receiver will map is this block's (its pool and export
@@ -236,6 +244,8 @@ class Server:
                 assert rec is not None
                 if not f.held or rec.leases.get(peer.cid, 0) <= 0:
                     rec.leases[peer.cid] = rec.leases.get(peer.cid, 0) + 1
+                    if rec.placement is not None and self.steps is not None:  # (held)
+                        self.steps.mapped(peer.cid, rec.placement, [s[0] for s in rec.steps])
                 # The receiver will use the block: busy until its next Idle.
                 rec.idle.pop(peer.cid, None)
                 rec.released.pop(peer.cid, None)
@@ -254,9 +264,75 @@ class Server:
         reply = _wire.Reply(f.seq, status, fd is not None)
         peer.conn.send(_wire.encode(reply), fd)
 
+    def _on_step_claim(self, peer: Peer, f: _wire.StepClaim) -> None:
+        """A receiver wants to map a block of a mapped or expandable pool: as
+        :meth:`_on_claim`, and the grant names the block's steps, checked against the
+        steps mapped now, with a descriptor for each the receiver does not hold."""
+        c = f.claim
+        steps: tuple = ()
+        fds: list[int] = []
+        stale = False
+        with self.lock:
+            rec = self.records.get(c.export_id)
+            if rec is not None and rec.placement is None:
+                rec = None  # a CUDA pool's block: claimed with a Claim only
+            other = rec is not None and c.block != rec.ident
+            outside = rec is not None and (c.size != rec.size or c.end > rec.size)
+            if rec is not None and not other and not outside and rec.core is not None:
+                now = tuple(tuple(s) for s in rec.placement.steps_under(rec.ptr, rec.size))
+                stale = now != rec.steps  # (before the ticket is spent)
+            ok = (
+                rec is not None
+                and not other
+                and not outside
+                and not stale
+                and rec.core is not None
+                and c.life == rec.life
+                and self._claim_ticket(rec, c.ticket)
+            )
+            if ok:
+                assert rec is not None
+                try:
+                    grants = self.steps.grant(
+                        peer.cid, rec.placement, rec.ptr, rec.size, rec.steps, f.have
+                    )
+                except Exception as exc:  # the driver's export failed: nothing granted
+                    warn_kept("exporting the steps of a shared block", exc)
+                    ok = False
+                    grants = []
+                    # the ticket was spent: the block is settled below, like a Drop
+                if ok:
+                    rec.leases[peer.cid] = rec.leases.get(peer.cid, 0) + 1
+                    rec.idle.pop(peer.cid, None)
+                    rec.released.pop(peer.cid, None)
+                    peer.mapping += 1  # the exit waits until the receiver has mapped it
+                    steps = tuple(
+                        (g.step.id, g.step.va, g.step.size, g.fd is not None) for g in grants
+                    )
+                    fds = [g.fd for g in grants if g.fd is not None]
+        status = (
+            _wire.OK
+            if ok
+            else _wire.OTHER_BLOCK
+            if other
+            else _wire.OUT_OF_SPAN
+            if outside
+            else _wire.STALE_STEPS
+            if stale
+            else _wire.REFUSED
+        )
+        try:
+            peer.conn.send(_wire.encode(_wire.StepReply(c.seq, status, steps)), fds=fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if rec is not None and not ok and not stale and not other and not outside:
+            self._settle(rec)
+
 
 _FROM_RECEIVERS = (
     _wire.Claim,
+    _wire.StepClaim,
     _wire.Hit,
     _wire.Drop,
     _wire.Unmap,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 import weakref
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
@@ -117,6 +118,22 @@ class StepExports:
             weakref.WeakKeyDictionary()
         )
         self.exported = 0  # file descriptors made
+        #: placement -> the uuid its blocks' messages name (the receivers' owner key)
+        self._uuids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+    def watch(self, placement: Any) -> None:
+        """From now on ``placement`` asks this book before it unmaps a step (its
+        ``set_pins``); once per placement."""
+        with self._lock:
+            if placement in self._uuids:
+                return
+            self._uuids[placement] = str(uuid.uuid4())
+        placement.set_pins(self.pins_for(placement))
+
+    def uuid_of(self, placement: Any) -> str:
+        """The uuid the messages of ``placement``'s blocks name (see :meth:`watch`)."""
+        self.watch(placement)
+        return self._uuids[placement]
 
     def grant(
         self,
@@ -265,12 +282,37 @@ class StepMappings:
         self._handles: dict[tuple[Hashable, int], Any] = {}  # (owner, step id) -> handle
         self._windows: dict[tuple[Hashable, tuple[int, ...]], _Window] = {}
         self._users: Counter[tuple[Hashable, tuple[int, ...]]] = Counter()
+        self._holds: Counter[tuple[Hashable, int]] = Counter()  # handles a claim counts on
         self.reserved = 0  # bytes of address space reserved now
 
     def have(self, owner: Hashable) -> set[int]:
         """Ids of the steps of ``owner`` this process holds imported."""
         with self._lock:
             return {sid for (o, sid) in self._handles if o == owner}
+
+    def hold(self, owner: Hashable) -> tuple[int, ...]:
+        """:meth:`have`, each of those handles kept imported until :meth:`let_go` of the
+        same tuple (a claim naming them is under way: its reply sends no descriptor for
+        them)."""
+        with self._lock:
+            ids = tuple(sorted(sid for (o, sid) in self._handles if o == owner))
+            for sid in ids:
+                self._holds[(owner, sid)] += 1
+            return ids
+
+    def let_go(self, owner: Hashable, ids: Iterable[int]) -> None:
+        """The claim that :meth:`hold` ``ids`` is answered (and mapped, or not)."""
+        with self._lock:
+            for sid in ids:
+                hk = (owner, sid)
+                self._holds[hk] -= 1
+                if self._holds[hk] <= 0:
+                    del self._holds[hk]
+                    if hk in self._handles and not self._in_window(owner, sid):
+                        self._d.cuMemRelease(self._handles.pop(hk))
+
+    def _in_window(self, owner: Hashable, sid: int) -> bool:
+        return any(o == owner and sid in ids for (o, ids) in self._windows)
 
     def map(
         self, owner: Hashable, ptr: int, size: int, grants: Sequence[StepGrant]
@@ -367,7 +409,10 @@ class StepMappings:
             self.reserved -= win.size
             owner = key[0]
             still = {sid for (o, ids) in self._windows if o == owner for sid in ids}
-            gone = [s.id for s in win.steps if s.id not in still]
+            # (a step a claim under way counts on stays: released by let_go)
+            gone = [
+                s.id for s in win.steps if s.id not in still and self._holds[(owner, s.id)] <= 0
+            ]
             for sid in gone:
                 results.append((d.cuMemRelease(self._handles.pop((owner, sid))), "cuMemRelease"))
         for res, call in results:

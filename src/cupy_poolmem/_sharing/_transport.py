@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing import connection as _mpc
 from multiprocessing import util as _mp_util
 from typing import Any
@@ -126,23 +126,27 @@ class Conn:
         self._closing = threading.Lock()  # shutdown/close: one at a time
         self.closed = False
 
-    def send(self, data: bytes, fd: int | None = None) -> None:
-        """Send one message (and a file descriptor right after it) as one unit."""
+    def send(self, data: bytes, fd: int | None = None, fds: Sequence[int] = ()) -> None:
+        """Send one message (and a file descriptor, or ``fds``, right after it) as one
+        unit; ``fds`` go in messages of at most ``_wire.STEP_FD_MAX`` descriptors."""
         with self.lock:
             if self.closed:
                 raise OSError("sharing connection closed")
             self._c.send_bytes(data)
             if fd is not None:
-                self._send_fd(fd)
+                self._send_fd([fd])
+            for i in range(0, len(fds), _wire.STEP_FD_MAX):
+                self._send_fd(fds[i : i + _wire.STEP_FD_MAX])
 
-    def _send_fd(self, fd: int) -> None:
-        """The descriptor, through the connection's own socket (send lock held): with no
-        duplicate of the socket (multiprocessing's send_handle makes one), a process
-        out of descriptors could not, and the frame just sent said one follows."""
+    def _send_fd(self, fds: Sequence[int]) -> None:
+        """The descriptors, through the connection's own socket (send lock held): with
+        no duplicate of the socket (multiprocessing's send_handle makes one), a process
+        out of descriptors could not, and the frame just sent said they follow."""
         s = socket.socket(fileno=self._c.fileno())
         try:
             s.settimeout(None)  # blocking, as the connection is
-            s.sendmsg([b"\x01"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _FD.pack(fd))])
+            packed = array.array("i", fds).tobytes()
+            s.sendmsg([b"\x01"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, packed)])
         finally:
             s.detach()
 
@@ -172,10 +176,37 @@ class Conn:
         process out of descriptors could not make one, and its next read would then
         take the descriptor's byte for a message.
         """
+        return self._recv_fds(1)[0]
+
+    def recv_fds(self, n: int) -> list[int]:
+        """The ``n`` descriptors sent right after the last message (as :meth:`recv_fd`;
+        all of them are read, and on a loss those received are closed)."""
+        out: list[int] = []
+        lost: SharingError | None = None
+        for i in range(0, n, _wire.STEP_FD_MAX):
+            k = min(_wire.STEP_FD_MAX, n - i)
+            try:
+                got = self._recv_fds(k)
+            except SharingError as exc:
+                lost = lost or exc
+                continue
+            if len(got) != k:
+                for fd in got:
+                    os.close(fd)
+                lost = lost or SharingError(f"{k} file descriptors were sent, {len(got)} came")
+                continue
+            out.extend(got)
+        if lost is not None:
+            for fd in out:
+                os.close(fd)
+            raise lost
+        return out
+
+    def _recv_fds(self, n: int) -> list[int]:
         s = socket.socket(fileno=self._c.fileno())
         try:
             s.settimeout(None)  # blocking, as the connection is
-            msg, anc, flags, _ = s.recvmsg(1, socket.CMSG_SPACE(_FD.size), _CLOEXEC)
+            msg, anc, flags, _ = s.recvmsg(1, socket.CMSG_SPACE(n * _FD.size), _CLOEXEC)
         finally:
             s.detach()
         fds = [
@@ -194,9 +225,9 @@ class Conn:
                 f"{_fd_limit()}); raise the limit (ulimit -n, or resource.setrlimit("
                 "resource.RLIMIT_NOFILE, ...)) or keep fewer files open, then receive again"
             )
-        for fd in fds[1:]:
+        for fd in fds[n:]:
             os.close(fd)
-        return fds[0]
+        return fds[:n]
 
     def shutdown(self) -> None:
         """Shut the socket down: threads blocked on it wake (EOF, EPIPE), the peer

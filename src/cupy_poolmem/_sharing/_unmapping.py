@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _wire
 from ._mapping import ImportedPool, Mapping
@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 __all__ = ["Unmapping"]
 
 _KEEP = object()  # an unmap the driver refused: the lease stays (leaking is the safe side)
+
+
+class _StepUnmap(NamedTuple):
+    """A step mapping to unmap once ``event`` (its last use) is done."""
+
+    event: Any
 
 
 class Unmapping:
@@ -49,6 +55,9 @@ class Unmapping:
     _deferred_thread: threading.Thread | None
     _closing_pools: list[ImportedPool]
     _kept_pools: list[ImportedPool]
+    _step_maps: dict[int, Any]
+    _step_pools: dict[tuple[str, int], ImportedPool]
+    _step_unmaps: list[tuple[Mapping, Any]]
 
     # -- letting go ------------------------------------------------------------------------------
     def dropped(self, m: Mapping, stream: Any) -> None:
@@ -110,6 +119,9 @@ class Unmapping:
         if m.last_use is not None:
             self.driver.close_event(m.last_use)
             m.last_use = None
+        if m.window is not None:  # steps: unmapped once the last use is done (_tell)
+            m.pool.users -= 1
+            return _StepUnmap(self.driver.plain_event(sptr))
         try:  # importers free first (driver rule)
             self.driver.free_async(m.ptr, sptr)
         except Exception as exc:
@@ -158,6 +170,8 @@ class Unmapping:
             return
         gone = set()
         for m, handle in out:
+            if isinstance(handle, _StepUnmap):
+                handle = self._unmap_steps(m, handle)
             c = m.client
             if c is None or handle is _KEEP:
                 continue
@@ -167,6 +181,32 @@ class Unmapping:
                 gone.add(c)
         for c in gone:
             self._tidy(c)
+
+    def _unmap_steps(self, m: Mapping, u: _StepUnmap) -> Any:
+        """Unmap the steps of ``m`` (lock not held) once its last use is done: now when
+        it is (then None: the exporter waits for nothing), else ``_KEEP`` and later, by
+        the deferred thread (whose unmap then says so to the exporter).  ``cuMemUnmap``
+        is not stream-ordered: it must not run under work still queued on the mapping."""
+        with self.driver.on_device(m.dev):
+            if not self.driver.event_done(u.event):
+                with self.lock:
+                    self._step_unmaps.append((m, u.event))
+                self._schedule_deferred()
+                return _KEEP
+            self.driver.sync_event(u.event)  # (returns at once; reports a sticky error)
+            self.driver.close_event(u.event)
+            try:
+                self._step_maps[m.dev].unmap(m.window)
+            except Exception as exc:
+                warn_kept("unmapping the steps of a shared block", exc)
+                return _KEEP  # the lease stays: leaking beats freeing under a mapping
+        return None
+
+    def _drain_step_unmaps(self) -> None:
+        """Unmap the steps whose last use is done now (the deferred thread)."""
+        with self.lock:
+            todo, self._step_unmaps = self._step_unmaps, []
+        self._tell([(m, _StepUnmap(ev)) for m, ev in todo])
 
     def _take_idle(self, ms: list[Mapping]) -> list[tuple[Mapping, Any]]:
         """Unmap idle mappings (lock held) after their last use, on the legacy stream.
@@ -261,6 +301,8 @@ class Unmapping:
             del self.clients[c.address]
             events, c.events = [*c.events.values(), *c.retired], {}
             c.retired = []
+            for k in [k for k, p in self._step_pools.items() if p.client is c and not p.users]:
+                del self._step_pools[k]
             pools = [p for p in self.pools.values() if p.client is c and p.users == 0]
             for p in pools:
                 del self.pools[p.uuid]
@@ -342,15 +384,17 @@ class Unmapping:
         try:
             while True:
                 time.sleep(delay)
-                before = (len(self._deferred), len(self._closing_pools))
+                before = (len(self._deferred), len(self._closing_pools), len(self._step_unmaps))
                 try:
                     self.drain_deferred()
                     self.close_done_pools()
+                    if self._step_unmaps:
+                        self._drain_step_unmaps()
                 except Exception as exc:
                     warn_kept("a deferred unmap or pool close", exc)
                 with self.lock:
-                    now = (len(self._deferred), len(self._closing_pools))
-                    if now == (0, 0):  # checked and cleared under one lock: no lost work
+                    now = (len(self._deferred), len(self._closing_pools), len(self._step_unmaps))
+                    if now == (0, 0, 0):  # checked and cleared under one lock: no lost work
                         self._deferred_thread = None
                         return
                 delay = 0.05 if now != before else min(delay * 2, 1.0)

@@ -10,6 +10,7 @@ layout named by its first byte, and nothing a peer sends is ever unpickled.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from .._errors import SharingError
@@ -29,6 +30,11 @@ __all__ = [
     "Evict",
     "Release",
     "Idle",
+    "StepClaim",
+    "StepReply",
+    "step_export_data",
+    "step_block",
+    "STEP_FD_MAX",
     "encode",
     "encode_batch",
     "decode",
@@ -41,6 +47,7 @@ __all__ = [
     "NOT_HELD",
     "OUT_OF_SPAN",
     "OTHER_BLOCK",
+    "STALE_STEPS",
     "block_id",
 ]
 
@@ -294,6 +301,29 @@ def claim_for(d: Descriptor, seq: int, want_fd: bool, keep: bool, held: bool, en
     return Claim(seq, d.export_id, d.ticket, want_fd, keep, held, d.life, d.size, end, block)
 
 
+_STEP_MAGIC = b"cpmSTEP1"
+_STEP_DATA = struct.Struct("<8sQQQ32s")  # magic, block address, bytes, steps, digest
+
+
+def step_export_data(ptr: int, size: int, steps: Sequence[Sequence[int]]) -> bytes:
+    """The 64-byte export data of a block of a mapped or expandable pool: its address
+    and size in the exporter, and a digest of its steps ``(id, address, bytes)``."""
+    import hashlib
+
+    flat = b"".join(struct.pack("<QQQ", *s) for s in steps)
+    digest = hashlib.blake2b(flat, digest_size=32).digest()
+    return _STEP_DATA.pack(_STEP_MAGIC, ptr, size, len(steps), digest)
+
+
+def step_block(export_data: bytes) -> tuple[int, int, int, bytes] | None:
+    """``(address, bytes, steps, digest)`` of a step block's export data; None for a
+    CUDA-pool allocation's."""
+    if len(export_data) != HANDLE_BYTES or not export_data.startswith(_STEP_MAGIC):
+        return None
+    _, ptr, size, n, digest = _STEP_DATA.unpack(export_data)
+    return ptr, size, n, digest
+
+
 class Hit(NamedTuple):
     """Receiver -> exporter: ticket received (a message of ``life``); I hold a lease on
     this block already.  An acknowledgement only: a dead ticket or another life's is
@@ -369,10 +399,41 @@ class Idle(NamedTuple):
     event: bytes
 
 
-OK, REFUSED, NOT_HELD, OUT_OF_SPAN, OTHER_BLOCK = 0, 1, 2, 3, 4  # Reply.status
+class StepClaim(NamedTuple):
+    """Receiver -> exporter: a :class:`Claim` of a block of a mapped or expandable pool.
+
+    ``claim``: the claim itself (``want_fd`` unused); ``have``: ids of that pool's steps
+    the receiver holds imported (and keeps imported until the reply is handled): the
+    exporter sends descriptors of the block's other steps only.
+    """
+
+    claim: Claim
+    have: tuple[int, ...]
+
+
+class StepReply(NamedTuple):
+    """Exporter -> receiver: the answer to a :class:`StepClaim`.  ``steps``: the block's
+    steps ``(id, address in the exporter, bytes, a descriptor follows)`` in address
+    order (empty unless granted); the descriptors follow in that order."""
+
+    seq: int
+    status: int
+    steps: tuple[tuple[int, int, int, bool], ...]
+
+
+OK, REFUSED, NOT_HELD, OUT_OF_SPAN, OTHER_BLOCK, STALE_STEPS = 0, 1, 2, 3, 4, 5  # Reply.status
+
+#: the most step ids a StepClaim names (a larger set is cut: those steps come again)
+HAVE_MAX = 4096
+#: descriptors per SCM_RIGHTS message (the kernel's SCM_MAX_FD is 253)
+STEP_FD_MAX = 250
 
 _CLAIM, _HIT, _DROP, _UNMAP, _REGISTER, _MAPPED, _IDLE = 1, 2, 3, 4, 5, 6, 7
 _REPLY, _EVICT, _RELEASE, _BATCH = 16, 17, 18, 32
+_STEP_CLAIM, _STEP_REPLY = 8, 19  # variable length: a head, a count, the entries
+_COUNT = struct.Struct("<I")
+_HAVE = struct.Struct("<Q")
+_STEP = struct.Struct("<QQQB")
 _LAYOUT: dict[int, tuple[struct.Struct, type]] = {
     _CLAIM: (struct.Struct("<BIQ16sBBBQQQ16s"), Claim),
     _HIT: (struct.Struct("<BQ16sQ"), Hit),
@@ -392,6 +453,17 @@ _ZERO_HANDLE = bytes(HANDLE_BYTES)
 
 def encode(frame: NamedTuple) -> bytes:
     """The bytes of one frame."""
+    if type(frame) is StepClaim:
+        have = frame.have[:HAVE_MAX]  # type: ignore[attr-defined]
+        head = encode(frame.claim)  # type: ignore[attr-defined]
+        return b"".join(
+            [bytes((_STEP_CLAIM,)), head[1:], _COUNT.pack(len(have))]
+            + [_HAVE.pack(i) for i in have]
+        )
+    if type(frame) is StepReply:
+        steps = frame.steps  # type: ignore[attr-defined]
+        head = _LAYOUT[_REPLY][0].pack(_STEP_REPLY, frame.seq, frame.status, False)  # type: ignore[attr-defined]
+        return b"".join([head, _COUNT.pack(len(steps))] + [_STEP.pack(*st) for st in steps])
     op = _OP[type(frame)]
     st = _LAYOUT[op][0]
     if op == _UNMAP:
@@ -412,7 +484,32 @@ def encode_batch(frames: list[NamedTuple]) -> bytes:
     return b"".join(parts)
 
 
+def _decode_steps(buf: bytes) -> NamedTuple:
+    """A :class:`StepClaim` or :class:`StepReply` (variable length)."""
+    claim = buf[0] == _STEP_CLAIM
+    head = _LAYOUT[_CLAIM if claim else _REPLY][0]
+    entry = _HAVE if claim else _STEP
+    n = head.size + _COUNT.size
+    if len(buf) < n:
+        raise ProtocolError(f"malformed sharing frame ({len(buf)} bytes, op {buf[:1]!r})")
+    (count,) = _COUNT.unpack_from(buf, head.size)
+    if len(buf) != n + count * entry.size or count > max(HAVE_MAX, STEPS_MAX_WIRE):
+        raise ProtocolError(f"malformed sharing frame ({len(buf)} bytes, {count} entries)")
+    items = [entry.unpack_from(buf, n + k * entry.size) for k in range(count)]
+    if claim:
+        c = _decode_one(bytes((_CLAIM,)) + buf[1 : head.size])
+        return StepClaim(c, tuple(i for (i,) in items))  # type: ignore[arg-type]
+    _, seq, status, _ = head.unpack_from(buf)
+    return StepReply(seq, status, tuple((a, b, c, bool(f)) for a, b, c, f in items))
+
+
+#: the most steps a StepReply names (as ``_steps.STEPS_MAX``)
+STEPS_MAX_WIRE = 1 << 17
+
+
 def _decode_one(buf: bytes) -> NamedTuple:
+    if buf and buf[0] in (_STEP_CLAIM, _STEP_REPLY):
+        return _decode_steps(buf)
     ent = _LAYOUT.get(buf[0]) if buf else None
     if ent is None or len(buf) != ent[0].size:
         raise ProtocolError(f"malformed sharing frame ({len(buf)} bytes, op {buf[:1]!r})")

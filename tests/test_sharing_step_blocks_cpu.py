@@ -1,0 +1,207 @@
+"""Blocks of mapped and expandable pools sent end to end on the fakes (issue 35, stage 2):
+the exporter's record names the steps under the block, the claim names the steps the
+receiver holds, the reply carries the others' descriptors over the socket, and the
+receiver maps exactly those steps; the lifetime protocol is the pool blocks' (leases,
+limbo, SIGKILL reclaim, exporters that exit, forwarding, stale and forged messages
+refused).  docs/sharing.rst, "Mapped and expandable blocks"."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from fakes.sharing import wait_for
+from fakes.step_sharing import read_here, step_pool
+from fakes.steps import StepVmm
+
+from cupy_poolmem._errors import SharingError
+from cupy_poolmem._sharing import _wire
+from cupy_poolmem._sharing._steps import StaleStepsError
+
+MiB = 1 << 20
+MODES = ["expandable", "mapped"]
+
+
+@pytest.fixture
+def vmm(monkeypatch, fake_driver, sharing_world):
+    from fakes.events import use_driver
+
+    v = use_driver(fake_driver, monkeypatch, StepVmm())
+    sharing_world.gpu.vmm = v
+    return v
+
+
+def steps_of(core, block):
+    return core.placement.steps_under(block.ptr, block.size)
+
+
+def book(proc):
+    return proc.exporter.steps
+
+
+def fds_exported(vmm):
+    return sum(1 for e in vmm.log if e[0] == "export")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_block_travels_and_the_receiver_reads_the_exporters_bytes(sharing_world, vmm, mode):
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r")
+    core = step_pool(e, vmm, mode)
+    b = core.alloc(3 * MiB + 5, payload=41)
+    owner = r.recv(e.send(b))
+    assert read_here(r, owner, b.size) == (41, 41)
+    b.write(42)  # one memory: the exporter's later writes show there too
+    assert read_here(r, owner, b.size) == (42, 42)
+    steps = steps_of(core, b)
+    assert owner.ptr != b.ptr  # the receiver's own reservation
+    assert r.importer.step_maps(0).reserved == sum(s[2] for s in steps)  # exactly the steps
+    assert {s[0] for s in steps} <= {sid for sid in book(e)._maps[core.placement]}
+    assert all(book(e).receivers(core.placement, s[0]) == {1} for s in steps)
+
+
+def test_the_steps_travel_once_per_receiver_and_again_to_another(sharing_world, vmm):
+    w = sharing_world
+    e, r1, r2 = w.proc("e"), w.proc("r1"), w.proc("r2")
+    core = step_pool(e, vmm)
+    a = core.alloc(700 * 1024, payload=1)
+    b = core.alloc(700 * 1024, payload=2)  # the same 2 MiB step as ``a``
+    assert steps_of(core, a) == steps_of(core, b)
+    oa = r1.recv(e.send(a))
+    assert fds_exported(vmm) == 1
+    ob = r1.recv(e.send(b))  # the step is imported here already: no descriptor
+    assert fds_exported(vmm) == 1
+    assert (read_here(r1, oa, a.size)[0], read_here(r1, ob, b.size)[0]) == (1, 2)
+    o2 = r2.recv(e.send(a))  # another process: its own descriptor
+    assert fds_exported(vmm) == 2 and read_here(r2, o2, a.size)[0] == 1
+    assert r1.importer.step_maps(0).stats()["step_handles"] == 1
+
+
+def test_letting_go_unmaps_the_window_and_frees_the_block_after_the_receiver(sharing_world, vmm):
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r", keep_mappings=0)
+    core = step_pool(e, vmm)
+    b = core.alloc(5 * MiB, payload=7)
+    ptr = b.ptr
+    owner = r.recv(e.send(b))
+    del b  # the exporter lets go first: limbo until the receiver unmaps
+    assert core.freed == [] and e.stats()["limbo_blocks"] == 1
+    sid = steps_of_ptr(core, ptr)
+    assert book(e).pinned(core.placement, sid)
+    del owner
+    assert wait_for(lambda: core.freed == [ptr])
+    maps = r.importer.step_maps(0)
+    assert maps.stats() == {"step_windows": 0, "step_handles": 0, "step_reserved_bytes": 0}
+    assert not book(e).pinned(core.placement, sid)
+    assert e.stats()["leases"] == 0 and e.stats()["limbo_blocks"] == 0
+
+
+def steps_of_ptr(core, ptr):
+    return core.placement.steps_under(ptr, 1)[0][0]
+
+
+def test_a_trim_keeps_the_steps_a_receiver_maps_and_no_reuse_shows_there(sharing_world, vmm):
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r", keep_mappings=0)
+    core = step_pool(e, vmm)
+    low = core.alloc(21 * MiB, payload=3)
+    shared = core.alloc(21 * MiB, payload=5)  # in the range's last step
+    steps = steps_of(core, shared)
+    owner = r.recv(e.send(shared))
+    del shared, low
+    assert core.trim() >= 0
+    for sid, va, _n in steps:  # pinned: still mapped in the exporter, not reused
+        assert core.placement.step_ids.get(va) == sid
+    again = core.alloc(21 * MiB, payload=9)  # lands in the low step, not under the mapping
+    assert read_here(r, owner, 21 * MiB) == (5, 5)
+    del owner
+    assert wait_for(lambda: not book(e).pinned(core.placement, steps[0][0]))
+    del again
+    core.trim()
+    assert all(core.placement.step_ids.get(va) != sid for sid, va, _n in steps)
+
+
+def test_a_sigkilled_receiver_gives_its_steps_back_once_its_process_is_gone(sharing_world, vmm):
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r")
+    core = step_pool(e, vmm)
+    b = core.alloc(3 * MiB, payload=4)
+    ptr = b.ptr
+    sid = steps_of(core, b)[0][0]
+    owner = r.recv(e.send(b))
+    assert read_here(r, owner, b.size)[0] == 4
+    r.kill()
+    del b
+    assert wait_for(lambda: core.freed == [ptr])
+    assert not book(e).pinned(core.placement, sid)
+    assert e.stats()["leases"] == 0
+
+
+def test_a_message_after_its_block_went_and_the_range_shrank_is_refused(sharing_world, vmm):
+    w = sharing_world
+    e, r = w.proc("e", inflight_timeout=0.05), w.proc("r")
+    core = step_pool(e, vmm)
+    b = core.alloc(3 * MiB, payload=4)
+    msg = e.send(b)
+    del b
+    assert wait_for(lambda: e.exporter.expire() >= 0 and e.stats()["limbo_blocks"] == 0)
+    core.trim()  # the range shrank: the step is gone
+    assert core.placement.reserved == 0
+    with pytest.raises(SharingError):
+        r.recv(msg)
+    assert r.importer.step_maps(0).reserved == 0
+
+
+def test_steps_that_changed_under_a_live_record_are_refused_as_stale(sharing_world, vmm):
+    """A record whose steps are not mapped there any more (what a shrink and a new
+    mapping at the same address would leave) is refused before anything is mapped."""
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r")
+    core = step_pool(e, vmm)
+    b = core.alloc(3 * MiB, payload=4)
+    msg = e.send(b)
+    ((sid, va, _n),) = steps_of(core, b)
+    core.placement.step_ids[va] = 10_000 + sid  # the step was mapped again since
+    with pytest.raises(StaleStepsError):
+        r.recv(msg)
+    assert r.importer.step_maps(0).reserved == 0
+    assert not book(e).pinned(core.placement, 10_000 + sid)
+    assert fds_exported(vmm) == 0
+
+
+def test_a_forged_step_list_is_refused_as_another_block(sharing_world, vmm):
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r")
+    core = step_pool(e, vmm)
+    b = core.alloc(3 * MiB, payload=4)
+    d = pickle.loads(e.send(b))
+    ptr, size, n, _ = _wire.step_block(d.export_data)
+    forged = d._replace(
+        export_data=_wire.step_export_data(ptr, size, [(999, ptr & ~(2 * MiB - 1), 4 * MiB)])
+    )
+    with pytest.raises(_wire.ProtocolError, match="not those of the block"):
+        r.recv(pickle.dumps(forged))
+    assert r.importer.step_maps(0).reserved == 0 and fds_exported(vmm) == 0
+
+
+def test_a_message_forwarded_to_a_third_process_maps_the_same_steps(sharing_world, vmm):
+    w = sharing_world
+    e, r, t = w.proc("e"), w.proc("r"), w.proc("t")
+    core = step_pool(e, vmm)
+    b = core.alloc(3 * MiB, payload=8)
+    owner = r.recv(e.send(b))
+    third = t.recv(r.send(owner))
+    assert read_here(t, third, b.size) == (8, 8)
+    assert book(e).receivers(core.placement, steps_of(core, b)[0][0]) == {1, 2}
+
+
+def test_an_exporter_that_exits_leaves_the_receivers_mapping_readable(sharing_world, vmm):
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r")
+    core = step_pool(e, vmm)
+    b = core.alloc(3 * MiB, payload=6)
+    owner = r.recv(e.send(b))
+    e.exit()
+    assert read_here(r, owner, b.size) == (6, 6)  # the imported handle holds the memory
+    del owner
+    assert wait_for(lambda: r.importer.step_maps(0).reserved == 0)
