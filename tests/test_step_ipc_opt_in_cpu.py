@@ -64,15 +64,29 @@ def test_the_opt_in_makes_the_memory_exportable_only_for_an_ipc_pool(
 
 
 @pytest.mark.parametrize("mode", ["expandable", "mapped"])
-def test_a_block_of_such_a_pool_is_refused_for_sending_with_a_typed_error(
+def test_a_block_of_such_a_pool_travels_as_steps_and_never_as_a_cuda_pools_block(
     mapped_made, monkeypatch, mode
 ):
     monkeypatch.setenv(STEP_IPC_ENV, "1")
     p = cpm.DevicePool(large_blocks=mode, ipc=True)
     err, ptr = p._backend.alloc(12 << 20, 0x5000)
     assert err == 0
-    with pytest.raises(cpm.SharingError, match=f"large_blocks='{mode}'.*cannot be sent"):
+    assert p._steps_of(ptr) is p._backend  # the exporter sends its steps
+    assert p._steps_of(ptr + (1 << 40)) is None  # not its memory
+    # A Numba IPC handle names a CUDA pool: refused with the way out named
+    with pytest.raises(cpm.SharingError, match=f"large_blocks='{mode}'.*Numba IPC handle"):
         p._ipc_pool_of(ptr)
+    p._backend.free(ptr, 0x5000)
+    p.close()
+
+
+@pytest.mark.parametrize("mode", ["expandable", "mapped"])
+def test_a_plain_pools_placement_is_never_sent_as_steps(mapped_made, monkeypatch, mode):
+    monkeypatch.setenv(STEP_IPC_ENV, "1")
+    p = cpm.DevicePool(large_blocks=mode, ipc=False)
+    err, ptr = p._backend.alloc(12 << 20, 0x5000)
+    assert err == 0
+    assert p._steps_of(ptr) is None  # not exportable memory: no steps travel
     p._backend.free(ptr, 0x5000)
     p.close()
 

@@ -394,15 +394,25 @@ class DevicePool(Pool):
 
     def _ipc_pool_of(self, ptr: int, handle: int = 0) -> tuple[str, Any]:
         """The shareable CUDA pool holding ``ptr``; a block of the mapped or expandable
-        placement has none (its sharing is not built yet: SharingError)."""
+        placement has none (it travels as steps, see :meth:`_steps_of`; a Numba IPC
+        handle, which names a CUDA pool, cannot carry it: SharingError)."""
         if self._backend is not None and self._backend.owns(ptr):
             raise SharingError(
                 f"this array's memory is a block of a DevicePool(large_blocks="
-                f"{self.large_blocks!r}), whose blocks cannot be sent to other processes "
-                "yet; allocate arrays to share from a DevicePool(ipc=True) with "
-                "large_blocks='pool'"
+                f"{self.large_blocks!r}), which is in no CUDA pool: it cannot be sent as a "
+                "Numba IPC handle; send the CuPy array through multiprocessing (or Dask), "
+                "or allocate it from a DevicePool(ipc=True) with large_blocks='pool'"
             )
         return super()._ipc_pool_of(ptr, handle)
+
+    def _steps_of(self, ptr: int) -> Any:
+        """The mapped or expandable placement holding ``ptr`` when its memory is
+        exportable (an ``ipc=True`` pool's: the block travels as the steps under it),
+        else None."""
+        b = self._backend
+        if b is not None and getattr(b, "exportable", False) and b.owns(ptr):
+            return b
+        return None
 
     def _retire_now(self, leftovers: Any = (), before_destroy: Any = None) -> None:
         """Retire; revoke the peer grants first if the pool is to be destroyed.
