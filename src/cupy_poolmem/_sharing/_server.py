@@ -293,9 +293,10 @@ class Server:
             if ok:
                 assert rec is not None
                 try:
-                    grants = self.steps.grant(
-                        peer.cid, rec.placement, rec.ptr, rec.size, rec.steps, f.have
-                    )
+                    with self.driver.on_device(self._dev(rec)):  # (the retain and export)
+                        grants = self.steps.grant(
+                            peer.cid, rec.placement, rec.ptr, rec.size, rec.steps, f.have
+                        )
                 except Exception as exc:  # the driver's export failed: nothing granted
                     warn_kept("exporting the steps of a shared block", exc)
                     ok = False
