@@ -1,6 +1,7 @@
-"""GPU tests of the steps of expandable blocks travelling between processes (issue 35,
-first stage: the export, mapping and book of ``cupy_poolmem._sharing._steps`` with the
-real driver; the pickled-array path is stage 2, see the end of this file).
+"""GPU tests of the steps of expandable and mapped blocks travelling between processes
+(issue 35): first the export, mapping and book of ``cupy_poolmem._sharing._steps`` with
+the real driver; then, at the end of this file, arrays pickled through multiprocessing
+(the reducer, the claim that names the steps held, descriptors over the socket).
 
 The exporter is this process: an exportable ``DevicePool(large_blocks="expandable",
 ipc=True)`` (the test-only opt-in ``CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC=1``); receivers
@@ -289,12 +290,7 @@ def test_a_receivers_mapping_outlives_an_exporter_that_exits():
         r.close()
 
 
-# -- stage 2: the pickled-array path (strict xfail until the claim carries steps) ----------
-@pytest.mark.xfail(
-    raises=cpm.SharingError,
-    strict=True,
-    reason="issue 35 stage 2: blocks of mapped and expandable pools cannot be sent yet",
-)
+# -- the pickled-array path: arrays sent through multiprocessing, mapped as steps ----------
 @pytest.mark.parametrize("mode", ["expandable", "mapped"])
 def test_an_array_of_a_mapped_or_expandable_ipc_pool_travels_over_a_pipe(monkeypatch, mode):
     from support import mp_workers as MW
@@ -322,3 +318,168 @@ def test_an_array_of_a_mapped_or_expandable_ipc_pool_travels_over_a_pipe(monkeyp
         del x
         cupy.cuda.Device(0).synchronize()
         pool.close()
+
+
+class Pickled:
+    """A spawned receiver of pickled arrays (tests/support/step_workers.pickled_receiver)."""
+
+    def __init__(self, ctx, read_on=None):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=W.pickled_receiver, args=(child, read_on))
+        self.proc.start()
+        child.close()
+
+    def ask(self, *msg):
+        self.conn.send(msg)
+        if not self.conn.poll(TIMEOUT):
+            pytest.fail(f"the receiver did not answer {msg[0]}")
+        reply = self.conn.recv()
+        assert reply[0] != "error", reply[1]
+        return reply
+
+    def close(self):
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        join(self.proc, timeout=TIMEOUT)
+
+
+@pytest.fixture
+def step_pool(monkeypatch):
+    import cupy_poolmem._sharing  # noqa: F401  (the reducer for cupy.ndarray)
+
+    monkeypatch.setenv(STEP_IPC_ENV, "1")
+    pool = cpm.DevicePool(device=0, large_blocks="expandable", ipc=True)
+    yield pool
+    cupy.cuda.Device(0).synchronize()
+    pool.close()
+
+
+def test_pickled_arrays_of_many_sizes_across_step_boundaries_read_in_another_process(step_pool):
+    pool = step_pool
+    blocks = pool._backend
+    r = Pickled(mp.get_context("spawn"))
+    try:
+        sizes = [1, 1000, 250_000, 262_144, 300_000, 5 * MiB // 4, 21 * MiB // 4, 47 * MiB // 4]
+        live, windows, crossing = [], {}, 0
+        for k, n in enumerate(sizes * 2):
+            x = _fill(pool, n, 1000 * k)
+            steps = blocks.steps_under(x.data.ptr, x.nbytes)
+            windows[tuple(s[0] for s in steps)] = sum(s[2] for s in steps)
+            crossing += len(steps) > 1
+            _, ok, reserved, _n = r.ask("x", x, 1000 * k)
+            assert ok, (n, k)
+            # exactly the steps under the blocks it holds: never a whole-GPU range
+            assert reserved == sum(windows.values()) < 1 << 30, (n, k)
+            live.append((len(live), x, 1000 * k))
+        assert crossing, "no block crossed a step boundary"
+        for i, _x, base in live:  # all still there
+            assert r.ask("check", i, base)[1]
+        assert r.ask("drop")[1:] == (0, 0)  # every window unmapped, nothing reserved
+        del live, x
+        cupy.cuda.Device(0).synchronize()
+        ctx = cupy_poolmem_context()
+        assert join_until(lambda: ctx.exporter.stats()["leases"] == 0)
+        pool.trim()
+        assert blocks.reserved == 0  # nothing pinned any more
+    finally:
+        r.close()
+
+
+def cupy_poolmem_context():
+    from cupy_poolmem._sharing._context import context
+
+    return context()
+
+
+def join_until(pred, timeout: float = 30.0) -> bool:
+    from support.waits import wait_for
+
+    return wait_for(pred, timeout)
+
+
+def test_a_pickled_block_spanning_several_steps_is_read_whole(step_pool):
+    pool = step_pool
+    blocks = pool._backend
+    n = 30 * MiB // 4
+    a, b = _fill(pool, n, 1), _fill(pool, n, 2)
+    keep = _fill(pool, n, 3)  # noqa: F841  (the range cannot shrink under a and b)
+    a_ptr = a.data.ptr
+    del a, b
+    big = _fill(pool, 2 * n, 7)
+    assert big.data.ptr == a_ptr
+    steps = blocks.steps_under(big.data.ptr, big.nbytes)
+    assert len(steps) >= 2
+    r = Pickled(mp.get_context("spawn"))
+    try:
+        _, ok, reserved, windows = r.ask("x", big, 7)
+        assert ok and windows == 1 and reserved == sum(s[2] for s in steps)
+    finally:
+        r.close()
+
+
+def test_sigkilled_receivers_while_the_exporter_trims_and_reallocates_see_no_reuse(step_pool):
+    pool = step_pool
+    blocks = pool._backend
+    ctx = mp.get_context("spawn")
+    r1, r2 = Pickled(ctx), Pickled(ctx)
+    try:
+        shared = _fill(pool, 25 * MiB // 4, 5)
+        steps = blocks.steps_under(shared.data.ptr, shared.nbytes)
+        assert r1.ask("x", shared, 5)[1] and r2.ask("x", shared, 5)[1]
+        r1.proc.kill()  # SIGKILL while it maps
+        join(r1.proc, timeout=TIMEOUT)
+        del shared  # the exporter lets go: held for r2 (and r1 until it is reaped)
+        for round_ in range(4):  # trim and reallocate around the mapped block
+            extra = [
+                _fill(pool, m // 4, 100 * round_ + k)
+                for k, m in enumerate((3 * MiB, 41 * MiB, MiB, 23 * MiB))
+            ]
+            for k, y in enumerate(extra):
+                assert bool((y == cupy.arange(y.size, dtype=cupy.int32) + 100 * round_ + k).all())
+            del extra, y
+            cupy.cuda.Device(0).synchronize()
+            pool.trim()
+            assert all(blocks.step_ids.get(s[1]) == s[0] for s in steps)  # still mapped
+            assert r2.ask("check", 0, 5)[1], round_  # the pattern, never another block's
+        assert r2.ask("drop")[1:] == (0, 0)
+        c = cupy_poolmem_context()
+        assert join_until(lambda: c.exporter.stats()["leases"] == 0)  # r1 reaped too
+        pool.trim()
+        assert blocks.reserved == 0
+    finally:
+        r1.close()
+        r2.close()
+
+
+def test_a_pickled_array_outlives_its_exporter():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    e = ctx.Process(target=W.exiting_exporter, args=(q, "expandable", 5 * MiB // 4, 77))
+    e.start()
+    try:
+        import cupy_poolmem._sharing  # noqa: F401  (the reducer: this process receives)
+
+        x = q.get(timeout=TIMEOUT)
+        want = cupy.arange(x.size, dtype=cupy.int32) + 77
+        assert bool((x == want).all())
+        join(e, timeout=TIMEOUT)  # the exporter is gone...
+        assert e.exitcode == 0
+        assert bool((x == want).all())  # ...and its memory is still read here
+        del x
+    finally:
+        if e.is_alive():
+            e.kill()
+            e.join(10)
+
+
+@pytest.mark.multigpu
+def test_a_pickled_array_is_read_from_the_other_gpu_with_the_receivers_grant(step_pool):
+    pool = step_pool
+    x = _fill(pool, 5 * MiB // 4, 21)
+    r = Pickled(mp.get_context("spawn"), read_on=1)
+    try:
+        assert r.ask("x", x, 21)[1]  # a kernel of GPU 1 reads GPU 0's steps
+    finally:
+        r.close()

@@ -119,3 +119,81 @@ def short_lived_exporter(conn, device: int, receiver_pid: int, n: int, base: int
     finally:
         conn.close()
         os._exit(0)  # no clean-up: as an exporter that ends abruptly
+
+
+def pickled_receiver(conn, read_on: int | None = None) -> None:
+    """Receive CuPy arrays through the pipe (unpickled zero-copy by the package's reducer)
+    and check them; answer each request.
+
+    Requests: ``("x", array, base)``: the array holds ``base + arange`` (read with GPU
+    ``read_on`` when given, a peer) -> ``("checked", ok, reserved bytes, windows)``, the
+    array kept; ``("check", i, base)``: array ``i`` again -> ``("checked", ok, ...)``;
+    ``("drop",)``: let go of every array -> ``("dropped", reserved bytes)`` once the
+    unmaps are done; ``None``: exit.
+    """
+    try:
+        import cupy
+
+        import cupy_poolmem._sharing  # noqa: F401  (the reducer for cupy.ndarray)
+        from cupy_poolmem._sharing._context import context
+
+        held: list = []
+
+        def stats():
+            maps = context().importer.step_maps(0).stats()
+            return maps["step_reserved_bytes"], maps["step_windows"]
+
+        def check(x, base):
+            dev = x.device.id if read_on is None else read_on
+            with cupy.cuda.Device(dev):
+                want = cupy.arange(x.size, dtype=x.dtype) + base
+                ok = bool((x == want).all())
+                cupy.cuda.Device(dev).synchronize()
+            return ok
+
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            if msg[0] == "x":
+                _, x, base = msg
+                held.append((x, base))
+                conn.send(("checked", check(x, base), *stats()))
+            elif msg[0] == "check":
+                x, base = held[msg[1]]
+                conn.send(("checked", check(x, base), *stats()))
+            elif msg[0] == "drop":
+                held.clear()
+                import gc
+                import time
+
+                gc.collect()
+                cupy.cuda.Device(0).synchronize()
+                deadline = time.monotonic() + TIMEOUT / 4
+                while stats()[1] and time.monotonic() < deadline:
+                    context().importer.trim_idle(0)
+                    time.sleep(0.02)
+                conn.send(("dropped", *stats()))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def exiting_exporter(q, mode: str, n: int, base: int) -> None:
+    """Put one array of an exportable ``mode`` pool on ``q`` and return (the process
+    exits: its exit waits until the receiver mapped the block)."""
+    os.environ["CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC"] = "1"
+    import cupy
+
+    import cupy_poolmem as cpm
+    import cupy_poolmem._sharing  # noqa: F401
+
+    pool = cpm.DevicePool(device=0, large_blocks=mode, ipc=True)
+    with cpm.using(pool):
+        x = cupy.empty(n, dtype=cupy.int32)
+    x[...] = cupy.arange(n, dtype=cupy.int32) + base
+    cupy.cuda.Device(0).synchronize()
+    q.put(x)
+    q.close()
+    q.join_thread()  # the message is out before the exit wait starts
