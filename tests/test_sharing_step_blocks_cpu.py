@@ -205,3 +205,23 @@ def test_an_exporter_that_exits_leaves_the_receivers_mapping_readable(sharing_wo
     assert read_here(r, owner, b.size) == (6, 6)  # the imported handle holds the memory
     del owner
     assert wait_for(lambda: r.importer.step_maps(0).reserved == 0)
+
+
+def test_the_dask_same_host_path_takes_a_step_block_as_any_other(sharing_world, vmm):
+    """The Dask transfer describes, receives and reads back through the same reducers
+    and importer (``describe``, ``receive``, ``Exporter.hold_live``)."""
+    from cupy_poolmem._sharing._reducers import describe, receive
+
+    w = sharing_world
+    a, b = w.proc("a"), w.proc("b")
+    core = step_pool(a, vmm)
+    blk = core.alloc(3 * MiB, payload=12)
+    d = describe(a.ctx, blk, "cupy", 0, (blk.size,), (1,), "|u1")
+    owner, dev = receive(b.ctx, d)
+    assert dev == 0 and read_here(b, owner, blk.size) == (12, 12)
+    d2 = describe(a.ctx, blk, "cupy", 0, (blk.size,), (1,), "|u1")
+    b.importer.give_back(d2)  # a receiver that cannot take it: the sender reads it back
+    assert wait_for(lambda: a.stats()["tickets_out"] == 0)
+    hold = a.exporter.hold_live(d2.export_id, d2.export_data, d2.life)
+    assert hold is not None and vmm.read(hold.ptr) == 12
+    del hold, owner
