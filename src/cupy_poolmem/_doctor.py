@@ -11,10 +11,19 @@ from typing import Any
 
 import cupy_poolmem
 
-from ._device import can_access_peer, device_count, granted_access, nearest_numa_node, peer_topology
-from ._errors import MissingDependencyError
+from . import _runtime
+from ._device import (
+    can_access_peer,
+    device_count,
+    granted_access,
+    nearest_numa_node,
+    peer_topology,
+    require_attribute,
+)
+from ._errors import MissingDependencyError, UnsupportedError
+from ._pools._options import step_ipc_opted_in
 
-__all__ = ["doctor", "self_check", "time_alloc", "versions"]
+__all__ = ["doctor", "large_block_placement", "self_check", "time_alloc", "versions"]
 
 
 def versions() -> list[tuple[str, str]]:
@@ -135,6 +144,66 @@ def _access_rows(pools: list[Any], imported: dict[int, tuple[int, ...]]) -> list
             f"    imported pools: {len(imported)} with grants to other GPUs ({pairs} in all)"
         )
     return rows
+
+
+def large_block_placement(
+    pools: list[Any] | None, opted_in: bool, vmm: bool | None
+) -> tuple[str, str]:
+    """Which large-block placement ``set_allocator()``'s device pools use, and why.
+
+    Parameters
+    ----------
+    pools
+        The installed allocator's device pools, or None when none is installed (then
+        the answer is what ``set_allocator()`` with its defaults would use).
+    opted_in
+        Whether ``CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC=1`` is set (mapped and expandable
+        blocks may then be shared).
+    vmm
+        Whether the GPU supports virtual memory management (None: unknown).
+
+    Returns
+    -------
+    tuple of str
+        ``(placement, reason)``.
+
+    Examples
+    --------
+    >>> large_block_placement(None, False, True)[0]
+    'pool'
+    """
+    if pools:
+        modes = ", ".join(sorted({str(getattr(p, "large_blocks", "pool")) for p in pools}))
+        ipc = any(getattr(p, "ipc", False) for p in pools)
+        return modes, f"as set_allocator() was called (ipc={ipc})"
+    if vmm is False:
+        return "pool", "the GPU has no virtual memory management, which the others need"
+    if opted_in:
+        return "pool", (
+            "the default until the expandable pool's shared-memory benchmarks are in "
+            "(issue 35); with CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC=1 set, "
+            "set_allocator(large_blocks='expandable') shares its arrays (experimental)"
+        )
+    return "pool", (
+        "set_allocator() shares arrays (ipc=True) and mapped or expandable blocks are not "
+        "shared yet; set_allocator(ipc=False, large_blocks='expandable') is the "
+        "memory-efficient pool for arrays that stay in this process"
+    )
+
+
+def _placement_row() -> str:
+    """The doctor's line for :func:`large_block_placement`."""
+    alloc = _runtime.installed_allocator("device")
+    pools = list(alloc.pools().values()) if alloc is not None else None
+    try:
+        require_attribute(0, "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", "mapped blocks")
+        vmm: bool | None = True
+    except UnsupportedError:
+        vmm = False
+    except Exception:
+        vmm = None
+    placement, why = large_block_placement(pools, step_ipc_opted_in(), vmm)
+    return f"  set_allocator() large blocks: {placement!r} ({why})"
 
 
 def _managed_row(device: int) -> str:
@@ -268,6 +337,7 @@ def doctor(out: Callable[[str], Any] = print, check: bool = True) -> int:
         out(row)
     for i in range(n):
         out(_managed_row(i))
+    out(_placement_row())
     if not check:
         return 0
     out("self-check (write a pattern, read it back):")
