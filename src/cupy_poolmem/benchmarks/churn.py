@@ -21,6 +21,7 @@ from cupy_poolmem import _retire
 from ._churn_variants import measure_variants
 from ._common import header, require_gpu, table
 from ._paired import Burst, PairedRatio, paired_ratio
+from ._step_ipc import EXPANDABLE_IPC_LABEL, churn_pools, not_measured, step_rows_wanted
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 GOAL_RESERVED, GOAL_SPEED = 0.8, 1.05
@@ -260,6 +261,7 @@ def contenders(steps: list[tuple[int, list[int]]]) -> tuple[dict[str, Run], dict
         ("cupy_poolmem DevicePool reuse_cache=0", {"reuse_cache": 0}),
         (MAPPED_LABEL, {"large_blocks": "mapped"}),
         (EXPANDABLE_LABEL, {"large_blocks": "expandable"}),
+        *churn_pools(),  # shared (ipc=True) ones: with the opt-in only
     )
     for label, opts in pools:
         runs[label] = on_cupy_allocator(
@@ -332,6 +334,7 @@ def measure(
 #: The pools the goal line judges, and their names there.
 GOAL_POOLS = {
     EXPANDABLE_LABEL: "large_blocks='expandable'",
+    EXPANDABLE_IPC_LABEL: "large_blocks='expandable' ipc=True",
     MAPPED_LABEL: "large_blocks='mapped'",
     DEFAULT_LABEL: "default",
 }
@@ -395,6 +398,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     for label, ratio in paired.items():
         print(f"time over MemoryPool's, paired replays: {label}: {ratio}")
     print(goal_line(rows, paired))
+    if not step_rows_wanted():
+        print(not_measured("bench churn"))
     print()
     print("the same trace straight on CUDA pools (no CuPy arrays; times include the binding calls)")
     print(variants_table(measure_variants(steps), base[2]))

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import cupy_poolmem
 
 from ._common import header, require_gpu, table
+from ._step_ipc import STEP_KIND, not_measured, reserved_line, step_rows_wanted
 
 
 def consumer(kind: str, q_in, q_out) -> None:
@@ -28,12 +29,23 @@ def consumer(kind: str, q_in, q_out) -> None:
 
         cupy.zeros(1)
     q_out.put(("ready", time.perf_counter() - t0))
+    reserved = None  # arrays of a shared expandable pool: the most address space reserved
+    if kind == STEP_KIND:
+        # Loaded late: only this consumer reads the importer's step mappings; the
+        # others must not differ from a plain receiver by a sharing import.
+        from cupy_poolmem._sharing._context import context
+
+        reserved = 0
     while True:
         obj = q_in.get()
         if obj is None:
             break
         q_out.put(1)
+        if reserved is not None:
+            reserved = max(reserved, context().importer.step_maps(0).reserved)
         del obj
+    if reserved is not None:
+        q_out.put(("reserved", reserved))
 
 
 def run_method(
@@ -61,6 +73,10 @@ def run_method(
             if kind == "cupy_poolmem":
                 cupy_poolmem.sharing.fallback = "device-copy"
                 with cupy_poolmem.using(cupy_poolmem.get_pool()):
+                    return cupy.ones(size // 4, dtype=cupy.float32)
+            if kind == STEP_KIND:  # a shared expandable pool's (the opt-in is set)
+                cupy_poolmem.sharing.fallback = "error"
+                with cupy_poolmem.using(_expandable_pool()):
                     return cupy.ones(size // 4, dtype=cupy.float32)
             # CuPy's own pickling: an array from CuPy's default pool, host fallback
             cupy_poolmem.sharing.fallback = "host"
@@ -113,6 +129,9 @@ def run_method(
             over.append(t - f)
             ratio.append(t / f)
         q_in.put(None)
+        if kind == STEP_KIND:
+            tag, most = q_out.get(timeout=60)
+            RESERVED.append(int(most))
         p.join(60)
         label = f"{kind} (fresh arrays)" if fresh else kind
         rows.append(
@@ -129,6 +148,18 @@ def run_method(
         )
         cupy_poolmem.sharing.fallback = "device-copy"
     return rows
+
+
+#: the most address space each receiver of a shared expandable pool's arrays reserved
+RESERVED: list[int] = []
+_POOLS: list = []
+
+
+def _expandable_pool() -> cupy_poolmem.DevicePool:
+    """This process's shared expandable pool (made on first use)."""
+    if not _POOLS:
+        _POOLS.append(cupy_poolmem.DevicePool(large_blocks="expandable", ipc=True))
+    return _POOLS[0]
 
 
 def _goal(kind: str, over: float, ratio: float) -> str:
@@ -158,6 +189,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         ("cupy_poolmem", True),
         ("torch", True),
     ]
+    if step_rows_wanted():  # arrays of a shared expandable pool, re-sent and fresh
+        runs += [(STEP_KIND, False), (STEP_KIND, True)]
+    else:
+        print(not_measured("bench ipc"))
     for kind, fresh in runs:
         n = {1 << 20: 200 if quick else 1000, 256 << 20: 100 if quick else 300}
         if kind == "cupy pickling":
@@ -204,6 +239,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     recycled = cupy_poolmem.sharing.stats()["recycled_blocks"]
     print(f"exported blocks recycled through the reuse cache in this run: {recycled}")
+    if step_rows_wanted():
+        print(reserved_line(RESERVED, cupy.cuda.Device().mem_info[1]))
     del cupy
 
 
