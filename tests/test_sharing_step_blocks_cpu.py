@@ -58,6 +58,10 @@ def test_a_block_travels_and_the_receiver_reads_the_exporters_bytes(sharing_worl
     assert r.importer.step_maps(0).reserved == sum(s[2] for s in steps)  # exactly the steps
     assert {s[0] for s in steps} <= {sid for sid in book(e)._maps[core.placement]}
     assert all(book(e).receivers(core.placement, s[0]) == {1} for s in steps)
+    ptr = b.ptr
+    del owner, b  # the receiver unmaps, then the exporter frees it
+    assert wait_for(lambda: core.freed == [ptr])
+    assert not any(book(e).pinned(core.placement, s[0]) for s in steps)
 
 
 def test_the_steps_travel_once_per_receiver_and_again_to_another(sharing_world, vmm):
@@ -225,3 +229,36 @@ def test_the_dask_same_host_path_takes_a_step_block_as_any_other(sharing_world, 
     hold = a.exporter.hold_live(d2.export_id, d2.export_data, d2.life)
     assert hold is not None and vmm.read(hold.ptr) == 12
     del hold, owner
+
+
+def test_a_failed_export_refuses_the_claim_and_gives_everything_back(sharing_world, vmm):
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r")
+    core = step_pool(e, vmm)
+    core.placement.exportable = False  # memory created without the handle type:
+    core.placement._prop.requestedHandleTypes = 0  # the driver refuses to export it
+    b = core.alloc(3 * MiB, payload=4)
+    with pytest.warns(RuntimeWarning, match="cuMemExportToShareableHandle"):
+        with pytest.raises(SharingError):
+            r.recv(e.send(b))
+    assert e.stats()["leases"] == 0 and e.stats()["tickets_out"] == 0
+    assert not book(e).pinned(core.placement, steps_of(core, b)[0][0])
+    assert r.importer.step_maps(0).reserved == 0 and vmm.handles_alive == set()
+    ptr = b.ptr
+    del b  # nothing holds it: freed at once
+    assert core.freed == [ptr]
+
+
+def test_a_message_back_in_its_exporter_reads_the_block_itself(sharing_world, vmm):
+    w = sharing_world
+    e = w.proc("e")
+    core = step_pool(e, vmm)
+    b = core.alloc(3 * MiB, payload=31)
+    hold = e.recv(e.send(b))
+    assert hold.ptr == b.ptr and vmm.read(hold.ptr) == 31
+    assert fds_exported(vmm) == 0  # nothing exported for its own process
+    ptr = b.ptr
+    del b
+    assert core.freed == []  # the round-tripped array holds it
+    del hold
+    assert wait_for(lambda: core.freed == [ptr])

@@ -127,11 +127,18 @@ class Exporter(Server):
         """
         if self._listener is None:
             self.address  # noqa: B018  (the listener runs before any message can exist)
+        # A mapped or expandable block's steps are asked before the lock is taken: the
+        # placement's lock may be held by a thread whose collection frees a shared block
+        # (and so waits for this lock).
+        placement = steps = None
+        if block.share is None:
+            placement = self._placement_of(block)
+            if placement is not None:
+                steps = placement.steps_under(block.ptr, block.size)
         with self.lock:
             rec = block.share
             if rec is None:
                 dev = block.core.device_id
-                placement = self._placement_of(block)
                 self._ids += 1
                 if placement is None:
                     rec = Record(
@@ -144,7 +151,7 @@ class Exporter(Server):
                         block.core._ipc_pool_of(block.ptr),
                     )
                 else:
-                    rec = self._step_record(block, placement, dev)
+                    rec = self._step_record(block, placement, steps or [], dev)
                 self.records[rec.export_id] = rec
                 block.share = rec
             elif rec.core is None:
@@ -171,13 +178,13 @@ class Exporter(Server):
         of = getattr(block.core, "_steps_of", None)
         return of(block.ptr) if of is not None else None
 
-    def _step_record(self, block: Any, placement: Any, dev: int) -> Record:
-        """The record of a block of ``placement`` (lock held): its steps now, the
-        placement asking the book before it unmaps one of them."""
+    def _step_record(self, block: Any, placement: Any, under: list, dev: int) -> Record:
+        """The record of a block of ``placement`` (lock held) on the steps ``under`` it,
+        the placement asking the book before it unmaps one of them."""
         book = self.steps
         if book is None:
             book = self.steps = StepExports(self.driver.vmm())
-        steps = tuple(tuple(s) for s in placement.steps_under(block.ptr, block.size))
+        steps = tuple(tuple(s) for s in under)
         if not steps:
             raise SharingError(
                 f"the block at {block.ptr:#x} ({block.size} bytes) lies on no mapped step "
@@ -195,7 +202,7 @@ class Exporter(Server):
             self.driver.device_uuid(dev) if dev >= 0 else "",
             (uuid, None),
             placement,
-            steps,  # type: ignore[arg-type]
+            steps,
         )
 
     def export_record(self, rec: Record) -> tuple[bytes, bytes]:

@@ -267,19 +267,28 @@ class Server:
     def _on_step_claim(self, peer: Peer, f: _wire.StepClaim) -> None:
         """A receiver wants to map a block of a mapped or expandable pool: as
         :meth:`_on_claim`, and the grant names the block's steps, checked against the
-        steps mapped now, with a descriptor for each the receiver does not hold."""
+        steps mapped now, with a descriptor for each the receiver does not hold.
+
+        The placement is asked (the steps now, the export) outside ``self.lock``: its
+        lock may be held by a thread whose collection frees a shared block, which waits
+        for ``self.lock``.
+        """
         c = f.claim
+        rec = self.records.get(c.export_id)
+        now = None
+        if rec is not None and rec.placement is not None:
+            now = tuple(tuple(s) for s in rec.placement.steps_under(rec.ptr, rec.size))
         steps: tuple = ()
         fds: list[int] = []
         stale = False
         with self.lock:
-            rec = self.records.get(c.export_id)
-            if rec is not None and rec.placement is None:
-                rec = None  # a CUDA pool's block: claimed with a Claim only
+            if self.records.get(c.export_id) is not rec or (
+                rec is not None and rec.placement is None
+            ):
+                rec = None  # gone meanwhile, or a CUDA pool's block (claimed with a Claim)
             other = rec is not None and c.block != rec.ident
             outside = rec is not None and (c.size != rec.size or c.end > rec.size)
             if rec is not None and not other and not outside and rec.core is not None:
-                now = tuple(tuple(s) for s in rec.placement.steps_under(rec.ptr, rec.size))
                 stale = now != rec.steps  # (before the ticket is spent)
             ok = (
                 rec is not None
@@ -290,27 +299,31 @@ class Server:
                 and c.life == rec.life
                 and self._claim_ticket(rec, c.ticket)
             )
-            if ok:
+            if ok:  # the lease first: the block stays while its steps are exported
                 assert rec is not None
-                try:
-                    with self.driver.on_device(self._dev(rec)):  # (the retain and export)
-                        grants = self.steps.grant(
-                            peer.cid, rec.placement, rec.ptr, rec.size, rec.steps, f.have
-                        )
-                except Exception as exc:  # the driver's export failed: nothing granted
-                    warn_kept("exporting the steps of a shared block", exc)
-                    ok = False
-                    grants = []
-                    # the ticket was spent: the block is settled below, like a Drop
-                if ok:
-                    rec.leases[peer.cid] = rec.leases.get(peer.cid, 0) + 1
-                    rec.idle.pop(peer.cid, None)
-                    rec.released.pop(peer.cid, None)
-                    peer.mapping += 1  # the exit waits until the receiver has mapped it
-                    steps = tuple(
-                        (g.step.id, g.step.va, g.step.size, g.fd is not None) for g in grants
+                rec.leases[peer.cid] = rec.leases.get(peer.cid, 0) + 1
+                rec.idle.pop(peer.cid, None)
+                rec.released.pop(peer.cid, None)
+                peer.mapping += 1  # the exit waits until the receiver has mapped it
+        if ok:
+            assert rec is not None
+            try:
+                with self.driver.on_device(self._dev(rec)):  # (the retain and export)
+                    grants = self.steps.grant(
+                        peer.cid, rec.placement, rec.ptr, rec.size, rec.steps, f.have
                     )
-                    fds = [g.fd for g in grants if g.fd is not None]
+            except Exception as exc:  # the driver's export failed: nothing granted
+                warn_kept("exporting the steps of a shared block", exc)
+                ok, grants = False, []
+                with self.lock:  # the lease back (the ticket was spent: settled below)
+                    n = rec.leases.get(peer.cid, 0) - 1
+                    if n > 0:
+                        rec.leases[peer.cid] = n
+                    else:
+                        rec.leases.pop(peer.cid, None)
+                    peer.mapping = max(peer.mapping - 1, 0)
+            steps = tuple((g.step.id, g.step.va, g.step.size, g.fd is not None) for g in grants)
+            fds = [g.fd for g in grants if g.fd is not None]
         status = (
             _wire.OK
             if ok

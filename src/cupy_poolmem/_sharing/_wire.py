@@ -454,15 +454,15 @@ _ZERO_HANDLE = bytes(HANDLE_BYTES)
 def encode(frame: NamedTuple) -> bytes:
     """The bytes of one frame."""
     if type(frame) is StepClaim:
-        have = frame.have[:HAVE_MAX]  # type: ignore[attr-defined]
-        head = encode(frame.claim)  # type: ignore[attr-defined]
+        have = frame.have[:HAVE_MAX]
+        head = encode(frame.claim)
         return b"".join(
             [bytes((_STEP_CLAIM,)), head[1:], _COUNT.pack(len(have))]
             + [_HAVE.pack(i) for i in have]
         )
     if type(frame) is StepReply:
-        steps = frame.steps  # type: ignore[attr-defined]
-        head = _LAYOUT[_REPLY][0].pack(_STEP_REPLY, frame.seq, frame.status, False)  # type: ignore[attr-defined]
+        steps = frame.steps
+        head = _LAYOUT[_REPLY][0].pack(_STEP_REPLY, frame.seq, frame.status, False)
         return b"".join([head, _COUNT.pack(len(steps))] + [_STEP.pack(*st) for st in steps])
     op = _OP[type(frame)]
     st = _LAYOUT[op][0]
