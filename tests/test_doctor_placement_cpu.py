@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from cupy_poolmem import _doctor, _runtime
+import cupy_poolmem as cpm
+from cupy_poolmem import _doctor
 from cupy_poolmem._pools._options import STEP_IPC_ENV
 
 
@@ -51,10 +52,16 @@ def test_the_doctors_line_reads_the_allocator_and_the_opt_in(monkeypatch, opted)
     else:
         monkeypatch.delenv(STEP_IPC_ENV, raising=False)
     monkeypatch.setattr(_doctor, "require_attribute", lambda *a: None)  # a VMM-capable GPU
-    monkeypatch.setattr(_runtime, "installed_allocator", lambda kind: None)
-    row = _doctor._placement_row()
+    row = _doctor._placement_row(None)  # CuPy's own allocator
     assert row.startswith("  set_allocator() large blocks: 'pool' (")
     assert ("issue 35" in row) is opted
-    alloc = SimpleNamespace(pools=lambda: {0: SimpleNamespace(large_blocks="expandable", ipc=True)})
-    monkeypatch.setattr(_runtime, "installed_allocator", lambda kind: alloc)
-    assert "'expandable' (as set_allocator() was called (ipc=True))" in _doctor._placement_row()
+
+    class Installed(cpm.PoolAllocator):  # what set_allocator() installs
+        def __init__(self):
+            pass
+
+        def pools(self):
+            return {0: SimpleNamespace(large_blocks="expandable", ipc=True)}
+
+    row = _doctor._placement_row(Installed())
+    assert "'expandable' (as set_allocator() was called (ipc=True))" in row

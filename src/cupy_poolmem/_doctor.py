@@ -11,7 +11,6 @@ from typing import Any
 
 import cupy_poolmem
 
-from . import _runtime
 from ._device import (
     can_access_peer,
     device_count,
@@ -21,7 +20,6 @@ from ._device import (
     require_attribute,
 )
 from ._errors import MissingDependencyError, UnsupportedError
-from ._pools._options import step_ipc_opted_in
 
 __all__ = ["doctor", "large_block_placement", "self_check", "time_alloc", "versions"]
 
@@ -191,10 +189,14 @@ def large_block_placement(
     )
 
 
-def _placement_row() -> str:
-    """The doctor's line for :func:`large_block_placement`."""
-    alloc = _runtime.installed_allocator("device")
-    pools = list(alloc.pools().values()) if alloc is not None else None
+def _placement_row(alloc: Any) -> str:
+    """The doctor's line for :func:`large_block_placement`; ``alloc``: CuPy's current
+    allocator (a :class:`~cupy_poolmem.PoolAllocator` when set_allocator() was called)."""
+    # Loaded late: the pools' options import the GPU packages, which `--version` and
+    # the doctor's first lines must not need.
+    from ._pools._options import step_ipc_opted_in
+
+    pools = list(alloc.pools().values()) if isinstance(alloc, cupy_poolmem.PoolAllocator) else None
     try:
         require_attribute(0, "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", "mapped blocks")
         vmm: bool | None = True
@@ -337,7 +339,7 @@ def doctor(out: Callable[[str], Any] = print, check: bool = True) -> int:
         out(row)
     for i in range(n):
         out(_managed_row(i))
-    out(_placement_row())
+    out(_placement_row(cupy.cuda.get_allocator()))
     if not check:
         return 0
     out("self-check (write a pattern, read it back):")

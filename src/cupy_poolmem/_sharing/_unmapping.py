@@ -186,8 +186,9 @@ class Unmapping:
         """Unmap the steps of ``m`` (lock not held) once its last use is done: now when
         it is (then None: the exporter waits for nothing), else ``_KEEP`` and later, by
         the deferred thread (whose unmap then says so to the exporter).  ``cuMemUnmap``
-        is not stream-ordered: it must not run under work still queued on the mapping."""
-        with self.driver.on_device(m.dev):
+        is not stream-ordered: it must not run under work still queued on the mapping.
+        Relaxed capture mode: another thread's graph capture is left alone."""
+        with self.driver.on_device(m.dev), self.driver.relaxed():
             if not self.driver.event_done(u.event):
                 with self.lock:
                     self._step_unmaps.append((m, u.event))

@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 import cupy_poolmem
+from cupy_poolmem._sharing._context import context
 
 from ._common import header, require_gpu, table
 from ._step_ipc import STEP_KIND, not_measured, reserved_line, step_rows_wanted
@@ -31,10 +32,6 @@ def consumer(kind: str, q_in, q_out) -> None:
     q_out.put(("ready", time.perf_counter() - t0))
     reserved = None  # arrays of a shared expandable pool: the most address space reserved
     if kind == STEP_KIND:
-        # Loaded late: only this consumer reads the importer's step mappings; the
-        # others must not differ from a plain receiver by a sharing import.
-        from cupy_poolmem._sharing._context import context
-
         reserved = 0
     while True:
         obj = q_in.get()
