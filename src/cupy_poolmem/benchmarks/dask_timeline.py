@@ -65,6 +65,7 @@ class _Probe:
     def __init__(self) -> None:
         self.gc: list[float] = []
         self.lag: list[float] = []
+        self.events: list[tuple] = []  # (what, wall start, seconds, detail)
         self._t0: float | None = None
         self.task: Any = None
 
@@ -72,8 +73,11 @@ class _Probe:
         if phase == "start":
             self._t0 = time.perf_counter()
         elif self._t0 is not None:
-            self.gc.append(time.perf_counter() - self._t0)
+            took = time.perf_counter() - self._t0
             self._t0 = None
+            if took > 0.001:  # the ones that matter, with their wall time and generation
+                self.gc.append(took)
+                self.events.append(("gc", time.time() - took, took, info.get("generation")))
 
     async def watch_loop(self) -> None:
         while True:
@@ -82,6 +86,7 @@ class _Probe:
             late = time.perf_counter() - t0 - 0.001
             if late > 0.002:
                 self.lag.append(late)
+                self.events.append(("lag", time.time() - late, late, None))
 
 
 _PROBE = _Probe()
@@ -98,9 +103,14 @@ async def _install_probe(switch: float | None = None) -> str:
 
 
 def _take() -> dict[str, Any]:
-    out: dict[str, Any] = {"gc": list(_PROBE.gc), "lag": list(_PROBE.lag)}
+    out: dict[str, Any] = {
+        "gc": list(_PROBE.gc),
+        "lag": list(_PROBE.lag),
+        "events": list(_PROBE.events),
+    }
     _PROBE.gc.clear()
     _PROBE.lag.clear()
+    _PROBE.events.clear()
     try:
         from .. import _dask_transfer
 
@@ -162,6 +172,7 @@ def analyse_run(records: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     computes: list[float] = []
     by_prefix: dict[str, float] = {}
     starts, stops = [], []
+    slowest: tuple[float, str, str, float] = (0.0, "", "", 0.0)
     for rec in records:
         key = str(rec.get("key"))
         prefix = key.strip("('\"").split("-")[0]
@@ -174,6 +185,8 @@ def analyse_run(records: list[dict[str, Any]], wall: float) -> dict[str, Any]:
             elif a == "compute":
                 computes.append(e - s)
                 by_prefix[prefix] = max(by_prefix.get(prefix, 0.0), e - s)
+                if e - s > slowest[0]:
+                    slowest = (e - s, key, str(rec.get("worker")), s)
     tr = list(transfers.values())
     return {
         "wall": wall,
@@ -184,15 +197,21 @@ def analyse_run(records: list[dict[str, Any]], wall: float) -> dict[str, Any]:
         "computes": len(computes),
         "compute_max": max(computes, default=0.0),
         "compute_by_prefix": by_prefix,
+        "slowest_compute": list(slowest),
     }
 
 
 def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Start a cluster for ``name``, run the graph ``args.runs`` times; per-run results."""
+    import importlib
+
     import dask.array as da
     import dask.config
     from distributed import Client, LocalCluster, get_task_stream, wait
 
+    # By name: run as ``python -m``, this file is ``__main__``, whose functions are sent
+    # by value (each with its own copy of the probe); the module's are found on the worker.
+    me = importlib.import_module("cupy_poolmem.benchmarks.dask_timeline")
     proto, env, switch = VARIANTS[name]
     if proto == "ucxx":
         import importlib.util
@@ -224,26 +243,27 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
             )
         with cluster, Client(cluster) as client:
             started = time.perf_counter() - t_start
-            client.run(_install_probe, switch)
+            client.run(me._install_probe, switch)
             rs = da.random.RandomState(RandomState=xp.random.RandomState)
             runs = []
             for _ in range(args.runs):
                 x = rs.random((args.size, args.size), chunks=args.chunk).persist()
                 wait(x)
-                before = client.run(_take)
+                before = client.run(me._take)
                 with get_task_stream(client) as ts:
                     result = (x + x.T).sum()
                     t1 = time.perf_counter()
                     wait(client.persist(result))
                     if not args.cpu:
-                        client.run(_sync)
+                        client.run(me._sync)
                     took = time.perf_counter() - t1
-                after = client.run(_take)
+                after = client.run(me._take)
                 r = analyse_run(list(ts.data), took)
                 r["workers"] = {
                     w: {
                         "gc": after[w]["gc"],
                         "lag": after[w]["lag"],
+                        "events": after[w].get("events", []),
                         "counters": _diff(before[w]["counters"], after[w]["counters"]),
                     }
                     for w in after
