@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Issue 37 diagnostics on a 4-GPU machine: where transpose_sum runs lose time.
+# Issue 37 on a 4-GPU machine: where transpose_sum runs lose time (bench dask-timeline),
+# then dask-cuda's own benchmark (bench dask-cuda) on two GPUs and on every GPU.
 #   OUT=... bash tools/gpu_diag.sh        (carry .whl and .whl_ucx)
+# Env: RUNS (timeline runs per variant), V4 / V2 (timeline variants on all GPUs / two;
+# "-" skips), BENCH=0 skips bench dask-cuda.  At most 8 files come back from $OUT.
 set -u
 OUTDIR="${OUT:-$PWD/gpu_diag_out}"; mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -11,16 +14,32 @@ for d in .whl_ucx .whl; do
     --no-compile --no-cache-dir --upgrade --target /tmp/site "$d"/*.whl
 done
 echo "install $((SECONDS - t0)) s"
-python3 setup.py -q build_ext --inplace > "$OUTDIR/build.log" 2>&1 || echo "build failed"
+python3 setup.py -q build_ext --inplace > /tmp/build.log 2>&1 || { echo "build failed"; tail /tmp/build.log; }
 nvidia-smi -L
 n=$(nvidia-smi -L | wc -l)
 devs=$(seq -s, 0 $((n - 1)))
 tl() {  # tl DEVICES VARIANTS JSON SECONDS
+  [ "$2" = "-" ] && return 0
   timeout --kill-after=10 "$4" python3 -m cupy_poolmem.benchmarks.dask_timeline \
-    --devices "$1" --variants "$2" --runs "${RUNS:-8}" --json "$OUTDIR/$3" 2>"$OUTDIR/$3.err" \
+    --devices "$1" --variants "$2" --runs "${RUNS:-8}" --json "$OUTDIR/$3" 2>/tmp/$3.err \
     | tee -a "$OUTDIR/timeline.txt"
   echo "== tl $1 $2: exit $? at $((SECONDS - t0)) s" | tee -a "$OUTDIR/timeline.txt"
 }
-tl "$devs" "${V4:-tcp+cupy_poolmem,tcp+cupy_poolmem+switch,tcp+cupy_poolmem+offload,ucxx}" tl4.json 280
-tl "0,1" "${V2:-tcp+cupy_poolmem,ucxx}" tl2.json 130
+bench() {  # bench DEVICES NAME SECONDS [extra args]
+  local devs=$1 name=$2 secs=$3; shift 3
+  rm -rf "/tmp/save-$name"
+  timeout --kill-after=10 "$secs" python3 -m cupy_poolmem bench dask-cuda --devices "$devs" \
+    --runs 5 --timeout 110 --log-dir "/tmp/logs-$name" --save "/tmp/save-$name" "$@" \
+    > "/tmp/bench-$name.txt" 2>&1
+  echo "== bench $name ($devs): exit $? at $((SECONDS - t0)) s" >> "/tmp/bench-$name.txt"
+  cat "/tmp/bench-$name.txt" >> "$OUTDIR/bench.txt"
+  cp /tmp/save-$name/*.json "$OUTDIR/dask-cuda-$name.json" 2>/dev/null
+  grep -v "UCX  WARN" "/tmp/bench-$name.txt" | tail -45
+}
+tl "$devs" "${V4:-tcp+cupy_poolmem,ucxx}" tl4.json 200
+tl "0,1" "${V2:-tcp+cupy_poolmem,tcp+cupy_poolmem+nofreeze,ucxx}" tl2.json 200
+if [ "${BENCH:-1}" = 1 ]; then
+  bench 0,1 x2 300
+  [ "$n" -gt 2 ] && bench "$devs" "x$n" 300 --no-transfer
+fi
 echo "== done at $((SECONDS - t0)) s"

@@ -53,6 +53,15 @@ VARIANTS: dict[str, tuple[str, dict[str, str], float | None]] = {
         },
         None,
     ),
+    "tcp+cupy_poolmem+nofreeze": (
+        "tcp",
+        {
+            "DASK_DISTRIBUTED__NANNY__PRELOAD": _PRELOAD,
+            "DASK_DISTRIBUTED__WORKER__PRELOAD": _PRELOAD,
+            "DASK_CUPY_POOLMEM__GC_FREEZE": "false",
+        },
+        None,
+    ),
     "tcp": ("tcp", {}, None),
     "ucxx": ("ucxx", {}, None),
 }
@@ -107,6 +116,7 @@ def _take() -> dict[str, Any]:
         "gc": list(_PROBE.gc),
         "lag": list(_PROBE.lag),
         "events": list(_PROBE.events),
+        "frozen": gc.get_freeze_count(),
     }
     _PROBE.gc.clear()
     _PROBE.lag.clear()
@@ -264,6 +274,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
                         "gc": after[w]["gc"],
                         "lag": after[w]["lag"],
                         "events": after[w].get("events", []),
+                        "frozen": after[w].get("frozen"),
                         "counters": _diff(before[w]["counters"], after[w]["counters"]),
                     }
                     for w in after
