@@ -54,7 +54,7 @@ class GcFreeze:
             return "skipped: the worker holds tasks (their reference cycles must stay collectable)"
         for name in self.preload:
             try:
-                importlib.import_module(name)
+                importlib.import_module(name)  # late: what the worker's tasks will load
             except Exception:  # noqa: BLE001 - not installed: nothing of it to freeze
                 pass
         self.gc.collect()

@@ -23,6 +23,11 @@ from typing import Any
 
 from ._common import header, table
 
+try:  # the dask extra; without it the workers report no transfer counters
+    from .. import _dask_transfer
+except ImportError:
+    _dask_transfer = None  # type: ignore[assignment]
+
 __all__ = ["VARIANTS", "analyse_run", "main"]
 
 _PRELOAD = '["cupy_poolmem_dask"]'
@@ -122,8 +127,6 @@ def _take() -> dict[str, Any]:
     _PROBE.lag.clear()
     _PROBE.events.clear()
     try:
-        from .. import _dask_transfer
-
         out["counters"] = _dask_transfer.counters()
     except Exception:  # noqa: BLE001 - no dask extra on this worker: no counters
         out["counters"] = {}
