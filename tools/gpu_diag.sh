@@ -3,7 +3,8 @@
 # then dask-cuda's own benchmark (bench dask-cuda) on two GPUs and on every GPU.
 #   OUT=... bash tools/gpu_diag.sh        (carry .whl and .whl_ucx)
 # Env: RUNS (timeline runs per variant), V4 / V2 (timeline variants on all GPUs / two;
-# "-" skips), BENCH=0 skips bench dask-cuda.  At most 8 files come back from $OUT.
+# "-" skips), BENCH=0 skips bench dask-cuda, TESTS=1 first runs the Dask GPU tests on
+# GPUs 0,1 (tests.txt).  At most 8 files come back from $OUT.
 set -u
 OUTDIR="${OUT:-$PWD/gpu_diag_out}"; mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -28,7 +29,7 @@ tl() {  # tl DEVICES VARIANTS JSON SECONDS
 bench() {  # bench DEVICES NAME SECONDS [extra args]
   local devs=$1 name=$2 secs=$3; shift 3
   rm -rf "/tmp/save-$name"
-  timeout --kill-after=10 "$secs" python3 -m cupy_poolmem bench dask-cuda --devices "$devs" \
+  timeout --kill-after=10 "$secs" python3 -m cupy_poolmem.benchmarks.dask_cuda_local --devices "$devs" \
     --runs 5 --timeout 110 --log-dir "/tmp/logs-$name" --save "/tmp/save-$name" "$@" \
     > "/tmp/bench-$name.txt" 2>&1
   echo "== bench $name ($devs): exit $? at $((SECONDS - t0)) s" >> "/tmp/bench-$name.txt"
@@ -36,10 +37,17 @@ bench() {  # bench DEVICES NAME SECONDS [extra args]
   cp /tmp/save-$name/*.json "$OUTDIR/dask-cuda-$name.json" 2>/dev/null
   grep -v "UCX  WARN" "/tmp/bench-$name.txt" | tail -45
 }
+if [ "${TESTS:-0}" = 1 ]; then
+  CUDA_VISIBLE_DEVICES=0,1 timeout --kill-after=10 220 python3 -m pytest -p no:cacheprovider \
+    -rA -q tests/test_dask_deploy_gpu.py tests/test_dask_gpu.py tests/test_dask_transfer_gpu.py \
+    > "$OUTDIR/tests.txt" 2>&1
+  echo "== dask GPU tests: exit $? at $((SECONDS - t0)) s" | tee -a "$OUTDIR/tests.txt"
+  grep -E "passed|failed|error" "$OUTDIR/tests.txt" | tail -5
+fi
 tl "$devs" "${V4:-tcp+cupy_poolmem,ucxx}" tl4.json 200
 tl "0,1" "${V2:-tcp+cupy_poolmem,tcp+cupy_poolmem+nofreeze,ucxx}" tl2.json 200
 if [ "${BENCH:-1}" = 1 ]; then
-  bench 0,1 x2 300
-  [ "$n" -gt 2 ] && bench "$devs" "x$n" 300 --no-transfer
+  bench 0,1 x2 "${BENCH2_S:-300}"
+  [ "$n" -gt 2 ] && bench "$devs" "x$n" "${BENCH4_S:-300}" --no-transfer
 fi
 echo "== done at $((SECONDS - t0)) s"

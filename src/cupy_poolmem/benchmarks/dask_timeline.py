@@ -28,7 +28,7 @@ try:  # the dask extra; without it the workers report no transfer counters
 except ImportError:
     _dask_transfer = None  # type: ignore[assignment]
 
-__all__ = ["VARIANTS", "analyse_run", "main"]
+__all__ = ["VARIANTS", "analyse_run", "fit", "main"]
 
 _PRELOAD = '["cupy_poolmem_dask"]'
 #: name -> (protocol, environment of the workers, switch interval in the workers or None).
@@ -106,14 +106,14 @@ class _Probe:
 _PROBE = _Probe()
 
 
-async def _install_probe(switch: float | None = None) -> str:
+async def _install_probe(switch: float | None = None) -> int:
     if _PROBE.on_gc not in gc.callbacks:
         gc.callbacks.append(_PROBE.on_gc)
     if _PROBE.task is None:
         _PROBE.task = asyncio.ensure_future(_PROBE.watch_loop())
     if switch:
         sys.setswitchinterval(switch)
-    return f"switch={sys.getswitchinterval()}"
+    return id(_PROBE)
 
 
 def _take() -> dict[str, Any]:
@@ -121,7 +121,7 @@ def _take() -> dict[str, Any]:
         "gc": list(_PROBE.gc),
         "lag": list(_PROBE.lag),
         "events": list(_PROBE.events),
-        "frozen": gc.get_freeze_count(),
+        "probe": id(_PROBE),
     }
     _PROBE.gc.clear()
     _PROBE.lag.clear()
@@ -214,6 +214,23 @@ def analyse_run(records: list[dict[str, Any]], wall: float) -> dict[str, Any]:
     }
 
 
+def fit(runs: list[dict[str, Any]]) -> tuple[float, float, float]:
+    """Least squares ``wall = a + b * transfers`` over ``runs``: ``(a, b, r)``.
+
+    Examples
+    --------
+    >>> fit([{"wall": 0.04, "transfers": 5}, {"wall": 0.05, "transfers": 10}])
+    (0.03, 0.002, 1.0)
+    """
+    xs = [float(r["transfers"]) for r in runs]
+    ys = [float(r["wall"]) for r in runs]
+    if len(xs) < 2 or len(set(xs)) < 2:
+        return (statistics.fmean(ys) if ys else 0.0), 0.0, 0.0
+    b, a = statistics.linear_regression(xs, ys)
+    r = statistics.correlation(xs, ys) if len(set(ys)) > 1 else 0.0
+    return round(a, 9), round(b, 9), round(r, 9)
+
+
 def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Start a cluster for ``name``, run the graph ``args.runs`` times; per-run results."""
     import importlib
@@ -256,7 +273,9 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
             )
         with cluster, Client(cluster) as client:
             started = time.perf_counter() - t_start
-            client.run(me._install_probe, switch)
+            probes = client.run(me._install_probe, switch)
+            # Walks the frozen objects (about 20 ms): read once, outside the runs.
+            frozen = client.run(gc.get_freeze_count)
             rs = da.random.RandomState(RandomState=xp.random.RandomState)
             runs = []
             for _ in range(args.runs):
@@ -277,14 +296,15 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
                         "gc": after[w]["gc"],
                         "lag": after[w]["lag"],
                         "events": after[w].get("events", []),
-                        "frozen": after[w].get("frozen"),
+                        # the probe that took them is the one installed (not a copy)
+                        "probe_installed": after[w].get("probe") == probes.get(w),
                         "counters": _diff(before[w]["counters"], after[w]["counters"]),
                     }
                     for w in after
                 }
                 runs.append(r)
                 del x, result
-            return {"started_s": started, "runs": runs}
+            return {"started_s": started, "runs": runs, "frozen": frozen}
     except Exception as exc:  # noqa: BLE001 - reported in the table
         return {"skipped": f"{type(exc).__name__}: {exc}"[:300]}
     finally:
@@ -334,10 +354,12 @@ def render(name: str, res: dict[str, Any]) -> str:
             "compute max ms", "loop lag n/sum/max", "gc n/sum/max", "top steps n:ms"]  # fmt: skip
     walls = [r["wall"] for r in res["runs"]]
     later = walls[1:] or walls
+    a, b, rr = fit(res["runs"][1:])
     tail = (
         f"  first {_ms(walls[0])} ms, best {_ms(min(walls))} ms, later median "
         f"{_ms(statistics.median(later))} ms, worst later/best {max(later) / min(walls):.2f}; "
-        f"cluster start {res.get('started_s', 0):.1f} s"
+        f"cluster start {res.get('started_s', 0):.1f} s\n"
+        f"  later runs: wall = {_ms(a)} ms + {_ms(b)} ms per transfer (r = {rr:.2f})"
     )
     return f"-- {name}\n{table(cols, rows)}\n{tail}"
 
