@@ -37,17 +37,22 @@ bench() {  # bench DEVICES NAME SECONDS [extra args]
   cp /tmp/save-$name/*.json "$OUTDIR/dask-cuda-$name.json" 2>/dev/null
   grep -v "UCX  WARN" "/tmp/bench-$name.txt" | tail -45
 }
-if [ "${TESTS:-0}" = 1 ]; then
-  CUDA_VISIBLE_DEVICES=0,1 timeout --kill-after=10 220 python3 -m pytest -p no:cacheprovider \
-    -rA -q tests/test_dask_deploy_gpu.py tests/test_dask_gpu.py tests/test_dask_transfer_gpu.py \
-    > "$OUTDIR/tests.txt" 2>&1
-  echo "== dask GPU tests: exit $? at $((SECONDS - t0)) s" | tee -a "$OUTDIR/tests.txt"
-  grep -E "passed|failed|error" "$OUTDIR/tests.txt" | tail -5
-fi
+dask_tests() {  # on the last two GPUs, beside bench x2 on GPUs 0,1 (when there are 4)
+  local gpus=0,1
+  [ "$n" -gt 3 ] && gpus=2,3
+  CUDA_VISIBLE_DEVICES=$gpus timeout --kill-after=10 "${TESTS_S:-300}" python3 -m pytest \
+    -p no:cacheprovider -rA -q tests/test_dask_deploy_gpu.py tests/test_dask_gpu.py \
+    tests/test_dask_transfer_gpu.py > "$OUTDIR/tests.txt" 2>&1
+  echo "== dask GPU tests on GPUs $gpus: exit $? at $((SECONDS - t0)) s" >> "$OUTDIR/tests.txt"
+}
 tl "$devs" "${V4:-tcp+cupy_poolmem,ucxx}" tl4.json 200
 tl "0,1" "${V2:-tcp+cupy_poolmem,tcp+cupy_poolmem+nofreeze,ucxx}" tl2.json 200
-if [ "${BENCH:-1}" = 1 ]; then
-  bench 0,1 x2 "${BENCH2_S:-300}"
-  [ "$n" -gt 2 ] && bench "$devs" "x$n" "${BENCH4_S:-300}" --no-transfer
+pid=""
+if [ "${TESTS:-0}" = 1 ]; then
+  if [ "$n" -gt 3 ]; then dask_tests & pid=$!; else dask_tests; fi
 fi
+[ "${BENCH:-1}" = 1 ] && bench 0,1 x2 "${BENCH2_S:-300}"
+[ -n "$pid" ] && wait "$pid"
+[ "${TESTS:-0}" = 1 ] && grep -E "passed|failed|error|== dask" "$OUTDIR/tests.txt" | tail -6
+[ "${BENCH:-1}" = 1 ] && [ "$n" -gt 2 ] && bench "$devs" "x$n" "${BENCH4_S:-300}" --no-transfer
 echo "== done at $((SECONDS - t0)) s"
