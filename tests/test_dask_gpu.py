@@ -157,7 +157,8 @@ def test_preload_module_configured_through_dask_config():
         assert gather_stats(client)[addr]["n_allocs"] > s0["n_allocs"]
         with pytest.raises(cpm.PoolClosedError, match="pinned pool"):
             gather_stats(client, kind="pinned")
-        assert client.run(gc.get_freeze_count)[addr] == 0  # gc-freeze: false
+        # gc-freeze: false (the worker's libraries freeze a few hundred objects themselves)
+        assert client.run(gc.get_freeze_count)[addr] < 10_000
 
 
 @pytest.mark.multigpu
