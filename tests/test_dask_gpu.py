@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -94,6 +96,8 @@ def test_dask_array_workload_allocates_from_the_plugin_pool():
         state = client.run(_worker_allocator_state)[addr]
         assert state["plugin_allocator"] and state["pool_ipc"]
         assert state["default_pool_bytes"] == 0  # CuPy's own pool never used
+        # The worker's start-up objects were frozen at setup (gc_freeze's default).
+        assert client.run(gc.get_freeze_count)[addr] > 10_000
         assert state["cvd"].split(",")[0] == "0"
         pinned = gather_stats(client, kind="pinned")[addr]
         assert pinned["kind"] == "pinned"
@@ -109,6 +113,7 @@ def test_dask_array_workload_allocates_from_the_plugin_pool():
         client.unregister_worker_plugin("cupy-poolmem")
         state = client.run(_worker_allocator_state)[addr2]
         assert not state["plugin_allocator"]
+        assert client.run(gc.get_freeze_count)[addr2] == 0  # given back at teardown
         with pytest.raises(cpm.PoolClosedError, match="no cupy_poolmem device pool"):
             gather_stats(client)
 
@@ -140,6 +145,7 @@ def test_preload_module_configured_through_dask_config():
                 "cupy-poolmem.pool-size": "128MiB",
                 "cupy-poolmem.maximum-pool-size": "0.5",
                 "cupy-poolmem.pinned": False,
+                "cupy-poolmem.gc-freeze": False,
             }
         ),
         _cluster(preload=["cupy_poolmem.dask"]) as cluster,
@@ -151,6 +157,8 @@ def test_preload_module_configured_through_dask_config():
         assert gather_stats(client)[addr]["n_allocs"] > s0["n_allocs"]
         with pytest.raises(cpm.PoolClosedError, match="pinned pool"):
             gather_stats(client, kind="pinned")
+        # gc-freeze: false (the worker's libraries freeze a few hundred objects themselves)
+        assert client.run(gc.get_freeze_count)[addr] < 10_000
 
 
 @pytest.mark.multigpu

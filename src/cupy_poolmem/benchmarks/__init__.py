@@ -9,6 +9,7 @@ They need a GPU; ``bench`` runs each in its own process (they spawn workers)::
     python -m cupy_poolmem bench dask            # needs dask, distributed, dask-cuda
     python -m cupy_poolmem bench transfer        # the same, and two GPUs
     python -m cupy_poolmem bench dask-cuda       # dask-cuda's own script; also transfer
+    python -m cupy_poolmem bench dask-timeline   # where each transpose_sum run's time went
     python -m cupy_poolmem bench chaos --rounds 300   # sharing under chaos: one line
 
 or directly ``python -m cupy_poolmem.benchmarks.alloc [--quick]``.  In a source
@@ -28,6 +29,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "dask-cuda": (
         "dask_cuda_local",
         "dask-cuda's local_cupy script: TCP + cupy_poolmem by env vs TCP+RMM vs UCXX",
+    ),
+    "dask-timeline": (
+        "dask_timeline",
+        "transpose_sum run by run: task stream, event-loop lag, GC, transfer steps",
     ),
     "chaos": ("chaos", "seeded rounds of killed processes and hostile messages: data, leaks"),
 }
