@@ -10,7 +10,7 @@ import pytest
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _doctor
-from cupy_poolmem._pools._options import STEP_IPC_ENV
+from cupy_poolmem._experimental import STEP_IPC_ENV
 
 
 def test_without_an_allocator_the_default_is_the_cuda_pool_and_the_reason_is_sharing():

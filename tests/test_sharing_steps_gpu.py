@@ -18,7 +18,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 import pytest
 
 import cupy_poolmem as cpm
-from cupy_poolmem._pools._options import STEP_IPC_ENV
+from cupy_poolmem._experimental import STEP_IPC_ENV
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ from fakes.steps import FD
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _driver, _pools
-from cupy_poolmem._pools._options import STEP_IPC_ENV
+from cupy_poolmem._experimental import STEP_IPC_ENV
 from cupy_poolmem._sharing._steps import StepExports
 
 drv = fx.drv

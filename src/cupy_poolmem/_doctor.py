@@ -20,6 +20,7 @@ from ._device import (
     require_attribute,
 )
 from ._errors import MissingDependencyError, UnsupportedError
+from ._experimental import step_ipc_opted_in
 
 __all__ = ["doctor", "large_block_placement", "self_check", "time_alloc", "versions"]
 
@@ -192,10 +193,6 @@ def large_block_placement(
 def _placement_row(alloc: Any) -> str:
     """The doctor's line for :func:`large_block_placement`; ``alloc``: CuPy's current
     allocator (a :class:`~cupy_poolmem.PoolAllocator` when set_allocator() was called)."""
-    # Loaded late: the pools' options import the GPU packages, which `--version` and
-    # the doctor's first lines must not need.
-    from ._pools._options import step_ipc_opted_in
-
     pools = list(alloc.pools().values()) if isinstance(alloc, cupy_poolmem.PoolAllocator) else None
     try:
         require_attribute(0, "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED", "mapped blocks")

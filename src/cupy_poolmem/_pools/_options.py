@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from .. import _expandable
 from .._errors import InvalidOptionError, InvalidSizeError, OptionTypeError
+from .._experimental import step_ipc_opted_in
 from .._sizes import format_bytes, parse_bytes
 
 _UINT64_MAX = 2**64 - 1
@@ -84,19 +84,6 @@ def large_blocks_mode(value: Any, ipc: bool) -> str:
             "a pool whose arrays are shared"
         )
     return value
-
-
-#: The test-only opt-in to ``ipc=True`` with mapped or expandable blocks while their
-#: sharing is being built (docs/sharing.rst, "Mapped and expandable blocks").
-STEP_IPC_ENV = "CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC"
-
-
-def step_ipc_opted_in() -> bool:
-    """Whether ``CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC=1`` is set: then a DevicePool with
-    ``large_blocks="mapped"`` or ``"expandable"`` accepts ``ipc=True`` and creates its
-    memory exportable (for the tests of the work in progress; its blocks do not travel
-    yet)."""
-    return os.environ.get(STEP_IPC_ENV, "") == "1"
 
 
 def check_expandable(small_pool: Any, release_threshold: Any, max_size: Any) -> None:

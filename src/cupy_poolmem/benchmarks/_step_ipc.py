@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .._pools._options import STEP_IPC_ENV, step_ipc_opted_in
+from .._experimental import STEP_IPC_ENV, step_ipc_opted_in
 
 __all__ = [
     "EXPANDABLE_IPC_LABEL",
