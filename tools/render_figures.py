@@ -285,7 +285,7 @@ def render_figure(fig: Figure, results: list[dict[str, Any]]) -> str:
         ]
         out += [head + ":", ""]
         out += rst_table([t["columns"][i] for i in cols], [[row[i] for i in cols] for row in rows])
-        out += rst_lines([x for x in after if fig.lines and x.startswith(fig.lines)])
+        out += rst_lines([x for x in after if fig.lines and x.strip().startswith(fig.lines)])
     return "\n".join(out)
 
 

@@ -255,14 +255,17 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     try:
         if args.cpu:  # the plumbing without a GPU: numpy chunks on a LocalCluster
-            import numpy as xp
+            import numpy
 
+            xp: Any = numpy
             cluster = LocalCluster(
                 n_workers=n, threads_per_worker=1, dashboard_address=None, protocol=proto
             )
         else:
-            import cupy as xp
+            import cupy
             from dask_cuda import LocalCUDACluster
+
+            xp = cupy
 
             cluster = LocalCUDACluster(
                 protocol=proto,
