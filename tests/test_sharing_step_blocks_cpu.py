@@ -262,3 +262,51 @@ def test_a_message_back_in_its_exporter_reads_the_block_itself(sharing_world, vm
     assert core.freed == []  # the round-tripped array holds it
     del hold
     assert wait_for(lambda: core.freed == [ptr])
+
+
+@pytest.mark.parametrize(
+    "field, value, error",
+    [
+        ("size", 4 * MiB, _wire.ProtocolError),  # more bytes than the block: OUT_OF_SPAN
+        ("ticket", b"\x07" * 16, SharingError),  # no live ticket: stale
+        ("life", 3, SharingError),  # another life: refused
+        ("export_id", 99, SharingError),  # no such export
+    ],
+)
+def test_forged_fields_of_a_step_message_map_nothing(sharing_world, vmm, field, value, error):
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r")
+    core = step_pool(e, vmm)
+    b = core.alloc(3 * MiB, payload=4)
+    d = pickle.loads(e.send(b))
+    forged = d._replace(**{field: value})
+    if field == "size":
+        forged = forged._replace(shape=(value,))
+    with pytest.raises(error):
+        r.recv(pickle.dumps(forged))
+    assert r.importer.step_maps(0).reserved == 0 and fds_exported(vmm) == 0
+    assert e.stats()["leases"] == 0
+    owner = r.recv(pickle.dumps(d))  # the genuine message still maps
+    assert read_here(r, owner, b.size) == (4, 4)
+
+
+def test_an_exporter_exiting_waits_for_a_message_on_its_way(sharing_world, vmm):
+    import threading
+
+    w = sharing_world
+    e, r = w.proc("e", exit_timeout=5.0), w.proc("r")
+    core = step_pool(e, vmm)
+    b = core.alloc(3 * MiB, payload=17)
+    msg = e.send(b)
+    del b  # the exporter's own array is gone: the ticket holds the block
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (e.ctx.at_exit(), done.set()))
+    t.start()
+    try:
+        assert not done.wait(0.2)  # waiting for the message's receiver
+        owner = r.recv(msg)
+        assert done.wait(5.0)  # claimed and mapped: the exit goes on
+    finally:
+        t.join(10)
+    e.close()
+    assert read_here(r, owner, 3 * MiB) == (17, 17)
