@@ -764,6 +764,9 @@ def test_first_steps_say_what_a_receive_will_cost():
     assert _receiver.first_steps(ctx, d) == "first-contact"
     imp.clients["/s/a"] = object()
     assert _receiver.first_steps(ctx, d) == "pool-import"
+    imp.maps[("p", b"e")] = object()  # a mapped block of a mapped or expandable pool:
+    assert _receiver.first_steps(ctx, d) == "mapped"  # mapped, though no pool is imported
+    del imp.maps[("p", b"e")]
     imp.pools["p"] = object()
     assert _receiver.first_steps(ctx, d) == "claim"
     imp.maps[("p", b"e")] = object()

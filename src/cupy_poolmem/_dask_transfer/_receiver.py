@@ -38,10 +38,10 @@ def first_steps(ctx: Any, d: Any) -> str:
     imp = ctx._importer
     if imp is None or d.address not in imp.clients:
         return "first-contact"
+    if (d.pool_uuid, d.export_data) in imp.maps:  # (a step-backed block has no pool)
+        return "mapped"
     if d.pool_uuid not in imp.pools:
         return "pool-import"
-    if (d.pool_uuid, d.export_data) in imp.maps:
-        return "mapped"
     return "claim"
 
 
