@@ -310,3 +310,24 @@ def test_an_exporter_exiting_waits_for_a_message_on_its_way(sharing_world, vmm):
         t.join(10)
     e.close()
     assert read_here(r, owner, 3 * MiB) == (17, 17)
+
+
+def test_sixty_four_receivers_each_map_the_block_and_each_gets_its_own_descriptor(
+    sharing_world, vmm
+):
+    w = sharing_world
+    e = w.proc("e")
+    core = step_pool(e, vmm)
+    b = core.alloc(5 * MiB, payload=64)
+    (sid, _va, n), *_ = steps_of(core, b)
+    rs = [w.proc(f"r{i}") for i in range(64)]
+    owners = [r.recv(e.send(b)) for r in rs]
+    for r, o in zip(rs, owners, strict=True):
+        assert read_here(r, o, b.size) == (64, 64)
+        assert r.importer.step_maps(0).reserved == sum(s[2] for s in steps_of(core, b))
+    assert fds_exported(vmm) == 64 * len(steps_of(core, b))  # once per receiving process
+    assert len(book(e).receivers(core.placement, sid)) == 64
+    ptr = b.ptr
+    del owners, o, b  # (``o``: the loop's last)
+    assert wait_for(lambda: core.freed == [ptr], 10.0)
+    assert book(e).receivers(core.placement, sid) == set()
