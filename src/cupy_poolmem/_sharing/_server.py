@@ -308,7 +308,8 @@ class Server:
         if ok:
             assert rec is not None
             try:
-                with self.driver.on_device(self._dev(rec)):  # (the retain and export)
+                # (the retain and export; relaxed: a capture in another thread stays valid)
+                with self.driver.on_device(self._dev(rec)), self.driver.relaxed():
                     grants = self.steps.grant(
                         peer.cid, rec.placement, rec.ptr, rec.size, rec.steps, f.have
                     )
