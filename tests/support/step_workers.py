@@ -10,7 +10,7 @@ import os
 import traceback
 from multiprocessing.reduction import recv_handle, send_handle
 
-TIMEOUT = 120
+SETTLE = 10.0  # seconds a receiver waits for its unmaps after letting go
 
 
 def _array(cupy, ptr: int, n: int, owner: object, device: int):
@@ -32,12 +32,12 @@ def send_block(conn, pid: int, owner, ptr: int, size: int, grants) -> None:
 def receiver(conn, device: int, peers: tuple = (), read_on: int | None = None) -> None:
     """Map blocks the parent sends and check them; answer each request.
 
-    Requests: ``("map", owner, ptr, size, [(step, has_fd)])`` then the descriptors ->
-    ``("mapped", key, reserved bytes)``; ``("check", key_index, ptr, n, base)``: the
-    block holds ``base + arange(n)`` -> ``("checked", ok)`` (read with GPU ``read_on``
-    when given, a peer); ``("write", key_index, ptr, n, base)`` -> ``("written",)``;
-    ``("unmap", key_index)`` -> ``("unmapped", step ids gone)``; ``("have", owner)``;
-    ``None``: exit.
+    First ``("ready", pid)``.  Requests: ``("map", owner, ptr, size, [(step, has_fd)])``
+    then the descriptors -> ``("mapped", key, reserved bytes)``; ``("check", key_index,
+    ptr, n, base)``: the block holds ``base + arange(n)`` -> ``("checked", ok, what was
+    wrong)`` (read with GPU ``read_on`` when given, a peer); ``("write", key_index, ptr,
+    n, base)`` -> ``("written",)``; ``("unmap", key_index)`` -> ``("unmapped", step ids
+    gone)``; ``("have", owner)``; ``None``: exit.
     """
     try:
         import cupy
@@ -48,6 +48,7 @@ def receiver(conn, device: int, peers: tuple = (), read_on: int | None = None) -
         cupy.cuda.Device(device).use()
         cupy.cuda.runtime.free(0)  # the context is current for the driver calls
         maps = StepMappings(driver, device, peers)
+        conn.send(("ready", os.getpid()))
         keys: list = []
         bases: list[tuple[int, int]] = []  # (exporter's block address, address here)
         while True:
@@ -71,15 +72,16 @@ def receiver(conn, device: int, peers: tuple = (), read_on: int | None = None) -
                 dev = device if read_on is None else read_on
                 with cupy.cuda.Device(dev):
                     x = _array(cupy, addr, n, maps, device)
-                    want = cupy.arange(n, dtype=cupy.int32) + base
                     if op == "check":
-                        ok = bool((x == want).all())
+                        why = mismatch(cupy, x, base)
                         cupy.cuda.Device(dev).synchronize()
-                        conn.send(("checked", ok))
+                        where = f"block {i} mapped at {here:#x}, read at {addr:#x} on GPU {dev}"
+                        conn.send(("checked", not why, f"{why} ({where})" if why else ""))
                     else:
-                        x[...] = want
+                        x[...] = cupy.arange(n, dtype=cupy.int32) + base
                         cupy.cuda.Device(dev).synchronize()
                         conn.send(("written",))
+                    del x
             elif op == "unmap":
                 conn.send(("unmapped", maps.unmap(keys[msg[1]])))
             elif op == "have":
@@ -121,63 +123,117 @@ def short_lived_exporter(conn, device: int, receiver_pid: int, n: int, base: int
         os._exit(0)  # no clean-up: as an exporter that ends abruptly
 
 
+def mismatch(xp, x, base) -> str:
+    """Empty when ``x`` holds ``base + arange(x.size)``, else what a reader saw there:
+    how many items are wrong, the first wrong index, its value and the expected one
+    (``xp``: the array module, ``cupy``, or ``numpy`` in a CPU test)."""
+    want = xp.arange(x.size, dtype=x.dtype) + base
+    bad = xp.flatnonzero(x.ravel() != want)
+    if bad.size == 0:
+        return ""
+    i = int(bad[0])
+    return (
+        f"{int(bad.size)} of {x.size} items wrong ({x.nbytes} bytes); first at index {i}: "
+        f"got {x.ravel()[i].item()!r}, want {want[i].item()!r}"
+    )
+
+
+def serve_pickled(conn, check, stats, settle) -> None:
+    """The message loop of :func:`pickled_receiver`, without CUDA (a CPU test runs it).
+
+    ``check(x, base) -> dict`` (at least ``ok``), ``stats() -> dict``, ``settle() ->
+    dict`` (after every array was let go).  Each request is answered by a function of
+    its own: no array it received outlives the request in a local of this loop (a
+    name bound here would keep the last array, and its mapping, after ``drop``).
+    """
+
+    def received(msg, held):
+        _, x, base = msg
+        held.append((x, base))
+        return ("checked", {**check(x, base), **stats(), "index": len(held) - 1})
+
+    def again(msg, held):
+        _, i, base = msg
+        return ("checked", {**check(held[i][0], base), **stats(), "index": i})
+
+    def answer(msg, held):
+        try:
+            if msg[0] == "x":
+                return received(msg, held)
+            if msg[0] == "check":
+                return again(msg, held)
+            if msg[0] == "drop":
+                held.clear()
+                return ("dropped", settle())
+            if msg[0] == "stats":
+                return ("stats", stats())
+            return ("error", f"unknown request {msg[0]!r}")
+        except Exception:  # answered; the receiver goes on (its state can still be asked)
+            return ("error", traceback.format_exc())
+
+    held: list = []
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            conn.send(answer(msg, held))
+            del msg
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
 def pickled_receiver(conn, read_on: int | None = None) -> None:
     """Receive CuPy arrays through the pipe (unpickled zero-copy by the package's reducer)
-    and check them; answer each request.
+    and check them; answer each request (see :func:`serve_pickled`).
 
-    Requests: ``("x", array, base)``: the array holds ``base + arange`` (read with GPU
-    ``read_on`` when given, a peer) -> ``("checked", ok, reserved bytes, windows)``, the
-    array kept; ``("check", i, base)``: array ``i`` again -> ``("checked", ok, ...)``;
-    ``("drop",)``: let go of every array -> ``("dropped", reserved bytes)`` once the
-    unmaps are done; ``None``: exit.
+    First ``("ready", pid)``.  Requests: ``("x", array, base)``: the array holds
+    ``base + arange`` (read with GPU ``read_on`` when given, a peer) -> ``("checked",
+    {ok, why, ptr, nbytes, step_reserved_bytes, step_windows, ...})``, the array kept;
+    ``("check", i, base)``: array ``i`` again; ``("drop",)``: let go of every array ->
+    ``("dropped", stats)`` once the unmaps are done (or ``SETTLE`` seconds passed:
+    then the stats say what is still mapped); ``None``: exit.
     """
     try:
+        import gc
+        import time
+
         import cupy
 
         import cupy_poolmem._sharing  # noqa: F401  (the reducer for cupy.ndarray)
         from cupy_poolmem._sharing._context import context
 
-        held: list = []
-
-        def stats():
-            maps = context().importer.step_maps(0).stats()
-            return maps["step_reserved_bytes"], maps["step_windows"]
-
-        def check(x, base):
-            dev = x.device.id if read_on is None else read_on
-            with cupy.cuda.Device(dev):
-                want = cupy.arange(x.size, dtype=x.dtype) + base
-                ok = bool((x == want).all())
-                cupy.cuda.Device(dev).synchronize()
-            return ok
-
-        while True:
-            msg = conn.recv()
-            if msg is None:
-                break
-            if msg[0] == "x":
-                _, x, base = msg
-                held.append((x, base))
-                conn.send(("checked", check(x, base), *stats()))
-            elif msg[0] == "check":
-                x, base = held[msg[1]]
-                conn.send(("checked", check(x, base), *stats()))
-            elif msg[0] == "drop":
-                held.clear()
-                import gc
-                import time
-
-                gc.collect()
-                cupy.cuda.Device(0).synchronize()
-                deadline = time.monotonic() + TIMEOUT / 4
-                while stats()[1] and time.monotonic() < deadline:
-                    context().importer.trim_idle(0)
-                    time.sleep(0.02)
-                conn.send(("dropped", *stats()))
+        cupy.cuda.Device(0).use()
+        cupy.cuda.runtime.free(0)
     except Exception:
         conn.send(("error", traceback.format_exc()))
-    finally:
         conn.close()
+        return
+    conn.send(("ready", os.getpid()))
+
+    def stats():
+        imp = context().importer
+        return {**imp.step_maps(0).stats(), "imported_blocks": imp.stats()["imported_blocks"]}
+
+    def check(x, base):
+        dev = x.device.id if read_on is None else read_on
+        with cupy.cuda.Device(dev):
+            why = mismatch(cupy, x, base)
+            cupy.cuda.Device(dev).synchronize()
+        return {"ok": not why, "why": why, "ptr": x.data.ptr, "nbytes": x.nbytes, "dev": dev}
+
+    def settle():
+        gc.collect()
+        cupy.cuda.Device(0).synchronize()
+        deadline = time.monotonic() + SETTLE
+        while stats()["step_windows"] and time.monotonic() < deadline:
+            context().importer.trim_idle(0)
+            time.sleep(0.02)
+        return stats()
+
+    serve_pickled(conn, check, stats, settle)
 
 
 def exiting_exporter(q, mode: str, n: int, base: int) -> None:

@@ -18,6 +18,34 @@ def join(*procs, timeout: float = 120.0) -> None:
             pytest.fail(f"child {p.name} did not finish")
 
 
+def answer(conn, proc, what: str, timeout: float = 20.0) -> tuple:
+    """The next message child ``proc`` sends on ``conn``, within ``timeout`` seconds.
+
+    Fails the test with a message naming ``what`` was awaited and why nothing usable
+    came: the child exited (its exit code: -9 is SIGKILL), closed its end, answered
+    ``("error", traceback)`` (the traceback is in the message), or stayed silent (its
+    pid, to look it up).  A child that dies is seen within a tenth of a second.
+    """
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.1):
+        if not proc.is_alive():
+            if conn.poll(0):  # its last words arrived as it exited
+                break
+            pytest.fail(f"child {proc.name} exited with code {proc.exitcode} before {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"child {proc.name} (pid {proc.pid}) gave no {what} within {timeout} s")
+    try:
+        reply = conn.recv()
+    except (EOFError, OSError) as exc:
+        pytest.fail(
+            f"child {proc.name} closed its pipe before {what} ({type(exc).__name__}; "
+            f"exit code {proc.exitcode})"
+        )
+    if isinstance(reply, tuple) and reply and reply[0] == "error":
+        pytest.fail(f"child {proc.name} failed before {what}:\n{reply[1]}")
+    return reply
+
+
 def wait_for(pred, timeout: float = 20.0) -> bool:
     """Poll ``pred`` until it holds or ``timeout`` seconds pass; its last value."""
     deadline = time.monotonic() + timeout
