@@ -331,3 +331,118 @@ def test_sixty_four_receivers_each_map_the_block_and_each_gets_its_own_descripto
     del owners, o, b  # (``o``: the loop's last)
     assert wait_for(lambda: core.freed == [ptr], 10.0)
     assert book(e).receivers(core.placement, sid) == set()
+
+
+def test_many_blocks_on_shared_and_crossing_steps_travel_to_one_receiver_and_all_go(
+    sharing_world, vmm
+):
+    """The GPU test of many pickled sizes, on the fakes: small blocks share a step (the
+    claim names it held: no second descriptor), large ones cross step boundaries; the
+    receiver reserves exactly the windows, and once everything is let go on both sides
+    nothing is leased, pinned, mapped or reserved."""
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r", keep_mappings=0)
+    core = step_pool(e, vmm)
+    sizes = [4, 4000, 1_000_000, MiB, 1_200_000, 5 * MiB, 21 * MiB, 47 * MiB]
+    blocks, owners, windows = [], [], {}
+    for k, n in enumerate(sizes * 2):
+        b = core.alloc(n, payload=1000 + k)
+        steps = steps_of(core, b)
+        windows[tuple(s[0] for s in steps)] = sum(s[2] for s in steps)
+        o = r.recv(e.send(b))
+        assert read_here(r, o, n) == (1000 + k, 1000 + k), (k, n, steps)
+        assert r.importer.step_maps(0).reserved == sum(windows.values()), (k, n, windows)
+        blocks.append(b)
+        owners.append(o)
+    assert any(len(k) > 1 for k in windows), "no block crossed a step boundary"
+    held = {s[0] for b in blocks for s in steps_of(core, b)}
+    assert r.importer.step_maps(0).stats()["step_handles"] == len(held)
+    assert fds_exported(vmm) == len(held)  # each step's descriptor travelled once
+    del owners, o  # (``o``: the loop's last)
+    maps = r.importer.step_maps(0)
+    assert wait_for(lambda: maps.stats()["step_windows"] == 0), maps.stats()
+    assert wait_for(lambda: e.stats()["leases"] == 0), e.stats()
+    assert not any(book(e).pinned(core.placement, sid) for sid in held)
+    del blocks, b  # (``b``: the loop's last)
+    core.trim()
+    assert core.placement.reserved == 0
+    assert maps.stats() == {"step_windows": 0, "step_handles": 0, "step_reserved_bytes": 0}
+
+
+def test_trims_and_reallocations_after_a_receiver_was_sigkilled_never_reuse_its_steps(
+    sharing_world, vmm
+):
+    """The GPU test of SIGKILLed receivers under trims and reallocations, on the fakes:
+    the block the exporter let go stays in limbo for the live receiver (and the dead
+    one until it is reaped), its steps stay mapped through every trim, the reallocated
+    blocks land elsewhere, and once the live receiver lets go everything goes."""
+    w = sharing_world
+    e, r1, r2 = w.proc("e"), w.proc("r1"), w.proc("r2", keep_mappings=0)
+    core = step_pool(e, vmm)
+    shared = core.alloc(25 * MiB, payload=5)
+    steps, at = steps_of(core, shared), shared.ptr
+    o1, o2 = r1.recv(e.send(shared)), r2.recv(e.send(shared))
+    r1.kill()
+    del shared, o1
+    for round_ in range(4):
+        extra = [
+            core.alloc(n, payload=100 * round_ + k)
+            for k, n in enumerate((3 * MiB, 41 * MiB, MiB, 23 * MiB))
+        ]
+        for k, y in enumerate(extra):
+            assert y.read()[1] == 100 * round_ + k
+            assert y.ptr >= at + 25 * MiB or y.ptr + y.size <= at, (round_, k)  # elsewhere
+        del extra, y
+        core.trim()
+        assert all(core.placement.step_ids.get(va) == sid for sid, va, _n in steps), round_
+        assert read_here(r2, o2, 25 * MiB) == (5, 5), round_
+    assert wait_for(lambda: e.stats()["leases"] == 1), e.stats()  # r1 reaped
+    del o2
+    assert wait_for(lambda: e.stats()["leases"] == 0), e.stats()
+    assert wait_for(lambda: e.stats()["limbo_blocks"] == 0), e.stats()
+    core.trim()
+    assert core.placement.reserved == 0
+
+
+def test_blocks_on_shared_steps_received_by_many_threads_at_once(sharing_world, vmm):
+    """Claims of one receiver in flight together (each naming the steps held when it
+    was made, replies carrying descriptors in any order): every block reads its own
+    bytes, each step is imported once here, and letting go in many threads frees all."""
+    import threading
+
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r", keep_mappings=0)
+    core = step_pool(e, vmm)
+    sizes = [4000, 300_000, 700_000, 3 * MiB, 21 * MiB, 4000, 300_000, 5 * MiB] * 3
+    blocks = [core.alloc(n, payload=k) for k, n in enumerate(sizes)]
+    msgs = [e.send(b) for b in blocks]
+    owners: list = [None] * len(msgs)
+    errors: list = []
+
+    def take(i):
+        try:
+            owners[i] = r.recv(msgs[i])
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    def let_go(i):
+        owners[i] = None
+
+    for work in (take, let_go):
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(len(msgs))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(20)
+        assert not errors, errors
+        if work is take:
+            for k, b in enumerate(blocks):
+                assert read_here(r, owners[k], b.size) == (k, k), k
+            held = {s[0] for b in blocks for s in steps_of(core, b)}
+            assert r.importer.step_maps(0).stats()["step_handles"] == len(held)
+    maps = r.importer.step_maps(0)
+    assert wait_for(lambda: maps.stats()["step_windows"] == 0), maps.stats()
+    assert wait_for(lambda: e.stats()["leases"] == 0), e.stats()
+    del blocks, b  # (``b``: the loop's last)
+    core.trim()
+    assert core.placement.reserved == 0 and maps.stats()["step_handles"] == 0
