@@ -446,3 +446,42 @@ def test_blocks_on_shared_steps_received_by_many_threads_at_once(sharing_world, 
     del blocks, b  # (``b``: the loop's last)
     core.trim()
     assert core.placement.reserved == 0 and maps.stats()["step_handles"] == 0
+
+
+def test_a_collection_inside_the_step_book_can_free_a_shared_block(sharing_world, vmm):
+    """A garbage collection may run anywhere in the book's code, and the blocks it frees
+    go to the exporter (its lock); meanwhile a receiver's Unmap holds the exporter's lock
+    and updates the book.  One lock for both: the freeing finishes, nothing deadlocks."""
+    import threading
+
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r")
+    core = step_pool(e, vmm)
+    b = core.alloc(3 * MiB, payload=1)
+    owner = r.recv(e.send(b))
+    exp, sid = e.exporter, steps_of(core, b)[0][0]
+    in_book, unmap_has_lock = threading.Event(), threading.Event()
+    freed: list = []
+
+    def collection_in_the_book():  # a finalizer run while the book is being changed
+        with exp.steps.lock:
+            in_book.set()
+            unmap_has_lock.wait(0.5)  # (never set while the book's lock is the exporter's)
+            got = exp.lock.acquire(timeout=2.0)  # what Exporter.release does first
+            freed.append(got)
+            if got:
+                exp.lock.release()
+
+    def unmap_frame():  # what the server does with a receiver's Unmap
+        in_book.wait(5.0)
+        with exp.lock:
+            unmap_has_lock.set()
+            exp.steps.unmapped(99, core.placement, [sid])
+
+    ts = [threading.Thread(target=f) for f in (collection_in_the_book, unmap_frame)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert freed == [True], "the collection waited for the exporter's lock: a deadlock"
+    assert read_here(r, owner, b.size) == (1, 1)

@@ -183,7 +183,7 @@ class Exporter(Server):
         the placement asking the book before it unmaps one of them."""
         book = self.steps
         if book is None:
-            book = self.steps = StepExports(self.driver.vmm())
+            book = self.steps = StepExports(self.driver.vmm(), self.lock)  # one lock
         steps = tuple(tuple(s) for s in under)
         if not steps:
             raise SharingError(

@@ -100,6 +100,11 @@ class StepExports:
     driver
         ``cuda.bindings.driver`` (tests give a fake): ``cuMemRetainAllocationHandle``,
         ``cuMemExportToShareableHandle``, ``cuMemRelease``.
+    lock
+        The lock of the book (an ``RLock``; a new one by default).  The exporter gives
+        its own: with two locks, a garbage collection inside the book that frees a
+        shared block (and so waits for the exporter's lock) would deadlock against a
+        thread that holds the exporter's lock and waits for the book's.
 
     Examples
     --------
@@ -109,9 +114,9 @@ class StepExports:
     True
     """
 
-    def __init__(self, driver: Any) -> None:
+    def __init__(self, driver: Any, lock: Any = None) -> None:
         self._d = driver
-        self._lock = threading.Lock()
+        self.lock = lock if lock is not None else threading.RLock()
         #: placement -> step id -> receiver id -> its mappings of the step (a placement
         #: collected takes its entries with it)
         self._maps: weakref.WeakKeyDictionary[Any, dict[int, Counter[int]]] = (
@@ -124,7 +129,7 @@ class StepExports:
     def watch(self, placement: Any) -> None:
         """From now on ``placement`` asks this book before it unmaps a step (its
         ``set_pins``); once per placement."""
-        with self._lock:
+        with self.lock:
             if placement in self._uuids:
                 return
             self._uuids[placement] = str(uuid.uuid4())
@@ -195,14 +200,14 @@ class StepExports:
 
     def mapped(self, cid: int, blocks: Any, step_ids: Iterable[int]) -> None:
         """Receiver ``cid`` mapped these steps of ``blocks`` (once more each)."""
-        with self._lock:
+        with self.lock:
             steps = self._maps.setdefault(blocks, {})
             for sid in step_ids:
                 steps.setdefault(sid, Counter())[cid] += 1
 
     def unmapped(self, cid: int, blocks: Any, step_ids: Iterable[int]) -> None:
         """Receiver ``cid`` unmapped one mapping of each of these steps."""
-        with self._lock:
+        with self.lock:
             steps = self._maps.get(blocks, {})
             for sid in step_ids:
                 who = steps.get(sid)
@@ -218,7 +223,7 @@ class StepExports:
         """Receiver ``cid`` is gone (its process and mappings with it): every step it
         mapped is free of it; returns how many steps it held."""
         n = 0
-        with self._lock:
+        with self.lock:
             for steps in list(self._maps.values()):
                 for sid in list(steps):
                     who = steps[sid]
@@ -239,7 +244,7 @@ class StepExports:
 
     def receivers(self, blocks: Any, step_id: int) -> set[int]:
         """The receivers that map step ``step_id`` of ``blocks`` now."""
-        with self._lock:
+        with self.lock:
             return set(self._maps.get(blocks, {}).get(step_id, ()))
 
 
