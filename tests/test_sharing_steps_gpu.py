@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 from multiprocessing.reduction import recv_handle, send_handle
 
 import pytest
@@ -96,15 +97,26 @@ class Child:
 
     def ask(self, *msg):
         self.ready()
-        self.conn.send(msg)
+        try:
+            self.conn.send(msg)
+        except OSError as exc:  # it is gone
+            self.proc.join(1)
+            pytest.fail(f"{self.name} took no {msg[0]!r} ({exc}; exit code {self.proc.exitcode})")
         return answer(self.conn, self.proc, f"an answer to {msg[0]!r}", ANSWER)
 
     def close(self):
+        """Tell it to exit and join it; one that does not exit is killed (and fails
+        the test, unless a failure is under way already: that one says more)."""
         try:
             self.conn.send(None)
         except OSError:
             pass
-        join(self.proc)
+        self.proc.join(ANSWER)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+            if sys.exc_info()[0] is None:
+                pytest.fail(f"{self.name} did not exit within {ANSWER} s of being told to")
 
 
 class Receiver(Child):
