@@ -8,6 +8,7 @@ refused).  docs/sharing.rst, "Mapped and expandable blocks"."""
 from __future__ import annotations
 
 import pickle
+import time
 
 import pytest
 from fakes.sharing import wait_for
@@ -485,3 +486,31 @@ def test_a_collection_inside_the_step_book_can_free_a_shared_block(sharing_world
         t.join(10)
     assert freed == [True], "the collection waited for the exporter's lock: a deadlock"
     assert read_here(r, owner, b.size) == (1, 1)
+
+
+def test_a_receiver_sigkilled_with_its_step_claim_in_flight_holds_up_nothing(sharing_world, vmm):
+    """The receiver dies while the exporter answers its claim (the descriptors on their
+    way): the exporter's exit does not wait for its ``Mapped``, and once it is reaped
+    its lease, its pins and the block go."""
+    import threading
+
+    w = sharing_world
+    e, r = w.proc("e", exit_timeout=5.0), w.proc("r", claim_timeout=2.0)
+    core = step_pool(e, vmm)
+    b = core.alloc(3 * MiB, payload=9)
+    sid, ptr = steps_of(core, b)[0][0], b.ptr
+    msg = e.send(b)
+    e.exporter.claim_hook = lambda cid: r.kill()  # SIGKILL as the claim is answered
+    failed: list = []
+    t = threading.Thread(target=lambda: failed.append(pytest.raises(SharingError, r.recv, msg)))
+    with pytest.warns(RuntimeWarning, match="StepClaim failed"):  # its reply had nowhere to go
+        t.start()
+        t.join(10)
+        assert wait_for(lambda: e.stats()["peers"] == 0), e.stats()  # served, reaped
+    assert failed, "the dead receiver's receive did not end"
+    del b
+    t0 = time.monotonic()
+    e.ctx.at_exit()  # nothing on its way any more: no wait for a Mapped that never comes
+    assert time.monotonic() - t0 < 2.0
+    assert wait_for(lambda: core.freed == [ptr]), e.stats()
+    assert e.stats()["leases"] == 0 and not book(e).pinned(core.placement, sid)
