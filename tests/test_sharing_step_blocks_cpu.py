@@ -400,9 +400,8 @@ def test_trims_and_reallocations_after_a_receiver_was_sigkilled_never_reuse_its_
     assert wait_for(lambda: e.stats()["leases"] == 1), e.stats()  # r1 reaped
     del o2
     assert wait_for(lambda: e.stats()["leases"] == 0), e.stats()
-    assert wait_for(lambda: e.stats()["limbo_blocks"] == 0), e.stats()
-    core.trim()
-    assert core.placement.reserved == 0
+    # (freed just after the lease went: trimmed until it is)
+    assert wait_for(lambda: core.trim() >= 0 and core.placement.reserved == 0), e.stats()
 
 
 def test_blocks_on_shared_steps_received_by_many_threads_at_once(sharing_world, vmm):
