@@ -90,10 +90,14 @@ def _sharing_stats() -> dict:
     return cpm.sharing.stats()
 
 
-def _set_boot(boot: str) -> None:
+def _set_boot(boot: str, dask_worker=None) -> None:
     from cupy_poolmem._dask_transfer import _process
 
     _process.state().identity["boot"] = boot  # the dict the handshake sends
+    if dask_worker is not None:
+        # Comms this worker opened before (idle in its pool) said the old boot in their
+        # handshake: close them, so its next fetch opens a comm that says the new one.
+        dask_worker.rpc.collect()
 
 
 def _delta(after: dict, before: dict, key: str) -> int:
