@@ -28,7 +28,7 @@ if cpm.device_count() == 0:
     pytest.skip("needs a CUDA GPU: this machine has no GPU or driver", allow_module_level=True)
 
 cupy = pytest.importorskip("cupy")
-pytest.importorskip("dask", reason="dask is not installed")
+dask = pytest.importorskip("dask", reason="dask is not installed")
 pytest.importorskip("distributed", reason="distributed is not installed")
 
 from distributed import Client, LocalCluster, wait  # noqa: E402
@@ -126,16 +126,18 @@ def _inspect_on(client, fut, worker: str) -> dict:
 
 def _same_gpu_cluster(meet: bool = True):
     env = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-    if not meet:  # no meeting at install: a worker's first connection to a peer is a fetch
-        env["DASK_DISTRIBUTED__COMM__CUPY_POOLMEM__WARM"] = "False"
-    return LocalCluster(
-        n_workers=2,
-        threads_per_worker=1,
-        processes=True,
-        protocol="tcp",
-        dashboard_address=None,
-        env=env,
-    )
+    # No meeting at install: a worker's first connection to a peer is a fetch.  Through
+    # this process's config, which the nannies hand their workers after the environment
+    # (this process's default, warm: true, would override an environment variable).
+    with dask.config.set({"distributed.comm.cupy-poolmem.warm": meet}):
+        return LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            protocol="tcp",
+            dashboard_address=None,
+            env=env,
+        )
 
 
 # -- same GPU ----------------------------------------------------------------------------
