@@ -138,6 +138,22 @@ def test_bad_fraction_against_the_real_gpu_is_reported_by_the_worker():
         assert not state["plugin_allocator"]
 
 
+def test_setup_in_a_plain_process_freezes_nothing():
+    # PoolmemPlugin().setup() without a worker (a client, a notebook): the pools are
+    # this process's, its objects stay the application's (no collection, no freeze).
+    before = gc.get_freeze_count()
+    plugin = PoolmemPlugin(pool_size=16 * MiB)
+    plugin.setup()
+    try:
+        assert gc.get_freeze_count() == before
+        x = cupy.full(1 << 20, 3, dtype=cupy.uint8)
+        assert int(x.sum()) == 3 << 20
+        del x
+    finally:
+        plugin.teardown()
+    assert gc.get_freeze_count() == before
+
+
 def test_preload_module_configured_through_dask_config():
     with (
         dask.config.set(
