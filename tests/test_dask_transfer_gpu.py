@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import pytest
+from support.gpus import visible
 
 import cupy_poolmem as cpm
 
@@ -236,7 +237,7 @@ def _cuda_cluster(**kw):
     dask_cuda = _needs_dask_cuda()
     _needs_two_gpus()
     return dask_cuda.LocalCUDACluster(
-        CUDA_VISIBLE_DEVICES="0,1",
+        CUDA_VISIBLE_DEVICES=",".join(visible(2)),  # this process's first two GPUs
         n_workers=2,
         threads_per_worker=1,
         protocol="tcp",
