@@ -377,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write every run's figures here")
     p.add_argument("--cpu", action="store_true", help="numpy chunks, no GPU (a dry run)")
     args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error(f"--runs must be at least 1 (got {args.runs})")
     names = [n for n in args.variants.split(",") if n]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
