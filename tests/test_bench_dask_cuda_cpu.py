@@ -229,3 +229,17 @@ def test_peers_that_cannot_run_here_are_skipped_with_the_reason(monkeypatch):
     assert rc == 1  # our peer did not run
     assert "skipped: dask-cuda is not installed" in out
     assert "n/a   tcp+cupy_poolmem did not run (dask-cuda is not installed)" in out
+
+
+def test_kernel_warm_up_failure_names_the_last_line_of_its_error():
+    from cupy_poolmem.benchmarks import dask_cuda_local as b
+
+    seen = []
+
+    def failing(cmd, env, timeout):
+        seen.append(cmd)
+        return "", "Traceback\n    libnvvm.so.4\n", "1"
+
+    assert b.warm_kernel_cache(failing) == "no (exit 1: libnvvm.so.4)"
+    assert "(a + a.T).sum()" in seen[0][-1]  # the graph's kernels, compiled in a child
+    assert b.warm_kernel_cache(lambda cmd, env, t: ("", "", "0")) == "yes"

@@ -59,6 +59,14 @@ def test_render_says_why_a_variant_did_not_run():
     )
 
 
+def test_no_runs_is_refused_before_a_cluster_starts(capsys):
+    # --runs 0 started a cluster, then the table's first run was an IndexError.
+    with pytest.raises(SystemExit) as e:
+        tl.main(["--runs", "0", "--cpu"])
+    assert e.value.code == 2
+    assert "--runs must be at least 1 (got 0)" in capsys.readouterr().err
+
+
 def test_dry_run_on_cpu_workers(tmp_path):
     pytest.importorskip("distributed")
     out = tmp_path / "tl.json"

@@ -15,6 +15,7 @@ import dask  # noqa: E402
 from distributed import Client, LocalCluster  # noqa: E402
 
 import cupy_poolmem as cpm  # noqa: E402
+from cupy_poolmem._gc_freeze import GcFreeze  # noqa: E402
 from cupy_poolmem.dask import (  # noqa: E402
     CONFIG_DEFAULTS,
     PoolmemPlugin,
@@ -107,8 +108,11 @@ def test_mixed_forms_are_checked_against_the_gpu_size():
 def test_plugin_pickles_without_runtime_state():
     plugin = PoolmemPlugin(pool_size="1GB", pinned=False)
     plugin._device_alloc = object()  # what setup leaves behind on a worker
+    plugin._gc = GcFreeze(preload=())
+    plugin._gc.frozen = True  # this process's freeze: another process must not undo it
     clone = pickle.loads(pickle.dumps(plugin))
-    assert clone._device_alloc is None
+    assert clone._device_alloc is None and clone._gc is None
+    assert plugin._gc.frozen  # the original keeps its own
     assert (clone.pool_size, clone.pinned, clone.ipc) == ("1GB", False, True)
     assert clone.name == "cupy-poolmem"
     assert "pool_size='1GB'" in repr(clone)

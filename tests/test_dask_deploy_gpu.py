@@ -33,6 +33,7 @@ import time
 
 import numpy as np
 import pytest
+from support.gpus import visible
 
 import cupy_poolmem as cpm
 
@@ -196,7 +197,7 @@ _LOCAL_SCRIPT = textwrap.dedent(
         protocol, restart = sys.argv[1], sys.argv[2] == "1"
         configured = sys.argv[3] == "configured"  # else plain: no preload keys, no plugin
         out = {}
-        with LocalCUDACluster(CUDA_VISIBLE_DEVICES="0,1", n_workers=2, threads_per_worker=1,
+        with LocalCUDACluster(CUDA_VISIBLE_DEVICES=sys.argv[4], n_workers=2, threads_per_worker=1,
                               protocol=protocol, dashboard_address=None) as cluster, \\
                 Client(cluster) as c:
             c.wait_for_workers(2, timeout=120)
@@ -248,6 +249,7 @@ def _run_local(
                 protocol,
                 "1" if restart else "0",
                 "configured" if configured else "plain",
+                ",".join(visible(2)),  # this process's first two GPUs
             ],
             env=_env(**CONFIGURED) if configured else _env(),
             stdout=f,
@@ -408,7 +410,7 @@ def test_one_dask_cuda_worker_command_for_two_gpus_preloaded_by_configuration(tm
     dep = _Deployment(tmp_path)
     try:
         dep.scheduler()
-        dep.cuda_worker("w", "0,1")
+        dep.cuda_worker("w", ",".join(visible(2)))
         with Client(dep.address, timeout=TIMEOUT) as client:
             names = _by_name(client, 2)
             a, b = names["w-0"], names["w-1"]
@@ -439,8 +441,9 @@ def test_two_dask_cuda_worker_commands_share_ipc_only_with_the_per_host_secret(t
         dep.scheduler()
         # Two commands, as a process manager starts them; each sees both GPUs (its
         # first one differs), so each runs two workers: a-0 on GPU 0, b-0 on GPU 1.
-        dep.cuda_worker("a", "0,1", **extra)
-        dep.cuda_worker("b", "1,0", **extra)
+        g0, g1 = visible(2)  # this process's first two GPUs
+        dep.cuda_worker("a", f"{g0},{g1}", **extra)
+        dep.cuda_worker("b", f"{g1},{g0}", **extra)
         with Client(dep.address, timeout=TIMEOUT) as client:
             names = _by_name(client, 4)
             src, dst = names["a-0"], names["b-0"]

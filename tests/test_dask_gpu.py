@@ -6,6 +6,7 @@ import gc
 
 import numpy as np
 import pytest
+from support.gpus import visible
 
 import cupy_poolmem as cpm
 
@@ -75,7 +76,7 @@ def _small_block_in_the_reservation() -> dict:
 def _cluster(**kw):
     kw.setdefault("n_workers", 1)
     kw.setdefault("threads_per_worker", 4)
-    kw.setdefault("CUDA_VISIBLE_DEVICES", "0")
+    kw.setdefault("CUDA_VISIBLE_DEVICES", visible(1)[0])  # this process's first GPU
     kw.setdefault("dashboard_address", None)
     return dask_cuda.LocalCUDACluster(**kw)
 
@@ -98,7 +99,7 @@ def test_dask_array_workload_allocates_from_the_plugin_pool():
         assert state["default_pool_bytes"] == 0  # CuPy's own pool never used
         # The worker's start-up objects were frozen at setup (gc_freeze's default).
         assert client.run(gc.get_freeze_count)[addr] > 10_000
-        assert state["cvd"].split(",")[0] == "0"
+        assert state["cvd"].split(",")[0] == visible(1)[0]
         pinned = gather_stats(client, kind="pinned")[addr]
         assert pinned["kind"] == "pinned"
 
@@ -138,6 +139,23 @@ def test_bad_fraction_against_the_real_gpu_is_reported_by_the_worker():
         assert not state["plugin_allocator"]
 
 
+def test_setup_in_a_plain_process_freezes_nothing():
+    # PoolmemPlugin().setup() without a worker (a client, a notebook): the pools are
+    # this process's, its objects stay the application's (no collection, no freeze).
+    before = gc.get_freeze_count()
+    assert len(gc.get_objects()) > 50_000  # what a freeze here would have frozen
+    plugin = PoolmemPlugin(pool_size=16 * MiB)
+    plugin.setup()
+    try:
+        # (a library may freeze a few hundred objects of its own on first use)
+        assert gc.get_freeze_count() - before < 10_000
+        x = cupy.full(1 << 20, 3, dtype=cupy.uint8)
+        assert int(x.sum()) == 3 << 20
+        del x
+    finally:
+        plugin.teardown()
+
+
 def test_preload_module_configured_through_dask_config():
     with (
         dask.config.set(
@@ -166,14 +184,16 @@ def test_two_workers_each_on_their_own_gpu():
     if cpm.device_count() < 2:
         pytest.skip(f"needs 2 GPUs; this machine has {cpm.device_count()}")
     with (
-        _cluster(n_workers=2, threads_per_worker=2, CUDA_VISIBLE_DEVICES="0,1") as cluster,
+        _cluster(
+            n_workers=2, threads_per_worker=2, CUDA_VISIBLE_DEVICES=",".join(visible(2))
+        ) as cluster,
         Client(cluster) as client,
     ):
         client.register_plugin(PoolmemPlugin(pool_size=64 * MiB))
         states = client.run(_worker_allocator_state)
         assert len(states) == 2
         assert len({s["pci"] for s in states.values()}) == 2  # two different GPUs
-        assert {s["cvd"].split(",")[0] for s in states.values()} == {"0", "1"}
+        assert {s["cvd"].split(",")[0] for s in states.values()} == set(visible(2))
         assert all(s["device"] == 0 and s["plugin_allocator"] for s in states.values())
         s0 = gather_stats(client)
         assert _workload(client) == pytest.approx(_expected(), rel=1e-9)

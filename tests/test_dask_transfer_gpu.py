@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 import pytest
+from support.gpus import visible
 
 import cupy_poolmem as cpm
 
@@ -28,7 +29,7 @@ if cpm.device_count() == 0:
     pytest.skip("needs a CUDA GPU: this machine has no GPU or driver", allow_module_level=True)
 
 cupy = pytest.importorskip("cupy")
-pytest.importorskip("dask", reason="dask is not installed")
+dask = pytest.importorskip("dask", reason="dask is not installed")
 pytest.importorskip("distributed", reason="distributed is not installed")
 
 from distributed import Client, LocalCluster, wait  # noqa: E402
@@ -90,10 +91,14 @@ def _sharing_stats() -> dict:
     return cpm.sharing.stats()
 
 
-def _set_boot(boot: str) -> None:
+def _set_boot(boot: str, dask_worker=None) -> None:
     from cupy_poolmem._dask_transfer import _process
 
     _process.state().identity["boot"] = boot  # the dict the handshake sends
+    if dask_worker is not None:
+        # Comms this worker opened before (idle in its pool) said the old boot in their
+        # handshake: close them, so its next fetch opens a comm that says the new one.
+        dask_worker.rpc.collect()
 
 
 def _delta(after: dict, before: dict, key: str) -> int:
@@ -122,16 +127,18 @@ def _inspect_on(client, fut, worker: str) -> dict:
 
 def _same_gpu_cluster(meet: bool = True):
     env = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-    if not meet:  # no meeting at install: a worker's first connection to a peer is a fetch
-        env["DASK_DISTRIBUTED__COMM__CUPY_POOLMEM__WARM"] = "False"
-    return LocalCluster(
-        n_workers=2,
-        threads_per_worker=1,
-        processes=True,
-        protocol="tcp",
-        dashboard_address=None,
-        env=env,
-    )
+    # No meeting at install: a worker's first connection to a peer is a fetch.  Through
+    # this process's config, which the nannies hand their workers after the environment
+    # (this process's default, warm: true, would override an environment variable).
+    with dask.config.set({"distributed.comm.cupy-poolmem.warm": meet}):
+        return LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            protocol="tcp",
+            dashboard_address=None,
+            env=env,
+        )
 
 
 # -- same GPU ----------------------------------------------------------------------------
@@ -230,7 +237,7 @@ def _cuda_cluster(**kw):
     dask_cuda = _needs_dask_cuda()
     _needs_two_gpus()
     return dask_cuda.LocalCUDACluster(
-        CUDA_VISIBLE_DEVICES="0,1",
+        CUDA_VISIBLE_DEVICES=",".join(visible(2)),  # this process's first two GPUs
         n_workers=2,
         threads_per_worker=1,
         protocol="tcp",

@@ -100,3 +100,60 @@ def test_plugin_option_and_config_key():
         assert PoolmemPlugin.from_config().gc_freeze is False
     assert PoolmemPlugin.from_config().gc_freeze is True
     assert "gc_freeze=True" in repr(PoolmemPlugin())
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_frozen_process_keeps_the_cycles_it_drops_until_unfrozen():
+    # Why only a worker's start-up objects are frozen: an object alive at the freeze
+    # that later becomes cyclic garbage is not collected until the unfreeze.
+    import weakref
+
+    obj = _Cycle()
+    ref = weakref.ref(obj)
+    f = GcFreeze(preload=())
+    try:
+        f.freeze()
+        del obj
+        gc.collect()
+        assert ref() is not None  # frozen: the collector no longer sees the cycle
+    finally:
+        f.unfreeze()
+    gc.collect()
+    assert ref() is None
+
+
+def test_setup_without_a_worker_freezes_nothing():
+    # PoolmemPlugin().setup() in a plain process (a client, a notebook): the process's
+    # objects are the application's, so nothing is collected or frozen.
+    fake = FakeGc()
+    f = GcFreeze(fake, preload=())
+    assert f.freeze_for(None).startswith("skipped: not a Dask worker")
+    assert fake.calls == [] and not f.frozen
+    f.unfreeze()
+    assert fake.calls == []
+
+
+def test_tasks_are_read_from_a_distributed_worker():
+    # The attribute path on the installed distributed: Worker.state.tasks.
+    pytest.importorskip("distributed")
+    from distributed import Worker
+    from distributed.worker_state_machine import TaskState
+
+    # Built, never started: no thread, no event loop, no connection.
+    w = Worker("tcp://127.0.0.1:1", nthreads=1, dashboard=False, validate=False)
+    w.state.tasks["x"] = TaskState("x")
+    fake = FakeGc()
+    assert GcFreeze(fake, preload=()).freeze_for(w).startswith("skipped: the worker holds")
+    assert fake.calls == []
+    del w.state.tasks["x"]
+    assert GcFreeze(fake, preload=()).freeze_for(w) == "froze 1234 start-up objects"
+    assert fake.calls == ["collect", "freeze"]
+
+
+def test_a_worker_without_a_task_state_is_frozen():
+    fake = FakeGc()
+    assert GcFreeze(fake, preload=()).freeze_for(object()) == "froze 1234 start-up objects"

@@ -11,6 +11,7 @@ import os
 import select
 import socket
 import stat
+import struct
 import sys
 import threading
 import time
@@ -61,12 +62,14 @@ def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
 # -- 1. the handshake: a deadline from connect, a cap, a loop that survives ------------------
 def test_a_trickling_peer_is_dropped_at_the_handshake_deadline():
     """The limit was per recv: a peer sending a byte more often than that stayed
-    connected, unauthenticated, for ever."""
+    connected, unauthenticated, for ever.  Its answer announces 200 bytes and never
+    ends (bytes that made a whole answer would be refused as a wrong one instead)."""
     lst = _transport.Listener(KEY, lambda conn: None, handshake_timeout=0.6)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(lst.address)
         t0 = time.monotonic()
+        s.sendall(struct.pack("!i", 200))  # the length of the answer, in its frame
         closed = False
         while time.monotonic() - t0 < 3.0 and not closed:
             try:
@@ -78,7 +81,7 @@ def test_a_trickling_peer_is_dropped_at_the_handshake_deadline():
         took = time.monotonic() - t0
         assert closed, "a peer that trickles bytes stayed connected past the deadline"
         assert took < 0.6 + 1.0
-        assert wait_for(lambda: lst.refused == 1 and lst.handshakes == 0, 2.0)
+        assert wait_for(lambda: lst.refused == 1 and lst.handshakes == 0, 10.0)
     finally:
         s.close()
         lst.close()
@@ -101,36 +104,98 @@ def test_a_silent_peer_is_dropped_at_the_deadline_and_others_still_connect():
         lst.close()
 
 
-def test_unauthenticated_connections_are_capped_and_the_excess_waits():
+def _silent(address: str, n: int) -> list[socket.socket]:
+    """``n`` connections to ``address`` that never send a byte (in the order made)."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(address)
+        socks.append(s)
+    return socks
+
+
+def test_handshake_threads_stop_at_the_cap_while_the_excess_waits_in_the_backlog():
     """One thread per connection, without a cap: a peer opening connections without
-    authenticating made the exporter start threads without bound.  Beyond the cap
-    they wait in the backlog, each group dropped at its deadline; a real receiver
-    behind them is served once its turn comes (delayed, never refused for the cap)."""
-    # Peer threads of an earlier test's listener end first: only this listener's count.
+    authenticating made the exporter start threads without bound.  With no deadline
+    near, exactly the cap's connections are accepted, each in one thread; the rest
+    stay in the backlog (no thread) until a slot frees, then the next ones are taken.
+
+    Threads are counted while no slot frees: a thread let go at its deadline ends a
+    moment after its slot is given to the next connection, so a count taken while
+    slots turn over is no bound."""
     assert wait_for(
-        lambda: not [t for t in sharing_threads() if t.name == "cupy_poolmem-peer"], 5.0
+        lambda: not [t for t in sharing_threads() if t.name == "cupy_poolmem-peer"], 10.0
     )
     before = set(sharing_threads())
-    served = []
-    lst = _transport.Listener(KEY, served.append, handshake_timeout=0.4, max_handshakes=4)
+    started: list[int] = []  # per thread started: connections authenticating then
+
+    def counted(*args, **kwargs):
+        started.append(lst.handshakes)  # (the accept thread: this one included)
+        return threading.Thread(*args, **kwargs)
+
+    lst = _transport.Listener(
+        KEY, lambda conn: None, handshake_timeout=60.0, max_handshakes=4, thread_factory=counted
+    )
+
+    def more(n: int) -> bool:  # more than n accepted, or more than four threads
+        return len(started) > n or len(_peer_threads(before)) > 4
+
     socks = []
     try:
-        for _ in range(12):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect(lst.address)
-            socks.append(s)
+        socks = _silent(lst.address, 12)
+        assert wait_for(lambda: len(started) >= 4 and len(_peer_threads(before)) >= 4, 30.0)
+        # Nothing frees a slot for a minute: a cap that let one more in does so at once.
+        assert not wait_for(lambda: more(4), 0.5), (len(started), len(_peer_threads(before)))
+        assert lst.handshakes == 4 and lst.refused == 0
+        for s in socks[:4]:  # the four accepted (a backlog is first in, first out) leave
+            s.close()
+        assert wait_for(lambda: lst.refused == 4 and len(started) == 8, 30.0)
+        assert wait_for(lambda: len(_peer_threads(before)) == 4, 30.0)  # theirs ended
+        assert not wait_for(lambda: more(8), 0.5), (len(started), len(_peer_threads(before)))
+        assert lst.handshakes == 4 and max(started) == 4
+        for s in socks[4:]:
+            s.close()
+        assert wait_for(lambda: lst.refused == 12 and lst.handshakes == 0, 30.0)
+        assert wait_for(lambda: not _peer_threads(before), 30.0)
+        assert len(started) == 12 and max(started) == 4
+    finally:
+        for s in socks:
+            s.close()
+        lst.close()
+
+
+def test_unauthenticated_connections_are_capped_and_the_excess_waits():
+    """Beyond the cap, silent connections wait in the backlog, each group dropped at
+    its deadline counted from its acceptance; a real receiver behind them is served
+    once its turn comes (delayed, never refused for the cap)."""
+    started: list[int] = []  # per thread started: connections authenticating then
+
+    def counted(*args, **kwargs):
+        started.append(lst.handshakes)
+        return threading.Thread(*args, **kwargs)
+
+    served = []
+    lst = _transport.Listener(
+        KEY, served.append, handshake_timeout=0.4, max_handshakes=4, thread_factory=counted
+    )
+    before = set(sharing_threads())
+    socks = []
+    try:
+        t0 = time.monotonic()  # (before the first acceptance)
+        socks = _silent(lst.address, 12)
         peak = 0
-        t0 = time.monotonic()
-        while lst.refused < 12 and time.monotonic() - t0 < 5.0:
-            peak = max(peak, len(_peer_threads(before)), lst.handshakes)
+        while lst.refused < 12 and time.monotonic() - t0 < 30.0:
+            peak = max(peak, lst.handshakes)
             time.sleep(0.01)
+        took = time.monotonic() - t0
         assert lst.refused == 12, lst.refused  # three rounds of four, at their deadlines
-        assert 0 < peak <= 4
-        assert time.monotonic() - t0 >= 3 * 0.4 - 0.1  # not closed before their turn
-        assert all(_closed_by_server(s, 0.5) for s in socks)
-        assert wait_for(lambda: not _peer_threads(before), 2.0)
+        assert 0 < peak <= 4 and len(started) == 12 and max(started) == 4
+        # Each group's deadline ran from its acceptance, after the one before it left.
+        assert took >= 3 * 0.4 - 0.05, took
+        assert all(_closed_by_server(s, 10.0) for s in socks)
+        assert wait_for(lambda: not _peer_threads(before), 30.0)
         conn = _transport.connect(lst.address, KEY)
-        assert wait_for(lambda: served, 2.0)
+        assert wait_for(lambda: served, 10.0)
         conn.close()
         served[0].close()
     finally:
@@ -140,24 +205,28 @@ def test_unauthenticated_connections_are_capped_and_the_excess_waits():
 
 
 def test_a_receiver_behind_silent_peers_is_served_after_their_deadline():
-    served = []
-    lst = _transport.Listener(KEY, served.append, handshake_timeout=0.5, max_handshakes=2)
+    """A receiver beyond the cap waits for a slot (never refused for the cap): it is
+    served once a silent peer ahead of it was dropped at its deadline."""
+    served = []  # (connection, silent peers refused when it was served)
+    lst = _transport.Listener(
+        KEY, lambda c: served.append((c, lst.refused)), handshake_timeout=0.5, max_handshakes=2
+    )
     socks = []
     try:
-        for _ in range(2):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect(lst.address)
-            socks.append(s)
-        assert wait_for(lambda: lst.handshakes == 2, 2.0)
+        socks = _silent(lst.address, 2)
+        assert wait_for(lambda: lst.handshakes == 2, 10.0)
         t0 = time.monotonic()
-        conn = _transport.connect(lst.address, KEY, timeout=5.0)  # waits for a slot
+        conn = _transport.connect(lst.address, KEY, timeout=20.0)  # waits for a slot
         took = time.monotonic() - t0
-        assert wait_for(lambda: served, 2.0)
-        # Served once the silent peers' deadline (0.5 s) passed, long before the
-        # receiver's own timeout (5 s); the margin is for a loaded machine.
-        assert took < 0.5 + 3.0 and lst.refused == 2
+        assert wait_for(lambda: served, 10.0)
+        assert served[0][1] >= 1  # a silent peer's slot, freed at its deadline
+        assert wait_for(lambda: lst.refused == 2, 10.0)
+        assert all(_closed_by_server(s, 10.0) for s in socks)
+        # Served by the silent peers' deadline (0.5 s), not at its own timeout (20 s);
+        # a wide margin for a loaded machine.
+        assert took < 0.5 + 9.5, took
         conn.close()
-        served[0].close()
+        served[0][0].close()
     finally:
         for s in socks:
             s.close()

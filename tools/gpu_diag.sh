@@ -3,8 +3,9 @@
 # then dask-cuda's own benchmark (bench dask-cuda) on two GPUs and on every GPU.
 #   OUT=... bash tools/gpu_diag.sh        (carry .whl and .whl_ucx)
 # Env: RUNS (timeline runs per variant), V4 / V2 (timeline variants on all GPUs / two;
-# "-" skips), BENCH=0 skips bench dask-cuda, TESTS=1 first runs the Dask GPU tests on
-# GPUs 0,1 (tests.txt).  At most 8 files come back from $OUT.
+# "-" skips), BENCH=0 skips bench dask-cuda, TESTS=1 runs the Dask GPU tests after the
+# timelines (on GPUs 2,3 beside bench x2 when there are four; tests.txt).  At most 8
+# files come back from $OUT.
 set -u
 OUTDIR="${OUT:-$PWD/gpu_diag_out}"; mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -24,7 +25,8 @@ tl() {  # tl DEVICES VARIANTS JSON SECONDS
   timeout --kill-after=10 "$4" python3 -m cupy_poolmem.benchmarks.dask_timeline \
     --devices "$1" --variants "$2" --runs "${RUNS:-8}" --json "$OUTDIR/$3" 2>/tmp/$3.err \
     | tee -a "$OUTDIR/timeline.txt"
-  echo "== tl $1 $2: exit $? at $((SECONDS - t0)) s" | tee -a "$OUTDIR/timeline.txt"
+  local rc=${PIPESTATUS[0]}  # the benchmark's (or timeout's 124), not tee's
+  echo "== tl $1 $2: exit $rc at $((SECONDS - t0)) s" | tee -a "$OUTDIR/timeline.txt"
 }
 bench() {  # bench DEVICES NAME SECONDS [extra args]
   local devs=$1 name=$2 secs=$3; shift 3

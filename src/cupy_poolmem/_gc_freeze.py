@@ -1,12 +1,13 @@
 """Moving a worker's start-up objects out of the garbage collector's way.
 
-A Dask worker holds a million or so objects once distributed, dask, CuPy and the
+A Dask worker holds about 200,000 objects once distributed, dask, CuPy and the
 pools are loaded; every full (generation 2) collection walks them all, which on
 an H200 host stalls the worker for about 0.1 s at moments nobody chose (the runs
 of docs/dask.rst, "Steady runs").  :class:`GcFreeze` collects once and then
 freezes what is alive (``gc.freeze``): later collections walk only what was made
 after.  Frozen objects are still freed by reference counting; only reference
-cycles among them stay until :meth:`GcFreeze.unfreeze`.
+cycles among them stay until :meth:`GcFreeze.unfreeze`.  Only a worker's objects are
+frozen: a plain process's are the application's (their cycles must stay collectable).
 """
 
 from __future__ import annotations
@@ -61,6 +62,18 @@ class GcFreeze:
         self.gc.freeze()
         self.frozen = True
         return f"froze {self.gc.get_freeze_count()} start-up objects"
+
+    def freeze_for(self, worker: Any) -> str:
+        """:meth:`freeze` for the plugin's ``worker``; what was done, in words.
+
+        Nothing is frozen without a worker (``setup()`` called in a plain process,
+        whose objects are the application's) or when the worker holds tasks
+        (``worker.state.tasks``).
+        """
+        if worker is None:
+            return "skipped: not a Dask worker (a plain process keeps its collections)"
+        held = getattr(getattr(worker, "state", None), "tasks", None)
+        return self.freeze(busy=bool(held))
 
     def unfreeze(self) -> None:
         """Hand the frozen objects back to the collector (when this froze them)."""

@@ -160,7 +160,8 @@ class PoolmemPlugin(WorkerPlugin):
         At setup, collect once and freeze the worker's start-up objects
         (``gc.freeze``), so Python's full collections no longer stall the worker
         for about 0.1 s in the middle of a computation.  Skipped on a worker that
-        already holds tasks; undone at teardown.  Default ``True``.
+        already holds tasks and in a plain process (``setup()`` without a worker);
+        undone at teardown.  Default ``True``.
 
     Raises
     ------
@@ -393,8 +394,7 @@ class PoolmemPlugin(WorkerPlugin):
         froze = "off"
         if self.gc_freeze:
             self._gc = GcFreeze()
-            held = getattr(getattr(worker, "state", None), "tasks", None)
-            froze = self._gc.freeze(busy=bool(held))
+            froze = self._gc.freeze_for(worker)
         logger.info(
             "cupy_poolmem on %s: device %d (%s, CUDA_VISIBLE_DEVICES=%s), pool_size=%s, "
             "maximum_pool_size=%s, release_threshold=%s, pinned=%s, ipc=%s, "

@@ -354,10 +354,11 @@ class Listener:
     ``max_handshakes`` connections authenticate at once: more wait in the kernel's
     backlog, not accepted, until a handshake ends or its deadline passes (bounded by
     their own connect timeout), so a burst of receivers is served, not refused.  Those
-    that fail or pass their deadline are counted in ``refused``, as are those whose
-    thread could not be started (``thread_factory``, ``threading.Thread`` by default);
-    the listener keeps accepting in every case.  ``peer_cred(sock) -> (pid, uid)``: the kernel's
-    ``SO_PEERCRED`` unless a test says otherwise.
+    that fail or pass their deadline are counted in ``refused`` as their slot frees, as
+    are those whose thread could not be started (``thread_factory``,
+    ``threading.Thread`` by default); the listener keeps accepting in every case.
+    ``peer_cred(sock) -> (pid, uid)``: the kernel's ``SO_PEERCRED`` unless a test says
+    otherwise.
 
     The socket's directory is removed by :meth:`close`, and at the exit of the process
     that made it (``multiprocessing``'s exit finalizers, after the sharing exit wait).
@@ -444,8 +445,7 @@ class Listener:
                     target=self._handshake, args=(sock,), name="cupy_poolmem-peer", daemon=True
                 ).start()
             except Exception:  # no thread (resources): refuse this one, keep accepting
-                self._done(sock)
-                self.refused += 1
+                self._done(sock, refused=True)
                 sock.close()
 
     def _expire(self) -> float | None:
@@ -455,30 +455,34 @@ class Listener:
         with self._plock:
             late = [s for s, t in self._pending.items() if t <= now]
             for s in late:
-                del self._pending[s]  # the handshake thread sees EOF and refuses it
+                del self._pending[s]  # the handshake thread sees EOF and ends
+                self.refused += 1
                 try:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
             return min(self._pending.values()) - now if self._pending else None
 
-    def _done(self, sock: socket.socket) -> bool:
-        """The handshake of ``sock`` ended; False when its deadline had shut it down."""
+    def _done(self, sock: socket.socket, refused: bool = False) -> bool:
+        """The handshake of ``sock`` ended (``refused``: unserved); False when its
+        deadline had shut it down.  A refusal is counted as its slot frees, under the
+        lock: ``refused`` never lags the slots, nor loses a count to a racing thread."""
         with self._plock:
             self._slot.notify_all()
-            return self._pending.pop(sock, None) is not None
+            held = self._pending.pop(sock, None) is not None
+            if held and refused:
+                self.refused += 1
+            return held
 
     def _handshake(self, sock: socket.socket) -> None:
         try:
             conn = _wrap(sock, self._authkey, True, self._timeout, self._peer_cred)
         except Exception:  # silent, slow, foreign or unauthenticated peer: refused
-            self._done(sock)
-            self.refused += 1
+            self._done(sock, refused=True)
             sock.close()
             return
         if not self._done(sock):  # authenticated as its deadline passed: too late
-            self.refused += 1
-            conn.close()
+            conn.close()  # (refused by _expire)
             return
         self._on_conn(conn)
 

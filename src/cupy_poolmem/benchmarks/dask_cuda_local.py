@@ -420,17 +420,19 @@ def run_peer(name: str, args: argparse.Namespace, log_dir: str | None = None) ->
     return parsed
 
 
-def warm_kernel_cache() -> str:
+def warm_kernel_cache(run: Any = None) -> str:
     """Compile the graph's CuPy kernels into CuPy's on-disk cache in a child process,
-    so no peer's first run pays the compilation (the first peer would); what it did."""
+    so no peer's first run pays the compilation (the first peer would); what it did.
+    ``run``: how the child runs (``(cmd, env, timeout) -> (stdout, stderr, status)``)."""
     code = (
         "import cupy\n"
         "a = cupy.random.RandomState(1).random_sample((64, 64))\n"
         "float((a + a.T).sum())\n"
     )
-    out, err, rc = _run_bounded([sys.executable, "-c", code], child_env(), 120.0)
+    out, err, rc = (run or _run_bounded)([sys.executable, "-c", code], child_env(), 120.0)
     if rc != "0":
-        return f"no ({rc}: {err.strip().splitlines()[-1:] or ''})"
+        last = err.strip().splitlines()[-1:]
+        return f"no (exit {rc}: {last[0].strip() if last else 'no message'})"
     return "yes"
 
 

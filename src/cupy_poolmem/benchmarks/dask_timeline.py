@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._common import header, table
+from .dask_cuda_local import CONFIGURED_ENV
 
 try:  # the dask extra; without it the workers report no transfer counters
     from .. import _dask_transfer
@@ -30,41 +31,19 @@ except ImportError:
 
 __all__ = ["VARIANTS", "analyse_run", "fit", "main"]
 
-_PRELOAD = '["cupy_poolmem_dask"]'
 #: name -> (protocol, environment of the workers, switch interval in the workers or None).
+#: cupy_poolmem is switched on as ``bench dask-cuda`` does it (:data:`CONFIGURED_ENV`).
 VARIANTS: dict[str, tuple[str, dict[str, str], float | None]] = {
-    "tcp+cupy_poolmem": (
-        "tcp",
-        {
-            "DASK_DISTRIBUTED__NANNY__PRELOAD": _PRELOAD,
-            "DASK_DISTRIBUTED__WORKER__PRELOAD": _PRELOAD,
-        },
-        None,
-    ),
-    "tcp+cupy_poolmem+switch": (
-        "tcp",
-        {
-            "DASK_DISTRIBUTED__NANNY__PRELOAD": _PRELOAD,
-            "DASK_DISTRIBUTED__WORKER__PRELOAD": _PRELOAD,
-        },
-        0.0005,
-    ),
+    "tcp+cupy_poolmem": ("tcp", dict(CONFIGURED_ENV), None),
+    "tcp+cupy_poolmem+switch": ("tcp", dict(CONFIGURED_ENV), 0.0005),
     "tcp+cupy_poolmem+offload": (
         "tcp",
-        {
-            "DASK_DISTRIBUTED__NANNY__PRELOAD": _PRELOAD,
-            "DASK_DISTRIBUTED__WORKER__PRELOAD": _PRELOAD,
-            "DASK_DISTRIBUTED__COMM__OFFLOAD": "1",
-        },
+        dict(CONFIGURED_ENV, DASK_DISTRIBUTED__COMM__OFFLOAD="1"),
         None,
     ),
     "tcp+cupy_poolmem+nofreeze": (
         "tcp",
-        {
-            "DASK_DISTRIBUTED__NANNY__PRELOAD": _PRELOAD,
-            "DASK_DISTRIBUTED__WORKER__PRELOAD": _PRELOAD,
-            "DASK_CUPY_POOLMEM__GC_FREEZE": "false",
-        },
+        dict(CONFIGURED_ENV, DASK_CUPY_POOLMEM__GC_FREEZE="false"),
         None,
     ),
     "tcp": ("tcp", {}, None),
@@ -377,6 +356,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write every run's figures here")
     p.add_argument("--cpu", action="store_true", help="numpy chunks, no GPU (a dry run)")
     args = p.parse_args(argv)
+    if args.runs < 1:
+        p.error(f"--runs must be at least 1 (got {args.runs})")
     names = [n for n in args.variants.split(",") if n]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
