@@ -247,3 +247,15 @@ def test_main_prints_the_observability_table_and_goal_lines(monkeypatch, capsys)
     assert out.count("paired medians) -> met") == 3
     assert quick_seen == [True, True]
     assert cleaned == ["pool", "obs"]
+
+
+def test_the_shared_expandable_pool_is_judged_by_the_same_goal_under_its_own_name():
+    """Issue 35's default needs the shared expandable pool at most 1.00x MemoryPool at
+    every size: its lines name it, and a size over the goal fails it."""
+    goals = alloc.pool_goals(
+        [_r(0.98), _r(0.99), _r(1.04)], "DevicePool large_blocks='expandable' ipc=True"
+    )
+    assert [g.split(" at most ")[0] for g in goals] == [
+        "goal: DevicePool large_blocks='expandable' ipc=True"
+    ] * 3
+    assert [g.rsplit("-> ", 1)[1] for g in goals] == ["met", "met", "NOT met"]

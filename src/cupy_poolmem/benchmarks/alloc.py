@@ -22,6 +22,7 @@ import cupy_poolmem
 
 from ._common import child_env, header, median_time, require_gpu, table
 from ._paired import Burst, PairedRatio, paired_ratio, timed_burst
+from ._step_ipc import EXPANDABLE_IPC_LABEL, churn_pools, not_measured, step_rows_wanted
 
 
 def peers() -> list[tuple[Any, ...]]:
@@ -59,6 +60,9 @@ def peers() -> list[tuple[Any, ...]]:
             p = cupy_poolmem.DevicePool(peer_access=pa)
             label = f"'all' ({len(p.peer_access)} peers)" if pa else "None"
             out.append((f"DevicePool peer_access={label}", p.malloc, p.close))
+    for label, options in churn_pools():  # the shared expandable and mapped pools
+        sp = cupy_poolmem.DevicePool(**options)
+        out.append((label, sp.malloc, sp.close))
     gpool = cupy_poolmem.DevicePool(guard=True)
     out.append((GUARD_ROW, gpool.malloc, gpool.close, contextlib.nullcontext))
     return out
@@ -205,10 +209,11 @@ def _verdict(ratio: float, limit: float) -> str:
     return "met" if round(ratio, 2) <= limit else "NOT met"
 
 
-def pool_goals(paired: Sequence[PairedRatio]) -> list[str]:
+def pool_goals(paired: Sequence[PairedRatio], pool: str = "DevicePool") -> list[str]:
     """One line per size of ``CASES``: DevicePool's paired ratio to MemoryPool (from
     :func:`_paired_pool`: the median of per-pair ratios, both pools timed back to back),
-    and the verdict on ``POOL_GOAL``.  No ratios, no lines.
+    and the verdict on ``POOL_GOAL``.  No ratios, no lines.  ``pool`` names the pool
+    measured (the shared expandable pool's lines judge issue 35's default).
 
     Examples
     --------
@@ -222,7 +227,7 @@ def pool_goals(paired: Sequence[PairedRatio]) -> list[str]:
     for (label, _size), r in zip(CASES, paired):
         case = f"cupy.empty({label.removeprefix('empty ')}) + free"
         lines.append(
-            f"goal: DevicePool at most {POOL_GOAL:.2f}x MemoryPool per {case}: "
+            f"goal: {pool} at most {POOL_GOAL:.2f}x MemoryPool per {case}: "
             f"{r.format('paired median, ')} -> {_verdict(r.median, POOL_GOAL)}"
         )
     return lines
@@ -261,16 +266,25 @@ def paired_cases(
     return out
 
 
-def _paired_pool(quick: bool) -> list[PairedRatio]:
-    """Issue 15's pool goal, measured: a fresh ``DevicePool`` against a fresh
+def _paired_pool(quick: bool, **options: Any) -> list[PairedRatio]:
+    """Issue 15's pool goal, measured: a fresh ``DevicePool(**options)`` against a fresh
     ``MemoryPool``, paired (see :func:`paired_cases`)."""
     mempool = cupy.cuda.MemoryPool()
-    pool = cupy_poolmem.DevicePool()
+    pool = cupy_poolmem.DevicePool(**options)
     try:
         return paired_cases(pool.malloc, mempool.malloc, PAIRS_QUICK if quick else PAIRS)
     finally:
         pool.close()
         mempool.free_all_blocks()
+
+
+def _paired_shared_expandable(quick: bool) -> list[PairedRatio]:
+    """Issue 35's default, measured: the shared expandable pool against MemoryPool,
+    paired; nothing without the step IPC opt-in."""
+    for label, options in churn_pools():
+        if label == EXPANDABLE_IPC_LABEL:
+            return _paired_pool(quick, **options)
+    return []
 
 
 def _paired_observability(
@@ -539,6 +553,7 @@ class Measurements:
 
     pure_python_row: Callable[[int], list[float] | None] = _pure_python_row
     paired_pool: Callable[[bool], list[PairedRatio]] = _paired_pool
+    paired_shared_expandable: Callable[[bool], list[PairedRatio]] = _paired_shared_expandable
     paired_observability: Callable[[list[tuple[Any, ...]], bool], dict[str, list[PairedRatio]]] = (
         _paired_observability
     )
@@ -580,6 +595,11 @@ def main(argv: Sequence[str] | None = None, measurements: Measurements | None = 
         print(overhead)
     for line in pool_goals(m.paired_pool(quick)):
         print(line)
+    shared = m.paired_shared_expandable(quick)
+    for line in pool_goals(shared, "DevicePool large_blocks='expandable' ipc=True"):
+        print(line)
+    if not step_rows_wanted():
+        print(not_measured("bench alloc"))
     print()
     print("the pool alone: microseconds per malloc(n) + free, no cupy.empty (ratio to MemoryPool)")
     print(m.bare_costs(quick))
