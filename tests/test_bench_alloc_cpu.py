@@ -228,6 +228,7 @@ def test_main_prints_the_observability_table_and_goal_lines(monkeypatch, capsys)
     measurements = alloc.Measurements(
         pure_python_row=lambda n: None,
         paired_pool=fake_paired_pool,
+        paired_shared_expandable=lambda quick: [_r(0.99), _r(1.0), _r(1.02)],
         paired_observability=fake_paired_obs,
         bare_costs=lambda quick: "(bare table)",
         stream_costs=lambda quick: "(stream table)",
@@ -240,7 +241,9 @@ def test_main_prints_the_observability_table_and_goal_lines(monkeypatch, capsys)
     pool_goal = out.index("goal: DevicePool at most 1.00x MemoryPool per cupy.empty(1KiB)")
     assert pool_goal < out.index("(bare table)") < out.index("observability: ")
     assert out.index(alloc.OBS_TRACK) < out.index("goal: " + alloc.OBS_STATS)
-    assert out.count("-> met") == 3 + len(alloc.CASES) - 1
+    assert out.count("-> met") == 3 + len(alloc.CASES) - 1 + 2
+    shared = "goal: DevicePool large_blocks='expandable' ipc=True at most 1.00x MemoryPool"
+    assert out.count(shared) == 3 and pool_goal < out.index(shared) < out.index("(bare table)")
     assert (
         "cupy.empty(64MiB) + free: 1.07x (paired median, IQR 1.05-1.09, 25 pairs) -> NOT met" in out
     )

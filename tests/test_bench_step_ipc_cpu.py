@@ -1,11 +1,9 @@
 """The rows of shared expandable and mapped pools in ``bench churn`` and ``bench ipc``
-(issue 35): measured only with the opt-in, the goal line that judges the shared
+(issue 35): which pools, the goal line that judges the shared
 expandable pool, and the receiver's reserved address space beside torch's (the
 measurements need a GPU)."""
 
 from __future__ import annotations
-
-import pytest
 
 from cupy_poolmem.benchmarks import _step_ipc as S
 from cupy_poolmem.benchmarks import churn
@@ -14,22 +12,11 @@ from cupy_poolmem.benchmarks._paired import PairedRatio
 MiB, GiB = 1 << 20, 1 << 30
 
 
-@pytest.mark.parametrize("value", [None, "0", "1"])
-def test_the_shared_pools_are_measured_only_with_the_opt_in(monkeypatch, value):
-    if value is None:
-        monkeypatch.delenv(S.STEP_IPC_ENV, raising=False)
-    else:
-        monkeypatch.setenv(S.STEP_IPC_ENV, value)
-    pools = S.churn_pools()
-    if value == "1":
-        assert pools == [
-            (S.EXPANDABLE_IPC_LABEL, {"large_blocks": "expandable", "ipc": True}),
-            (S.MAPPED_IPC_LABEL, {"large_blocks": "mapped", "ipc": True}),
-        ]
-        assert S.step_rows_wanted()
-    else:
-        assert pools == [] and not S.step_rows_wanted()
-    assert S.STEP_IPC_ENV + "=1" in S.not_measured("bench ipc")
+def test_the_shared_pools_measured_are_the_expandable_and_mapped_pools_with_ipc():
+    assert S.churn_pools() == [
+        (S.EXPANDABLE_IPC_LABEL, {"large_blocks": "expandable", "ipc": True}),
+        (S.MAPPED_IPC_LABEL, {"large_blocks": "mapped", "ipc": True}),
+    ]
 
 
 def test_the_goal_line_judges_the_shared_expandable_pool_when_it_was_measured():

@@ -1,32 +1,24 @@
 """``doctor`` says which large-block placement ``set_allocator()`` uses, and why
-(issue 35: the expandable pool is not the default while its shared-memory figures are
-pending)."""
+(issue 35: the expandable pool shares its arrays, and is not the default because its
+fresh arrays travel slower)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
 import cupy_poolmem as cpm
 from cupy_poolmem import _doctor
-from cupy_poolmem._experimental import STEP_IPC_ENV
 
 
-def test_without_an_allocator_the_default_is_the_cuda_pool_and_the_reason_is_sharing():
-    placement, why = _doctor.large_block_placement(None, False, True)
+def test_without_an_allocator_the_default_is_the_cuda_pool_and_the_way_to_the_other_named():
+    placement, why = _doctor.large_block_placement(None, True)
     assert placement == "pool"
-    assert "ipc=True" in why and "set_allocator(ipc=False, large_blocks='expandable')" in why
-
-
-def test_with_the_opt_in_the_reason_names_the_pending_figures_and_the_option():
-    placement, why = _doctor.large_block_placement(None, True, True)
-    assert placement == "pool"
-    assert "issue 35" in why and "set_allocator(large_blocks='expandable')" in why
+    assert "set_allocator(large_blocks='expandable')" in why and "fresh arrays" in why
+    assert "Which placement set_allocator uses" in why  # where the figures are
 
 
 def test_a_gpu_without_vmm_has_only_cuda_pools():
-    assert _doctor.large_block_placement(None, True, False) == (
+    assert _doctor.large_block_placement(None, False) == (
         "pool",
         "the GPU has no virtual memory management, which the others need",
     )
@@ -37,24 +29,19 @@ def test_an_installed_allocator_reports_its_pools_placements():
         SimpleNamespace(large_blocks="expandable", ipc=True),
         SimpleNamespace(large_blocks="expandable", ipc=True),
     ]
-    assert _doctor.large_block_placement(pools, False, True) == (
+    assert _doctor.large_block_placement(pools, True) == (
         "expandable",
         "as set_allocator() was called (ipc=True)",
     )
     mixed = [SimpleNamespace(large_blocks="mapped", ipc=False), SimpleNamespace(ipc=False)]
-    assert _doctor.large_block_placement(mixed, False, True)[0] == "mapped, pool"
+    assert _doctor.large_block_placement(mixed, True)[0] == "mapped, pool"
 
 
-@pytest.mark.parametrize("opted", [False, True])
-def test_the_doctors_line_reads_the_allocator_and_the_opt_in(monkeypatch, opted):
-    if opted:
-        monkeypatch.setenv(STEP_IPC_ENV, "1")
-    else:
-        monkeypatch.delenv(STEP_IPC_ENV, raising=False)
+def test_the_doctors_line_reads_the_allocator(monkeypatch):
     monkeypatch.setattr(_doctor, "require_attribute", lambda *a: None)  # a VMM-capable GPU
     row = _doctor._placement_row(None)  # CuPy's own allocator
     assert row.startswith("  set_allocator() large blocks: 'pool' (")
-    assert ("issue 35" in row) is opted
+    assert "set_allocator(large_blocks='expandable')" in row
 
     class Installed(cpm.PoolAllocator):  # what set_allocator() installs
         def __init__(self):

@@ -394,7 +394,6 @@ def test_an_expandable_pool_takes_every_block_from_its_arenas(made):
 @pytest.mark.parametrize(
     ("opts", "words"),
     [
-        ({"ipc": True}, "ipc=True"),
         ({"max_size": "1GiB"}, "max_size='1GiB' cannot be used with large_blocks='expandable'"),
         ({"release_threshold": 0}, "release_threshold=0 cannot"),
         ({"small_pool": "2MiB"}, "small_pool='2MiB' cannot"),

@@ -314,7 +314,6 @@ def test_a_mapped_pools_leftover_goes_to_whichever_holds_it(made, monkeypatch):
     [
         ({"large_blocks": "vmm"}, cpm.InvalidOptionError, "'pool'"),
         ({"large_blocks": True}, cpm.OptionTypeError, "bool"),
-        ({"large_blocks": "mapped", "ipc": True}, cpm.InvalidOptionError, "ipc=True"),
         ({"large_blocks": "mapped", "small_pool": None}, cpm.InvalidOptionError, "small_pool"),
     ],
 )

@@ -4,8 +4,7 @@ the real driver; then, at the end of this file, arrays pickled through multiproc
 (the reducer, the claim that names the steps held, descriptors over the socket).
 
 The exporter is this process: an exportable ``DevicePool(large_blocks="expandable",
-ipc=True)`` (the test-only opt-in ``CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC=1``); receivers
-are spawned processes (tests/support/step_workers.py) that map exactly the steps under
+ipc=True)``; receivers are spawned processes (tests/support/step_workers.py) that map exactly the steps under
 a block and check its data.
 
 Every wait is bounded: a child has ``START`` seconds to come up (import CuPy, make its
@@ -26,7 +25,6 @@ from multiprocessing.reduction import recv_handle, send_handle
 import pytest
 
 import cupy_poolmem as cpm
-from cupy_poolmem._experimental import STEP_IPC_ENV
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(90)]
 
@@ -59,14 +57,13 @@ def held_by(pool) -> str:
 
 
 @pytest.fixture
-def exporter(monkeypatch):
+def exporter():
     """``(pool, blocks, book)``: an exportable expandable pool on GPU 0 whose ranges ask
     the book before unmapping a step."""
     from cuda.bindings import driver
 
     from cupy_poolmem._sharing._steps import StepExports
 
-    monkeypatch.setenv(STEP_IPC_ENV, "1")
     pool = cpm.DevicePool(device=0, large_blocks="expandable", ipc=True)
     blocks = pool._backend
     book = StepExports(driver)
@@ -294,12 +291,11 @@ def test_a_receiver_reads_the_block_from_the_other_gpu_with_the_senders_grant(ex
 
 
 @pytest.mark.multigpu
-def test_a_block_on_the_second_gpu_is_read_by_a_receiver_there(monkeypatch):
+def test_a_block_on_the_second_gpu_is_read_by_a_receiver_there():
     from cuda.bindings import driver
 
     from cupy_poolmem._sharing._steps import StepExports
 
-    monkeypatch.setenv(STEP_IPC_ENV, "1")
     pool = cpm.DevicePool(device=1, large_blocks="expandable", ipc=True)
     book = StepExports(driver)
     ctx = mp.get_context("spawn")
@@ -357,12 +353,11 @@ def test_a_receivers_mapping_outlives_an_exporter_that_exits():
 
 # -- the pickled-array path: arrays sent through multiprocessing, mapped as steps ----------
 @pytest.mark.parametrize("mode", ["expandable", "mapped"])
-def test_an_array_of_a_mapped_or_expandable_ipc_pool_travels_over_a_pipe(monkeypatch, mode):
+def test_an_array_of_a_mapped_or_expandable_ipc_pool_travels_over_a_pipe(mode):
     from support import mp_workers as MW
 
     import cupy_poolmem._sharing  # noqa: F401  (the reducer for cupy.ndarray)
 
-    monkeypatch.setenv(STEP_IPC_ENV, "1")
     pool = cpm.DevicePool(large_blocks=mode, ipc=True)
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
@@ -402,10 +397,9 @@ class Pickled(Child):
 
 
 @pytest.fixture
-def step_pool(monkeypatch):
+def step_pool():
     import cupy_poolmem._sharing  # noqa: F401  (the reducer for cupy.ndarray)
 
-    monkeypatch.setenv(STEP_IPC_ENV, "1")
     pool = cpm.DevicePool(device=0, large_blocks="expandable", ipc=True)
     yield pool
     cupy.cuda.Device(0).synchronize()

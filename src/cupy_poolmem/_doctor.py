@@ -20,7 +20,6 @@ from ._device import (
     require_attribute,
 )
 from ._errors import MissingDependencyError, UnsupportedError
-from ._experimental import step_ipc_opted_in
 
 __all__ = ["doctor", "large_block_placement", "self_check", "time_alloc", "versions"]
 
@@ -145,9 +144,7 @@ def _access_rows(pools: list[Any], imported: dict[int, tuple[int, ...]]) -> list
     return rows
 
 
-def large_block_placement(
-    pools: list[Any] | None, opted_in: bool, vmm: bool | None
-) -> tuple[str, str]:
+def large_block_placement(pools: list[Any] | None, vmm: bool | None) -> tuple[str, str]:
     """Which large-block placement ``set_allocator()``'s device pools use, and why.
 
     Parameters
@@ -155,9 +152,6 @@ def large_block_placement(
     pools
         The installed allocator's device pools, or None when none is installed (then
         the answer is what ``set_allocator()`` with its defaults would use).
-    opted_in
-        Whether ``CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC=1`` is set (mapped and expandable
-        blocks may then be shared).
     vmm
         Whether the GPU supports virtual memory management (None: unknown).
 
@@ -168,7 +162,7 @@ def large_block_placement(
 
     Examples
     --------
-    >>> large_block_placement(None, False, True)[0]
+    >>> large_block_placement(None, True)[0]
     'pool'
     """
     if pools:
@@ -177,16 +171,11 @@ def large_block_placement(
         return modes, f"as set_allocator() was called (ipc={ipc})"
     if vmm is False:
         return "pool", "the GPU has no virtual memory management, which the others need"
-    if opted_in:
-        return "pool", (
-            "the default until the expandable pool's shared-memory benchmarks are in "
-            "(issue 35); with CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC=1 set, "
-            "set_allocator(large_blocks='expandable') shares its arrays (experimental)"
-        )
     return "pool", (
-        "set_allocator() shares arrays (ipc=True) and mapped or expandable blocks are not "
-        "shared yet; set_allocator(ipc=False, large_blocks='expandable') is the "
-        "memory-efficient pool for arrays that stay in this process"
+        "the default: it sends fresh arrays to other processes faster than the "
+        "expandable placement; set_allocator(large_blocks='expandable') reserves less "
+        "on varied sizes and shares its arrays too (docs/device_pool.rst, "
+        "'Which placement set_allocator uses')"
     )
 
 
@@ -201,7 +190,7 @@ def _placement_row(alloc: Any) -> str:
         vmm = False
     except Exception:
         vmm = None
-    placement, why = large_block_placement(pools, step_ipc_opted_in(), vmm)
+    placement, why = large_block_placement(pools, vmm)
     return f"  set_allocator() large blocks: {placement!r} ({why})"
 
 

@@ -98,7 +98,6 @@ def short_lived_exporter(conn, device: int, receiver_pid: int, n: int, base: int
     """Allocate a block on an exportable expandable pool, fill it, send its steps to
     the receiver (through the parent: ``conn`` carries the descriptors), and exit."""
     try:
-        os.environ["CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC"] = "1"
         import cupy
         from cuda.bindings import driver
 
@@ -239,7 +238,6 @@ def pickled_receiver(conn, read_on: int | None = None) -> None:
 def exiting_exporter(q, mode: str, n: int, base: int) -> None:
     """Put one array of an exportable ``mode`` pool on ``q`` and return (the process
     exits: its exit waits until the receiver mapped the block)."""
-    os.environ["CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC"] = "1"
     import cupy
 
     import cupy_poolmem as cpm

@@ -6,7 +6,6 @@ from typing import Any
 
 from .. import _expandable
 from .._errors import InvalidOptionError, InvalidSizeError, OptionTypeError
-from .._experimental import step_ipc_opted_in
 from .._sizes import format_bytes, parse_bytes
 
 _UINT64_MAX = 2**64 - 1
@@ -76,12 +75,6 @@ def large_blocks_mode(value: Any, ipc: bool) -> str:
             f"large_blocks={value!r} is not one of 'pool' (blocks from the CUDA pool), "
             "'mapped' (each large block mapped on memory of its own) or 'expandable' "
             "(every block placed in growing mapped ranges, one pair per stream)"
-        )
-    if value != "pool" and ipc and not step_ipc_opted_in():
-        raise InvalidOptionError(
-            f"large_blocks={value!r} cannot be used with ipc=True: mapped blocks are not "
-            "in a CUDA pool that other processes can import. Use large_blocks='pool' for "
-            "a pool whose arrays are shared"
         )
     return value
 

@@ -1,7 +1,7 @@
-"""The rows of shared expandable and mapped pools in ``bench churn`` and ``bench ipc``
-(issue 35), measured only with the opt-in ``CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC=1``, and
-the line that sets the receiver's reserved address space per imported exporter beside
-torch's (9/8 of the GPU per import of an expandable segment).
+"""The rows of shared expandable and mapped pools in ``bench alloc``, ``bench churn`` and
+``bench ipc`` (issue 35), and the line that sets the receiver's reserved address space
+per imported exporter beside torch's (9/8 of the GPU per import of an expandable
+segment).
 """
 
 from __future__ import annotations
@@ -9,16 +9,12 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from .._experimental import STEP_IPC_ENV, step_ipc_opted_in
-
 __all__ = [
     "EXPANDABLE_IPC_LABEL",
     "MAPPED_IPC_LABEL",
     "STEP_KIND",
     "churn_pools",
-    "not_measured",
     "reserved_line",
-    "step_rows_wanted",
 ]
 
 EXPANDABLE_IPC_LABEL = "cupy_poolmem DevicePool large_blocks='expandable' ipc=True"
@@ -29,37 +25,15 @@ STEP_KIND = "cupy_poolmem expandable"
 TORCH_SHARE = 9 / 8
 
 
-def step_rows_wanted(opted_in: bool | None = None) -> bool:
-    """Whether the shared expandable and mapped pools are measured (the opt-in is set;
-    ``opted_in``: its value, read from the environment when None)."""
-    return step_ipc_opted_in() if opted_in is None else opted_in
-
-
-def not_measured(what: str) -> str:
-    """The line printed instead of the rows of ``what`` without the opt-in.
+def churn_pools() -> list[tuple[str, dict[str, Any]]]:
+    """The extra ``(label, DevicePool options)`` of ``bench alloc`` and ``bench churn``:
+    the expandable and mapped pools with ``ipc=True`` (their memory created exportable).
 
     Examples
     --------
-    >>> print(not_measured("bench churn"))
-    (bench churn: the shared expandable and mapped pools not measured: set CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC=1)
-    """
-    return f"({what}: the shared expandable and mapped pools not measured: set {STEP_IPC_ENV}=1)"
-
-
-def churn_pools(opted_in: bool | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """``bench churn``'s extra ``(label, DevicePool options)``: the expandable and mapped
-    pools with ``ipc=True`` (their memory created exportable), or none without the
-    opt-in.
-
-    Examples
-    --------
-    >>> [label for label, _ in churn_pools(True)][0]
+    >>> [label for label, _ in churn_pools()][0]
     "cupy_poolmem DevicePool large_blocks='expandable' ipc=True"
-    >>> churn_pools(False)
-    []
     """
-    if not step_rows_wanted(opted_in):
-        return []
     return [
         (EXPANDABLE_IPC_LABEL, {"large_blocks": "expandable", "ipc": True}),
         (MAPPED_IPC_LABEL, {"large_blocks": "mapped", "ipc": True}),

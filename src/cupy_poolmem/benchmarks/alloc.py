@@ -22,7 +22,7 @@ import cupy_poolmem
 
 from ._common import child_env, header, median_time, require_gpu, table
 from ._paired import Burst, PairedRatio, paired_ratio, timed_burst
-from ._step_ipc import EXPANDABLE_IPC_LABEL, churn_pools, not_measured, step_rows_wanted
+from ._step_ipc import EXPANDABLE_IPC_LABEL, churn_pools
 
 
 def peers() -> list[tuple[Any, ...]]:
@@ -280,11 +280,8 @@ def _paired_pool(quick: bool, **options: Any) -> list[PairedRatio]:
 
 def _paired_shared_expandable(quick: bool) -> list[PairedRatio]:
     """Issue 35's default, measured: the shared expandable pool against MemoryPool,
-    paired; nothing without the step IPC opt-in."""
-    for label, options in churn_pools():
-        if label == EXPANDABLE_IPC_LABEL:
-            return _paired_pool(quick, **options)
-    return []
+    paired."""
+    return _paired_pool(quick, **dict(churn_pools())[EXPANDABLE_IPC_LABEL])
 
 
 def _paired_observability(
@@ -598,8 +595,6 @@ def main(argv: Sequence[str] | None = None, measurements: Measurements | None = 
     shared = m.paired_shared_expandable(quick)
     for line in pool_goals(shared, "DevicePool large_blocks='expandable' ipc=True"):
         print(line)
-    if not step_rows_wanted():
-        print(not_measured("bench alloc"))
     print()
     print("the pool alone: microseconds per malloc(n) + free, no cupy.empty (ratio to MemoryPool)")
     print(m.bare_costs(quick))

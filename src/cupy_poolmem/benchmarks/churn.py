@@ -21,7 +21,7 @@ from cupy_poolmem import _retire
 from ._churn_variants import measure_variants
 from ._common import header, require_gpu, table
 from ._paired import Burst, PairedRatio, paired_ratio
-from ._step_ipc import EXPANDABLE_IPC_LABEL, churn_pools, not_measured, step_rows_wanted
+from ._step_ipc import EXPANDABLE_IPC_LABEL, churn_pools
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 GOAL_RESERVED, GOAL_SPEED = 0.8, 1.05
@@ -261,7 +261,7 @@ def contenders(steps: list[tuple[int, list[int]]]) -> tuple[dict[str, Run], dict
         ("cupy_poolmem DevicePool reuse_cache=0", {"reuse_cache": 0}),
         (MAPPED_LABEL, {"large_blocks": "mapped"}),
         (EXPANDABLE_LABEL, {"large_blocks": "expandable"}),
-        *churn_pools(),  # shared (ipc=True) ones: with the opt-in only
+        *churn_pools(),  # the shared (ipc=True) expandable and mapped pools
     )
     for label, opts in pools:
         runs[label] = on_cupy_allocator(
@@ -398,8 +398,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     for label, ratio in paired.items():
         print(f"time over MemoryPool's, paired replays: {label}: {ratio}")
     print(goal_line(rows, paired))
-    if not step_rows_wanted():
-        print(not_measured("bench churn"))
     print()
     print("the same trace straight on CUDA pools (no CuPy arrays; times include the binding calls)")
     print(variants_table(measure_variants(steps), base[2]))

@@ -16,7 +16,7 @@ import cupy_poolmem
 from cupy_poolmem._sharing._context import context
 
 from ._common import header, require_gpu, table
-from ._step_ipc import STEP_KIND, not_measured, reserved_line, step_rows_wanted
+from ._step_ipc import STEP_KIND, reserved_line
 
 
 def consumer(kind: str, q_in, q_out) -> None:
@@ -71,7 +71,7 @@ def run_method(
                 cupy_poolmem.sharing.fallback = "device-copy"
                 with cupy_poolmem.using(cupy_poolmem.get_pool()):
                     return cupy.ones(size // 4, dtype=cupy.float32)
-            if kind == STEP_KIND:  # a shared expandable pool's (the opt-in is set)
+            if kind == STEP_KIND:  # a shared expandable pool's
                 cupy_poolmem.sharing.fallback = "error"
                 with cupy_poolmem.using(_expandable_pool()):
                     return cupy.ones(size // 4, dtype=cupy.float32)
@@ -186,10 +186,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ("cupy_poolmem", True),
         ("torch", True),
     ]
-    if step_rows_wanted():  # arrays of a shared expandable pool, re-sent and fresh
-        runs += [(STEP_KIND, False), (STEP_KIND, True)]
-    else:
-        print(not_measured("bench ipc"))
+    runs += [(STEP_KIND, False), (STEP_KIND, True)]  # a shared expandable pool's arrays
     for kind, fresh in runs:
         n = {1 << 20: 200 if quick else 1000, 256 << 20: 100 if quick else 300}
         if kind == "cupy pickling":
@@ -236,8 +233,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     recycled = cupy_poolmem.sharing.stats()["recycled_blocks"]
     print(f"exported blocks recycled through the reuse cache in this run: {recycled}")
-    if step_rows_wanted():
-        print(reserved_line(RESERVED, cupy.cuda.Device().mem_info[1]))
+    print(reserved_line(RESERVED, cupy.cuda.Device().mem_info[1]))
     del cupy
 
 

@@ -1,6 +1,5 @@
-"""``DevicePool(large_blocks="expandable" or "mapped", ipc=True)``: refused as on main
-unless the test-only opt-in ``CUPY_POOLMEM_EXPERIMENTAL_STEP_IPC=1`` is set; with it the
-pool's physical memory is created exportable, and only then (docs/sharing.rst, "Mapped
+"""``DevicePool(large_blocks="expandable" or "mapped", ipc=True)``: accepted, its
+physical memory created exportable, and only for such a pool (docs/sharing.rst, "Mapped
 and expandable blocks")."""
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from fakes.steps import FD
 
 import cupy_poolmem as cpm
 from cupy_poolmem import _driver, _pools
-from cupy_poolmem._experimental import STEP_IPC_ENV
 from cupy_poolmem._sharing._steps import StepExports
 
 drv = fx.drv
@@ -36,25 +34,9 @@ def mapped_made(monkeypatch, fake_retirer, drv, made):
     return out
 
 
-@pytest.mark.parametrize("value", [None, "0", "yes", ""])
-@pytest.mark.parametrize("mode", ["expandable", "mapped"])
-def test_ipc_with_mapped_or_expandable_blocks_stays_refused_without_the_opt_in(
-    mapped_made, monkeypatch, mode, value
-):
-    if value is None:
-        monkeypatch.delenv(STEP_IPC_ENV, raising=False)
-    else:
-        monkeypatch.setenv(STEP_IPC_ENV, value)
-    with pytest.raises(cpm.InvalidOptionError, match="cannot be used with ipc=True"):
-        cpm.DevicePool(large_blocks=mode, ipc=True)
-
-
 @pytest.mark.parametrize("ipc", [False, True])
 @pytest.mark.parametrize("mode", ["expandable", "mapped"])
-def test_the_opt_in_makes_the_memory_exportable_only_for_an_ipc_pool(
-    mapped_made, monkeypatch, mode, ipc
-):
-    monkeypatch.setenv(STEP_IPC_ENV, "1")
+def test_the_memory_is_created_exportable_only_for_an_ipc_pool(mapped_made, monkeypatch, mode, ipc):
     p = cpm.DevicePool(large_blocks=mode, ipc=ipc)
     assert p.ipc is ipc and p.large_blocks == mode
     assert p._backend.exportable is ipc
@@ -67,7 +49,6 @@ def test_the_opt_in_makes_the_memory_exportable_only_for_an_ipc_pool(
 def test_a_block_of_such_a_pool_travels_as_steps_and_never_as_a_cuda_pools_block(
     mapped_made, monkeypatch, mode
 ):
-    monkeypatch.setenv(STEP_IPC_ENV, "1")
     p = cpm.DevicePool(large_blocks=mode, ipc=True)
     err, ptr = p._backend.alloc(12 << 20, 0x5000)
     assert err == 0
@@ -82,7 +63,6 @@ def test_a_block_of_such_a_pool_travels_as_steps_and_never_as_a_cuda_pools_block
 
 @pytest.mark.parametrize("mode", ["expandable", "mapped"])
 def test_a_plain_pools_placement_is_never_sent_as_steps(mapped_made, monkeypatch, mode):
-    monkeypatch.setenv(STEP_IPC_ENV, "1")
     p = cpm.DevicePool(large_blocks=mode, ipc=False)
     err, ptr = p._backend.alloc(12 << 20, 0x5000)
     assert err == 0
@@ -93,7 +73,6 @@ def test_a_plain_pools_placement_is_never_sent_as_steps(mapped_made, monkeypatch
 
 @pytest.mark.parametrize("way", ["trim", "out-of-memory retry"])
 def test_a_pools_trim_and_oom_retry_keep_a_step_a_receiver_maps(mapped_made, drv, monkeypatch, way):
-    monkeypatch.setenv(STEP_IPC_ENV, "1")
     monkeypatch.setattr(_driver.get(), "cuMemPoolTrimTo", lambda pool, keep: (0,))
     p = cpm.DevicePool(large_blocks="expandable", ipc=True)
     p._synchronize = lambda: None
