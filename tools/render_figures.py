@@ -105,6 +105,25 @@ FIGURES = [
         lines=("time over MemoryPool's", "goal"),
     ),
     Figure("device_pool-peer_access", "alloc", "GPU 0 pool"),
+    Figure(
+        "device_pool-default_alloc",
+        "alloc",
+        "allocator",
+        rows=(
+            "cupy MemoryPool (baseline)",
+            "cupy_poolmem DevicePool [",
+            "cupy_poolmem DevicePool large_blocks='expandable' ipc=True",
+        ),
+        lines=("goal: DevicePool",),
+    ),
+    Figure(
+        "device_pool-default_ipc",
+        "ipc",
+        "method",
+        rows=("cupy_poolmem",),
+        columns=("size", "steady ms/msg", "floor ms (tiny numpy)", "over floor ms", "vs floor", "goal"),
+        lines=("receiver's reserved",),
+    ),
     Figure("pinned_pool-bandwidth", "pinned", "size", lines=("goal",)),
     Figure(
         "sharing-first_send",
