@@ -53,6 +53,30 @@ def test_fit_of_wall_against_transfers():
     assert tl.fit([{"wall": 0.05, "transfers": 4}]) == (0.05, 0.0, 0.0)
 
 
+def _run(t0_wall, events):
+    w = {"lag": [e[2] for e in events if e[0] == "lag"],
+         "gc": [e[2] for e in events if e[0] == "gc"], "events": events, "counters": {}}  # fmt: skip
+    r = {"wall": 0.05, "span": 0.04, "transfers": 6, "transfer_total": 0.01,
+         "transfer_max": 0.002, "compute_max": 0.001, "workers": {"w1": w}}  # fmt: skip
+    if t0_wall is not None:
+        r["t0_wall"] = t0_wall
+    return r
+
+
+def test_a_workers_lag_before_the_graph_was_submitted_is_not_the_runs():
+    """Every worker's loop was late about 18 ms just before each run (the probe's own
+    call, the previous run's clean-up); the lag column gave it to the run."""
+    events = [("lag", 99.99, 0.018, None), ("gc", 99.995, 0.002, 2),
+              ("lag", 100.01, 0.003, None), ("lag", 100.02, 0.004, None)]  # fmt: skip
+    assert tl.in_run(_run(100.0, events), "lag") == [0.003, 0.004]
+    assert tl.in_run(_run(100.0, events), "gc") == []
+    row = tl.render("v", {"runs": [_run(100.0, events)]}).splitlines()
+    cells = [c.strip() for c in next(x for x in row if x.startswith("0 ")).split("|")]
+    assert cells[7] == "2/7.0/4.0" and cells[8] == "0/0.0/0.0"
+    # results saved before runs had their start: every event counts, as then
+    assert tl.in_run(_run(None, events), "lag") == [0.018, 0.003, 0.004]
+
+
 def test_render_says_why_a_variant_did_not_run():
     assert "skipped (distributed_ucxx is not installed)" in tl.render(
         "ucxx", {"skipped": "distributed_ucxx is not installed"}
