@@ -29,7 +29,7 @@ MODULES = {
     "cupy_poolmem._dask_transfer._header": 2,
     "cupy_poolmem.benchmarks.churn": 6,
     "cupy_poolmem.benchmarks._churn_variants": 6,
-    "cupy_poolmem.benchmarks._step_ipc": 4,
+    "cupy_poolmem.benchmarks._step_ipc": 3,
     "cupy_poolmem.benchmarks.pinned_bandwidth": 1,
     "cupy_poolmem.benchmarks._paired": 12,
     "cupy_poolmem.benchmarks.alloc": 3,
