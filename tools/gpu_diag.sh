@@ -3,7 +3,7 @@
 # then dask-cuda's own benchmark (bench dask-cuda) on two GPUs and on every GPU.
 #   OUT=... bash tools/gpu_diag.sh        (carry .whl and .whl_ucx)
 # Env: RUNS (timeline runs per variant), V4 / V2 (timeline variants on all GPUs / two;
-# "-" skips), BENCH=0 skips bench dask-cuda, TESTS=1 runs the Dask GPU tests after the
+# "-" skips), BENCH=0 skips bench dask-cuda (BENCH4=0 only its run on every GPU), TESTS=1 runs the Dask GPU tests after the
 # timelines (on GPUs 2,3 beside bench x2 when there are four; tests.txt).  At most 8
 # files come back from $OUT.
 set -u
@@ -56,5 +56,5 @@ fi
 [ "${BENCH:-1}" = 1 ] && bench 0,1 x2 "${BENCH2_S:-300}"
 [ -n "$pid" ] && wait "$pid"
 [ "${TESTS:-0}" = 1 ] && grep -E "passed|failed|error|== dask" "$OUTDIR/tests.txt" | tail -6
-[ "${BENCH:-1}" = 1 ] && [ "$n" -gt 2 ] && bench "$devs" "x$n" "${BENCH4_S:-300}" --no-transfer
+[ "${BENCH:-1}" = 1 ] && [ "${BENCH4:-1}" = 1 ] && [ "$n" -gt 2 ] && bench "$devs" "x$n" "${BENCH4_S:-300}" --no-transfer
 echo "== done at $((SECONDS - t0)) s"
