@@ -117,3 +117,20 @@ def test_numbas_ipc_handle_of_such_a_block_is_refused_with_the_way_out(mapped_ma
     assert "multiprocessing" in str(ei.value)  # the way out
     p._backend.free(ptr, 0x5000)
     p.close()
+
+
+@pytest.mark.parametrize("mode", ["expandable", "mapped", "pool"])
+def test_a_pool_sent_to_another_process_is_refused_naming_what_travels(mapped_made, mode):
+    """A pool is this process's memory: pickling it (a spawn or forkserver Process's
+    arguments) says to send its arrays, or to make a pool there, instead of failing on
+    a lock inside it."""
+    import multiprocessing.reduction as mpr
+    import pickle
+
+    p = cpm.DevicePool(large_blocks=mode, ipc=True)
+    for dumps in (pickle.dumps, mpr.ForkingPickler.dumps):
+        with pytest.raises(cpm.SharingError, match="cannot be sent to another process") as ei:
+            dumps(p)
+        assert f"large_blocks={mode!r}" in str(ei.value) or mode == "pool"
+        assert "send arrays allocated from it" in str(ei.value)
+    p.close()

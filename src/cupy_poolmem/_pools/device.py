@@ -407,6 +407,12 @@ class DevicePool(Pool):
             )
         return super()._ipc_pool_of(ptr, handle)
 
+    def _describe(self) -> str:
+        mode = self.__dict__.get("large_blocks", "pool")  # (unset in a half-built pool)
+        if mode == "pool":
+            return super()._describe()
+        return f"{type(self).__name__}(device={self.device_id}, large_blocks={mode!r})"
+
     def _steps_of(self, ptr: int) -> Any:
         """The mapped or expandable placement holding ``ptr`` when its memory is
         exportable (an ``ipc=True`` pool's: the block travels as the steps under it),
