@@ -775,6 +775,20 @@ def test_first_steps_say_what_a_receive_will_cost():
     assert _receiver.first_steps(ctx, d) == "own"
 
 
+def test_a_block_that_travels_as_steps_costs_a_claim_and_no_pool_import():
+    """A block of a mapped or expandable pool has no CUDA pool to import: its claim's
+    reply carries the steps, so once connected a fresh one is one claim round trip."""
+    d = types.SimpleNamespace(address="/s/a", pool_uuid="p", export_data=b"e")
+    imp = types.SimpleNamespace(clients={"/s/a": object()}, pools={}, maps={})
+    ctx = types.SimpleNamespace(_exporter=None, _importer=imp)
+    assert _receiver.first_steps(ctx, d, steps=True) == "claim"
+    assert _receiver.first_steps(ctx, d, steps=False) == "pool-import"  # a CUDA pool's
+    imp.maps[("p", b"e")] = object()
+    assert _receiver.first_steps(ctx, d, steps=True) == "mapped"
+    imp.clients.clear()
+    assert _receiver.first_steps(ctx, d, steps=True) == "first-contact"
+
+
 def test_counters_sum_timings_per_step():
     c = T.Counters()
     c.timed("copy", 0.5)

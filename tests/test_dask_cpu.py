@@ -235,3 +235,48 @@ def test_preload_hook_leaves_non_workers_alone():
 def test_gather_stats_rejects_unknown_kind():
     with pytest.raises(cpm.InvalidOptionError, match="kind"):
         gather_stats(None, kind="managed")
+
+
+# -- large_blocks: the shared expandable or mapped pool on the workers ------------------------
+def test_large_blocks_is_checked_at_construction_and_kept():
+    for mode in ("pool", "mapped", "expandable"):
+        plugin = PoolmemPlugin(large_blocks=mode)
+        assert plugin.large_blocks == mode and f"large_blocks={mode!r}" in repr(plugin)
+        assert pickle.loads(pickle.dumps(plugin)).large_blocks == mode
+    assert PoolmemPlugin().large_blocks == "pool"  # set_allocator's default
+    assert PoolmemPlugin(large_blocks="mapped", release_threshold="1GB").large_blocks == "mapped"
+    with pytest.raises(cpm.InvalidOptionError, match="large_blocks='vmm' is not one of"):
+        PoolmemPlugin(large_blocks="vmm")
+    with pytest.raises(cpm.OptionTypeError, match="large_blocks must be"):
+        PoolmemPlugin(large_blocks=None)
+
+
+@pytest.mark.parametrize(
+    ("mode", "kw"),
+    [
+        ("expandable", {"pool_size": "1GB"}),
+        ("expandable", {"maximum_pool_size": 0.5}),
+        ("expandable", {"release_threshold": 0}),
+        ("mapped", {"pool_size": "1GB"}),
+        ("mapped", {"maximum_pool_size": "40GB"}),
+    ],
+)
+def test_large_blocks_refuses_the_sizes_its_pool_has_no_use_for(mode, kw):
+    ((name, value),) = kw.items()
+    with pytest.raises(
+        cpm.InvalidOptionError, match=rf"{name}={value!r} cannot be used with large_blocks='{mode}'"
+    ) as ei:
+        PoolmemPlugin(large_blocks=mode, **kw)
+    assert "large_blocks='pool'" in str(ei.value)  # the way out
+
+
+def test_the_large_blocks_config_key_configures_the_plugin(monkeypatch):
+    assert dask.config.get("cupy-poolmem.large-blocks") == "pool"
+    monkeypatch.setenv("DASK_CUPY_POOLMEM__LARGE_BLOCKS", "expandable")
+    with dask.config.set(dask.config.collect_env()):
+        assert PoolmemPlugin.from_config().large_blocks == "expandable"
+    with (
+        dask.config.set({"cupy-poolmem.large-blocks": "vmm"}),
+        pytest.raises(cpm.InvalidOptionError, match="large_blocks='vmm'"),
+    ):
+        PoolmemPlugin.from_config()

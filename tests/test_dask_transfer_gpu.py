@@ -283,3 +283,35 @@ def test_received_chunk_spills_to_host_and_comes_back():
         assert back["sum"] == _expected_sum(64 * MiB, 21), back
         for fut, s in zip(more, (22, 23)):
             assert _inspect_on(client, fut, b)["sum"] == _expected_sum(64 * MiB, s)
+
+
+# -- a shared expandable or mapped pool on the workers ----------------------------------------
+def _placement() -> tuple:
+    return cpm.get_pool().large_blocks, cpm.get_pool().ipc
+
+
+@pytest.mark.parametrize("mode", ["expandable", "mapped"])
+def test_same_gpu_chunk_of_a_shared_placement_arrives_as_a_view(mode):
+    """PoolmemPlugin(large_blocks=mode): the chunks are step blocks (64 MiB, above the
+    mapped pool's 8 MiB); each arrives as a view of the sender's steps, a fresh one
+    timed as a claim (no pool to import), and outlives the sender's reference."""
+    with _same_gpu_cluster(meet=False) as cluster, Client(cluster) as client:
+        client.register_plugin(PoolmemPlugin(large_blocks=mode, pinned=False))
+        a, b = _two_workers(client)
+        assert client.run(_placement) == {a: (mode, True), b: (mode, True)}
+        s0 = transfer_stats(client)
+        x1, y1 = _move(client, a, b, 64 * MiB, seed=5)  # the first contact
+        x2, y2 = _move(client, a, b, 64 * MiB, seed=6)  # connected: one claim
+        for y, seed in ((y1, 5), (y2, 6)):
+            got = _inspect_on(client, y, b)
+            assert got["sum"] == _expected_sum(64 * MiB, seed) and got["mapped"], got
+        s1 = transfer_stats(client)
+        assert _delta(s1[a], s0[a], "sent_ipc") == 2, f"not sent through IPC: {s1[a]}"
+        assert _delta(s1[b], s0[b], "received_view") == 2, f"not views: {s1[b]}"
+        timings = s1[b]["timings"]
+        assert timings.get("receive.claim", {}).get("n", 0) >= 1, timings
+        assert "receive.pool-import" not in timings, timings
+        del x1, x2
+        time.sleep(0.5)
+        for y, seed in ((y1, 5), (y2, 6)):
+            assert _inspect_on(client, y, b)["sum"] == _expected_sum(64 * MiB, seed)

@@ -1428,3 +1428,29 @@ def test_a_park_under_way_counts_as_pending_and_against_the_cap(fake_retirer):
     assert seen == [1, False, False] and fake_retirer.recycled == 1
     # "later" was destroyed the usual way, after a sync, in the same drain
     assert fake_retirer.pending == 0 and log == [("sync", 0), ("close", "later")]
+
+
+def test_a_pool_retired_while_the_interpreter_finalizes_lets_the_process_exit():
+    """A pool only a reference cycle holds (a half-built one in a traceback, say) is
+    collected while the interpreter finalizes; retiring it there must not start the
+    retirer's thread, which can no longer run (Python 3.11 then waits for it forever)."""
+    code = (
+        "import gc\n"
+        "from cupy_poolmem import _retire as R\n"
+        "class Res:\n"
+        "    def close(self): pass\n"
+        "class Pool:\n"
+        "    def __del__(self):\n"
+        "        self.r.retire(self.token, 0)\n"
+        "        print('retired', self.r._thread is None, flush=True)\n"
+        "gc.disable()\n"
+        "p = Pool()\n"
+        "p.r = R.retirer()\n"
+        "p.token = p.r.adopt(Res())\n"
+        "p.cycle = p\n"
+        "del p\n"
+    )
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-c", code], env=env, timeout=30, capture_output=True)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    assert run.stdout.decode().split() == ["retired", "True"]  # collected at exit, no thread

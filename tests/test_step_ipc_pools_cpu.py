@@ -4,6 +4,8 @@ and expandable blocks")."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from fakes import expandable as fx
 from fakes import mapped as fm
@@ -91,4 +93,44 @@ def test_a_pools_trim_and_oom_retry_keep_a_step_a_receiver_maps(mapped_made, drv
     assert va in drv.mapped and b.reserved == 40 * MiB
     book.drop_peer(1)  # the receiver is gone
     assert p.trim() == 40 * MiB and drv.mapped == {}
+    p.close()
+
+
+@pytest.mark.parametrize("mode", ["expandable", "mapped"])
+def test_numbas_ipc_handle_of_such_a_block_is_refused_with_the_way_out(mapped_made, drv, mode):
+    """The Numba plugin's ``get_ipc_handle``: the block is in no CUDA pool (the driver
+    names none), yet it is the pool's memory: the plugin refuses it with the pool's
+    own message instead of taking Numba's legacy path, which cannot export it."""
+    cpn = pytest.importorskip("cupy_poolmem.numba", exc_type=ImportError)
+    p = cpm.DevicePool(large_blocks=mode, ipc=True)
+    err, ptr = p._backend.alloc(12 * MiB, 0x5000)
+    assert err == 0
+    drv.CUpointer_attribute = SimpleNamespace(CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE=17)
+    drv.cuPointerGetAttribute = lambda attr, ptr: (1, None)  # in no CUDA pool
+    mgr = cpn.PoolmemNumbaManager(context=None)
+    mgr.allocations[ptr] = object()  # as memalloc records the allocation
+    view = SimpleNamespace(
+        handle=ptr + 4096, owner=SimpleNamespace(device_pointer_value=ptr, size=12 * MiB)
+    )
+    with pytest.raises(cpm.SharingError, match=f"large_blocks='{mode}'.*Numba IPC handle") as ei:
+        mgr.get_ipc_handle(view)
+    assert "multiprocessing" in str(ei.value)  # the way out
+    p._backend.free(ptr, 0x5000)
+    p.close()
+
+
+@pytest.mark.parametrize("mode", ["expandable", "mapped", "pool"])
+def test_a_pool_sent_to_another_process_is_refused_naming_what_travels(mapped_made, mode):
+    """A pool is this process's memory: pickling it (a spawn or forkserver Process's
+    arguments) says to send its arrays, or to make a pool there, instead of failing on
+    a lock inside it."""
+    import multiprocessing.reduction as mpr
+    import pickle
+
+    p = cpm.DevicePool(large_blocks=mode, ipc=True)
+    for dumps in (pickle.dumps, mpr.ForkingPickler.dumps):
+        with pytest.raises(cpm.SharingError, match="cannot be sent to another process") as ei:
+            dumps(p)
+        assert f"large_blocks={mode!r}" in str(ei.value) or mode == "pool"
+        assert "send arrays allocated from it" in str(ei.value)
     p.close()

@@ -150,7 +150,12 @@ def set_allocator(**pool_options: Any) -> PoolAllocator:
     ----------
     **pool_options
         Passed to :class:`DevicePool` for each device (``max_size``,
-        ``release_threshold``, ``ipc``, ``peer_access``, ``small_pool``).  ``ipc``
+        ``release_threshold``, ``ipc``, ``peer_access``, ``small_pool``,
+        ``large_blocks``).  ``large_blocks`` defaults to ``"pool"``;
+        ``"expandable"`` reserves less where sizes vary and shares its arrays too, at
+        a few percent more per allocation and slower fresh sends (the device-pool
+        guide's "Which placement set_allocator uses"; ``doctor`` says which is in
+        use).  ``ipc``
         defaults to ``True`` so arrays can be shared with other processes without a
         copy (blocks up to ``small_pool``, 8 MiB by default, are shared from the
         small-block pool that holds them).
@@ -172,6 +177,7 @@ def set_allocator(**pool_options: Any) -> PoolAllocator:
     >>> import cupy, cupy_poolmem
     >>> cupy_poolmem.set_allocator()  # doctest: +SKIP
     >>> x = cupy.arange(10)  # allocated from the pool of the current device  # doctest: +SKIP
+    >>> cupy_poolmem.set_allocator(large_blocks="expandable")  # doctest: +SKIP
     """
     pool_options.setdefault("ipc", True)
     pool_options.setdefault("peer_access", "all")

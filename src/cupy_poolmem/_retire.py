@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -592,6 +593,8 @@ class Retirer:
     def _start(self) -> None:
         if not self._background:  # the owner calls drain()
             return
+        if sys.is_finalizing():  # a new thread would never run (3.11 waits for it forever)
+            return  # the process exit frees all
         with self._lock:
             if self._thread is not None:
                 return

@@ -39,6 +39,7 @@ from ._dask_transfer import TransferConfig
 from ._device import require_gpu
 from ._errors import InvalidOptionError, NoGPUError, OptionTypeError, PoolClosedError
 from ._gc_freeze import GcFreeze
+from ._pools._options import large_blocks_mode
 from ._sizes import format_bytes, parse_bytes
 
 __all__ = [
@@ -63,6 +64,7 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "pinned": True,
     "ipc": True,
     "gc-freeze": True,
+    "large-blocks": "pool",
 }
 dask.config.update_defaults({"cupy-poolmem": dict(CONFIG_DEFAULTS)})
 
@@ -162,6 +164,13 @@ class PoolmemPlugin(WorkerPlugin):
         for about 0.1 s in the middle of a computation.  Skipped on a worker that
         already holds tasks and in a plain process (``setup()`` without a worker);
         undone at teardown.  Default ``True``.
+    large_blocks : {"pool", "expandable", "mapped"}
+        Where the device pool places its blocks (:class:`~cupy_poolmem.DevicePool`'s
+        ``large_blocks``).  ``"pool"`` (default, as :func:`~cupy_poolmem.set_allocator`):
+        CUDA pools.  ``"expandable"`` reserves less where sizes vary, and its arrays
+        travel between same-host workers too (as the steps under their blocks); it
+        takes no ``pool_size``, ``maximum_pool_size`` nor ``release_threshold``.
+        ``"mapped"`` takes no ``pool_size`` nor ``maximum_pool_size``.
 
     Raises
     ------
@@ -214,6 +223,7 @@ class PoolmemPlugin(WorkerPlugin):
         pinned: bool = True,
         ipc: bool = True,
         gc_freeze: bool = True,
+        large_blocks: str = "pool",
     ) -> None:
         self.pool_size = pool_size
         self.maximum_pool_size = maximum_pool_size
@@ -221,6 +231,8 @@ class PoolmemPlugin(WorkerPlugin):
         self.pinned = _check_bool(pinned, "pinned")
         self.ipc = _check_bool(ipc, "ipc")
         self.gc_freeze = _check_bool(gc_freeze, "gc_freeze")
+        self.large_blocks = large_blocks_mode(large_blocks, self.ipc)
+        self._check_placement()
         kinds = {n: _size_kind(getattr(self, n), n) for n in _SIZE_OPTIONS}
         # Consistency checks that need no GPU: both values in the same form.
         for a, b in (("pool_size", "maximum_pool_size"), ("release_threshold", "pool_size")):
@@ -230,6 +242,22 @@ class PoolmemPlugin(WorkerPlugin):
         self._pinned_alloc: Any = None
         self._gc: GcFreeze | None = None
         self.device: int | None = None
+
+    def _check_placement(self) -> None:
+        """Refuse the sizes the pool of ``large_blocks`` has no use for."""
+        why = {
+            "pool_size": "the reservation is a CUDA pool's, made with small_pool=None",
+            "maximum_pool_size": "the cap is a CUDA pool's",
+            "release_threshold": "the ranges keep freed memory mapped until a trim",
+        }
+        refused = {"expandable": tuple(why), "mapped": ("pool_size", "maximum_pool_size")}
+        for name in refused.get(self.large_blocks, ()):
+            value = getattr(self, name)
+            if value is not None:
+                raise InvalidOptionError(
+                    f"{name}={value!r} cannot be used with large_blocks={self.large_blocks!r}: "
+                    f"{why[name]}. Leave {name} unset, or use large_blocks='pool'"
+                )
 
     @classmethod
     def from_config(cls) -> PoolmemPlugin:
@@ -253,6 +281,7 @@ class PoolmemPlugin(WorkerPlugin):
             pinned=_config_bool(cfg["pinned"], "cupy-poolmem.pinned"),
             ipc=_config_bool(cfg["ipc"], "cupy-poolmem.ipc"),
             gc_freeze=_config_bool(cfg["gc-freeze"], "cupy-poolmem.gc-freeze"),
+            large_blocks=cfg["large-blocks"],
         )
 
     # -- sizes -------------------------------------------------------------------------
@@ -376,6 +405,7 @@ class PoolmemPlugin(WorkerPlugin):
                     max_size=sizes["maximum_pool_size"],
                     release_threshold=sizes["release_threshold"],
                     ipc=self.ipc,
+                    large_blocks=self.large_blocks,
                     **extra,
                 )
                 pool = self._device_alloc.pool(dev)
@@ -463,7 +493,8 @@ class PoolmemPlugin(WorkerPlugin):
             f"PoolmemPlugin(pool_size={self.pool_size!r}, "
             f"maximum_pool_size={self.maximum_pool_size!r}, "
             f"release_threshold={self.release_threshold!r}, pinned={self.pinned!r}, "
-            f"ipc={self.ipc!r}, gc_freeze={self.gc_freeze!r})"
+            f"ipc={self.ipc!r}, gc_freeze={self.gc_freeze!r}, "
+            f"large_blocks={self.large_blocks!r})"
         )
 
 

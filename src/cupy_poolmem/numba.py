@@ -248,8 +248,10 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         Raises
         ------
         SharingError
-            The memory is from a pool that is not IPC-enabled (``set_allocator(ipc=False)``)
-            or from a CUDA pool that cupy_poolmem does not own.
+            The memory is from a pool that is not IPC-enabled (``set_allocator(ipc=False)``),
+            from a CUDA pool that cupy_poolmem does not own, or a block of a
+            ``DevicePool(large_blocks="mapped" or "expandable")``, which is in no CUDA
+            pool (send the CuPy array through ``multiprocessing`` instead).
 
         Examples
         --------
@@ -260,6 +262,9 @@ class PoolmemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):
         base, alloc_size = self._find_allocation(memory)
         pool_handle = _pointer_pool(base)
         if pool_handle == 0:
+            for p in all_pools():  # a mapped or expandable block is in no CUDA pool
+                if isinstance(p, DevicePool) and p._backend is not None and p._backend.owns(base):
+                    p._ipc_pool_of(base)  # raises SharingError naming the way out
             return GetIpcHandleMixin.get_ipc_handle(self, memory)
         pool = next((p for p in all_pools() if p._owns_handle(pool_handle) and not p.closed), None)
         if pool is None:

@@ -24,13 +24,15 @@ __all__ = ["deserialize"]
 logger = logging.getLogger("cupy_poolmem.dask")
 
 
-def first_steps(ctx: Any, d: Any) -> str:
+def first_steps(ctx: Any, d: Any, steps: bool = False) -> str:
     """What receiving ``d`` will cost before its data is there (a guess made just before):
 
     ``"first-contact"`` (no connection to its exporter yet: connect, authenticate,
     import the pool, claim), ``"pool-import"`` (connected; its pool not imported),
     ``"claim"`` (a block not mapped here: one claim round trip), ``"mapped"`` (mapped
     already: no round trip when its life allows) or ``"own"`` (back in its exporter).
+    ``steps``: ``d`` is a block of a mapped or expandable pool, which travels as the
+    steps under it: no pool to import, its claim's reply carries them.
     """
     exp = ctx._exporter
     if exp is not None and d.address == exp.own_address:
@@ -40,7 +42,7 @@ def first_steps(ctx: Any, d: Any) -> str:
         return "first-contact"
     if (d.pool_uuid, d.export_data) in imp.maps:  # (a step-backed block has no pool)
         return "mapped"
-    if d.pool_uuid not in imp.pools:
+    if not steps and d.pool_uuid not in imp.pools:
         return "pool-import"
     return "claim"
 

@@ -23,6 +23,7 @@ from .._sharing import context
 from .._sharing._reducers import _owner as owner_of
 from .._sharing._reducers import _shareable as shareable
 from .._sharing._reducers import array_on, describe, rebuild, receive
+from .._sharing._wire import step_block
 from ._header import make_header
 from ._process import TransferState
 from ._receiver import first_steps, refetch
@@ -108,7 +109,7 @@ class GpuSteps:
         """
         ctx = context()
         counters = self.state.counters
-        kind = first_steps(ctx, d)
+        kind = first_steps(ctx, d, steps=step_block(d.export_data) is not None)
         t0 = time.perf_counter()
         owner, dev = receive(ctx, d)
         counters.timed(f"{step}.{kind}", time.perf_counter() - t0)

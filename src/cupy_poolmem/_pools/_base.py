@@ -586,6 +586,15 @@ class Pool(_capture.CaptureMixin):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def __reduce__(self) -> Any:
+        # A pool is this process's memory and locks: never pickled (a spawn or
+        # forkserver Process's arguments, a Queue).  Its arrays travel instead.
+        raise SharingError(
+            f"{self._describe()} cannot be sent to another process: send arrays allocated "
+            "from it (an ipc=True pool shares them without a copy), or create a pool with "
+            "the same options in that process"
+        )
+
     def _describe(self) -> str:
         return f"{type(self).__name__}(device={self.device_id})"
 

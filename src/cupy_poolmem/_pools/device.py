@@ -92,15 +92,17 @@ class DevicePool(Pool):
         each block above ``small_pool`` is device memory of its own, mapped with
         virtual memory management and unmapped once freed (beyond a cache of freed
         blocks), so the memory reserved follows the memory live where sizes vary
-        and frees come out of order (see Notes).  Not with ``ipc=True`` (mapped
-        blocks cannot be shared) nor ``max_size`` (the cap is a CUDA pool's):
-        :class:`~cupy_poolmem.InvalidOptionError`; ``small_pool`` must then be at
-        least 2 MiB.  ``"expandable"``: every block is placed, first fit, in two
+        and frees come out of order (see Notes).  Not with ``max_size`` (the cap is
+        a CUDA pool's): :class:`~cupy_poolmem.InvalidOptionError`; ``small_pool``
+        must then be at least 2 MiB.  ``"expandable"``: every block is placed, first fit, in two
         address ranges per stream that grow by mapping device memory (blocks up to
         1 MiB in one, larger ones in the other), as torch's ``expandable_segments``
         do: a freed block's room serves any size on its stream at once, with no
-        driver call (see Notes).  Not with ``ipc=True``, ``max_size`` nor
-        ``release_threshold`` (:class:`~cupy_poolmem.InvalidOptionError`).
+        driver call (see Notes).  Not with ``max_size`` nor ``release_threshold``
+        (:class:`~cupy_poolmem.InvalidOptionError`).  With ``ipc=True`` either
+        placement creates its memory exportable, and an array travels to another
+        process as the physical memory under its block (:doc:`sharing`, "Mapped and
+        expandable blocks"); a Numba IPC handle cannot carry such a block.
 
     Attributes
     ----------
@@ -404,6 +406,12 @@ class DevicePool(Pool):
                 "or allocate it from a DevicePool(ipc=True) with large_blocks='pool'"
             )
         return super()._ipc_pool_of(ptr, handle)
+
+    def _describe(self) -> str:
+        mode = self.__dict__.get("large_blocks", "pool")  # (unset in a half-built pool)
+        if mode == "pool":
+            return super()._describe()
+        return f"{type(self).__name__}(device={self.device_id}, large_blocks={mode!r})"
 
     def _steps_of(self, ptr: int) -> Any:
         """The mapped or expandable placement holding ``ptr`` when its memory is

@@ -16,6 +16,7 @@ import select
 import shutil
 import socket
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -574,6 +575,8 @@ class Sender:
             if not lazy:
                 self._urgent = True
             if self._thread is None:
+                if sys.is_finalizing():  # a new thread would never run (3.11 waits forever)
+                    return  # the peer sees the connection close at this process's exit
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
             self._cv.notify_all()  # the thread, not only a flush() waiting meanwhile

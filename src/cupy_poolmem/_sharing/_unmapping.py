@@ -9,6 +9,7 @@ deferred to a thread of their own.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -364,6 +365,8 @@ class Unmapping:
 
     # -- later: frees during graph capture, pools of gone exporters ------------------------------
     def _schedule_deferred(self) -> None:
+        if sys.is_finalizing():  # a new thread would never run (3.11 waits for it forever)
+            return  # nothing runs later: the process exit frees all
         with self.lock:
             if self._deferred_thread is not None:
                 return
