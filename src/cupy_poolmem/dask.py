@@ -231,7 +231,7 @@ class PoolmemPlugin(WorkerPlugin):
         self.pinned = _check_bool(pinned, "pinned")
         self.ipc = _check_bool(ipc, "ipc")
         self.gc_freeze = _check_bool(gc_freeze, "gc_freeze")
-        self.large_blocks = large_blocks_mode(large_blocks, self.ipc)
+        self.large_blocks = large_blocks_mode(large_blocks)
         self._check_placement()
         kinds = {n: _size_kind(getattr(self, n), n) for n in _SIZE_OPTIONS}
         # Consistency checks that need no GPU: both values in the same form.

@@ -63,7 +63,7 @@ def small_pool_size(value: Any, max_size: int) -> int:
     return size
 
 
-def large_blocks_mode(value: Any, ipc: bool) -> str:
+def large_blocks_mode(value: Any) -> str:
     """``large_blocks=value``, checked first: "pool", "mapped" or "expandable"."""
     if not isinstance(value, str):
         raise OptionTypeError(

@@ -199,7 +199,7 @@ class DevicePool(Pool):
     ) -> None:
         dev = check_device(device)
         ipc = check_bool(ipc, "ipc")
-        mode = large_blocks_mode(large_blocks, ipc)
+        mode = large_blocks_mode(large_blocks)
         mapped = mode == "mapped"
         if mode == "expandable":
             check_expandable(small_pool, release_threshold, max_size)
