@@ -333,18 +333,18 @@ class StepMappings:
                 win = self._windows.get(key)
                 fresh: list[tuple[Hashable, int]] = []
                 if win is None:
-                    for step, g in zip(steps, grants, strict=True):
-                        hk = (owner, step.id)
-                        if hk in self._handles:
-                            continue
-                        if g.fd is None:
-                            raise StaleStepsError(
-                                f"step {step.id} came without a file descriptor and is not "
-                                "imported in this process (claim it again)"
-                            )
-                        self._handles[hk] = self._import(g.fd)
-                        fresh.append(hk)
-                    try:
+                    try:  # (a step that fails lets go of those imported before it)
+                        for step, g in zip(steps, grants, strict=True):
+                            hk = (owner, step.id)
+                            if hk in self._handles:
+                                continue
+                            if g.fd is None:
+                                raise StaleStepsError(
+                                    f"step {step.id} came without a file descriptor and is "
+                                    "not imported in this process (claim it again)"
+                                )
+                            self._handles[hk] = self._import(g.fd)
+                            fresh.append(hk)
                         win = self._map_window(owner, steps)
                     except BaseException:
                         for hk in fresh:
