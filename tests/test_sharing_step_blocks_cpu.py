@@ -513,3 +513,21 @@ def test_a_receiver_sigkilled_with_its_step_claim_in_flight_holds_up_nothing(sha
     assert time.monotonic() - t0 < 2.0
     assert wait_for(lambda: core.freed == [ptr]), e.stats()
     assert e.stats()["leases"] == 0 and not book(e).pinned(core.placement, sid)
+
+
+def test_a_receiver_keeps_no_entry_per_pool_an_exporter_made_and_let_go(sharing_world, vmm):
+    """An exporter that makes a new pool per task (each sends one block, then goes):
+    the receiver's table of the exporters' placements holds only those it maps now,
+    not one entry per pool the exporter ever sent from."""
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r", keep_mappings=0)
+    for k in range(40):
+        core = step_pool(e, vmm)
+        b = core.alloc(3 * MiB, payload=k)
+        owner = r.recv(e.send(b))
+        assert read_here(r, owner, b.size) == (k, k)
+        assert len(r.importer._step_pools) == 1, k
+        del owner, b
+        assert wait_for(lambda: e.stats()["leases"] == 0), e.stats()
+        assert len(r.importer._step_pools) == 0, k
+    assert r.importer.step_maps(0).stats()["step_handles"] == 0
