@@ -15,7 +15,7 @@ from fakes.sharing import wait_for
 from fakes.step_sharing import read_here, step_pool
 from fakes.steps import StepVmm
 
-from cupy_poolmem._errors import SharingError
+from cupy_poolmem._errors import CUDADriverError, SharingError
 from cupy_poolmem._sharing import _wire
 from cupy_poolmem._sharing._steps import StaleStepsError
 
@@ -531,3 +531,72 @@ def test_a_receiver_keeps_no_entry_per_pool_an_exporter_made_and_let_go(sharing_
         assert wait_for(lambda: e.stats()["leases"] == 0), e.stats()
         assert len(r.importer._step_pools) == 0, k
     assert r.importer.step_maps(0).stats()["step_handles"] == 0
+
+
+def test_every_descriptor_is_closed_on_every_failed_path_of_a_step_claim(sharing_world, vmm):
+    """Open descriptors counted around the ways a step claim fails after descriptors
+    exist: the exporter's export of the second of three steps refused, the receiver's
+    import of its second step refused, its map refused, and a reply that comes after
+    the receiver gave up waiting.  Each time nothing stays open, leased, pinned,
+    imported or reserved, and the block still travels afterwards."""
+    from fakes.sharing import open_fds
+
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r", keep_mappings=0, claim_timeout=0.3)
+    core = step_pool(e, vmm)
+    first = core.alloc(4000, payload=2)  # a round trip first: the connection is open
+    o = r.recv(e.send(first))
+    del o, first
+    assert wait_for(lambda: e.stats()["leases"] == 0)
+    held = [core.alloc(1000 * 1024) for _ in range(2)]
+    spanning = core.alloc(1000 * 1024, payload=5)
+    assert len(steps_of(core, spanning)) == 2  # across the small range's first step
+    base = open_fds()
+    maps = r.importer.step_maps(0)
+
+    def failing(name, n):
+        real = getattr(vmm, name)
+        calls = []
+
+        def f(*a):
+            calls.append(a)
+            if len(calls) == n:
+                setattr(vmm, name, real)
+                return (1, None) if name != "cuMemMap" else (1,)
+            return real(*a)
+
+        setattr(vmm, name, f)
+
+    def settled():
+        return (
+            e.stats()["leases"] == 0
+            and maps.stats() == {"step_windows": 0, "step_handles": 0, "step_reserved_bytes": 0}
+            and not any(book(e).pinned(core.placement, s[0]) for s in steps_of(core, spanning))
+            and open_fds() == base
+        )
+
+    failing("cuMemExportToShareableHandle", 2)
+    with pytest.warns(RuntimeWarning, match="cuMemExportToShareableHandle"):
+        with pytest.raises(SharingError):
+            r.recv(e.send(spanning))
+    assert wait_for(settled), (e.stats(), maps.stats(), open_fds(), base)
+    failing("cuMemImportFromShareableHandle", 2)
+    with pytest.raises(CUDADriverError, match="cuMemImportFromShareableHandle"):
+        r.recv(e.send(spanning))
+    assert wait_for(settled), (e.stats(), maps.stats(), open_fds(), base)
+    vmm.fail["cuMemMap"] = 1
+    with pytest.raises(CUDADriverError, match="cuMemMap"):
+        r.recv(e.send(spanning))
+    assert wait_for(settled), (e.stats(), maps.stats(), open_fds(), base)
+    e.exporter.claim_hook = lambda cid: time.sleep(0.6)  # answered after r gave up
+    n = fds_exported(vmm)
+    with pytest.raises(SharingError, match="did not answer"):
+        r.recv(e.send(spanning))
+    e.exporter.claim_hook = None
+    assert wait_for(lambda: fds_exported(vmm) == n + 2)  # the late grant's descriptors
+    assert wait_for(settled), (e.stats(), maps.stats(), open_fds(), base)
+    owner = r.recv(e.send(spanning))
+    assert read_here(r, owner, spanning.size) == (5, 5)
+    del owner
+    assert wait_for(settled), (e.stats(), maps.stats(), open_fds(), base)
+    del held
