@@ -600,3 +600,61 @@ def test_every_descriptor_is_closed_on_every_failed_path_of_a_step_claim(sharing
     del owner
     assert wait_for(settled), (e.stats(), maps.stats(), open_fds(), base)
     del held
+
+
+def test_the_tables_stay_bounded_under_a_churn_of_blocks_receivers_keep_idle(sharing_world, vmm):
+    """Hundreds of fresh blocks of many sizes, each sent, read and let go, with the
+    receiver keeping idle mappings (at most ``keep_mappings``), its exporter freeing
+    and trimming as it goes: the exporter's records and book, the receiver's windows,
+    handles, holds and placements stay within what the idle mappings hold."""
+    w = sharing_world
+    keep = 4
+    e, r = w.proc("e"), w.proc("r", keep_mappings=keep)
+    core = step_pool(e, vmm)
+    sizes = [4000, 700 * 1024, 1000 * 1024, 3 * MiB, 21 * MiB]
+    maps = r.importer.step_maps(0)
+    for k in range(300):
+        b = core.alloc(sizes[k % len(sizes)], payload=k)
+        o = r.recv(e.send(b))
+        assert read_here(r, o, b.size) == (k, k), k
+        del o, b
+        if k % 7 == 0:
+            core.trim()
+        idle = len(r.importer.idle)
+        assert idle <= keep, k
+        assert len(e.exporter.records) <= keep + 1, (k, e.stats())
+        assert maps.stats()["step_windows"] <= keep + 1, (k, maps.stats())
+        assert len(maps._holds) == 0 and len(maps._users) == len(maps._windows)
+        assert sum(len(v) for v in book(e)._maps.values()) <= 2 * (keep + 1), k
+        assert len(r.importer._step_pools) <= 1 and len(r.importer.maps) <= keep + 1
+    r.importer.trim_idle(0)
+    assert wait_for(lambda: e.stats()["leases"] == 0), e.stats()
+    assert wait_for(lambda: not e.exporter.records), e.stats()
+    assert maps.stats() == {"step_windows": 0, "step_handles": 0, "step_reserved_bytes": 0}
+    assert not any(book(e)._maps.values()) and not r.importer._step_pools
+    core.trim()
+    assert core.placement.reserved == 0
+
+
+def test_receivers_that_come_map_and_are_killed_leave_no_entry_behind(sharing_world, vmm):
+    """Thirty receivers in turn, each mapping a block of the same step and a block of
+    its own, then SIGKILLed: once each is reaped the exporter's peers, leases, book and
+    records hold nothing of it, and the steps go at the next trim."""
+    w = sharing_world
+    e = w.proc("e")
+    core = step_pool(e, vmm)
+    shared = core.alloc(700 * 1024, payload=1)
+    for k in range(30):
+        r = w.proc(f"r{k}")
+        own = core.alloc(5 * MiB, payload=100 + k)
+        o1, o2 = r.recv(e.send(shared)), r.recv(e.send(own))
+        assert (read_here(r, o1, shared.size)[0], read_here(r, o2, own.size)[0]) == (1, 100 + k)
+        r.kill()
+        del o1, o2, own
+        assert wait_for(lambda: e.stats()["peers"] == 0 and e.stats()["leases"] == 0), k
+        assert len(e.exporter.records) == 1, (k, e.stats())  # the shared one, still live
+        assert not any(book(e)._maps.values()), k
+    del shared
+    assert wait_for(lambda: not e.exporter.records), e.stats()
+    core.trim()
+    assert core.placement.reserved == 0
