@@ -51,6 +51,18 @@ def test_a_claim_names_at_most_have_max_steps_held():
     assert back.have == many[: _wire.HAVE_MAX]  # the rest come again with descriptors
 
 
+def test_a_forged_claim_naming_more_held_steps_than_a_claim_names_is_refused():
+    """No receiver sends more than ``HAVE_MAX`` held ids (encode cuts the list): a frame
+    that names more is malformed, refused before the exporter reads it."""
+    head = _wire.encode(_wire.StepClaim(_claim(), ()))[:-4]
+    n = _wire.HAVE_MAX + 1
+    forged = head + n.to_bytes(4, "little") + b"".join(i.to_bytes(8, "little") for i in range(n))
+    with pytest.raises(_wire.ProtocolError, match="entries"):
+        _wire.decode(forged)
+    ok = head + (n - 1).to_bytes(4, "little") + b"\1" * 8 * (n - 1)
+    assert len(_wire.decode(ok)[0].have) == _wire.HAVE_MAX
+
+
 @pytest.mark.parametrize("cut", [1, 8, 25])
 def test_truncated_or_padded_step_frames_are_refused(cut):
     buf = _wire.encode(_wire.StepReply(7, _wire.OK, ((5, 0x20000, 2 * MiB, True),) * 3))

@@ -493,7 +493,7 @@ def _decode_steps(buf: bytes) -> NamedTuple:
     if len(buf) < n:
         raise ProtocolError(f"malformed sharing frame ({len(buf)} bytes, op {buf[:1]!r})")
     (count,) = _COUNT.unpack_from(buf, head.size)
-    if len(buf) != n + count * entry.size or count > max(HAVE_MAX, STEPS_MAX_WIRE):
+    if len(buf) != n + count * entry.size or count > (HAVE_MAX if claim else STEPS_MAX_WIRE):
         raise ProtocolError(f"malformed sharing frame ({len(buf)} bytes, {count} entries)")
     items = [entry.unpack_from(buf, n + k * entry.size) for k in range(count)]
     if claim:
