@@ -186,6 +186,19 @@ def test_a_forged_step_list_is_refused_before_anything_is_exported_or_mapped(vmm
     assert not [e for e in vmm.log[n_log:] if e[0] in ("export", "reserve", "map", "import")]
 
 
+def test_a_step_list_naming_one_step_twice_is_refused_before_anything_is_mapped(vmm):
+    """Two contiguous extents under one id (one physical allocation would be mapped
+    twice, and its handle released twice at the unmap): forged."""
+    steps = [(5, 0x20_0000, 0x20_0000), (5, 0x40_0000, 0x20_0000)]
+    with pytest.raises(StaleStepsError, match="twice"):
+        check_steps(steps, 0x30_0000, 0x20_0000)
+    r = StepMappings(vmm, 0)
+    n_log = len(vmm.log)
+    with pytest.raises(StaleStepsError, match="twice"):
+        r.map("x", 0x30_0000, 0x20_0000, [StepGrant(s, None) for s in steps])
+    assert not [e for e in vmm.log[n_log:] if e[0] in ("reserve", "map", "import")]
+
+
 def test_each_step_goes_to_a_receiver_once_and_to_every_receiver(vmm):
     blocks = ranges(vmm)
     book = StepExports(vmm)

@@ -72,9 +72,16 @@ def check_steps(steps: Sequence[Any], ptr: int, size: int) -> list[Step]:
             f"lies on 1 to {STEPS_MAX} steps (a forged message)"
         )
     out = []
+    ids: set[int] = set()
     for s in steps:
         if len(s) != 3 or not all(isinstance(v, int) and v >= 0 for v in s) or s[2] <= 0:
             raise StaleStepsError(f"a message names the malformed step {s!r} (a forged message)")
+        if s[0] in ids:
+            raise StaleStepsError(
+                f"a message names step {s[0]} twice; a block's steps are distinct physical "
+                "allocations (a forged message)"
+            )
+        ids.add(s[0])
         out.append(Step(*s))
     end = ptr + max(int(size), 1)
     for a, b in zip(out, out[1:], strict=False):
