@@ -658,3 +658,26 @@ def test_receivers_that_come_map_and_are_killed_leave_no_entry_behind(sharing_wo
     assert wait_for(lambda: not e.exporter.records), e.stats()
     core.trim()
     assert core.placement.reserved == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_receiver_that_exits_while_it_maps_gives_its_steps_back(sharing_world, vmm, mode):
+    """A receiver's normal exit (its finalizer, then its process gone) with arrays still
+    mapped: the exporter's leases and pins of it go, the block it let go is freed, and
+    a trim gives the steps back."""
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r")
+    core = step_pool(e, vmm, mode)
+    b = core.alloc(5 * MiB, payload=3)
+    steps, ptr = steps_of(core, b), b.ptr
+    owner = r.recv(e.send(b))
+    assert read_here(r, owner, b.size) == (3, 3)
+    del b
+    assert core.freed == [] and all(book(e).pinned(core.placement, s[0]) for s in steps)
+    r.exit()
+    assert wait_for(lambda: core.freed == [ptr]), e.stats()
+    assert e.stats()["leases"] == 0 and e.stats()["peers"] == 0
+    assert not any(book(e).pinned(core.placement, s[0]) for s in steps)
+    core.trim()
+    assert core.placement.reserved == 0
+    del owner
