@@ -681,3 +681,30 @@ def test_a_receiver_that_exits_while_it_maps_gives_its_steps_back(sharing_world,
     core.trim()
     assert core.placement.reserved == 0
     del owner
+
+
+def test_a_view_across_a_step_boundary_maps_its_block_and_a_span_past_it_maps_nothing(
+    sharing_world, vmm
+):
+    """An array that starts in one step and ends in the next reads the exporter's bytes
+    at both ends through one window of the block's steps; a message whose array reaches
+    past its block (forged offset) is refused before anything is claimed or mapped."""
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r")
+    core = step_pool(e, vmm)
+    held = [core.alloc(1000 * 1024) for _ in range(2)]
+    b = core.alloc(1000 * 1024, payload=6)
+    (_s1, va1, n1), (_s2, va2, n2) = steps_of(core, b)
+    assert b.ptr < va2 < b.ptr + b.size  # the block crosses the boundary
+    lo, hi = va2 - b.ptr - 100, va2 - b.ptr + 100  # a view from step 1 into step 2
+    vmm.write(b.ptr + lo, 61)
+    vmm.write(b.ptr + hi - 1, 62)
+    d = pickle.loads(e.send(b, lo, hi - lo))
+    forged = d._replace(offset=b.size - 10)  # its 200 bytes reach past the block
+    with pytest.raises(_wire.ProtocolError):
+        r.recv(pickle.dumps(forged))
+    assert r.importer.step_maps(0).reserved == 0 and fds_exported(vmm) == 0
+    owner = r.recv(pickle.dumps(d))
+    assert (vmm.read(owner.ptr + lo), vmm.read(owner.ptr + hi - 1)) == (61, 62)
+    assert r.importer.step_maps(0).reserved == n1 + n2 and va2 == va1 + n1
+    del owner, held
