@@ -115,6 +115,26 @@ def test_more_descriptors_than_one_message_takes_arrive_in_order():
         receiver.close()
 
 
+def test_a_frame_whose_descriptors_cannot_follow_closes_the_connection_out_of_step():
+    """The frame went out saying descriptors follow, then sending them failed: the peer
+    would take the next frame's first byte for them (and everything after it for
+    garbage).  The connection is shut instead: nothing more is sent on it, and the peer
+    reads the end of the stream where the descriptors were due."""
+    sender, receiver = _socketpair_conns()
+    not_open = 1 << 20  # (no process has this many descriptors open)
+    try:
+        with pytest.raises(OSError):
+            sender.send(b"reply", fds=[not_open])
+        with pytest.raises(OSError):
+            sender.send(b"next")  # never after a frame left out of step
+        assert receiver.recv() == b"reply"
+        with pytest.raises(EOFError):
+            receiver.recv_fds(1)
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_descriptors_lost_for_want_of_free_ones_are_named_and_none_is_left_open():
     import resource
 
