@@ -708,3 +708,27 @@ def test_a_view_across_a_step_boundary_maps_its_block_and_a_span_past_it_maps_no
     assert (vmm.read(owner.ptr + lo), vmm.read(owner.ptr + hi - 1)) == (61, 62)
     assert r.importer.step_maps(0).reserved == n1 + n2 and va2 == va1 + n1
     del owner, held
+
+
+def test_a_forged_held_claim_asking_for_a_pool_descriptor_of_a_step_block_is_refused(
+    sharing_world, vmm
+):
+    """A step block has no CUDA pool whose descriptor could go out: a plain ``Claim``
+    (``held``, so not refused as a fresh claim) asking for one is answered at once,
+    refused, and grants nothing: no lease, no pin, nothing the exporter's exit waits for."""
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r", claim_timeout=3.0)
+    core = step_pool(e, vmm)
+    b = core.alloc(3 * MiB, payload=4)
+    d = pickle.loads(e.send(b))
+    c = r.importer.client(d.address)
+    end = _wire.span(d)[1]
+    t0 = time.monotonic()
+    reply, fd = c.request(
+        lambda seq: _wire.claim_for(d, seq, True, True, True, end)._replace(want_fd=True), 3.0
+    )
+    assert time.monotonic() - t0 < 2.0 and reply.status != _wire.OK and fd is None
+    assert e.stats()["leases"] == 0 and e.exporter.unclaimed() == 1  # its ticket only
+    assert not book(e).pinned(core.placement, steps_of(core, b)[0][0])
+    owner = r.recv(pickle.dumps(d))  # the genuine message still maps
+    assert read_here(r, owner, b.size) == (4, 4)

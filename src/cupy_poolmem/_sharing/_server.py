@@ -224,8 +224,10 @@ class Server:
         fd = None
         with self.lock:
             rec = self.records.get(f.export_id)
-            if rec is not None and rec.placement is not None and not f.held:
-                rec = None  # a step block is mapped through a StepClaim only: refused
+            if rec is not None and rec.placement is not None and (not f.held or f.want_fd):
+                # a step block is mapped through a StepClaim only, and has no CUDA pool
+                # whose descriptor could go out: refused
+                rec = None
             # The message's life and span are the block's (checked before its ticket is
             # spent): nothing outside the block, nor another life of it, is granted.
             # The allocation the receiver will map is this block's (its pool and export
