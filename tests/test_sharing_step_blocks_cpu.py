@@ -240,7 +240,7 @@ def test_a_failed_export_refuses_the_claim_and_gives_everything_back(sharing_wor
     core.placement._prop.requestedHandleTypes = 0  # the driver refuses to export it
     b = core.alloc(3 * MiB, payload=4)
     with pytest.warns(RuntimeWarning, match="cuMemExportToShareableHandle"):
-        with pytest.raises(SharingError):
+        with pytest.raises(SharingError, match="could not export the 1 step"):
             r.recv(e.send(b))
     assert e.stats()["leases"] == 0 and e.stats()["tickets_out"] == 0
     assert not book(e).pinned(core.placement, steps_of(core, b)[0][0])
@@ -577,7 +577,7 @@ def test_every_descriptor_is_closed_on_every_failed_path_of_a_step_claim(sharing
 
     failing("cuMemExportToShareableHandle", 2)
     with pytest.warns(RuntimeWarning, match="cuMemExportToShareableHandle"):
-        with pytest.raises(SharingError):
+        with pytest.raises(SharingError, match="could not export the 2 step"):
             r.recv(e.send(spanning))
     assert wait_for(settled), (e.stats(), maps.stats(), open_fds(), base)
     failing("cuMemImportFromShareableHandle", 2)

@@ -48,6 +48,7 @@ __all__ = [
     "OUT_OF_SPAN",
     "OTHER_BLOCK",
     "STALE_STEPS",
+    "NOT_EXPORTED",
     "block_id",
 ]
 
@@ -422,6 +423,7 @@ class StepReply(NamedTuple):
 
 
 OK, REFUSED, NOT_HELD, OUT_OF_SPAN, OTHER_BLOCK, STALE_STEPS = 0, 1, 2, 3, 4, 5  # Reply.status
+NOT_EXPORTED = 6  # a StepReply's: the exporter's driver refused to export a step (it warns)
 
 #: the most step ids a StepClaim names (a larger set is cut: those steps come again)
 HAVE_MAX = 4096
