@@ -15,7 +15,7 @@ from fakes.sharing import wait_for
 from fakes.step_sharing import read_here, step_pool
 from fakes.steps import StepVmm
 
-from cupy_poolmem._errors import SharingError
+from cupy_poolmem._errors import CUDADriverError, SharingError
 from cupy_poolmem._sharing import _wire
 from cupy_poolmem._sharing._steps import StaleStepsError
 
@@ -240,7 +240,7 @@ def test_a_failed_export_refuses_the_claim_and_gives_everything_back(sharing_wor
     core.placement._prop.requestedHandleTypes = 0  # the driver refuses to export it
     b = core.alloc(3 * MiB, payload=4)
     with pytest.warns(RuntimeWarning, match="cuMemExportToShareableHandle"):
-        with pytest.raises(SharingError):
+        with pytest.raises(SharingError, match="could not export the 1 step"):
             r.recv(e.send(b))
     assert e.stats()["leases"] == 0 and e.stats()["tickets_out"] == 0
     assert not book(e).pinned(core.placement, steps_of(core, b)[0][0])
@@ -513,3 +513,222 @@ def test_a_receiver_sigkilled_with_its_step_claim_in_flight_holds_up_nothing(sha
     assert time.monotonic() - t0 < 2.0
     assert wait_for(lambda: core.freed == [ptr]), e.stats()
     assert e.stats()["leases"] == 0 and not book(e).pinned(core.placement, sid)
+
+
+def test_a_receiver_keeps_no_entry_per_pool_an_exporter_made_and_let_go(sharing_world, vmm):
+    """An exporter that makes a new pool per task (each sends one block, then goes):
+    the receiver's table of the exporters' placements holds only those it maps now,
+    not one entry per pool the exporter ever sent from."""
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r", keep_mappings=0)
+    for k in range(40):
+        core = step_pool(e, vmm)
+        b = core.alloc(3 * MiB, payload=k)
+        owner = r.recv(e.send(b))
+        assert read_here(r, owner, b.size) == (k, k)
+        assert len(r.importer._step_pools) == 1, k
+        del owner, b
+        assert wait_for(lambda: e.stats()["leases"] == 0), e.stats()
+        assert len(r.importer._step_pools) == 0, k
+    assert r.importer.step_maps(0).stats()["step_handles"] == 0
+
+
+def test_every_descriptor_is_closed_on_every_failed_path_of_a_step_claim(sharing_world, vmm):
+    """Open descriptors counted around the ways a step claim fails after descriptors
+    exist: the exporter's export of the second of three steps refused, the receiver's
+    import of its second step refused, its map refused, and a reply that comes after
+    the receiver gave up waiting.  Each time nothing stays open, leased, pinned,
+    imported or reserved, and the block still travels afterwards."""
+    from fakes.sharing import open_fds
+
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r", keep_mappings=0, claim_timeout=0.3)
+    core = step_pool(e, vmm)
+    first = core.alloc(4000, payload=2)  # a round trip first: the connection is open
+    o = r.recv(e.send(first))
+    del o, first
+    assert wait_for(lambda: e.stats()["leases"] == 0)
+    held = [core.alloc(1000 * 1024) for _ in range(2)]
+    spanning = core.alloc(1000 * 1024, payload=5)
+    assert len(steps_of(core, spanning)) == 2  # across the small range's first step
+    base = open_fds()
+    maps = r.importer.step_maps(0)
+
+    def failing(name, n):
+        real = getattr(vmm, name)
+        calls = []
+
+        def f(*a):
+            calls.append(a)
+            if len(calls) == n:
+                setattr(vmm, name, real)
+                return (1, None) if name != "cuMemMap" else (1,)
+            return real(*a)
+
+        setattr(vmm, name, f)
+
+    def settled():
+        return (
+            e.stats()["leases"] == 0
+            and maps.stats() == {"step_windows": 0, "step_handles": 0, "step_reserved_bytes": 0}
+            and not any(book(e).pinned(core.placement, s[0]) for s in steps_of(core, spanning))
+            and open_fds() == base
+        )
+
+    failing("cuMemExportToShareableHandle", 2)
+    with pytest.warns(RuntimeWarning, match="cuMemExportToShareableHandle"):
+        with pytest.raises(SharingError, match="could not export the 2 step"):
+            r.recv(e.send(spanning))
+    assert wait_for(settled), (e.stats(), maps.stats(), open_fds(), base)
+    failing("cuMemImportFromShareableHandle", 2)
+    with pytest.raises(CUDADriverError, match="cuMemImportFromShareableHandle"):
+        r.recv(e.send(spanning))
+    assert wait_for(settled), (e.stats(), maps.stats(), open_fds(), base)
+    vmm.fail["cuMemMap"] = 1
+    with pytest.raises(CUDADriverError, match="cuMemMap"):
+        r.recv(e.send(spanning))
+    assert wait_for(settled), (e.stats(), maps.stats(), open_fds(), base)
+    e.exporter.claim_hook = lambda cid: time.sleep(0.6)  # answered after r gave up
+    n = fds_exported(vmm)
+    with pytest.raises(SharingError, match="did not answer"):
+        r.recv(e.send(spanning))
+    e.exporter.claim_hook = None
+    assert wait_for(lambda: fds_exported(vmm) == n + 2)  # the late grant's descriptors
+    assert wait_for(settled), (e.stats(), maps.stats(), open_fds(), base)
+    owner = r.recv(e.send(spanning))
+    assert read_here(r, owner, spanning.size) == (5, 5)
+    del owner
+    assert wait_for(settled), (e.stats(), maps.stats(), open_fds(), base)
+    del held
+
+
+def test_the_tables_stay_bounded_under_a_churn_of_blocks_receivers_keep_idle(sharing_world, vmm):
+    """Hundreds of fresh blocks of many sizes, each sent, read and let go, with the
+    receiver keeping idle mappings (at most ``keep_mappings``), its exporter freeing
+    and trimming as it goes: the exporter's records and book, the receiver's windows,
+    handles, holds and placements stay within what the idle mappings hold."""
+    w = sharing_world
+    keep = 4
+    e, r = w.proc("e"), w.proc("r", keep_mappings=keep)
+    core = step_pool(e, vmm)
+    sizes = [4000, 700 * 1024, 1000 * 1024, 3 * MiB, 21 * MiB]
+    maps = r.importer.step_maps(0)
+    for k in range(300):
+        b = core.alloc(sizes[k % len(sizes)], payload=k)
+        o = r.recv(e.send(b))
+        assert read_here(r, o, b.size) == (k, k), k
+        del o, b
+        if k % 7 == 0:
+            core.trim()
+        idle = len(r.importer.idle)
+        assert idle <= keep, k
+        assert len(e.exporter.records) <= keep + 1, (k, e.stats())
+        assert maps.stats()["step_windows"] <= keep + 1, (k, maps.stats())
+        assert len(maps._holds) == 0 and len(maps._users) == len(maps._windows)
+        assert sum(len(v) for v in book(e)._maps.values()) <= 2 * (keep + 1), k
+        assert len(r.importer._step_pools) <= 1 and len(r.importer.maps) <= keep + 1
+    r.importer.trim_idle(0)
+    assert wait_for(lambda: e.stats()["leases"] == 0), e.stats()
+    assert wait_for(lambda: not e.exporter.records), e.stats()
+    assert maps.stats() == {"step_windows": 0, "step_handles": 0, "step_reserved_bytes": 0}
+    assert not any(book(e)._maps.values()) and not r.importer._step_pools
+    core.trim()
+    assert core.placement.reserved == 0
+
+
+def test_receivers_that_come_map_and_are_killed_leave_no_entry_behind(sharing_world, vmm):
+    """Thirty receivers in turn, each mapping a block of the same step and a block of
+    its own, then SIGKILLed: once each is reaped the exporter's peers, leases, book and
+    records hold nothing of it, and the steps go at the next trim."""
+    w = sharing_world
+    e = w.proc("e")
+    core = step_pool(e, vmm)
+    shared = core.alloc(700 * 1024, payload=1)
+    for k in range(30):
+        r = w.proc(f"r{k}")
+        own = core.alloc(5 * MiB, payload=100 + k)
+        o1, o2 = r.recv(e.send(shared)), r.recv(e.send(own))
+        assert (read_here(r, o1, shared.size)[0], read_here(r, o2, own.size)[0]) == (1, 100 + k)
+        r.kill()
+        del o1, o2, own
+        assert wait_for(lambda: e.stats()["peers"] == 0 and e.stats()["leases"] == 0), k
+        assert len(e.exporter.records) == 1, (k, e.stats())  # the shared one, still live
+        assert not any(book(e)._maps.values()), k
+    del shared
+    assert wait_for(lambda: not e.exporter.records), e.stats()
+    core.trim()
+    assert core.placement.reserved == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_receiver_that_exits_while_it_maps_gives_its_steps_back(sharing_world, vmm, mode):
+    """A receiver's normal exit (its finalizer, then its process gone) with arrays still
+    mapped: the exporter's leases and pins of it go, the block it let go is freed, and
+    a trim gives the steps back."""
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r")
+    core = step_pool(e, vmm, mode)
+    b = core.alloc(5 * MiB, payload=3)
+    steps, ptr = steps_of(core, b), b.ptr
+    owner = r.recv(e.send(b))
+    assert read_here(r, owner, b.size) == (3, 3)
+    del b
+    assert core.freed == [] and all(book(e).pinned(core.placement, s[0]) for s in steps)
+    r.exit()
+    assert wait_for(lambda: core.freed == [ptr]), e.stats()
+    assert e.stats()["leases"] == 0 and e.stats()["peers"] == 0
+    assert not any(book(e).pinned(core.placement, s[0]) for s in steps)
+    core.trim()
+    assert core.placement.reserved == 0
+    del owner
+
+
+def test_a_view_across_a_step_boundary_maps_its_block_and_a_span_past_it_maps_nothing(
+    sharing_world, vmm
+):
+    """An array that starts in one step and ends in the next reads the exporter's bytes
+    at both ends through one window of the block's steps; a message whose array reaches
+    past its block (forged offset) is refused before anything is claimed or mapped."""
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r")
+    core = step_pool(e, vmm)
+    held = [core.alloc(1000 * 1024) for _ in range(2)]
+    b = core.alloc(1000 * 1024, payload=6)
+    (_s1, va1, n1), (_s2, va2, n2) = steps_of(core, b)
+    assert b.ptr < va2 < b.ptr + b.size  # the block crosses the boundary
+    lo, hi = va2 - b.ptr - 100, va2 - b.ptr + 100  # a view from step 1 into step 2
+    vmm.write(b.ptr + lo, 61)
+    vmm.write(b.ptr + hi - 1, 62)
+    d = pickle.loads(e.send(b, lo, hi - lo))
+    forged = d._replace(offset=b.size - 10)  # its 200 bytes reach past the block
+    with pytest.raises(_wire.ProtocolError):
+        r.recv(pickle.dumps(forged))
+    assert r.importer.step_maps(0).reserved == 0 and fds_exported(vmm) == 0
+    owner = r.recv(pickle.dumps(d))
+    assert (vmm.read(owner.ptr + lo), vmm.read(owner.ptr + hi - 1)) == (61, 62)
+    assert r.importer.step_maps(0).reserved == n1 + n2 and va2 == va1 + n1
+    del owner, held
+
+
+def test_a_forged_held_claim_asking_for_a_pool_descriptor_of_a_step_block_is_refused(
+    sharing_world, vmm
+):
+    """A step block has no CUDA pool whose descriptor could go out: a plain ``Claim``
+    (``held``, so not refused as a fresh claim) asking for one is answered at once,
+    refused, and grants nothing: no lease, no pin, nothing the exporter's exit waits for."""
+    w = sharing_world
+    e, r = w.proc("e"), w.proc("r", claim_timeout=3.0)
+    core = step_pool(e, vmm)
+    b = core.alloc(3 * MiB, payload=4)
+    d = pickle.loads(e.send(b))
+    c = r.importer.client(d.address)
+    end = _wire.span(d)[1]
+    t0 = time.monotonic()
+    reply, fd = c.request(
+        lambda seq: _wire.claim_for(d, seq, True, True, True, end)._replace(want_fd=True), 3.0
+    )
+    assert time.monotonic() - t0 < 2.0 and reply.status != _wire.OK and fd is None
+    assert e.stats()["leases"] == 0 and e.exporter.unclaimed() == 1  # its ticket only
+    assert not book(e).pinned(core.placement, steps_of(core, b)[0][0])
+    owner = r.recv(pickle.dumps(d))  # the genuine message still maps
+    assert read_here(r, owner, b.size) == (4, 4)

@@ -2,8 +2,8 @@
 machine driving simulated processes (``fakes.sharing`` with ``fakes.step_sharing``:
 the package's real exporter, wire, transport and importer; physical memory on the VMM
 fake) through random allocations, sends, late deliveries, copies of messages, drops,
-frees, trims, SIGKILLed receivers and messages replayed after their block went and the
-range shrank.
+frees, trims, SIGKILLed and exiting receivers and messages replayed after their block
+went and the range shrank.
 
 Invariants after every step: every array a receiver holds reads exactly the bytes its
 message was sent with; every step a receiver maps is still the exporter's step at that
@@ -190,6 +190,15 @@ class StepBlocksModel(RuleBasedStateMachine):
         r = self._pick(self.receivers, j)
         self.held = [h for h in self.held if h.proc is not r]
         r.kill()
+        self.names += 1
+        self.receivers[self.receivers.index(r)] = self.world.proc(f"r{self.names}", **PROC)
+
+    @rule(j=IDX)
+    def exit_receiver(self, j):
+        """A receiver's normal exit (its finalizer, then its process gone) while it maps."""
+        r = self._pick(self.receivers, j)
+        self.held = [h for h in self.held if h.proc is not r]
+        r.exit()
         self.names += 1
         self.receivers[self.receivers.index(r)] = self.world.proc(f"r{self.names}", **PROC)
 

@@ -51,6 +51,18 @@ def test_a_claim_names_at_most_have_max_steps_held():
     assert back.have == many[: _wire.HAVE_MAX]  # the rest come again with descriptors
 
 
+def test_a_forged_claim_naming_more_held_steps_than_a_claim_names_is_refused():
+    """No receiver sends more than ``HAVE_MAX`` held ids (encode cuts the list): a frame
+    that names more is malformed, refused before the exporter reads it."""
+    head = _wire.encode(_wire.StepClaim(_claim(), ()))[:-4]
+    n = _wire.HAVE_MAX + 1
+    forged = head + n.to_bytes(4, "little") + b"".join(i.to_bytes(8, "little") for i in range(n))
+    with pytest.raises(_wire.ProtocolError, match="entries"):
+        _wire.decode(forged)
+    ok = head + (n - 1).to_bytes(4, "little") + b"\1" * 8 * (n - 1)
+    assert len(_wire.decode(ok)[0].have) == _wire.HAVE_MAX
+
+
 @pytest.mark.parametrize("cut", [1, 8, 25])
 def test_truncated_or_padded_step_frames_are_refused(cut):
     buf = _wire.encode(_wire.StepReply(7, _wire.OK, ((5, 0x20000, 2 * MiB, True),) * 3))
@@ -99,6 +111,26 @@ def test_more_descriptors_than_one_message_takes_arrive_in_order():
     finally:
         for f in files:
             os.close(f)
+        sender.close()
+        receiver.close()
+
+
+def test_a_frame_whose_descriptors_cannot_follow_closes_the_connection_out_of_step():
+    """The frame went out saying descriptors follow, then sending them failed: the peer
+    would take the next frame's first byte for them (and everything after it for
+    garbage).  The connection is shut instead: nothing more is sent on it, and the peer
+    reads the end of the stream where the descriptors were due."""
+    sender, receiver = _socketpair_conns()
+    not_open = 1 << 20  # (no process has this many descriptors open)
+    try:
+        with pytest.raises(OSError):
+            sender.send(b"reply", fds=[not_open])
+        with pytest.raises(OSError):
+            sender.send(b"next")  # never after a frame left out of step
+        assert receiver.recv() == b"reply"
+        with pytest.raises(EOFError):
+            receiver.recv_fds(1)
+    finally:
         sender.close()
         receiver.close()
 

@@ -186,6 +186,19 @@ def test_a_forged_step_list_is_refused_before_anything_is_exported_or_mapped(vmm
     assert not [e for e in vmm.log[n_log:] if e[0] in ("export", "reserve", "map", "import")]
 
 
+def test_a_step_list_naming_one_step_twice_is_refused_before_anything_is_mapped(vmm):
+    """Two contiguous extents under one id (one physical allocation would be mapped
+    twice, and its handle released twice at the unmap): forged."""
+    steps = [(5, 0x20_0000, 0x20_0000), (5, 0x40_0000, 0x20_0000)]
+    with pytest.raises(StaleStepsError, match="twice"):
+        check_steps(steps, 0x30_0000, 0x20_0000)
+    r = StepMappings(vmm, 0)
+    n_log = len(vmm.log)
+    with pytest.raises(StaleStepsError, match="twice"):
+        r.map("x", 0x30_0000, 0x20_0000, [StepGrant(s, None) for s in steps])
+    assert not [e for e in vmm.log[n_log:] if e[0] in ("reserve", "map", "import")]
+
+
 def test_each_step_goes_to_a_receiver_once_and_to_every_receiver(vmm):
     blocks = ranges(vmm)
     book = StepExports(vmm)
@@ -423,3 +436,41 @@ def test_the_book_forgets_a_placement_that_is_gone(vmm):
     del blocks
     gc.collect()
     assert not book._maps and not pins(sid)  # no pin left for whatever comes next
+
+
+@pytest.mark.parametrize("how", ["no descriptor", "import refused"])
+def test_a_map_refused_after_its_first_step_was_imported_keeps_no_handle(vmm, how):
+    """The second step of a block fails (it came without a descriptor and is not held
+    here, or the driver refuses its import) after the first was imported: the first
+    step's handle goes too, so this process holds none of the exporter's memory and its
+    table of handles does not keep an entry no window uses."""
+    blocks = ranges(vmm)
+    book = StepExports(vmm)
+    alloc(blocks, 1000 * 1024)
+    alloc(blocks, 1000 * 1024)
+    ptr = alloc(blocks, 1000 * 1024)
+    steps = blocks.steps_under(ptr, 1000 * 1024)
+    assert len(steps) == 2
+    g0, g1 = book.grant(1, blocks, ptr, 1000 * 1024, steps)
+    r = StepMappings(vmm, 0)
+    alive = set(vmm.handles_alive)
+    if how == "no descriptor":
+        os.close(g1.fd)
+        grants = [g0, StepGrant(g1.step, None)]
+        error: type = StaleStepsError
+    else:
+        grants = [g0, g1]
+        real_import = vmm.cuMemImportFromShareableHandle
+        calls = []
+
+        def second_refused(fd, kind):
+            calls.append(fd)
+            return (1, None) if len(calls) == 2 else real_import(fd, kind)
+
+        vmm.cuMemImportFromShareableHandle = second_refused
+        error = CUDADriverError
+    with pytest.raises(error):
+        r.map("x", ptr, 1000 * 1024, grants)
+    assert not any(g.fd is not None and is_open(g.fd) for g in grants)
+    assert r.stats() == {"step_windows": 0, "step_handles": 0, "step_reserved_bytes": 0}
+    assert r.have("x") == set() and vmm.handles_alive == alive

@@ -476,6 +476,32 @@ def test_a_pickled_block_spanning_several_steps_is_read_whole(step_pool):
         r.close()
 
 
+def test_arrays_from_a_new_pool_per_task_leave_the_receiver_no_entry_per_pool():
+    """An exporter that makes a pool per task: each array reads right in the receiver,
+    and once it is let go the receiver keeps no entry for that pool."""
+    from support.waits import wait_for
+
+    import cupy_poolmem._sharing  # noqa: F401  (the reducer for cupy.ndarray)
+
+    r = Pickled(mp.get_context("spawn"))
+    try:
+        for k in range(6):
+            pool = cpm.DevicePool(device=0, large_blocks="expandable", ipc=True)
+            try:
+                x = _fill(pool, 3 * MiB // 4, 100 * k)
+                saw = r.take(x, 100 * k)
+                assert saw["ok"] and saw["step_pools"] == 1, (k, saw)
+                left = r.ask("drop")[1]
+                assert left["step_windows"] == left["step_pools"] == 0, (k, left)
+                del x
+                assert wait_for(lambda: leases_out() == 0, ANSWER), held_by(pool)
+            finally:
+                cupy.cuda.Device(0).synchronize()
+                pool.close()
+    finally:
+        r.close()
+
+
 def test_sigkilled_receivers_while_the_exporter_trims_and_reallocates_see_no_reuse(step_pool):
     from support.waits import wait_for
 

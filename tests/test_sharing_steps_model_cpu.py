@@ -1,14 +1,14 @@
 """A model of the steps of expandable blocks shared between processes, checked by
-Hypothesis: random allocations, writes, sends to receivers, unmaps, frees, trims (every
-kind of release), SIGKILLed receivers and stale or replayed step lists, on the fake
-driver with physical memory (tests/fakes/steps.py).
+Hypothesis: random allocations, writes, sends to receivers (some with a step's descriptor
+lost), unmaps, frees, trims (every kind of release), SIGKILLed receivers and stale or
+replayed step lists, on the fake driver with physical memory (tests/fakes/steps.py).
 
 Invariants after every step: a receiver reads exactly the bytes the exporter wrote in
 the block it was sent (never another block's, never memory unmapped under it); every
 step a receiver maps is still the exporter's step at that address (never unmapped or
-mapped again under it); a receiver reserves exactly the steps of its windows; the book
-pins exactly the steps receivers map.  At the end, once everybody let go: nothing
-mapped, reserved, imported or open.
+mapped again under it); a receiver reserves exactly the steps of its windows and holds
+imported exactly the steps they map; the book pins exactly the steps receivers map.  At
+the end, once everybody let go: nothing mapped, reserved, imported or open.
 """
 
 from __future__ import annotations
@@ -111,6 +111,33 @@ class StepSharing(RuleBasedStateMachine):
         here, key = self.maps[c].map("e", ptr, size, grants)
         self.held[(c, ptr)] = (key, here, size, v, steps)
 
+    @precondition(lambda self: self.live)
+    @rule(c=st.integers(0, N_RECEIVERS - 1), data=st.data())
+    def send_with_a_descriptor_lost(self, c, data):
+        """A step's descriptor did not come with the grant (a claim that named it held,
+        say): the map is refused, and whatever it imported before that goes again."""
+        ptr = data.draw(st.sampled_from(sorted(self.live)))
+        if (c, ptr) in self.held:
+            return
+        size, _s, _v = self.live[ptr]
+        steps = self.blocks.steps_under(ptr, size)
+        grants = self.book.grant(c, self.blocks, ptr, size, steps, self.maps[c].have("e"))
+        with_fd = [i for i, g in enumerate(grants) if g.fd is not None]
+        if with_fd:  # (none: every step is imported here already, so nothing is lost)
+            i = data.draw(st.sampled_from(with_fd))
+            os.close(grants[i].fd)
+            grants[i] = grants[i]._replace(fd=None)
+            try:
+                self.maps[c].map("e", ptr, size, grants)
+            except StaleStepsError:
+                pass
+            else:
+                raise AssertionError("a step came without its descriptor, yet was mapped")
+        else:
+            for g in grants:
+                assert g.fd is None
+        self.book.unmapped(c, self.blocks, [s[0] for s in steps])  # the grant given back
+
     @precondition(lambda self: self.held)
     @rule(data=st.data())
     def unmap(self, data):
@@ -174,6 +201,12 @@ class StepSharing(RuleBasedStateMachine):
                 if cc == c
             }
             assert m.reserved == sum(windows.values())
+
+    @invariant()
+    def receivers_hold_only_the_handles_their_windows_map(self):
+        for c, m in self.maps.items():
+            ids = {sid for (cc, _p), (key, *_r) in self.held.items() if cc == c for sid in key[1]}
+            assert m.stats()["step_handles"] == len(ids), (c, m.stats(), ids)
 
     @invariant()
     def the_book_pins_exactly_what_receivers_map(self):

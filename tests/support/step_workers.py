@@ -214,7 +214,11 @@ def pickled_receiver(conn, read_on: int | None = None) -> None:
 
     def stats():
         imp = context().importer
-        return {**imp.step_maps(0).stats(), "imported_blocks": imp.stats()["imported_blocks"]}
+        return {
+            **imp.step_maps(0).stats(),
+            "imported_blocks": imp.stats()["imported_blocks"],
+            "step_pools": len(imp._step_pools),  # exporters' pools it maps from now
+        }
 
     def check(x, base):
         dev = x.device.id if read_on is None else read_on

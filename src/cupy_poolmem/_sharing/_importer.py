@@ -462,6 +462,13 @@ class Importer(Unmapping):
                         "the message names any more (its exporter's range shrank, or the "
                         "memory was mapped again since it was sent); nothing was mapped"
                     )
+                if reply.status == _wire.NOT_EXPORTED:
+                    raise SharingError(
+                        f"the process that shared this array could not export the {blk[2]} "
+                        "step(s) of memory under it (its RuntimeWarning names the driver's "
+                        "error; out of file descriptors there? raise its limit, ulimit -n); "
+                        "nothing was mapped"
+                    )
                 _refused(reply, d)
             try:
                 return self._map_steps(c, d, dev, key, maps, blk, reply.steps, fds, keep)

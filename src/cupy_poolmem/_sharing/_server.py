@@ -224,8 +224,10 @@ class Server:
         fd = None
         with self.lock:
             rec = self.records.get(f.export_id)
-            if rec is not None and rec.placement is not None and not f.held:
-                rec = None  # a step block is mapped through a StepClaim only: refused
+            if rec is not None and rec.placement is not None and (not f.held or f.want_fd):
+                # a step block is mapped through a StepClaim only, and has no CUDA pool
+                # whose descriptor could go out: refused
+                rec = None
             # The message's life and span are the block's (checked before its ticket is
             # spent): nothing outside the block, nor another life of it, is granted.
             # The allocation the receiver will map is this block's (its pool and export
@@ -280,7 +282,7 @@ class Server:
             now = tuple(tuple(s) for s in rec.placement.steps_under(rec.ptr, rec.size))
         steps: tuple = ()
         fds: list[int] = []
-        stale = False
+        stale = failed = False
         with self.lock:
             if self.records.get(c.export_id) is not rec or (
                 rec is not None and rec.placement is None
@@ -315,7 +317,7 @@ class Server:
                     )
             except Exception as exc:  # the driver's export failed: nothing granted
                 warn_kept("exporting the steps of a shared block", exc)
-                ok, grants = False, []
+                ok, failed, grants = False, True, []
                 with self.lock:  # the lease back (the ticket was spent: settled below)
                     n = rec.leases.get(peer.cid, 0) - 1
                     if n > 0:
@@ -334,6 +336,8 @@ class Server:
             if outside
             else _wire.STALE_STEPS
             if stale
+            else _wire.NOT_EXPORTED
+            if failed
             else _wire.REFUSED
         )
         try:

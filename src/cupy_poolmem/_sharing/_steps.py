@@ -72,9 +72,16 @@ def check_steps(steps: Sequence[Any], ptr: int, size: int) -> list[Step]:
             f"lies on 1 to {STEPS_MAX} steps (a forged message)"
         )
     out = []
+    ids: set[int] = set()
     for s in steps:
         if len(s) != 3 or not all(isinstance(v, int) and v >= 0 for v in s) or s[2] <= 0:
             raise StaleStepsError(f"a message names the malformed step {s!r} (a forged message)")
+        if s[0] in ids:
+            raise StaleStepsError(
+                f"a message names step {s[0]} twice; a block's steps are distinct physical "
+                "allocations (a forged message)"
+            )
+        ids.add(s[0])
         out.append(Step(*s))
     end = ptr + max(int(size), 1)
     for a, b in zip(out, out[1:], strict=False):
@@ -333,18 +340,18 @@ class StepMappings:
                 win = self._windows.get(key)
                 fresh: list[tuple[Hashable, int]] = []
                 if win is None:
-                    for step, g in zip(steps, grants, strict=True):
-                        hk = (owner, step.id)
-                        if hk in self._handles:
-                            continue
-                        if g.fd is None:
-                            raise StaleStepsError(
-                                f"step {step.id} came without a file descriptor and is not "
-                                "imported in this process (claim it again)"
-                            )
-                        self._handles[hk] = self._import(g.fd)
-                        fresh.append(hk)
-                    try:
+                    try:  # (a step that fails lets go of those imported before it)
+                        for step, g in zip(steps, grants, strict=True):
+                            hk = (owner, step.id)
+                            if hk in self._handles:
+                                continue
+                            if g.fd is None:
+                                raise StaleStepsError(
+                                    f"step {step.id} came without a file descriptor and is "
+                                    "not imported in this process (claim it again)"
+                                )
+                            self._handles[hk] = self._import(g.fd)
+                            fresh.append(hk)
                         win = self._map_window(owner, steps)
                     except BaseException:
                         for hk in fresh:

@@ -134,10 +134,28 @@ class Conn:
             if self.closed:
                 raise OSError("sharing connection closed")
             self._c.send_bytes(data)
-            if fd is not None:
-                self._send_fd([fd])
-            for i in range(0, len(fds), _wire.STEP_FD_MAX):
-                self._send_fd(fds[i : i + _wire.STEP_FD_MAX])
+            try:
+                if fd is not None:
+                    self._send_fd([fd])
+                for i in range(0, len(fds), _wire.STEP_FD_MAX):
+                    self._send_fd(fds[i : i + _wire.STEP_FD_MAX])
+            except BaseException:
+                self._out_of_step()
+                raise
+
+    def _out_of_step(self) -> None:
+        """A frame said descriptors follow and they could not be sent (send lock held):
+        the peer would take the next frame's bytes for them.  Shut the socket (the peer
+        sees EOF); not through :meth:`shutdown`, whose lock :meth:`close` takes before
+        the send lock."""
+        self.closed = True
+        s = socket.socket(fileno=self._c.fileno())
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.detach()
 
     def _send_fd(self, fds: Sequence[int]) -> None:
         """The descriptors, through the connection's own socket (send lock held): with

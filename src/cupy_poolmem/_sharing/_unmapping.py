@@ -122,6 +122,9 @@ class Unmapping:
             m.last_use = None
         if m.window is not None:  # steps: unmapped once the last use is done (_tell)
             m.pool.users -= 1
+            pk = (m.pool.uuid, m.dev)  # (an exporter's pool per task: no entry per pool)
+            if not m.pool.users and self._step_pools.get(pk) is m.pool:
+                del self._step_pools[pk]
             return _StepUnmap(self.driver.plain_event(sptr))
         try:  # importers free first (driver rule)
             self.driver.free_async(m.ptr, sptr)

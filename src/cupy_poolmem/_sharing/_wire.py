@@ -48,6 +48,7 @@ __all__ = [
     "OUT_OF_SPAN",
     "OTHER_BLOCK",
     "STALE_STEPS",
+    "NOT_EXPORTED",
     "block_id",
 ]
 
@@ -422,6 +423,7 @@ class StepReply(NamedTuple):
 
 
 OK, REFUSED, NOT_HELD, OUT_OF_SPAN, OTHER_BLOCK, STALE_STEPS = 0, 1, 2, 3, 4, 5  # Reply.status
+NOT_EXPORTED = 6  # a StepReply's: the exporter's driver refused to export a step (it warns)
 
 #: the most step ids a StepClaim names (a larger set is cut: those steps come again)
 HAVE_MAX = 4096
@@ -493,7 +495,7 @@ def _decode_steps(buf: bytes) -> NamedTuple:
     if len(buf) < n:
         raise ProtocolError(f"malformed sharing frame ({len(buf)} bytes, op {buf[:1]!r})")
     (count,) = _COUNT.unpack_from(buf, head.size)
-    if len(buf) != n + count * entry.size or count > max(HAVE_MAX, STEPS_MAX_WIRE):
+    if len(buf) != n + count * entry.size or count > (HAVE_MAX if claim else STEPS_MAX_WIRE):
         raise ProtocolError(f"malformed sharing frame ({len(buf)} bytes, {count} entries)")
     items = [entry.unpack_from(buf, n + k * entry.size) for k in range(count)]
     if claim:
