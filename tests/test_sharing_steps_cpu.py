@@ -49,6 +49,14 @@ def ranges(vmm, exportable=True, **kw):
     )
 
 
+def pinned_ranges(vmm):
+    """An exporter's step book and exportable ranges whose releases ask it for pins."""
+    book = StepExports(vmm)
+    blocks = ranges(vmm)
+    blocks.set_pins(book.pins_for(blocks))
+    return book, blocks
+
+
 def alloc(blocks, size, stream=0x5000):
     err, ptr = blocks.alloc(size, stream)
     assert err == 0
@@ -261,9 +269,7 @@ def test_a_receiver_whose_import_fails_keeps_nothing_and_closes_the_descriptors(
 
 # -- the rule: no unmap under a receiver ------------------------------------------------------
 def test_a_trim_while_receivers_map_keeps_their_steps_and_the_memory(vmm):
-    book = StepExports(vmm)
-    blocks = ranges(vmm)
-    blocks.set_pins(book.pins_for(blocks))
+    book, blocks = pinned_ranges(vmm)
     low = alloc(blocks, 30 * MiB)
     top = alloc(blocks, 30 * MiB)
     vmm.write(top, 1234)
@@ -281,9 +287,7 @@ def test_a_trim_while_receivers_map_keeps_their_steps_and_the_memory(vmm):
 
 
 def test_a_step_is_pinned_from_the_grant_on_before_the_receiver_maps_it(vmm):
-    book = StepExports(vmm)
-    blocks = ranges(vmm)
-    blocks.set_pins(book.pins_for(blocks))
+    book, blocks = pinned_ranges(vmm)
     keep = alloc(blocks, 30 * MiB)
     ptr = alloc(blocks, 4 * MiB)
     vmm.write(ptr, 9)
@@ -296,9 +300,7 @@ def test_a_step_is_pinned_from_the_grant_on_before_the_receiver_maps_it(vmm):
 
 
 def test_a_shrink_stops_at_the_first_pinned_step_from_the_top(vmm):
-    book = StepExports(vmm)
-    blocks = ranges(vmm)
-    blocks.set_pins(book.pins_for(blocks))
+    book, blocks = pinned_ranges(vmm)
     ptrs = [alloc(blocks, 30 * MiB) for _ in range(3)]
     r = Receiver(vmm, book, 1)
     _, key = r.take(blocks, ptrs[1], 30 * MiB)
@@ -365,9 +367,7 @@ def test_a_sigkilled_receivers_steps_are_reclaimed_once_its_process_is_gone(vmm,
 
 def test_new_blocks_after_a_trim_under_a_receiver_never_land_in_its_step(vmm):
     # Trim and reallocate while a receiver maps a live block: its bytes stay its own.
-    book = StepExports(vmm)
-    blocks = ranges(vmm)
-    blocks.set_pins(book.pins_for(blocks))
+    book, blocks = pinned_ranges(vmm)
     shared = alloc(blocks, 25 * MiB)
     vmm.write(shared, 77)
     r = Receiver(vmm, book, 1)
